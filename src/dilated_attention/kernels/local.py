@@ -1,0 +1,274 @@
+"""Local (dense, one block) attention that returns its LSE, and its backward given the final LSE.
+
+This is the one building block every path shares: a dilated branch runs it on the gathered rows
+of each (segment, offset) block, a ring step runs it on one K/V block. Both merge partial results
+by LSE, and both run the backward of each piece with the *final* merged output and LSE, which
+gives exact gradients (the mixing weights are not detached).
+
+Layout here is SDPA's ``(batch, heads, seqlen, headdim)``; ``k``/``v`` may have fewer heads (GQA).
+``causal`` is bottom-right aligned: query row t may see key j iff ``j <= Lk - Lq + t``.
+LSE is float32 (float64 for float64 inputs), shape ``(batch, heads, Lq)``; a row with no key has
+``lse = -inf`` and output 0.
+
+Backends, chosen per call by :func:`pick_backend`:
+- ``"flash"``: PyTorch's FlashAttention-2 kernels (CUDA, fp16/bf16) through the private aten ops
+  that ``torch.distributed.tensor.experimental`` context parallelism also uses;
+- ``"cpu_flash"``: PyTorch's fused CPU kernel (same contract, any float dtype);
+- ``"math"``: a blockwise loop in plain PyTorch (any device and dtype, key masks, dropout),
+  never holding more than one block of scores.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+_MATH_BLOCK_BYTES = 64 * 1024 * 1024  # fp32 score bytes per block in the math path
+
+
+def _flash_ok(q: torch.Tensor, k: torch.Tensor, key_mask, dropout_p: float, causal: bool) -> bool:
+    d = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and d <= 256
+        and d % 8 == 0
+        and key_mask is None
+        and dropout_p == 0.0
+        and (not causal or q.shape[2] == k.shape[2])
+    )
+
+
+def pick_backend(q, k, key_mask=None, dropout_p: float = 0.0, causal: bool = False) -> str:
+    if _flash_ok(q, k, key_mask, dropout_p, causal):
+        return "flash"
+    if (
+        q.device.type == "cpu"
+        and key_mask is None
+        and dropout_p == 0.0
+        and (not causal or q.shape[2] == k.shape[2])
+        and q.shape[1] == k.shape[1]
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    ):
+        return "cpu_flash"
+    return "math"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_flash_native_gqa(device_index: int) -> bool:
+    """Does this torch's flash op take fewer K/V heads than Q heads? Probed once per device."""
+    dev = torch.device("cuda", device_index)
+    q = torch.randn(1, 4, 16, 64, device=dev, dtype=torch.float16)
+    k = torch.randn(1, 2, 16, 64, device=dev, dtype=torch.float16)
+    try:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, k, 0.0, False, False)
+        ref = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1), 0.0, False, False
+        )
+        return bool(torch.allclose(out[0], ref[0]))
+    except RuntimeError:
+        return False
+
+
+def _expand_kv(q, k, v):
+    rep = q.shape[1] // k.shape[1]
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+
+def attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    key_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D); key_mask: (B, Lk) bool, True = masked.
+
+    Returns out (B, H, Lq, D) in q's dtype and lse (B, H, Lq) float32 (float64 for float64).
+    """
+    backend = backend or pick_backend(q, k, key_mask, dropout_p, causal)
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=_lse_dtype(q))
+        return out, lse
+    if backend == "flash":
+        if k.shape[1] != q.shape[1] and not _cuda_flash_native_gqa(q.device.index or 0):
+            k, v = _expand_kv(q, k, v)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return res[0], res[1]
+    if backend == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.to(_lse_dtype(q))
+    return _math_fwd(q, k, v, scale, causal, key_mask, dropout_p, dropout_seed)
+
+
+def attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    key_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the FINAL out and lse of the rows (see module docstring).
+
+    Returns dq (like q), dk, dv (like k, v: GQA heads already summed), in the inputs' dtypes.
+    """
+    backend = backend or pick_backend(q, k, key_mask, dropout_p, causal)
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if backend == "flash":
+        hkv = k.shape[1]
+        native = hkv == q.shape[1] or _cuda_flash_native_gqa(q.device.index or 0)
+        ke, ve = (k, v) if native else _expand_kv(q, k, v)
+        lq, lk = q.shape[2], k.shape[2]
+        empty = torch.empty(0, device=q.device)
+        # rows with no key (lse=-inf) cannot occur for unmasked flash blocks of length >= 1
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do.contiguous() if do.stride(-1) != 1 else do,
+            q,
+            ke,
+            ve,
+            out,
+            lse.contiguous(),
+            empty,
+            empty,
+            lq,
+            lk,
+            0.0,
+            causal,
+            empty,
+            empty,
+            scale=scale,
+        )
+        if not native and hkv != q.shape[1]:
+            b, h, l, d = dk.shape
+            dk = dk.view(b, hkv, h // hkv, l, d).sum(2)
+            dv = dv.view(b, hkv, h // hkv, l, d).sum(2)
+        return dq, dk, dv
+    if backend == "cpu_flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse,
+            0.0, causal, scale=scale,
+        )
+        return dq, dk, dv
+    return _math_bwd(do, q, k, v, out, lse, scale, causal, key_mask, dropout_p, dropout_seed)
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _block_rows(b: int, h: int, lk: int) -> int:
+    per_row = max(1, b * h * lk * 4)
+    return max(16, _MATH_BLOCK_BYTES // per_row)
+
+
+def _mask_block(t0, t1, lq, lk, causal, key_mask, device):
+    """Boolean 'allowed' mask for query rows [t0, t1): shape broadcastable to (B, 1, 1, rows, Lk)."""
+    allowed = None
+    if causal:
+        rows = torch.arange(t0, t1, device=device)[:, None] + (lk - lq)
+        cols = torch.arange(lk, device=device)[None, :]
+        allowed = (cols <= rows)[None, None, None]  # (1, 1, 1, rows, Lk)
+    if key_mask is not None:
+        km = (~key_mask)[:, None, None, None, :]  # (B, 1, 1, 1, Lk)
+        allowed = km if allowed is None else (allowed & km)
+    return allowed
+
+
+def _dropout_keep(seed: int, block: int, shape, device, p: float) -> torch.Tensor:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + block) % (2**63 - 1))
+    return torch.rand(shape, generator=g, device=device) >= p
+
+
+def _math_fwd(q, k, v, scale, causal, key_mask, dropout_p, dropout_seed):
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    rep = h // hkv
+    cdt = _compute_dtype(q)
+    qg = q.view(b, hkv, rep, lq, d)
+    kc = k.to(cdt)[:, :, None]  # (B, Hkv, 1, Lk, D)
+    vc = v.to(cdt)[:, :, None]
+    out = torch.empty(b, hkv, rep, lq, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hkv, rep, lq, dtype=cdt, device=q.device)
+    step = _block_rows(b, h, lk)
+    for blk, t0 in enumerate(range(0, lq, step)):
+        t1 = min(lq, t0 + step)
+        s = torch.matmul(qg[:, :, :, t0:t1].to(cdt), kc.transpose(-1, -2)) * scale  # (B,Hkv,rep,rows,Lk)
+        allowed = _mask_block(t0, t1, lq, lk, causal, key_mask, q.device)
+        if allowed is not None:
+            s = s.masked_fill(~allowed, float("-inf"))
+        m = torch.logsumexp(s, dim=-1)  # (B,Hkv,rep,rows)
+        safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - safe[..., None])
+        if dropout_p > 0.0:
+            keep = _dropout_keep(dropout_seed, blk, p.shape, q.device, dropout_p)
+            p = p * keep / (1.0 - dropout_p)
+        out[:, :, :, t0:t1] = torch.matmul(p, vc).to(q.dtype)
+        lse[:, :, :, t0:t1] = m
+    return out.view(b, h, lq, -1), lse.view(b, h, lq).to(_lse_dtype(q))
+
+
+def _math_bwd(do, q, k, v, out, lse, scale, causal, key_mask, dropout_p, dropout_seed):
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    rep = h // hkv
+    cdt = _compute_dtype(q)
+    qg = q.view(b, hkv, rep, lq, d)
+    dog = do.reshape(b, hkv, rep, lq, -1)
+    og = out.reshape(b, hkv, rep, lq, -1)
+    lseg = lse.reshape(b, hkv, rep, lq).to(cdt)
+    kc = k.to(cdt)[:, :, None]
+    vc = v.to(cdt)[:, :, None]
+    dq = torch.empty(b, hkv, rep, lq, d, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(b, hkv, lk, d, dtype=cdt, device=q.device)
+    dv = torch.zeros(b, hkv, lk, v.shape[-1], dtype=cdt, device=q.device)
+    step = _block_rows(b, h, lk)
+    for blk, t0 in enumerate(range(0, lq, step)):
+        t1 = min(lq, t0 + step)
+        qb = qg[:, :, :, t0:t1].to(cdt)
+        dob = dog[:, :, :, t0:t1].to(cdt)
+        s = torch.matmul(qb, kc.transpose(-1, -2)) * scale
+        allowed = _mask_block(t0, t1, lq, lk, causal, key_mask, q.device)
+        if allowed is not None:
+            s = s.masked_fill(~allowed, float("-inf"))
+        l_b = lseg[:, :, :, t0:t1]
+        safe = torch.where(torch.isfinite(l_b), l_b, torch.full_like(l_b, math.inf))
+        p = torch.exp(s - safe[..., None])  # rows with lse=-inf get exp(-inf) = 0
+        dp = torch.matmul(dob, vc.transpose(-1, -2))  # (B,Hkv,rep,rows,Lk)
+        if dropout_p > 0.0:
+            keep = _dropout_keep(dropout_seed, blk, p.shape, q.device, dropout_p)
+            pd = p * keep / (1.0 - dropout_p)
+            dp = dp * keep / (1.0 - dropout_p)
+        else:
+            pd = p
+        dv += torch.matmul(pd.transpose(-1, -2), dob).sum(2)
+        delta = (dob * og[:, :, :, t0:t1].to(cdt)).sum(-1, keepdim=True)
+        ds = p * (dp - delta) * scale
+        dq[:, :, :, t0:t1] = torch.matmul(ds, kc).to(q.dtype)
+        dk += torch.matmul(ds.transpose(-1, -2), qb).sum(2)
+    return dq.view(b, h, lq, d), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,297 @@
+"""``impl="torch"``: dilated attention from PyTorch attention kernels plus an exact LSE merge.
+
+For each branch (w, r) the key positions split into blocks: one per (segment, offset o), holding
+the rows ``segment_start + o + r*t``. Query head h reads the block of offset ``h % r``. Each block
+is plain dense attention (causal inside the block when the whole call is causal: positions are
+increasing), so one call of :mod:`.local` attention per *group* of equally shaped blocks does a
+whole branch, batched over (batch, segment, offset). Partial results merge by LSE
+(:mod:`..merge`) into one float32 accumulator; the output is written once.
+
+Rows are taken as views where the layout allows (r = 1) and by one gather per group otherwise
+(1/r of the rows). Dilated query rows of different heads differ, so q is gathered per head; K/V
+are gathered per *kv head* and GQA is left to the attention kernel whenever the query heads of a
+group share their kv heads evenly (never a repeat of K/V in the usual configurations).
+
+The backward runs each group's attention backward with the FINAL merged output and LSE (as ring
+attention does), which is the exact gradient of SPEC section 2: the branch mixing weights are not
+detached. Memory: one float32 output accumulator (forward) and float32 dq/dk/dv accumulators
+(backward), plus one group's gathered rows; never an N x N score matrix.
+
+Queries shorter than keys (KV-cache decoding): query row t is position ``Nk - Nq + t``. Only the
+segments that hold queries are computed; rows of those segments before the first query are
+computed as dummies and routed to a scratch row ("trash row" ``Nq``), and their LSE is set to
++inf in the backward so that they contribute nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..branches import branch_head_ranges
+from ..merge import merge_partial
+from .local import attn_bwd, attn_fwd
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Equally shaped blocks of one branch, batched into one attention call.
+
+    view kind (r == 1, no dummies): rows [start, start + nseg * length), heads [hs, he).
+    gather kind: index tensors, built on the inputs' device.
+    """
+
+    kind: str
+    # view kind
+    start: int = 0
+    nseg: int = 0
+    length: int = 0
+    hs: int = 0
+    he: int = 0
+    kvs: int = 0
+    kve: int = 0
+    # gather kind
+    kpos: torch.Tensor | None = None  # (S, O, L) key positions
+    qsrc: torch.Tensor | None = None  # (S, O, L) query rows to read (dummies clamped to 0)
+    qdst: torch.Tensor | None = None  # (S, O, L) query rows to write (dummies -> trash row Nq)
+    hq: torch.Tensor | None = None  # (O, Gh) query heads per offset
+    hk: torch.Tensor | None = None  # (O, Gk) kv heads per offset
+    unique_k: bool = True  # (position, kv head) pairs are unique in this group
+
+    # ------------------------------------------------------------------ reading rows
+    def take(self, x: torch.Tensor, side: str) -> torch.Tensor:
+        """x: (B, N, heads, D) -> (B', G, L, D), a view when possible."""
+        b, d = x.shape[0], x.shape[-1]
+        if self.kind == "view":
+            hs, he = (self.hs, self.he) if side == "q" else (self.kvs, self.kve)
+            rows = x[:, self.start : self.start + self.nseg * self.length, hs:he]
+            return rows.reshape(b * self.nseg, self.length, he - hs, d).transpose(1, 2)
+        pos = self.qsrc if side == "q" else self.kpos
+        heads = self.hq if side == "q" else self.hk
+        g = x[:, pos[..., None], heads[None, :, None, :]]  # (B, S, O, L, G, D)
+        s, o, l, gh = g.shape[1:5]
+        return g.view(b * s * o, l, gh, d).transpose(1, 2)
+
+    def take_rows_q_dst(self, x: torch.Tensor) -> torch.Tensor:
+        """Like take(x, 'q') but reading the destination rows (the trash row for dummies).
+
+        x: (B, Nq + 1, H) -> (B', Gh, L), contiguous (used for the LSE).
+        """
+        b = x.shape[0]
+        if self.kind == "view":
+            rows = x[:, self.start : self.start + self.nseg * self.length, self.hs : self.he]
+            return rows.reshape(b * self.nseg, self.length, self.he - self.hs).transpose(1, 2).contiguous()
+        g = x[:, self.qdst[..., None], self.hq[None, :, None, :]]  # (B, S, O, L, Gh)
+        s, o, l, gh = g.shape[1:5]
+        return g.view(b * s * o, l, gh).transpose(1, 2).contiguous()
+
+    def take_mask(self, kpm: torch.Tensor | None) -> torch.Tensor | None:
+        """key_padding_mask (B, Nk) -> (B', L)."""
+        if kpm is None:
+            return None
+        b = kpm.shape[0]
+        if self.kind == "view":
+            rows = kpm[:, self.start : self.start + self.nseg * self.length]
+            return rows.reshape(b * self.nseg, self.length)
+        m = kpm[:, self.kpos]  # (B, S, O, L)
+        return m.reshape(-1, m.shape[-1])
+
+    # ------------------------------------------------------------------ writing rows
+    def merge_into(self, acc_out, acc_lse, out_g, lse_g) -> None:
+        """Merge (out_g (B', Gh, L, D), lse_g (B', Gh, L)) into acc_out (B, Nq+1, H, D), acc_lse (B, Nq+1, H)."""
+        b, d = acc_out.shape[0], acc_out.shape[-1]
+        if self.kind == "view":
+            sl = (slice(None), slice(self.start, self.start + self.nseg * self.length), slice(self.hs, self.he))
+            gh = self.he - self.hs
+            o_new = out_g.transpose(1, 2).reshape(b, self.nseg * self.length, gh, d)
+            l_new = lse_g.transpose(1, 2).reshape(b, self.nseg * self.length, gh)
+            o, l = merge_partial(acc_out[sl], acc_lse[sl], o_new, l_new.to(acc_lse.dtype))
+            acc_out[sl] = o
+            acc_lse[sl] = l
+            return
+        idx = (slice(None), self.qdst[..., None], self.hq[None, :, None, :])
+        s, o_, l_ = self.qdst.shape
+        gh = self.hq.shape[1]
+        o_new = out_g.transpose(1, 2).reshape(b, s, o_, l_, gh, d)
+        l_new = lse_g.transpose(1, 2).reshape(b, s, o_, l_, gh).to(acc_lse.dtype)
+        o, l = merge_partial(acc_out[idx], acc_lse[idx], o_new, l_new)
+        acc_out[idx] = o
+        acc_lse[idx] = l
+
+    def add_into(self, acc: torch.Tensor, val: torch.Tensor, side: str) -> None:
+        """acc (B, N(+1), heads, D) += val (B', G, L, D) at this group's rows."""
+        b, d = acc.shape[0], acc.shape[-1]
+        if self.kind == "view":
+            hs, he = (self.hs, self.he) if side == "q" else (self.kvs, self.kve)
+            region = acc[:, self.start : self.start + self.nseg * self.length, hs:he]
+            region += val.transpose(1, 2).reshape(b, self.nseg * self.length, he - hs, d)
+            return
+        pos = self.qdst if side == "q" else self.kpos
+        heads = self.hq if side == "q" else self.hk
+        s, o, l = pos.shape
+        v = val.transpose(1, 2).reshape(b, s, o, l, heads.shape[1], d).to(acc.dtype)
+        idx = (slice(None), pos[..., None], heads[None, :, None, :])
+        if side == "k" and not self.unique_k:
+            bidx = torch.arange(b, device=acc.device)[:, None, None, None, None]
+            acc.index_put_((bidx, pos[None, ..., None], heads[None, None, :, None, :]), v, accumulate=True)
+        else:
+            # unique (row, head) pairs (the trash row may repeat; it is discarded): no sort needed
+            acc[idx] = acc[idx] + v
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment):
+    """The groups of every branch, with index tensors on the CPU (cached per shape)."""
+    qoff = nk - nq
+    rep = nheads // nheads_kv
+    groups: list[dict] = []
+    ranges = branch_head_ranges(nheads, len(segment_lengths), head_assignment)
+    for (w, r), (hs, he) in zip(zip(segment_lengths, dilation_rates, strict=True), ranges, strict=True):
+        if he <= hs:
+            continue
+        nfull = nk // w
+        s0 = qoff // w  # first segment that holds a query
+        seg_types = []  # (first segment, count, length)
+        if nfull > s0:
+            seg_types.append((s0, nfull - s0, w))
+        if nk % w:
+            seg_types.append((nfull, 1, nk - nfull * w))
+        use_view = r == 1 and (qoff == 0) and hs % rep == 0 and he % rep == 0
+        for first, count, length in seg_types:
+            if use_view:
+                groups.append(
+                    dict(kind="view", start=first * w, nseg=count, length=length, hs=hs, he=he,
+                         kvs=hs // rep, kve=he // rep)
+                )
+                continue
+            by_shape: dict[tuple, list] = {}
+            for off in range(min(r, length)):
+                heads = [h for h in range(hs, he) if h % r == off]
+                if not heads:
+                    continue
+                nrows = -(-(length - off) // r)
+                kv = [h // rep for h in heads]
+                uniq = sorted(set(kv))
+                counts = {u: kv.count(u) for u in uniq}
+                if len(set(counts.values())) == 1:
+                    khead, unique = uniq, True
+                else:  # query heads of this offset share kv heads unevenly: repeat K/V rows
+                    khead, unique = kv, False
+                key = (nrows, len(heads), len(khead), unique)
+                by_shape.setdefault(key, []).append((off, heads, khead))
+            for (nrows, _, _, unique), offs in by_shape.items():
+                segs = torch.arange(first, first + count)[:, None, None] * w  # (S, 1, 1)
+                o_t = torch.tensor([o for o, _, _ in offs])[None, :, None]  # (1, O, 1)
+                t = torch.arange(nrows)[None, None, :] * r  # (1, 1, L)
+                kpos = segs + o_t + t  # (S, O, L)
+                qrow = kpos - qoff
+                groups.append(
+                    dict(
+                        kind="gather",
+                        kpos=kpos,
+                        qsrc=qrow.clamp(min=0),
+                        qdst=torch.where(qrow >= 0, qrow, torch.full_like(qrow, nq)),
+                        hq=torch.tensor([h for _, h, _ in offs]),
+                        hk=torch.tensor([kh for _, _, kh in offs]),
+                        unique_k=unique,
+                    )
+                )
+    return groups
+
+
+_device_plans: dict = {}
+
+
+def make_plan(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, device):
+    key = (nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, str(device))
+    plan = _device_plans.get(key)
+    if plan is None:
+        raw = _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment)
+        plan = tuple(
+            _Group(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in g.items()})
+            for g in raw
+        )
+        if len(_device_plans) > 256:
+            _device_plans.clear()
+        _device_plans[key] = plan
+    return plan
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _DilatedTorchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed):
+        b, nq, h, _ = q.shape
+        dv = v.shape[-1]
+        adt = _acc_dtype(q)
+        acc_out = torch.zeros(b, nq + 1, h, dv, dtype=adt, device=q.device)  # row nq: trash
+        acc_lse = torch.full((b, nq + 1, h), float("-inf"), dtype=adt, device=q.device)
+        for gid, grp in enumerate(plan):
+            o_g, l_g = attn_fwd(
+                grp.take(q, "q"), grp.take(k, "k"), grp.take(v, "k"), scale, causal,
+                grp.take_mask(key_padding_mask), dropout_p, seed + gid,
+            )
+            grp.merge_into(acc_out, acc_lse, o_g, l_g)
+        out = acc_out[:, :nq].to(q.dtype)
+        del acc_out
+        acc_lse[:, nq] = float("inf")  # dummy rows contribute nothing in the backward
+        ctx.save_for_backward(q, k, v, key_padding_mask, out, acc_lse)
+        ctx.plan, ctx.scale, ctx.causal, ctx.dropout_p, ctx.seed = plan, scale, causal, dropout_p, seed
+        lse = acc_lse[:, :nq].permute(0, 2, 1).to(torch.float32)  # (B, H, Nq)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, kpm, out, lse_pad = ctx.saved_tensors
+        b, nq, h, d = q.shape
+        adt = _acc_dtype(q)
+        dq = torch.zeros(b, nq + 1, h, d, dtype=adt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=adt, device=q.device)
+        dv = torch.zeros(v.shape, dtype=adt, device=q.device)
+        dout = dout.contiguous()
+        lse_pad = lse_pad.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        for gid, grp in enumerate(ctx.plan):
+            dq_g, dk_g, dv_g = attn_bwd(
+                grp.take(dout, "q"), grp.take(q, "q"), grp.take(k, "k"), grp.take(v, "k"),
+                grp.take(out, "q"), grp.take_rows_q_dst(lse_pad), ctx.scale, ctx.causal,
+                grp.take_mask(kpm), ctx.dropout_p, ctx.seed + gid,
+            )
+            grp.add_into(dq, dq_g, "q")
+            grp.add_into(dk, dk_g, "k")
+            grp.add_into(dv, dv_g, "k")
+        return (dq[:, :nq].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None)
+
+
+def dilated_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    *,
+    causal: bool,
+    scale: float,
+    key_padding_mask: torch.Tensor | None,
+    dropout_p: float,
+    head_assignment: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated inputs only (see api.py). Returns out (B, Nq, H, D) and lse (B, H, Nq) float32."""
+    plan = make_plan(
+        q.shape[1], k.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates,
+        head_assignment, q.device,
+    )
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    return _DilatedTorchFunction.apply(
+        q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed
+    )

@@ -1,0 +1,28 @@
+"""Exact merge of partial attentions by their log-sum-exp, shared by dilated branches and ring steps.
+
+Two partial results over disjoint key sets (or the same key counted twice: LongNet's branches)
+combine as ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b
+- lse)``. Both weights are <= 1, so this is stable; a side with ``lse = -inf`` (no keys) gets weight
+0, and when both are -inf the result is out = 0, lse = -inf (never NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_partial(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attentions. ``lse_*`` broadcast against ``out_*`` without the last dim.
+
+    out_a, out_b: (..., D); lse_a, lse_b: (...) float. Returns (out, lse) with out in
+    ``out_a``'s dtype promoted with float32 arithmetic.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    # where both sides are empty lse = -inf; use 0 as the shift so that both weights are exp(-inf)=0
+    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    wa = torch.exp(lse_a - shift).unsqueeze(-1)
+    wb = torch.exp(lse_b - shift).unsqueeze(-1)
+    out = out_a * wa + out_b.to(wa.dtype) * wb
+    return out, lse
