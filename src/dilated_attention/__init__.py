@@ -5,7 +5,14 @@ See README.md and SPEC (shared/SPEC.md) for the exact definition.
 """
 
 from .api import available_impls, dilated_attention
+from .modules import DilatedAttention, MultiheadDilatedAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["available_impls", "dilated_attention", "__version__"]
+__all__ = [
+    "DilatedAttention",
+    "MultiheadDilatedAttention",
+    "available_impls",
+    "dilated_attention",
+    "__version__",
+]

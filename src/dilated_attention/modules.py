@@ -1,0 +1,213 @@
+"""``DilatedAttention`` and ``MultiheadDilatedAttention``: thin ``nn.Module`` shells over the functions.
+
+``DilatedAttention`` owns no parameters: it stores the branch configuration and calls
+:func:`dilated_attention.dilated_attention`. ``MultiheadDilatedAttention`` adds the q/k/v/out
+projections, MAGNETO's sub-LayerNorm before the output projection and its gamma initialisation,
+and returns ``(out, None)`` like ``nn.MultiheadAttention(batch_first=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .api import IMPLS, dilated_attention
+from .branches import normalize_branches
+
+
+def _check_ordering(ordering, grid):
+    if ordering not in (None, "none", "hilbert"):
+        raise ValueError(f"ordering must be None, 'none' or 'hilbert', got {ordering!r}")
+    if ordering == "hilbert":
+        if grid is None or len(grid) != 2 or min(int(g) for g in grid) < 1:
+            raise ValueError(
+                f"ordering='hilbert' needs grid=(height, width) with positive sizes, got grid={grid!r}"
+            )
+        return "hilbert", (int(grid[0]), int(grid[1]))
+    return None, None
+
+
+class DilatedAttention(nn.Module):
+    """Dilated attention over (batch, seqlen, nheads, headdim) tensors.
+
+    Args:
+        segment_lengths, dilation_rates: one (w_b, r_b) per branch (SPEC section 2).
+        softmax_scale: default headdim ** -0.5.
+        attention_dropout: dropout on attention probabilities, applied in training mode only.
+        head_assignment: "all" (paper) or "split".
+        impl: "auto", "reference", "torch" or "triton".
+        process_group: sequence-parallel group; each rank passes its contiguous shard.
+        ordering: None or "hilbert" (with ``grid=(height, width)``): tokens of a flattened 2-D
+            grid are reordered along a Hilbert curve before attention and restored after.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        softmax_scale: float | None = None,
+        attention_dropout: float = 0.0,
+        head_assignment: str = "all",
+        impl: str = "auto",
+        process_group=None,
+        ordering: str | None = None,
+        grid: tuple[int, int] | None = None,
+    ):
+        super().__init__()
+        self.segment_lengths, self.dilation_rates = normalize_branches(segment_lengths, dilation_rates)
+        if head_assignment not in ("all", "split"):
+            raise ValueError(f"head_assignment must be 'all' or 'split', got {head_assignment!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if not 0.0 <= float(attention_dropout) < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
+        self.softmax_scale = softmax_scale
+        self.attention_dropout = float(attention_dropout)
+        self.head_assignment = head_assignment
+        self.impl = impl
+        self.process_group = process_group
+        self.ordering, self.grid = _check_ordering(ordering, grid)
+
+    def extra_repr(self) -> str:
+        s = (
+            f"segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}, "
+            f"head_assignment={self.head_assignment!r}, impl={self.impl!r}"
+        )
+        if self.ordering:
+            s += f", ordering={self.ordering!r}, grid={self.grid}"
+        return s
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query (B, Nq, H, D), key/value (B, Nk, Hkv, D) -> (B, Nq, H, D)."""
+        if self.ordering == "hilbert":
+            from .ordering import hilbert_attention
+
+            return hilbert_attention(self, query, key, value, is_causal, key_padding_mask)
+        return self._attend(query, key, value, is_causal, key_padding_mask)
+
+    def _attend(self, query, key, value, is_causal, key_padding_mask):
+        return dilated_attention(
+            query,
+            key,
+            value,
+            self.segment_lengths,
+            self.dilation_rates,
+            causal=is_causal,
+            softmax_scale=self.softmax_scale,
+            key_padding_mask=key_padding_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            head_assignment=self.head_assignment,
+            impl=self.impl,
+            group=self.process_group,
+        )
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """Multi-head dilated attention with MAGNETO sub-LayerNorm, batch_first.
+
+    ``forward(query, key, value)`` takes (batch, seqlen, embed_dim) tensors and returns
+    ``(out, None)`` (no attention weights are ever materialised).
+    ``num_kv_heads`` < ``num_heads`` gives GQA/MQA (k/v projections to num_kv_heads * head_dim).
+    ``gamma_init`` is MAGNETO's gain for the value and output projections (xavier_normal_);
+    the query and key projections use gain 1.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        *,
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_norm: bool = True,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        num_kv_heads: int | None = None,
+        device=None,
+        dtype=None,
+        impl: str = "auto",
+        process_group=None,
+        head_assignment: str = "all",
+        ordering: str | None = None,
+        grid: tuple[int, int] | None = None,
+    ):
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})"
+            )
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.gamma_init = gamma_init
+        kv_dim = num_kv_heads * self.head_dim
+        fk = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **fk)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **fk)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **fk)
+        self.attention = DilatedAttention(
+            segment_lengths,
+            dilation_rates,
+            attention_dropout=dropout,
+            head_assignment=head_assignment,
+            impl=impl,
+            process_group=process_group,
+            ordering=ordering,
+            grid=grid,
+        )
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **fk) if layer_norm else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **fk)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        # MAGNETO (Wang et al. 2022): q/k gain 1, v/out gain gamma; biases zero.
+        nn.init.xavier_normal_(self.q_proj.weight)
+        nn.init.xavier_normal_(self.k_proj.weight)
+        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
+        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        """query (B, Nq, E), key/value (B, Nk, E) -> ((B, Nq, E), None)."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 3 or t.shape[-1] != self.embed_dim:
+                raise ValueError(
+                    f"{name} must be (batch, seqlen, embed_dim={self.embed_dim}) (batch_first), "
+                    f"got shape {tuple(t.shape)}"
+                )
+        b, nq, _ = query.shape
+        nk = key.shape[1]
+        q = self.q_proj(query).view(b, nq, self.num_heads, self.head_dim)  # (B, Nq, H, D)
+        k = self.k_proj(key).view(b, nk, self.num_kv_heads, self.head_dim)  # (B, Nk, Hkv, D)
+        v = self.v_proj(value).view(b, nk, self.num_kv_heads, self.head_dim)
+        x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+        x = x.reshape(b, nq, self.embed_dim)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out_proj(x), None
