@@ -1,0 +1,589 @@
+"""``impl="triton"``: fused Triton forward and backward of dilated attention (SPEC section 2).
+
+Design
+------
+For branch (w, r) the positions split into blocks, one per (segment s, offset o), holding the rows
+``s*w + o + r*t`` (t = 0..L-1, L = ceil((seglen - o) / r)); query head h reads the block of offset
+``h % r``. Inside a block it is plain dense attention (causal inside the block: positions grow
+with t). The kernels read those rows *in place* with pointer arithmetic
+(``row = s*w + o + r*t``): no strided copy of q, k or v is ever made, and K/V are read at kv head
+``h // (H // Hkv)`` (GQA/MQA without repeating K/V).
+
+Forward: one launch per branch, grid (query block x segment, batch x head of the branch). Each
+program runs a flash-attention online softmax over its block's keys and then merges its
+(out, lse) into a float32 accumulator ``(acc_out, acc_lse)`` by LSE (SPEC's Eq. 10, exactly).
+Within one branch every (row, head) belongs to exactly one program, so the in-place merge has no
+races; branches run one after another. ``acc_lse`` *is* the returned lse ``(B, H, Nq)``.
+
+Backward (exact, the mixing weights are not detached): with the final merged ``out`` and ``lse``,
+``P_b = exp(S - lse)`` on branch b's pairs, ``delta = rowsum(dout * out)``, and every branch
+contributes ``dS = P_b * (dP - delta)`` independently. Per branch two kernels:
+- dK/dV: one program per (key block x segment, batch x kv head x offset class). It loops over the
+  query heads that share its kv head *and* its offset (``h = g*rep + i0 + k*r``), so dK/dV of
+  shared kv heads are summed inside the program: no atomics, deterministic.
+- dQ: one program per query block, like the forward.
+Both add into accumulators with a plain load-add-store (each row owned by one program per
+branch). Accumulators are float32 whenever a row can receive more than one branch's
+contribution; when it cannot (single branch, or ``head_assignment="split"`` with unshared kv
+heads) the output dtype is used directly, which rounds exactly once and saves memory.
+
+LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)``; a query with no key gets
+``out = 0`` and ``lse = -inf`` and zero gradients (never NaN).
+
+The ops are registered with ``torch.library.custom_op`` (``dilated_attention::triton_fwd`` and
+``::triton_bwd``) with fake implementations and ``register_autograd``, so ``torch.compile``
+traces through them as opaque ops.
+
+On the CPU the kernels run only under ``TRITON_INTERPRET=1`` (for tests); the kernels are built
+lazily on first use so that the variable is read at call time, not import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from ..branches import branch_head_ranges
+
+try:  # triton is an optional dependency: this module must import without it
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: str | None = None
+except ImportError as e:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    _TRITON_IMPORT_ERROR = str(e)
+
+SUPPORTED_HEADDIMS = (16, 32, 64, 128)
+_LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | None:
+    """Why the Triton kernel cannot run on these inputs, or None if it can."""
+    if _TRITON_IMPORT_ERROR is not None:
+        return f"the triton package is not importable ({_TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+        return f"the triton kernel needs a CUDA tensor, got device {q.device} (TRITON_INTERPRET=1 allows the CPU for tests)"
+    if q.device.type == "cuda" and _interpreting():
+        return "TRITON_INTERPRET=1 is set but the inputs are on CUDA; unset it to run the compiled kernel"
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEADDIMS:
+        return f"headdim {d} is not supported by the triton kernel (supported: {SUPPORTED_HEADDIMS}); use impl='torch'"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} is not supported by the triton kernel (fp16, bf16, fp32); use impl='torch' or 'reference'"
+    if k is not None and k.shape[-1] != d:
+        return f"k headdim {k.shape[-1]} differs from q headdim {d}"
+    return None
+
+
+# ---------------------------------------------------------------------------------- kernels
+@functools.lru_cache(maxsize=None)
+def _kernels(interpret: bool):
+    """Build the jitted kernels (once per mode). ``interpret`` only keys the cache."""
+
+    @triton.jit
+    def _fwd_kernel(
+        Q, K, V, KPM, ACC_O, ACC_L,
+        sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
+        NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
+        qk_scale,
+        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr, FIRST: tl.constexpr, PREC: tl.constexpr,
+    ):
+        pid0 = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        pid_m = pid0 % NM
+        pid_s = pid0 // NM + S0
+        b = pid_bh // NHB
+        h = HS + pid_bh % NHB
+        kvh = h // REP
+        # rows of the (segment, offset) block: pos = s*W + o + R*t, t < L (L = 0 if o >= seglen)
+        o = h % R
+        seg_start = pid_s * W
+        L = (tl.minimum(W, NK - seg_start) - o + R - 1) // R
+        m_lo = pid_m * BM
+        if m_lo >= L:
+            return
+        m_hi = tl.minimum(m_lo + BM, L)
+        if seg_start + o + R * (m_hi - 1) < QOFF:  # every query row of the block is before Nq
+            return
+        offs_m = m_lo + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        pos_m = (seg_start + o + R * offs_m).to(tl.int64)
+        qrow = pos_m - QOFF
+        valid_m = (offs_m < L) & (qrow >= 0)
+        b64 = b.to(tl.int64)
+        q_ptrs = Q + b64 * sqb + qrow[:, None] * sqn + h * sqh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=valid_m[:, None], other=0.0)
+
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        hi = L
+        if CAUSAL:
+            hi = m_hi
+        for n_lo in range(0, hi, BN):
+            offs_n = n_lo + tl.arange(0, BN)
+            valid_n = offs_n < L
+            pos_n = (seg_start + o + R * offs_n).to(tl.int64)
+            k = tl.load(K + b64 * skb + pos_n[:, None] * skn + kvh * skh + offs_d[None, :],
+                        mask=valid_n[:, None], other=0.0)
+            v = tl.load(V + b64 * svb + pos_n[:, None] * svn + kvh * svh + offs_d[None, :],
+                        mask=valid_n[:, None], other=0.0)
+            if HAS_KPM:
+                pad = tl.load(KPM + b64 * skpb + pos_n, mask=valid_n, other=1)
+                valid_n = valid_n & (pad == 0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BM, BN), log2 units
+            mask = valid_n[None, :]
+            if CAUSAL:
+                mask = mask & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(mask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+
+        # this branch's lse (natural log) and normalised output
+        has = l_i > 0
+        l_safe = tl.where(has, l_i, 1.0)
+        lse_b = tl.where(has, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        out_b = acc / l_safe[:, None]
+        hq = (b64 * H + h) * NQ
+        lptrs = ACC_L + hq + qrow
+        optrs = ACC_O + b64 * sob + qrow[:, None] * son + h * soh + offs_d[None, :]
+        if FIRST:
+            new_lse = lse_b
+            new_out = out_b
+        else:
+            lse_a = tl.load(lptrs, mask=valid_m, other=float("-inf"))
+            out_a = tl.load(optrs, mask=valid_m[:, None], other=0.0)
+            mx = tl.maximum(lse_a, lse_b)
+            mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+            wa = tl.exp(lse_a - mx_safe)
+            wb = tl.exp(lse_b - mx_safe)
+            tot = wa + wb
+            tot_safe = tl.where(tot > 0, tot, 1.0)
+            new_lse = tl.where(tot > 0, mx_safe + tl.log(tot_safe), float("-inf"))
+            new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / tot_safe[:, None]
+        tl.store(lptrs, new_lse, mask=valid_m)
+        tl.store(optrs, new_out, mask=valid_m[:, None])
+
+    @triton.jit
+    def _delta_kernel(O, DO, DELTA, NROWS, NQ, H, D: tl.constexpr, BR: tl.constexpr):
+        # O, DO contiguous (B, NQ, H, D); DELTA (B, H, NQ) float32
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        valid = rows < NROWS
+        offs_d = tl.arange(0, D)
+        o = tl.load(O + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        dl = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        h = rows % H
+        t = (rows // H) % NQ
+        b = rows // (H * NQ)
+        tl.store(DELTA + (b * H + h) * NQ + t, dl, mask=valid)
+
+    @triton.jit
+    def _bwd_dkdv_kernel(
+        Q, K, V, KPM, DO, LSE, DELTA, DK, DV,
+        sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
+        sdkb, sdkn, sdkh, sdvb, sdvn, sdvh,
+        NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, W, R, S0, NNB,
+        qk_scale, sm_scale,
+        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+    ):
+        pid0 = tl.program_id(0)
+        pid_x = tl.program_id(1)
+        pid_n = pid0 % NNB
+        pid_s = pid0 // NNB + S0
+        b = pid_x // (HKV * NI)
+        g = (pid_x // NI) % HKV
+        i0 = pid_x % NI
+        h0 = g * REP + i0
+        # query heads of kv head g with the offset of h0, inside the branch's head range [HS, HE)
+        h_start = h0 + (tl.maximum(HS - h0, 0) + R - 1) // R * R
+        h_end = tl.minimum((g + 1) * REP, HE)
+        if h_start >= h_end:
+            return
+        # rows of the (segment, offset) block: pos = s*W + o + R*t, t < L (L = 0 if o >= seglen)
+        o = h0 % R
+        seg_start = pid_s * W
+        L = (tl.minimum(W, NK - seg_start) - o + R - 1) // R
+        n_lo = pid_n * BN
+        if n_lo >= L:
+            return
+        offs_n = n_lo + tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        valid_n = offs_n < L
+        pos_n = (seg_start + o + R * offs_n).to(tl.int64)
+        b64 = b.to(tl.int64)
+        k = tl.load(K + b64 * skb + pos_n[:, None] * skn + g * skh + offs_d[None, :],
+                    mask=valid_n[:, None], other=0.0)
+        v = tl.load(V + b64 * svb + pos_n[:, None] * svn + g * svh + offs_d[None, :],
+                    mask=valid_n[:, None], other=0.0)
+        valid_k = valid_n
+        if HAS_KPM:
+            pad = tl.load(KPM + b64 * skpb + pos_n, mask=valid_n, other=1)
+            valid_k = valid_n & (pad == 0)
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        # first query row of the block that exists (seqlen_q < seqlen_k) and, if causal, that
+        # can see this key block
+        t_q0 = tl.maximum(QOFF - seg_start - o + R - 1, 0) // R
+        m_start = t_q0 // BM * BM
+        if CAUSAL:
+            m_start = tl.maximum(m_start, n_lo // BM * BM)
+        for h in range(h_start, h_end, R):
+            for m_lo in range(m_start, L, BM):
+                offs_m = m_lo + tl.arange(0, BM)
+                pos_m = (seg_start + o + R * offs_m).to(tl.int64)
+                qrow = pos_m - QOFF
+                valid_m = (offs_m < L) & (qrow >= 0)
+                q = tl.load(Q + b64 * sqb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
+                            mask=valid_m[:, None], other=0.0)
+                do = tl.load(DO + b64 * sdob + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
+                             mask=valid_m[:, None], other=0.0)
+                hq = (b64 * H + h) * NQ
+                lse = tl.load(LSE + hq + qrow, mask=valid_m, other=float("inf"))
+                # rows with no key (lse = -inf) get no gradient: treat as +inf => p = 0
+                lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+                dlt = tl.load(DELTA + hq + qrow, mask=valid_m, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BM, BN)
+                p = tl.math.exp2(s - lse[:, None])
+                mask = valid_k[None, :] & valid_m[:, None]
+                if CAUSAL:
+                    mask = mask & (offs_n[None, :] <= offs_m[:, None])
+                p = tl.where(mask, p, 0.0)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+                dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+                ds = p * (dp - dlt[:, None])
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        dk = dk * sm_scale
+        dk_ptrs = DK + b64 * sdkb + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
+        dv_ptrs = DV + b64 * sdvb + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
+        dk_old = tl.load(dk_ptrs, mask=valid_n[:, None], other=0.0).to(tl.float32)
+        dv_old = tl.load(dv_ptrs, mask=valid_n[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, (dk_old + dk).to(DK.dtype.element_ty), mask=valid_n[:, None])
+        tl.store(dv_ptrs, (dv_old + dv).to(DV.dtype.element_ty), mask=valid_n[:, None])
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, K, V, KPM, DO, LSE, DELTA, DQ,
+        sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
+        sdqb, sdqn, sdqh,
+        NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
+        qk_scale, sm_scale,
+        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+    ):
+        pid0 = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        pid_m = pid0 % NM
+        pid_s = pid0 // NM + S0
+        b = pid_bh // NHB
+        h = HS + pid_bh % NHB
+        kvh = h // REP
+        # rows of the (segment, offset) block: pos = s*W + o + R*t, t < L (L = 0 if o >= seglen)
+        o = h % R
+        seg_start = pid_s * W
+        L = (tl.minimum(W, NK - seg_start) - o + R - 1) // R
+        m_lo = pid_m * BM
+        if m_lo >= L:
+            return
+        m_hi = tl.minimum(m_lo + BM, L)
+        if seg_start + o + R * (m_hi - 1) < QOFF:
+            return
+        offs_m = m_lo + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        pos_m = (seg_start + o + R * offs_m).to(tl.int64)
+        qrow = pos_m - QOFF
+        valid_m = (offs_m < L) & (qrow >= 0)
+        b64 = b.to(tl.int64)
+        q = tl.load(Q + b64 * sqb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
+                    mask=valid_m[:, None], other=0.0)
+        do = tl.load(DO + b64 * sdob + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
+                     mask=valid_m[:, None], other=0.0)
+        hq = (b64 * H + h) * NQ
+        lse = tl.load(LSE + hq + qrow, mask=valid_m, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        dlt = tl.load(DELTA + hq + qrow, mask=valid_m, other=0.0)
+        dq = tl.zeros([BM, D], tl.float32)
+        hi = L
+        if CAUSAL:
+            hi = m_hi
+        for n_lo in range(0, hi, BN):
+            offs_n = n_lo + tl.arange(0, BN)
+            valid_n = offs_n < L
+            pos_n = (seg_start + o + R * offs_n).to(tl.int64)
+            k = tl.load(K + b64 * skb + pos_n[:, None] * skn + kvh * skh + offs_d[None, :],
+                        mask=valid_n[:, None], other=0.0)
+            v = tl.load(V + b64 * svb + pos_n[:, None] * svn + kvh * svh + offs_d[None, :],
+                        mask=valid_n[:, None], other=0.0)
+            if HAS_KPM:
+                pad = tl.load(KPM + b64 * skpb + pos_n, mask=valid_n, other=1)
+                valid_n = valid_n & (pad == 0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            p = tl.math.exp2(s - lse[:, None])
+            mask = valid_n[None, :] & valid_m[:, None]
+            if CAUSAL:
+                mask = mask & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(mask, p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - dlt[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dq = dq * sm_scale
+        dq_ptrs = DQ + b64 * sdqb + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
+        dq_old = tl.load(dq_ptrs, mask=valid_m[:, None], other=0.0).to(tl.float32)
+        tl.store(dq_ptrs, (dq_old + dq).to(DQ.dtype.element_ty), mask=valid_m[:, None])
+
+    return _fwd_kernel, _delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
+
+
+# ---------------------------------------------------------------------------------- launch
+def _configs(d: int, interpret: bool) -> dict:
+    """Block sizes and launch parameters per kernel (fixed, tuned on an H100 for D = 64/128)."""
+    if interpret:  # small blocks: exercise multi-block loops at test sizes
+        return dict(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1))
+    if d <= 64:
+        return dict(fwd=(128, 64, 4, 3), dkdv=(32, 128, 4, 3), dq=(128, 32, 4, 3))
+    return dict(fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 3), dq=(128, 32, 8, 3))
+
+
+def _launch_kw(cfg, interpret):
+    if interpret:
+        return {}
+    return dict(num_warps=cfg[2], num_stages=cfg[3])
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (no silent TF32), as the dtype promises
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _branches(nheads, seg, dil, head_ranges):
+    return [
+        (w, r, hs, he)
+        for (w, r), (hs, he) in zip(zip(seg, dil, strict=True), head_ranges, strict=True)
+        if he > hs
+    ]
+
+
+def _kpm_arg(kpm: torch.Tensor | None, q: torch.Tensor):
+    if kpm is None:
+        return q, 0, False  # dummy pointer, never read
+    kpm = kpm.contiguous().view(torch.uint8)
+    return kpm, kpm.stride(0), True
+
+
+def _fwd_impl(q, k, v, kpm, seg, dil, causal, scale, head_ranges):
+    bsz, nq, nh, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    interp = q.device.type == "cpu"
+    fwd_k = _kernels(interp)[0]
+    bm, bn = _configs(d, interp)["fwd"][:2]
+    cfg = _configs(d, interp)["fwd"]
+    acc_o = torch.zeros(bsz, nq, nh, d, dtype=torch.float32, device=q.device)
+    acc_l = torch.full((bsz, nh, nq), float("-inf"), dtype=torch.float32, device=q.device)
+    kp, skp, has_kpm = _kpm_arg(kpm, q)
+    qoff = nk - nq
+    first = True
+    for w, r, hs, he in _branches(nh, seg, dil, head_ranges):
+        s0 = qoff // w
+        nseg = -(-nk // w) - s0
+        nm = -(-(-(-min(w, nk) // r)) // bm)
+        grid = (nm * nseg, bsz * (he - hs))
+        fwd_k[grid](
+            q, k, v, kp, acc_o, acc_l,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), skp,
+            acc_o.stride(0), acc_o.stride(1), acc_o.stride(2),
+            nq, nk, qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
+            scale * _LOG2E,
+            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=first, PREC=_prec(q.dtype),
+            **_launch_kw(cfg, interp),
+        )
+        first = False
+    return acc_o.to(q.dtype), acc_l
+
+
+def _needs_fp32_acc(nh, hkv, head_ranges):
+    """(dq, dkv): can a row receive contributions from more than one branch?"""
+    rep = nh // hkv
+    per_head = [0] * nh
+    for hs, he in head_ranges:
+        for h in range(hs, he):
+            per_head[h] += 1
+    dq32 = max(per_head, default=0) > 1
+    dkv32 = any(sum(per_head[g * rep : (g + 1) * rep]) > 1 for g in range(hkv))
+    return dq32, dkv32
+
+
+def _bwd_impl(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges):
+    bsz, nq, nh, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    rep = nh // hkv
+    interp = q.device.type == "cpu"
+    _, delta_k, dkdv_k, dq_k = _kernels(interp)
+    cfgs = _configs(d, interp)
+    dout = dout.contiguous()
+    out = out.contiguous()
+    delta = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
+    nrows = bsz * nq * nh
+    br = 16 if interp else 64
+    delta_k[(triton.cdiv(nrows, br),)](out, dout, delta, nrows, nq, nh, D=d, BR=br)
+    dq32, dkv32 = _needs_fp32_acc(nh, hkv, head_ranges)
+    dq = torch.zeros(q.shape, dtype=torch.float32 if dq32 else q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32 if dkv32 else k.dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32 if dkv32 else v.dtype, device=q.device)
+    kp, skp, has_kpm = _kpm_arg(kpm, q)
+    qoff = nk - nq
+    prec = _prec(q.dtype)
+    strides_in = (
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), skp, dout.stride(0), dout.stride(1), dout.stride(2),
+    )
+    for w, r, hs, he in _branches(nh, seg, dil, head_ranges):
+        s0 = qoff // w
+        nseg = -(-nk // w) - s0
+        lmax = -(-min(w, nk) // r)
+        bm, bn = cfgs["dkdv"][:2]
+        nnb = -(-lmax // bn)
+        ni = min(rep, r)
+        dkdv_k[(nnb * nseg, bsz * hkv * ni)](
+            q, k, v, kp, dout, lse, delta, dk, dv, *strides_in,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            nq, nk, qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
+            scale * _LOG2E, scale,
+            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
+            **_launch_kw(cfgs["dkdv"], interp),
+        )
+        bm, bn = cfgs["dq"][:2]
+        nm = -(-lmax // bm)
+        dq_k[(nm * nseg, bsz * (he - hs))](
+            q, k, v, kp, dout, lse, delta, dq, *strides_in,
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            nq, nk, qoff, hs, he - hs, nh, rep, w, r, s0, nm,
+            scale * _LOG2E, scale,
+            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
+            **_launch_kw(cfgs["dq"], interp),
+        )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------- torch ops
+def _check_last_dim(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@torch.library.custom_op("dilated_attention::triton_fwd", mutates_args=())
+def _triton_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    head_ranges: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hr = list(zip(head_ranges[::2], head_ranges[1::2], strict=True))
+    return _fwd_impl(
+        _check_last_dim(q), _check_last_dim(k), _check_last_dim(v), key_padding_mask,
+        segment_lengths, dilation_rates, causal, scale, hr,
+    )
+
+
+@_triton_fwd_op.register_fake
+def _(q, k, v, key_padding_mask, segment_lengths, dilation_rates, head_ranges, causal, scale):
+    b, nq, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("dilated_attention::triton_bwd", mutates_args=())
+def _triton_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    head_ranges: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hr = list(zip(head_ranges[::2], head_ranges[1::2], strict=True))
+    return _bwd_impl(
+        dout, _check_last_dim(q), _check_last_dim(k), _check_last_dim(v), key_padding_mask,
+        out, lse.contiguous(), segment_lengths, dilation_rates, causal, scale, hr,
+    )
+
+
+@_triton_bwd_op.register_fake
+def _(dout, q, k, v, key_padding_mask, out, lse, segment_lengths, dilation_rates, head_ranges,
+      causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kpm, seg, dil, hr, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, kpm, out, lse)
+    ctx.args = (seg, dil, hr, causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, kpm, out, lse = ctx.saved_tensors
+    seg, dil, hr, causal, scale = ctx.args
+    dq, dk, dv = _triton_bwd_op(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_triton_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dilated_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    *,
+    causal: bool,
+    scale: float,
+    key_padding_mask: torch.Tensor | None,
+    head_assignment: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated inputs only (see api.py).
+
+    q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool, True = pad.
+    Returns out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 (not differentiable).
+    """
+    reason = unavailable_reason(q, k)
+    if reason is not None:
+        raise ValueError(f"impl='triton' cannot run here: {reason}")
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    ranges = branch_head_ranges(q.shape[2], len(segment_lengths), head_assignment)
+    flat = [x for hr in ranges for x in hr]
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    return _triton_fwd_op(
+        q, k, v, key_padding_mask, list(segment_lengths), list(dilation_rates), flat,
+        bool(causal), float(scale),
+    )
