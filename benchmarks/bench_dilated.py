@@ -40,6 +40,7 @@ def run_row(impl, n, causal, args, seg, dil):
     dev, dt = "cuda", torch.bfloat16
     b, h, d = args.batch, args.heads, args.headdim
     torch.cuda.empty_cache()
+    res: dict = {}
     try:
         q, k, v, do = (torch.randn(b, n, h, d, device=dev, dtype=dt) for _ in range(4))
         for t in (q, k, v):
@@ -67,6 +68,7 @@ def run_row(impl, n, causal, args, seg, dil):
 
         with torch.no_grad():
             fwd_ms = _bench(fwd, args.warmup, args.rep)
+        res = dict(fwd_ms=fwd_ms)
         fb()  # compile + warm
         for t in grads:
             t.grad = None
@@ -77,7 +79,9 @@ def run_row(impl, n, causal, args, seg, dil):
         eight = 8 * q.numel() * q.element_size()
         res = dict(fwd_ms=fwd_ms, fb_ms=fb_ms, peak=peak, ratio=peak / eight)
     except torch.cuda.OutOfMemoryError:
-        res = dict(error="OOM")
+        res["error"] = "OOM"
+    except Exception as e:  # report the row, keep benchmarking the others
+        res["error"] = f"ERR {type(e).__name__}: {str(e)[:60]}"
     finally:
         q = k = v = do = grads = None  # noqa: F841
         torch.cuda.empty_cache()
@@ -128,16 +132,21 @@ def main(argv=None):
                 else:
                     fl = dilated_flops(b, n, n, h, d, seg, dil, causal)
                 r.update(impl=impl, n=n, causal=causal, flops=fl)
-                if "error" not in r:
+                if "fwd_ms" in r:
                     r["tf_fwd"] = fl / r["fwd_ms"] / 1e9
+                if "error" not in r:
                     r["tf_fb"] = 3.5 * fl / r["fb_ms"] / 1e9
                     if impl == "sdpa":
                         dense_tf[causal] = (r["tf_fwd"], r["tf_fb"], n)
                 rows.append(r)
-                msg = r.get("error") or (
-                    f"fwd {r['fwd_ms']:.2f} ms {r['tf_fwd']:.0f} TF/s | fwd+bwd {r['fb_ms']:.2f} ms "
-                    f"{r['tf_fb']:.0f} TF/s | peak {r['peak'] / 2**30:.2f} GiB ({r['ratio']:.2f}x)"
-                )
+                msg = f"fwd {r['fwd_ms']:.2f} ms {r['tf_fwd']:.0f} TF/s | " if "fwd_ms" in r else ""
+                if "error" in r:
+                    msg += r["error"]
+                else:
+                    msg += (
+                        f"fwd+bwd {r['fb_ms']:.2f} ms {r['tf_fb']:.0f} TF/s | "
+                        f"peak {r['peak'] / 2**30:.2f} GiB ({r['ratio']:.2f}x)"
+                    )
                 print(f"N={n:>8} causal={causal!s:5} {impl:6}: {msg}", flush=True)
 
     # speedup of triton over torch and fraction of dense, per (N, causal)
@@ -149,7 +158,8 @@ def main(argv=None):
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['n']} | {r['causal']} | {r['impl']} | {r['error']} |||||||||")
+            f = f"{r['fwd_ms']:.2f} | {r['tf_fwd']:.0f}" if "fwd_ms" in r else " | "
+            lines.append(f"| {r['n']} | {r['causal']} | {r['impl']} | {f} | {r['error']} | | | | | | |")
             continue
         dt = dense_tf.get(r["causal"])
         pct_f = pct_b = speed = ""

@@ -157,6 +157,30 @@ def _err(x, ref):
     return (x.float() - ref.float()).abs().max().item()
 
 
+def _dense_same_dtype(q, k, v, do, seg, dil, causal=False, key_padding_mask=None,
+                      head_assignment="all"):
+    """Plain PyTorch in the low dtype (scores, P and P @ V rounded to it, softmax in fp32): the
+    same-dtype baseline when impl="torch" cannot run its backward on this torch build."""
+    from dilated_attention.reference import multiplicity
+
+    b, n, h, d = q.shape
+    rep = h // k.shape[2]
+    m = multiplicity(n, k.shape[1], h, tuple(seg), tuple(dil), head_assignment, causal, q.device)
+    m = m[None].expand(b, -1, -1, -1)  # (B, H, Nq, Nk)
+    if key_padding_mask is not None:
+        m = m.masked_fill(key_padding_mask[:, None, None, :], 0)
+    xs = [t.detach().requires_grad_() for t in (q, k, v)]
+    qh = xs[0].transpose(1, 2)
+    kh = xs[1].transpose(1, 2).repeat_interleave(rep, 1)
+    vh = xs[2].transpose(1, 2).repeat_interleave(rep, 1)
+    s = (qh @ kh.transpose(-1, -2)).float() * d**-0.5 + torch.where(m > 0, m.float().log(), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    out = (p.to(q.dtype) @ vh).transpose(1, 2)
+    grads = torch.autograd.grad(out, xs, do)
+    return out, lse, grads
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "n,h,hkv,seg,dil,causal,kw",
@@ -164,7 +188,7 @@ def _err(x, ref):
         (4096, 4, 4, [1024, 2048, 4096], [1, 2, 4], False, {}),
         (4096, 4, 4, [1024, 2048, 4096], [1, 2, 4], True, {}),
         (6000, 8, 2, [2048, 4096], [1, 6], True, {}),  # GQA, partial segment, w % r != 0
-        (16384, 4, 1, [2048, 4096, 8192, 16384], [1, 2, 4, 8], True, {}),  # MQA
+        (16384, 2, 1, [2048, 4096, 8192, 16384], [1, 2, 4, 8], True, {}),  # MQA
         (5000, 4, 4, [1024, 4096], [2, 4], False, {"head_assignment": "split", "pad": True}),
     ],
 )
@@ -172,20 +196,26 @@ def _err(x, ref):
 def test_triton_cuda_vs_torch_path(seed, n, h, hkv, seg, dil, causal, kw, dtype):
     kw = dict(kw)
     pad = kw.pop("pad", False)
-    q, k, v, do, kpm = _inputs(1, n, n, h, hkv, 128, torch.float32, "cuda", 0.1 if pad else 0.0)
+    q, k, v, do, kpm = _inputs(1, n, n, h, hkv, 128, dtype, "cuda", 0.1 if pad else 0.0)
     common = dict(causal=causal, key_padding_mask=kpm, **kw)
-    ref = _run("torch", q, k, v, do, seg, dil, dtype=torch.float32, **common)  # fp32 oracle
-    # the dense reference is O(N^2) memory; the torch path in fp32 is exact up to fp32 rounding
-    # (it is itself tested against the reference), so it serves as the fp32 oracle here
-    tch = _run("torch", q, k, v, do, seg, dil, dtype=dtype, **common)
-    tri = _run("triton", q, k, v, do, seg, dil, dtype=dtype, **common)
+    # fp32 oracle on the same (low-precision) inputs: the torch path in fp32 (exact up to fp32
+    # rounding and itself tested against the dense reference; the dense one is O(N^2) memory)
+    ref = _run("torch", q, k, v, do, seg, dil, dtype=torch.float32, **common)
+    try:
+        base = _run("torch", q, k, v, do, seg, dil, **common)
+    except RuntimeError as e:  # e.g. a flash backward signature this torch build lacks
+        print(f"impl='torch' failed in {dtype} ({str(e)[:80]}); baseline = dense same-dtype")
+        base = _dense_same_dtype(q, k, v, do, seg, dil, **common)
+    tri = _run("triton", q, k, v, do, seg, dil, **common)
     assert tri[0].dtype == dtype and all(g.dtype == dtype for g in tri[2])
     assert tri[1].dtype == torch.float32 and tri[1].shape == (1, h, n)
-    pairs = [("out", tri[0], tch[0], ref[0]), ("lse", tri[1], tch[1], ref[1])]
-    pairs += [(f"d{c}", a, b, r) for c, a, b, r in zip("qkv", tri[2], tch[2], ref[2], strict=True)]
+    pairs = [("out", tri[0], base[0], ref[0])]
+    pairs += [(f"d{c}", a, b, r) for c, a, b, r in zip("qkv", tri[2], base[2], ref[2], strict=True)]
     for name, a, b, r in pairs:
         ea, eb = _err(a, r), _err(b, r)
-        assert ea <= 2 * eb + 1e-3, f"{name}: triton err {ea:.3g} > 2 x torch err {eb:.3g} + 1e-3"
+        print(f"{name}: triton err {ea:.3g}, baseline err {eb:.3g}")
+        assert ea <= 2 * eb + 1e-3, f"{name}: triton err {ea:.3g} > 2 x baseline err {eb:.3g} + 1e-3"
+    assert _err(tri[1], ref[1]) <= 2e-2, "lse"
 
 
 @pytest.mark.cuda

@@ -85,9 +85,52 @@ def unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | 
 
 
 # ---------------------------------------------------------------------------------- kernels
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels(interpret: bool):
     """Build the jitted kernels (once per mode). ``interpret`` only keys the cache."""
+
+    @triton.jit
+    def _fwd_inner(
+        acc, l_i, m_i, q, kbase, vbase, kpm_base, skn, svn, pos0, R, L, offs_m, lo, hi,
+        qk_scale, D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+    ):
+        offs_d = tl.arange(0, D)
+        for n_lo in range(lo, hi, BN):
+            offs_n = n_lo + tl.arange(0, BN)
+            pos_n = (pos0 + R * offs_n).to(tl.int64)
+            kp = kbase + pos_n[:, None] * skn + offs_d[None, :]
+            vp = vbase + pos_n[:, None] * svn + offs_d[None, :]
+            if MASKED:
+                valid_n = offs_n < L
+                k = tl.load(kp, mask=valid_n[:, None], other=0.0)
+                v = tl.load(vp, mask=valid_n[:, None], other=0.0)
+                if HAS_KPM:
+                    pad = tl.load(kpm_base + pos_n, mask=valid_n, other=1)
+                    valid_n = valid_n & (pad == 0)
+            else:
+                k = tl.load(kp)
+                v = tl.load(vp)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BM, BN), log2 units
+            if MASKED:
+                mask = valid_n[None, :]
+                if CAUSAL:
+                    mask = mask & (offs_n[None, :] <= offs_m[:, None])
+                s = tl.where(mask, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = m_new
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    # kernels resolve helper names through the module globals
+    globals()["_fwd_inner"] = _fwd_inner
 
     @triton.jit
     def _fwd_kernel(
@@ -127,32 +170,27 @@ def _kernels(interpret: bool):
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
+        kbase = K + b64 * skb + kvh * skh
+        vbase = V + b64 * svb + kvh * svh
+        pos0 = seg_start + o
+        # stage 1: key blocks that need no mask (full blocks, all visible); stage 2: the rest
         hi = L
         if CAUSAL:
             hi = m_hi
-        for n_lo in range(0, hi, BN):
-            offs_n = n_lo + tl.arange(0, BN)
-            valid_n = offs_n < L
-            pos_n = (seg_start + o + R * offs_n).to(tl.int64)
-            k = tl.load(K + b64 * skb + pos_n[:, None] * skn + kvh * skh + offs_d[None, :],
-                        mask=valid_n[:, None], other=0.0)
-            v = tl.load(V + b64 * svb + pos_n[:, None] * svn + kvh * svh + offs_d[None, :],
-                        mask=valid_n[:, None], other=0.0)
-            if HAS_KPM:
-                pad = tl.load(KPM + b64 * skpb + pos_n, mask=valid_n, other=1)
-                valid_n = valid_n & (pad == 0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BM, BN), log2 units
-            mask = valid_n[None, :]
+        mid = 0
+        if not HAS_KPM:
             if CAUSAL:
-                mask = mask & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(mask, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+                mid = m_lo  # keys before the first query row of the block (BM % BN == 0)
+            else:
+                mid = L // BN * BN
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, kbase, vbase, KPM + b64 * skpb, skn, svn, pos0, R, L, offs_m, 0, mid,
+            qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, False,
+        )
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, kbase, vbase, KPM + b64 * skpb, skn, svn, pos0, R, L, offs_m, mid, hi,
+            qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
+        )
 
         # this branch's lse (natural log) and normalised output
         has = l_i > 0
@@ -401,7 +439,7 @@ def _fwd_impl(q, k, v, kpm, seg, dil, causal, scale, head_ranges):
     for w, r, hs, he in _branches(nh, seg, dil, head_ranges):
         s0 = qoff // w
         nseg = -(-nk // w) - s0
-        nm = -(-(-(-min(w, nk) // r)) // bm)
+        nm = triton.cdiv(triton.cdiv(min(w, nk), r), bm)
         grid = (nm * nseg, bsz * (he - hs))
         fwd_k[grid](
             q, k, v, kp, acc_o, acc_l,
