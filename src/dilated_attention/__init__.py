@@ -5,6 +5,7 @@ See README.md and SPEC (shared/SPEC.md) for the exact definition.
 """
 
 from .api import available_impls, dilated_attention
+from .distributed import gather_sequence, ring_attention, shard_sequence
 from .modules import DilatedAttention, MultiheadDilatedAttention
 
 __version__ = "0.1.0"
@@ -14,5 +15,8 @@ __all__ = [
     "MultiheadDilatedAttention",
     "available_impls",
     "dilated_attention",
+    "gather_sequence",
+    "ring_attention",
+    "shard_sequence",
     "__version__",
 ]

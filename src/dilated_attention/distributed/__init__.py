@@ -1,0 +1,12 @@
+"""Sequence-parallel execution over ``torch.distributed`` (SPEC section 4).
+
+- :mod:`.layout`: which positions each rank holds ("contiguous", "zigzag"), pure tensor code;
+- :mod:`.comm`: the ring of batched isend/irecv and cross-rank input checks;
+- :mod:`.ring`: ring attention (dense attention, sequence-sharded);
+- :mod:`.sequence_parallel`: dilated attention with ``group=`` (imported lazily by the API).
+"""
+
+from .layout import gather_sequence, shard_sequence
+from .ring import last_ring_stats, ring_attention
+
+__all__ = ["gather_sequence", "last_ring_stats", "ring_attention", "shard_sequence"]

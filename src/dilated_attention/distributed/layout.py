@@ -1,0 +1,145 @@
+"""Sequence sharding layouts: which global positions each rank holds.
+
+Pure tensor code (no ``torch.distributed`` needed) plus the two thin collectives
+:func:`shard_sequence` / :func:`gather_sequence` built on it.
+
+Layouts of a global sequence of length N over P ranks (SPEC section 4):
+
+- ``"contiguous"``: rank r holds positions ``[r*N/P, (r+1)*N/P)``; needs ``N % P == 0``.
+- ``"zigzag"``: the sequence is cut into 2P equal chunks; rank r holds chunk r followed by chunk
+  ``2P-1-r`` (so every rank has one early and one late chunk, which balances causal attention);
+  needs ``N % (2P) == 0``.
+
+Within a rank the positions are increasing in both layouts, so causal masking of a rank's own
+block is plain causal masking.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def check_divisible(n: int, world: int, layout: str, what: str = "sequence length") -> None:
+    """Raise a clear error when a global length ``n`` cannot be split over ``world`` ranks."""
+    check_layout(layout)
+    parts = world if layout == "contiguous" else 2 * world
+    if n % parts != 0:
+        hint = "P" if layout == "contiguous" else "2P (zigzag cuts 2P chunks)"
+        raise ValueError(
+            f"{what} {n} is not divisible by {hint} = {parts} for layout={layout!r} with "
+            f"P = {world} ranks; pad the sequence to a multiple of {parts} (and mask the padding)"
+        )
+
+
+def chunk_ids(world: int, rank: int, layout: str) -> list[int]:
+    """The chunk indices rank ``rank`` holds, in local order (chunk size N/P or N/2P)."""
+    check_layout(layout)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} out of range for world size {world}")
+    if layout == "contiguous":
+        return [rank]
+    return [rank, 2 * world - 1 - rank]
+
+
+def shard_positions(n: int, world: int, rank: int, layout: str = "contiguous", device=None) -> torch.Tensor:
+    """Global positions (int64, shape (n // world,)) that rank ``rank`` holds, in local order."""
+    check_divisible(n, world, layout)
+    ids = chunk_ids(world, rank, layout)
+    c = n // world // len(ids)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
+
+
+def shard_local(x: torch.Tensor, world: int, rank: int, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """The shard of a global tensor ``x`` that rank ``rank`` holds (a view for "contiguous")."""
+    n = x.shape[dim]
+    check_divisible(n, world, layout)
+    ids = chunk_ids(world, rank, layout)
+    c = n // world // len(ids)
+    parts = [x.narrow(dim, i * c, c) for i in ids]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard_local`: the global tensor from all ranks' shards (rank order)."""
+    check_layout(layout)
+    world = len(shards)
+    if layout == "contiguous":
+        return torch.cat(shards, dim=dim)
+    n_local = shards[0].shape[dim]
+    if n_local % 2:
+        raise ValueError(f"zigzag shards must have an even length, got {n_local}")
+    c = n_local // 2
+    chunks: list[torch.Tensor | None] = [None] * (2 * world)
+    for r, s in enumerate(shards):
+        chunks[r] = s.narrow(dim, 0, c)
+        chunks[2 * world - 1 - r] = s.narrow(dim, c, c)
+    return torch.cat(chunks, dim=dim)
+
+
+def _world_rank(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    from .comm import resolve_group
+
+    group = resolve_group(group)
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def shard_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """Global tensor (identical on every rank) -> this rank's shard along ``dim``.
+
+    No communication. ``group=None``: the default group when ``torch.distributed`` is initialised,
+    otherwise a single rank (returns ``x``). Not differentiable through other ranks' shards.
+    """
+    world, rank = _world_rank(group)
+    return shard_local(x, world, rank, layout, dim)
+
+
+class _GatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout, dim, world, rank):
+        import torch.distributed as dist
+
+        ctx.group, ctx.layout, ctx.dim, ctx.world, ctx.rank = group, layout, dim, world, rank
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x, group=group)
+        return unshard(parts, layout, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        # every rank may use the gathered tensor: the gradient of a shard is the sum over ranks
+        grad = grad.contiguous()  # gloo all_reduce needs a dense tensor
+        dist.all_reduce(grad, group=ctx.group)
+        return shard_local(grad, ctx.world, ctx.rank, ctx.layout, ctx.dim).contiguous(), None, None, None, None, None
+
+
+def gather_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """Shards (one per rank, same shape) -> the global tensor on every rank. For tests and tools.
+
+    Uses one ``all_gather`` (O(N) memory per rank). Differentiable: the gradient of each shard is
+    the sum over ranks of the gradient of the gathered tensor (one ``all_reduce``).
+    """
+    import torch.distributed as dist
+
+    from .comm import resolve_group
+
+    check_layout(layout)
+    group = resolve_group(group)
+    world, rank = _world_rank(group)
+    if world == 1:
+        return x
+    if not dist.is_initialized():  # pragma: no cover - _world_rank returned 1 then
+        return x
+    return _GatherFunction.apply(x, group, layout, dim % x.dim(), world, rank)
