@@ -78,11 +78,14 @@ def dilated_attention_reference(
     kh = k.transpose(1, 2).to(cdt).repeat_interleave(rep, dim=1)  # (B, H, Nk, D)
     vh = v.transpose(1, 2).to(cdt).repeat_interleave(rep, dim=1)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # (B, H, Nq, Nk)
-    logm = torch.where(m > 0, m.to(cdt).log(), torch.full((), float("-inf"), dtype=cdt, device=q.device))
-    logits = s + logm
-    lse = torch.logsumexp(logits, dim=-1)  # (B, H, Nq); -inf for rows with no key
-    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(logits - safe_lse[..., None])  # exp(-inf) = 0 where m == 0
+    attended = m > 0
+    # a row with no key gets lse = -inf and out = 0; keep its math finite so autograd gives 0, not NaN
+    empty = ~attended.any(-1, keepdim=True)  # (B, H, Nq, 1)
+    logits = torch.where(attended, s + m.to(cdt).log(), torch.full((), float("-inf"), dtype=cdt, device=q.device))
+    logits = torch.where(empty, torch.zeros_like(logits), logits)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (B, H, Nq, 1)
+    p = torch.where(attended, torch.exp(logits - lse), torch.zeros_like(logits))
+    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse).squeeze(-1)  # (B, H, Nq)
     if dropout_p > 0.0:
         p = torch.nn.functional.dropout(p, dropout_p, training=True)
     out = torch.matmul(p, vh).transpose(1, 2).to(q.dtype)  # (B, Nq, H, D)

@@ -1,0 +1,362 @@
+"""The ``dilated-attention`` command line: info, verify, bench, train.
+
+    dilated-attention info              versions, devices, which impls can run here
+    dilated-attention verify            every available impl vs impl="reference", fwd + bwd
+    dilated-attention bench             time / TFLOP/s / peak memory vs dense SDPA
+    dilated-attention train             train a LongNet LM on a shipped long-range task
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from . import __version__
+from .api import available_impls, dilated_attention
+from .flops import dense_flops, dilated_flops
+
+LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
+LONGNET_DILATIONS = (1, 2, 4, 8, 16)
+
+
+def _device(arg: str | None) -> torch.device:
+    if arg:
+        return torch.device(arg)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _versions() -> dict:
+    info = {
+        "dilated_attention": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def _gpu_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------------------------------- info
+def cmd_info(args) -> int:
+    for k, v in _versions().items():
+        print(f"{k:>18}: {v}")
+    print(f"{'cuda available':>18}: {torch.cuda.is_available()}")
+    for i in range(torch.cuda.device_count()):
+        print(f"{'device ' + str(i):>18}: {torch.cuda.get_device_name(i)}")
+    dev = _device(args.device)
+    probe_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    probe = torch.empty(1, 1, 1, 64, device=dev, dtype=probe_dtype)
+    print(f"{'impls on ' + dev.type:>18}: {', '.join(available_impls(probe))}")
+    from .api import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(probe)
+    if reason:
+        print(f"{'triton':>18}: not here ({reason})")
+    return 0
+
+
+# -------------------------------------------------------------------------------------- verify
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+VERIFY_CASES = [
+    # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, segments, dilations, head_assignment)
+    (2, 97, 97, 4, 4, 64, (16, 32), (1, 2), "all"),
+    (1, 200, 200, 6, 2, 64, (24, 48, 96), (1, 4, 6), "all"),
+    (1, 129, 129, 8, 8, 128, (32, 64), (1, 4), "split"),
+    (2, 17, 150, 4, 1, 64, (64, 128), (1, 2), "all"),
+]
+
+
+def _run_impl(impl, q, k, v, case, causal, do):
+    _, _, _, _, _, _, seg, dil, ha = case
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = dilated_attention(qq, kk, vv, seg, dil, causal=causal, head_assignment=ha, impl=impl)
+    out.backward(do)
+    return out.detach(), qq.grad, kk.grad, vv.grad
+
+
+def cmd_verify(args) -> int:
+    dev = _device(args.device)
+    dtypes = [torch.bfloat16, torch.float16] if dev.type == "cuda" else [torch.float32]
+    if args.dtype:
+        dtypes = [getattr(torch, args.dtype)]
+    ref_dtype = torch.float64
+    impls = [i for i in available_impls(torch.empty(1, 1, 1, 64, device=dev, dtype=dtypes[0])) if i != "reference"]
+    rows, failed = [], False
+    torch.manual_seed(args.seed)
+    for case in VERIFY_CASES:
+        b, nq, nk, h, hkv, d, seg, dil, ha = case
+        for causal in (False, True):
+            for dt in dtypes:
+                q = torch.randn(b, nq, h, d, device=dev, dtype=dt)
+                k = torch.randn(b, nk, hkv, d, device=dev, dtype=dt)
+                v = torch.randn(b, nk, hkv, d, device=dev, dtype=dt)
+                do = torch.randn(b, nq, h, d, device=dev, dtype=dt)
+                ref = _run_impl("reference", q.to(ref_dtype), k.to(ref_dtype), v.to(ref_dtype), case, causal, do.to(ref_dtype))
+                base = None
+                for impl in impls:
+                    res = _run_impl(impl, q, k, v, case, causal, do)
+                    errs = [_rel_err(x, r) for x, r in zip(res, ref, strict=True)]
+                    nan = any(not torch.isfinite(x).all() for x in res)
+                    if impl == "torch":
+                        base = errs
+                        # the baseline itself: within the precision of its dtype
+                        tol = 1e-5 if dt in (torch.float32, torch.float64) else 2e-2
+                        ok = all(e <= tol for e in errs)
+                    else:  # SPEC 6: <= 2x the same-dtype torch error, plus a small atol
+                        ok = all(e <= 2 * bse + 1e-3 for e, bse in zip(errs, base or errs, strict=True))
+                    ok = ok and not nan
+                    failed |= not ok
+                    rows.append(
+                        [impl, str(dt).replace("torch.", ""), f"{b}x{nq}/{nk}x{h}/{hkv}x{d}",
+                         f"w={list(seg)} r={list(dil)} {ha}", "yes" if causal else "no",
+                         *[f"{e:.2e}" for e in errs], "ok" if ok else "FAIL"]
+                    )
+    hdr = ["impl", "dtype", "B x Nq/Nk x H/Hkv x D", "branches", "causal", "out", "dq", "dk", "dv", "result"]
+    print(f"verify on {dev} ({_gpu_name(dev)}), relative L2 error vs impl='reference' in float64")
+    _print_table(hdr, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": hdr, "rows": rows, "versions": _versions()}, f, indent=1)
+    print("verify:", "FAILED" if failed else "all passed")
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------------------- bench
+def _timeit(fn, device, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn() (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _bench_one(name, attn, q, k, v, do, device, warmup, iters, flops_f, flops_fb, io_bytes):
+    row = {"impl": name}
+    try:
+        with torch.no_grad():
+            t_f = _timeit(lambda: attn(q, k, v), device, warmup, iters)
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+        def fb():
+            o = attn(qq, kk, vv)
+            torch.autograd.grad(o, (qq, kk, vv), do)
+
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        t_fb = _timeit(fb, device, warmup, iters)
+        row.update(fwd_ms=t_f, fwdbwd_ms=t_fb, fwd_tflops=flops_f / t_f / 1e9, fwdbwd_tflops=flops_fb / t_fb / 1e9)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) - base + io_bytes * 3 / 8  # q, k, v live
+            row.update(peak_gib=peak / 2**30, mem_ratio=peak / io_bytes)
+    except torch.OutOfMemoryError:
+        row["error"] = "OOM"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def cmd_bench(args) -> int:
+    dev = _device(args.device)
+    on_gpu = dev.type == "cuda"
+    dt = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
+    seg = tuple(args.segments) if args.segments else (LONGNET_SEGMENTS if on_gpu else (64, 128, 256))
+    dil = tuple(args.dilations) if args.dilations else (LONGNET_DILATIONS if on_gpu else (1, 2, 4))
+    seqlens = args.seqlens or ([32768, 65536, 131072] if on_gpu else [512, 1024, 2048])
+    heads, hd = args.heads or (16 if on_gpu else 4), args.headdim or (128 if on_gpu else 64)
+    impls = args.impls or [i for i in available_impls(torch.empty(1, 1, 1, hd, device=dev, dtype=dt)) if i != "reference"]
+    warmup, iters = (args.warmup, args.iters) if args.iters else ((3, 10) if on_gpu else (1, 3))
+    results = []
+    try:
+        from tqdm import tqdm
+
+        it = tqdm([(n, c) for n in seqlens for c in args.causal], desc="bench", file=sys.stderr)
+    except ImportError:
+        it = [(n, c) for n in seqlens for c in args.causal]
+    for n, causal in it:
+        g = torch.Generator(device=dev).manual_seed(n)
+        q, k, v, do = (torch.randn(args.batch, n, heads, hd, device=dev, dtype=dt, generator=g) for _ in range(4))
+        io_bytes = 8 * q.numel() * q.element_size()  # q, k, v, out, dout, dq, dk, dv
+        df, dfb = (dense_flops(args.batch, n, heads, hd, causal, b) for b in (False, True))
+        f, fb = (dilated_flops(args.batch, n, n, heads, hd, seg, dil, causal, backward=b) for b in (False, True))
+
+        def dense(q_, k_, v_, c=causal):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), is_causal=c
+            ).transpose(1, 2)
+
+        rows = [_bench_one("dense SDPA", dense, q, k, v, do, dev, warmup, iters, df, dfb, io_bytes)]
+        for impl in impls:
+            def attn(q_, k_, v_, impl=impl, c=causal):
+                return dilated_attention(q_, k_, v_, seg, dil, causal=c, impl=impl)
+
+            rows.append(_bench_one(impl, attn, q, k, v, do, dev, warmup, iters, f, fb, io_bytes))
+        for r in rows:
+            r.update(seqlen=n, causal=causal)
+            results.append(r)
+        del q, k, v, do
+    hdr = ["N", "causal", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "peak GiB", "peak / 8 tensors"]
+    table = []
+    for r in results:
+        if "error" in r:
+            table.append([r["seqlen"], r["causal"], r["impl"], r["error"], "", "", "", "", ""])
+            continue
+        table.append([
+            r["seqlen"], r["causal"], r["impl"], f"{r['fwd_ms']:.2f}", f"{r['fwd_tflops']:.1f}",
+            f"{r['fwdbwd_ms']:.2f}", f"{r['fwdbwd_tflops']:.1f}",
+            f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-",
+            f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-",
+        ])
+    meta = {
+        "device": _gpu_name(dev), "dtype": str(dt), "batch": args.batch, "heads": heads, "headdim": hd,
+        "segment_lengths": list(seg), "dilation_rates": list(dil), **_versions(),
+        "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+    }
+    print(f"\nbench on {meta['device']} | {dt} | batch {args.batch} | {heads} heads x {hd} | "
+          f"w={list(seg)} r={list(dil)} | useful TFLOP/s per SPEC 6 (dense: its own FLOPs)")
+    _print_table(hdr, table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"# bench: dilated attention vs dense SDPA\n\n")
+            for key, val in meta.items():
+                f.write(f"- {key}: `{val}`\n")
+            f.write("\n" + _md_table(hdr, table) + "\n")
+    if args.plot:
+        _plot(results, args.plot, meta)
+    return 0
+
+
+def _plot(results, path, meta) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'dilated-attention[plot]')", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwdbwd_tflops", "forward+backward")):
+        for impl in sorted({r["impl"] for r in results}):
+            for causal in sorted({r["causal"] for r in results}):
+                pts = [(r["seqlen"], r[key]) for r in results if r["impl"] == impl and r["causal"] == causal and key in r]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=f"{impl}{' causal' if causal else ''}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("useful TFLOP/s")
+        ax.set_title(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{meta['device']} {meta['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def _print_table(hdr, rows) -> None:
+    cols = list(zip(*([hdr] + [[str(c) for c in r] for r in rows]), strict=True))
+    widths = [max(len(c) for c in col) for col in cols]
+    line = "  ".join(h.ljust(w) for h, w in zip(hdr, widths, strict=True))
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def _md_table(hdr, rows) -> str:
+    out = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dilated-attention", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pi = sub.add_parser("info", help="versions, devices, available impls")
+    pi.add_argument("--device", default=None)
+    pi.set_defaults(fn=cmd_info)
+
+    pv = sub.add_parser("verify", help="check every available impl against the reference")
+    pv.add_argument("--device", default=None)
+    pv.add_argument("--dtype", default=None, help="e.g. bfloat16, float16, float32 (default: per device)")
+    pv.add_argument("--seed", type=int, default=0)
+    pv.add_argument("--json", default=None, help="also write the table as JSON here")
+    pv.set_defaults(fn=cmd_verify)
+
+    pb = sub.add_parser("bench", help="time dilated attention against dense SDPA")
+    pb.add_argument("--device", default=None)
+    pb.add_argument("--dtype", default=None)
+    pb.add_argument("--batch", type=int, default=1)
+    pb.add_argument("--heads", type=int, default=None)
+    pb.add_argument("--headdim", type=int, default=None)
+    pb.add_argument("--seqlens", type=int, nargs="+", default=None)
+    pb.add_argument("--segments", type=int, nargs="+", default=None)
+    pb.add_argument("--dilations", type=int, nargs="+", default=None)
+    pb.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False])
+    pb.add_argument("--impls", nargs="+", default=None, choices=["torch", "triton", "reference"])
+    pb.add_argument("--warmup", type=int, default=3)
+    pb.add_argument("--iters", type=int, default=None)
+    pb.add_argument("--json", default=None)
+    pb.add_argument("--markdown", default=None, help="write a results file (command, versions, table)")
+    pb.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
+    pb.set_defaults(fn=cmd_bench)
+
+    try:
+        from .train import add_train_arguments, run_train
+    except ImportError:
+        pass
+    else:
+        pt = sub.add_parser("train", help="train a LongNet LM on a shipped long-range task")
+        add_train_arguments(pt)
+        pt.set_defaults(fn=run_train)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

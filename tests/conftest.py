@@ -1,0 +1,26 @@
+"""Shared fixtures: every test draws fresh random inputs (the seed is printed on failure)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test (set DA_TEST_SEED to replay one); printed so a failure can be replayed."""
+    s = int(os.environ.get("DA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"DA_TEST_SEED={s}")
+    torch.manual_seed(s)
+    return s
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,87 @@
+"""DilatedAttention / MultiheadDilatedAttention: equivalence to the functional API, MAGNETO
+details, GQA, state_dict, torch.compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention
+
+SEG, DIL = [8, 16], [1, 2]
+
+
+def test_dilated_attention_module_is_the_function(seed):
+    q, k, v = (torch.randn(2, 30, 4, 8, dtype=torch.float64) for _ in range(3))
+    kpm = torch.rand(2, 30) < 0.2
+    m = DilatedAttention(SEG, DIL, impl="torch")
+    out = m(q, k, v, is_causal=True, key_padding_mask=kpm)
+    ref = dilated_attention(q, k, v, SEG, DIL, causal=True, key_padding_mask=kpm, impl="reference")
+    torch.testing.assert_close(out, ref)
+    assert "segment_lengths=[8, 16]" in repr(m)
+
+
+def test_attention_dropout_only_in_training(seed):
+    q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
+    m = DilatedAttention([8], [1], attention_dropout=0.5).eval()
+    torch.testing.assert_close(m(q, k, v), m(q, k, v))
+    m.train()
+    assert not torch.allclose(m(q, k, v), m(q, k, v))
+
+
+def _mha_by_hand(m, x, causal):
+    b, n, e = x.shape
+    q = m.q_proj(x).view(b, n, m.num_heads, m.head_dim)
+    k = m.k_proj(x).view(b, n, m.num_kv_heads, m.head_dim)
+    v = m.v_proj(x).view(b, n, m.num_kv_heads, m.head_dim)
+    a = dilated_attention(q, k, v, SEG, DIL, causal=causal, impl="reference").reshape(b, n, e)
+    return m.out_proj(torch.nn.functional.layer_norm(a, (e,), m.norm.weight, m.norm.bias, m.norm.eps))
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
+@pytest.mark.parametrize("causal", [False, True])
+def test_multihead_matches_by_hand(seed, num_kv_heads, causal):
+    m = MultiheadDilatedAttention(32, 4, SEG, DIL, num_kv_heads=num_kv_heads, dtype=torch.float64, impl="torch")
+    x = torch.randn(2, 37, 32, dtype=torch.float64, requires_grad=True)
+    out, weights = m(x, x, x, is_causal=causal)
+    assert weights is None and out.shape == x.shape
+    ref = _mha_by_hand(m, x, causal)
+    torch.testing.assert_close(out, ref)
+    g1 = torch.autograd.grad(out.sum(), [x, *m.parameters()])
+    g2 = torch.autograd.grad(ref.sum(), [x, *m.parameters()])
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_magneto_init_and_state_dict():
+    torch.manual_seed(0)
+    m = MultiheadDilatedAttention(256, 8, SEG, DIL, gamma_init=3.0, num_kv_heads=2)
+    assert m.k_proj.weight.shape == (64, 256)
+    # xavier_normal_: std = gain * sqrt(2 / (fan_in + fan_out))
+    std_q = m.q_proj.weight.std().item()
+    std_v = m.v_proj.weight.std().item()
+    assert abs(std_q - math.sqrt(2 / 512)) < 0.1 * math.sqrt(2 / 512)
+    assert abs(std_v - 3.0 * math.sqrt(2 / 320)) < 0.1 * 3.0 * math.sqrt(2 / 320)
+    assert (m.q_proj.bias == 0).all()
+    keys = set(m.state_dict())
+    assert keys == {f"{p}.{t}" for p in ("q_proj", "k_proj", "v_proj", "out_proj", "norm") for t in ("weight", "bias")}
+    m2 = MultiheadDilatedAttention(256, 8, SEG, DIL, gamma_init=3.0, num_kv_heads=2)
+    m2.load_state_dict(m.state_dict())
+    x = torch.randn(1, 20, 256)
+    torch.testing.assert_close(m(x, x, x)[0], m2(x, x, x)[0])
+    no_ln = MultiheadDilatedAttention(32, 4, SEG, DIL, layer_norm=False, bias=False)
+    assert no_ln.norm is None and no_ln.q_proj.bias is None
+
+
+def test_torch_compile_forward_backward(seed):
+    m = MultiheadDilatedAttention(32, 4, SEG, DIL, num_kv_heads=2, impl="torch")
+    x = torch.randn(2, 40, 32, requires_grad=True)
+    out, _ = m(x, x, x, is_causal=True)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    cm = torch.compile(m)
+    out_c, _ = cm(x, x, x, is_causal=True)
+    (gx_c,) = torch.autograd.grad(out_c.square().sum(), x)
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_c, gx, rtol=1e-4, atol=1e-4)

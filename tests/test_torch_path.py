@@ -1,0 +1,155 @@
+"""impl="torch" against impl="reference": forward, LSE and gradients, over the axes that break things."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention import dilated_attention
+
+BRANCHES = {
+    "one": ((8,), (1,)),
+    "two": ((8, 16), (1, 2)),
+    "w%r!=0": ((7, 20), (3, 6)),
+    "paper/256": ((8, 16, 32, 64, 128), (1, 2, 4, 6, 12)),
+    "w>N": ((16, 256), (2, 4)),
+}
+LENGTHS = [(37, 37), (64, 64), (97, 97), (5, 37), (1, 64)]  # (seqlen_q, seqlen_k)
+HEADS = [(4, 4), (6, 2), (6, 1)]
+
+
+def _inputs(b, nq, nk, h, hkv, d, dtype, mask):
+    q = torch.randn(b, nq, h, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, nk, hkv, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, nk, hkv, d, dtype=dtype, requires_grad=True)
+    kpm = (torch.rand(b, nk) < 0.25) if mask else None
+    return q, k, v, kpm
+
+
+def _run(impl, q, k, v, seg, dil, causal, ha, kpm, do):
+    out, lse = dilated_attention(
+        q, k, v, seg, dil, causal=causal, head_assignment=ha, key_padding_mask=kpm, impl=impl, return_lse=True
+    )
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    return out, lse, grads
+
+
+def _fp64_cases():
+    """Every (branches, causal, lengths) combination, each with a different (heads, head
+    assignment, key padding) mix cycled so that every value of those axes meets every other."""
+    cases = []
+    i = 0
+    for branches in BRANCHES:
+        for causal in (False, True):
+            for lengths in LENGTHS:
+                for rep in range(2):
+                    heads = HEADS[(i + rep) % len(HEADS)]
+                    ha = ("all", "split")[(i // 3 + rep) % 2]
+                    mask = bool((i // 2 + rep) % 2)
+                    cases.append(
+                        pytest.param(
+                            branches, causal, heads, lengths, ha, mask,
+                            id=f"{branches}-{'causal' if causal else 'full'}-H{heads[0]}kv{heads[1]}-"
+                            f"{lengths[0]}of{lengths[1]}-{ha}-{'kpm' if mask else 'nomask'}",
+                        )
+                    )
+                i += 1
+    return cases
+
+
+@pytest.mark.parametrize("branches,causal,heads,lengths,ha,mask", _fp64_cases())
+def test_torch_matches_reference_fp64(seed, branches, causal, heads, lengths, ha, mask):
+    seg, dil = BRANCHES[branches]
+    (nq, nk), (h, hkv) = lengths, heads
+    q, k, v, kpm = _inputs(2, nq, nk, h, hkv, 8, torch.float64, mask)
+    do = torch.randn(2, nq, h, 8, dtype=torch.float64)
+    o_r, l_r, g_r = _run("reference", q, k, v, seg, dil, causal, ha, kpm, do)
+    o_t, l_t, g_t = _run("torch", q, k, v, seg, dil, causal, ha, kpm, do)
+    assert o_t.dtype == torch.float64 and l_t.dtype == torch.float32 and l_t.shape == (2, h, nq)
+    torch.testing.assert_close(o_t, o_r, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(l_t, l_r)  # both float32; -inf where a row has no key
+    for a, b in zip(g_t, g_r, strict=True):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def _rel(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("branches", ["two", "w%r!=0", "paper/256"])
+def test_torch_low_precision(seed, dtype, tol, causal, branches):
+    seg, dil = BRANCHES[branches]
+    q, k, v, _ = _inputs(1, 150, 150, 6, 2, 32, dtype, False)
+    do = torch.randn(1, 150, 6, 32, dtype=dtype)
+    o_t, _, g_t = _run("torch", q, k, v, seg, dil, causal, "all", None, do)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    o_r, _, g_r = _run("reference", q64, k64, v64, seg, dil, causal, "all", None, do.double())
+    assert o_t.dtype == dtype and all(g.dtype == dtype for g in g_t)
+    assert _rel(o_t, o_r) < tol
+    for a, b in zip(g_t, g_r, strict=True):
+        assert _rel(a, b) < 2 * tol
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_fp64(seed, causal):
+    q, k, v, _ = _inputs(1, 11, 11, 4, 2, 4, torch.float64, False)
+    kpm = torch.zeros(1, 11, dtype=torch.bool)
+    kpm[0, 3] = True
+    fn = lambda q, k, v: dilated_attention(q, k, v, [4, 8], [1, 3], causal=causal, key_padding_mask=kpm, impl="torch")
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_dropout_statistics_and_exact_backward(seed):
+    q, k, v, _ = _inputs(1, 10, 10, 2, 2, 4, torch.float64, False)
+
+    def fn(q, k, v):
+        torch.manual_seed(1234)  # the same masks every call, so gradcheck sees one function
+        return dilated_attention(q, k, v, [4, 8], [1, 2], dropout_p=0.3, impl="torch")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    o1, o2 = fn(q, k, v), dilated_attention(q, k, v, [4, 8], [1, 2], dropout_p=0.3, impl="torch")
+    assert not torch.allclose(o1, o2)  # masks differ across calls
+    # dropout is unbiased: the mean over many draws approaches the no-dropout output
+    with torch.no_grad():
+        mean = sum(dilated_attention(q, k, v, [4, 8], [1, 2], dropout_p=0.3, impl="torch") for _ in range(300)) / 300
+        plain = dilated_attention(q, k, v, [4, 8], [1, 2], impl="torch")
+    assert _rel(mean, plain) < 0.1
+
+
+def test_lse_matches_logsumexp_definition(seed):
+    q, k, v, _ = _inputs(1, 33, 33, 4, 4, 8, torch.float64, False)
+    _, lse = dilated_attention(q, k, v, [8, 16], [2, 4], return_lse=True, impl="torch")
+    _, lse_ref = dilated_attention(q, k, v, [8, 16], [2, 4], return_lse=True, impl="reference")
+    assert lse.dtype == torch.float32 and lse.shape == (1, 4, 33)
+    torch.testing.assert_close(lse, lse_ref)
+
+
+def test_no_nan_when_everything_is_padding(seed):
+    q, k, v, _ = _inputs(2, 20, 20, 2, 2, 8, torch.float32, False)
+    kpm = torch.zeros(2, 20, dtype=torch.bool)
+    kpm[1] = True
+    out = dilated_attention(q, k, v, [8], [2], key_padding_mask=kpm, impl="torch")
+    assert (out[1] == 0).all() and torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and (q.grad[1] == 0).all()
+
+
+def test_no_global_side_effects():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    import dilated_attention as da
+
+    da.MultiheadDilatedAttention(32, 4, [8], [1])
+    da.dilated_attention(torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 8), [8], [2])
+    after = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    assert before == after
+
+
+def test_the_oracle_comparison_can_fail(seed):
+    """Guard against a vacuous comparison: a different branch config must NOT match."""
+    q, k, v, _ = _inputs(1, 32, 32, 4, 4, 8, torch.float64, False)
+    a = dilated_attention(q, k, v, [8, 16], [1, 2], impl="torch")
+    b = dilated_attention(q, k, v, [8, 16], [1, 4], impl="reference")
+    assert not torch.allclose(a, b, atol=1e-3)
