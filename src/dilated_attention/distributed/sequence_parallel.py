@@ -1,0 +1,579 @@
+"""Sequence-parallel dilated attention: ``dilated_attention(..., group=...)`` (SPEC sections 2, 4).
+
+Each of the P ranks holds the contiguous shard ``[rank*L, (rank+1)*L)`` (L = N/P) of q, k, v and
+of ``key_padding_mask``, and gets back its shard of exactly the single-device result, with exact
+gradients. Positions are global.
+
+Per branch (w, r) and dilation offset o (query heads ``h % r == o``), a query at position p sees
+the keys of its segment ``p // w`` whose in-segment index is congruent to o. The keys of a
+segment may live on other ranks ("source" ranks); this rank computes one partial attention per
+(source rank, offset), batched over the segments of equal shape, and merges every partial result
+of every branch into one float32 accumulator by LSE (:func:`..merge.merge_partial`):
+
+- keys on this rank: no communication (a branch whose segments never cross a shard boundary,
+  e.g. ``L % w == 0``, is entirely local); causal is plain causal masking inside each block.
+- keys on another rank: that rank selects its dilated rows (offset o, only the kv heads of
+  offset o's query heads: 1/r of the rows) of the segments both ranks share and sends only those,
+  point to point (batched isend/irecv: no process groups are created). With ``causal`` a rank
+  receives only from earlier ranks (it never needs later keys) and those blocks are unmasked.
+
+Queries never move. Exchange schedules (:func:`exchange_mode`): ``"allgather"`` posts every
+peer's rows at once (one round; best when a segment spans few ranks), ``"ring"`` exchanges with
+the peers at distance 1, 2, ... one distance per round with the next round in flight, so only
+two peers' rows are held at a time. ``"auto"`` picks allgather when no rank has more than two
+peers in the branch, else ring (the choice is a pure function of the shapes, so every rank
+agrees).
+
+Backward: the K/V rows are exchanged again (not stored, to keep memory O(N/P + w/r)); each
+block's backward runs with the FINAL merged output and LSE (exact gradients, the branch mixing
+weights are not detached); the dK/dV of received rows are sent back to their owners at the end
+of each branch and added there.
+
+Per rank, per branch: traffic O(w/r) rows (x kv heads of an offset), independent of N; memory
+O(L + w/r). :func:`last_comm_stats` reports the bytes this rank sent.
+
+Not supported with a group (clear errors): ``dropout_p > 0``, ``seqlen_q != seqlen_k`` (KV-cache
+decoding), ``impl="reference"`` / ``"triton"`` (the blocks run :mod:`..kernels.local` attention,
+i.e. ``impl="torch"``; ``"auto"`` means the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import struct
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..branches import branch_head_ranges
+from ..kernels.local import attn_bwd, attn_fwd
+from ..merge import merge_partial
+from .comm import check_same_across_ranks, dtype_code, global_rank, resolve_group, world_and_rank
+
+EXCHANGE_MODES = ("auto", "allgather", "ring")
+_MODE = ["auto"]
+_LAST_STATS: dict = {}
+_TAG_KV, _TAG_RET = 20, 21
+
+
+@contextlib.contextmanager
+def exchange_mode(mode: str):
+    """Force the K/V exchange schedule inside the ``with`` block: "auto", "allgather" or "ring".
+
+    Every rank must use the same mode.
+    """
+    if mode not in EXCHANGE_MODES:
+        raise ValueError(f"exchange mode must be one of {EXCHANGE_MODES}, got {mode!r}")
+    old = _MODE[0]
+    _MODE[0] = mode
+    try:
+        yield
+    finally:
+        _MODE[0] = old
+
+
+def last_comm_stats() -> dict:
+    """Bytes this rank sent in the last sequence-parallel forward / backward.
+
+    Keys: ``fwd_bytes_sent``, ``bwd_bytes_sent`` (K/V rows again + dK/dV returned), ``branches``
+    (one dict per branch: ``w``, ``r``, ``mode``, ``peers``, ``fwd_bytes_sent``), ``world``.
+    """
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in _LAST_STATS.items()}
+
+
+# --------------------------------------------------------------------------------------- geometry
+
+
+def _sel(lo: int, hi: int, first: int, r: int) -> tuple[int, int]:
+    """Index range [t0, t1) of positions ``first + r*t`` that lie in [lo, hi)."""
+    t0 = max(0, -(-(lo - first) // r))
+    t1 = max(t0, -(-(hi - first) // r))
+    return t0, t1
+
+
+@dataclass
+class _Jobs:
+    """Equally shaped (segment) blocks of one (source, offset): one attention call."""
+
+    qidx: torch.Tensor  # (S, nq) local query rows
+    kidx: torch.Tensor  # (S, nk) rows of the source K/V tensor
+    causal: bool
+
+
+@dataclass
+class _Offset:
+    o: int
+    hq: torch.Tensor  # (Gh,) query heads of this offset
+    hk: torch.Tensor  # (Gk,) distinct kv heads they read
+    kexp: torch.Tensor | None  # (Gh,) index into hk per query head when the sharing is uneven
+
+
+@dataclass
+class _BranchPlan:
+    w: int
+    r: int
+    offsets: list  # [_Offset]
+    jobs: dict  # (src, offset index) -> [_Jobs]
+    send_rows: dict  # dst -> [LongTensor local rows per offset index]
+    recv_counts: dict  # src -> [rows per offset index]
+    rounds: list  # [[peer, ...]] peers exchanged with in each round
+    mode: str
+    peers: int
+    extra: dict = field(default_factory=dict)
+
+
+def _rank_segments(x: int, L: int, w: int) -> range:
+    return range(x * L // w, ((x + 1) * L - 1) // w + 1)
+
+
+def _peers(x: int, P: int, L: int, w: int, causal: bool) -> tuple[list[int], list[int]]:
+    """(ranks x sends to, ranks x receives from) in a branch of segment length w."""
+    segs = _rank_segments(x, L, w)
+    lo_rank = segs[0] * w // L
+    hi_rank = min(P - 1, (min((segs[-1] + 1) * w, P * L) - 1) // L)
+    near = [y for y in range(lo_rank, hi_rank + 1) if y != x]
+    send = [y for y in near if not causal or y > x]
+    recv = [y for y in near if not causal or y < x]
+    return send, recv
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
+    N = P * L
+    rep = H // Hkv
+    offsets = []
+    for o in range(min(r, w)):
+        hq = [h for h in range(hs, he) if h % r == o]
+        if not hq:
+            continue
+        kv = [h // rep for h in hq]
+        uniq = sorted(set(kv))
+        even = len({kv.count(u) for u in uniq}) == 1
+        kexp = None if even else torch.tensor([uniq.index(x) for x in kv])
+        offsets.append(_Offset(o, torch.tensor(hq), torch.tensor(uniq), kexp))
+
+    def rows(x, s, o, upto=None):
+        """Global positions of rank x in segment s with offset o (below ``upto`` if given)."""
+        first = s * w + o
+        seg_end = min((s + 1) * w, N)
+        lo, hi = max(s * w, x * L), min(seg_end, (x + 1) * L)
+        if upto is not None:
+            hi = min(hi, upto)
+        t0, t1 = _sel(lo, hi, first, r)
+        return first + r * t0, t1 - t0
+
+    send_to, recv_from = _peers(me, P, L, w, causal)
+    my_segs = _rank_segments(me, L, w)
+    send_rows = {}
+    for dst in send_to:
+        shared = [s for s in _rank_segments(dst, L, w) if s in my_segs]
+        per_o = []
+        for off in offsets:
+            parts = []
+            for s in shared:
+                p0, n = rows(me, s, off.o)
+                parts.append(torch.arange(n) * r + (p0 - me * L))
+            per_o.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
+        send_rows[dst] = per_o
+    jobs: dict = {}
+    recv_counts = {}
+    for src in [me, *recv_from]:
+        src_segs = _rank_segments(src, L, w)
+        shared = [s for s in my_segs if s in src_segs]
+        counts = []
+        for oi, off in enumerate(offsets):
+            by_shape: dict = {}
+            kbase = 0
+            for s in shared:
+                q0, nq = rows(me, s, off.o)
+                k0, nk = rows(src, s, off.o)
+                if nq and nk:
+                    qi = torch.arange(nq) * r + (q0 - me * L)
+                    if src == me:
+                        ki = qi
+                    else:
+                        ki = torch.arange(kbase, kbase + nk)
+                    by_shape.setdefault((nq, nk), []).append((qi, ki))
+                kbase += nk
+            counts.append(kbase)
+            jobs[(src, oi)] = [
+                _Jobs(torch.stack([a for a, _ in lst]), torch.stack([b for _, b in lst]),
+                      causal and src == me)
+                for lst in by_shape.values()
+            ]
+        if src != me:
+            recv_counts[src] = counts
+    # the schedule depends only on global shapes, so every rank picks the same one
+    max_peers = max(len(set(sum(_peers(x, P, L, w, causal), []))) for x in range(P))
+    if mode == "auto":
+        mode = "allgather" if max_peers <= 2 else "ring"
+    peers = sorted(set(send_to) | set(recv_from))
+    if mode == "allgather":
+        rounds = [peers] if peers else []
+    else:
+        rounds = []
+        for d in range(1, P):
+            rd = [y for y in (me - d, me + d) if y in peers]
+            if rd:
+                rounds.append(rd)
+    return _BranchPlan(w, r, offsets, jobs, send_rows, recv_counts, rounds, mode, len(peers))
+
+
+_device_plans: dict = {}
+
+
+def _plan(P, me, L, H, Hkv, w, r, hs, he, causal, mode, device) -> _BranchPlan:
+    key = (P, me, L, H, Hkv, w, r, hs, he, causal, mode, str(device))
+    plan = _device_plans.get(key)
+    if plan is None:
+        cpu = _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode)
+
+        def mv(t):
+            return None if t is None else t.to(device)
+
+        plan = _BranchPlan(
+            cpu.w, cpu.r,
+            [_Offset(o.o, mv(o.hq), mv(o.hk), mv(o.kexp)) for o in cpu.offsets],
+            {k: [_Jobs(mv(j.qidx), mv(j.kidx), j.causal) for j in v] for k, v in cpu.jobs.items()},
+            {k: [mv(t) for t in v] for k, v in cpu.send_rows.items()},
+            dict(cpu.recv_counts), cpu.rounds, cpu.mode, cpu.peers,
+        )
+        if len(_device_plans) > 512:
+            _device_plans.clear()
+        _device_plans[key] = plan
+    return plan
+
+
+# ------------------------------------------------------------------------------------- exchange
+
+
+class _Exchange:
+    """One round of batched point-to-point sends/receives of packed flat buffers."""
+
+    def __init__(self, group, tag):
+        self.group, self.tag = group, tag
+        self.ops, self.reqs, self.bytes_sent = [], None, 0
+
+    def add(self, send: dict, recv: dict):
+        # one message per peer and direction; receives first (order kept the same on all ranks)
+        for peer in sorted(recv):
+            self.ops.append(dist.P2POp(dist.irecv, recv[peer], global_rank(self.group, peer),
+                                       self.group, self.tag))
+        for peer in sorted(send):
+            buf = send[peer]
+            self.ops.append(dist.P2POp(dist.isend, buf, global_rank(self.group, peer),
+                                       self.group, self.tag))
+            self.bytes_sent += buf.numel() * buf.element_size()
+        if self.ops:
+            self.reqs = dist.batch_isend_irecv(self.ops)
+
+    def wait(self):
+        for req in self.reqs or []:
+            req.wait()
+        self.ops, self.reqs = [], None
+
+
+def _kv_sizes(plan, counts, b, d, with_mask):
+    """Flat sizes of (k, v[, mask]) per offset in a K/V message."""
+    out = []
+    for off, n in zip(plan.offsets, counts, strict=True):
+        gk = off.hk.numel()
+        out += [b * n * gk * d, b * n * gk * d] + ([b * n] if with_mask else [])
+    return out
+
+
+def _pack_kv(plan, rows_per_o, k, v, mask):
+    parts = []
+    for off, rows in zip(plan.offsets, rows_per_o, strict=True):
+        sel = (slice(None), rows[:, None], off.hk[None, :])
+        parts += [k[sel].reshape(-1), v[sel].reshape(-1)]
+        if mask is not None:
+            parts.append(mask[:, rows].to(k.dtype).reshape(-1))
+    return torch.cat(parts) if parts else k.new_zeros(0)
+
+
+def _unpack_kv(plan, counts, buf, b, d, with_mask):
+    """-> [(k (B, n, Gk, D), v, mask (B, n) | None)] per offset."""
+    sizes = _kv_sizes(plan, counts, b, d, with_mask)
+    pieces = list(torch.split(buf, sizes)) if sizes else []
+    res = []
+    for off, n in zip(plan.offsets, counts, strict=True):
+        gk = off.hk.numel()
+        kk = pieces.pop(0).view(b, n, gk, d)
+        vv = pieces.pop(0).view(b, n, gk, d)
+        mm = pieces.pop(0).view(b, n) > 0.5 if with_mask else None
+        res.append((kk, vv, mm))
+    return res
+
+
+def _post_kv_round(ex, plan, rnd, k, v, mask):
+    """Post one round of K/V row exchange; returns {src: flat receive buffer}."""
+    b, d = k.shape[0], k.shape[-1]
+    send = {p: _pack_kv(plan, plan.send_rows[p], k, v, mask) for p in rnd if p in plan.send_rows}
+    recv = {
+        p: k.new_empty(sum(_kv_sizes(plan, plan.recv_counts[p], b, d, mask is not None)))
+        for p in rnd if p in plan.recv_counts
+    }
+    ex.add(send, recv)
+    return recv
+
+
+# ----------------------------------------------------------------------------------- compute
+
+
+def _sources(plan, src, me, k, v, mask, received):
+    """[(k_src, v_src, mask_src (B, n) | None, heads | None)] per offset for one source rank.
+
+    Own rows: the full local k, v (B, L, Hkv, D) and the offset's kv heads (gathered per block
+    with the rows, never copied whole). Received rows: (B, n, Gk, D), heads already selected.
+    """
+    if src == me:
+        return [(k, v, mask, off.hk) for off in plan.offsets]
+    return [(kk, vv, mm, None) for kk, vv, mm in received[src]]
+
+
+def _kv_index(job, heads):
+    if heads is None:
+        return (slice(None), job.kidx)
+    return (slice(None), job.kidx[..., None], heads[None, None, :])
+
+
+def _block_inputs(job, off, q, ks, vs, ms, heads):
+    """Gathered rows of one job in SDPA layout: (B*S, Gh, nq, D), (B*S, Gk, nk, D), mask."""
+    b, d = q.shape[0], q.shape[-1]
+    s, nq = job.qidx.shape
+    nk = job.kidx.shape[1]
+    qb = q[:, job.qidx[..., None], off.hq[None, None, :]]  # (B, S, nq, Gh, D)
+    qb = qb.reshape(b * s, nq, -1, d).transpose(1, 2)
+    kidx = _kv_index(job, heads)
+    kb, vb = ks[kidx], vs[kidx]  # (B, S, nk, Gk, D)
+    if off.kexp is not None:  # query heads share kv heads unevenly: one kv head per query head
+        kb, vb = kb[:, :, :, off.kexp], vb[:, :, :, off.kexp]
+    kb = kb.reshape(b * s, nk, -1, d).transpose(1, 2)
+    vb = vb.reshape(b * s, nk, -1, d).transpose(1, 2)
+    mb = None if ms is None else ms[:, job.kidx].reshape(b * s, nk)
+    return qb, kb, vb, mb
+
+
+def _rows_idx(job, off):
+    return (slice(None), job.qidx[..., None], off.hq[None, None, :])  # -> (B, S, nq, Gh, ...)
+
+
+def _fwd_source(plan, src, me, q, k, v, mask, received, acc_out, acc_lse, scale):
+    b = q.shape[0]
+    srcs = _sources(plan, src, me, k, v, mask, received)
+    for oi, (off, (ks, vs, ms, heads)) in enumerate(zip(plan.offsets, srcs, strict=True)):
+        for job in plan.jobs[(src, oi)]:
+            qb, kb, vb, mb = _block_inputs(job, off, q, ks, vs, ms, heads)
+            o, lse = attn_fwd(qb, kb, vb, scale, job.causal, mb)
+            s, nq = job.qidx.shape
+            idx = _rows_idx(job, off)
+            o = o.transpose(1, 2).reshape(b, s, nq, -1, o.shape[-1])
+            lse = lse.transpose(1, 2).reshape(b, s, nq, -1).to(acc_lse.dtype)
+            mo, ml = merge_partial(acc_out[idx], acc_lse[idx], o, lse)
+            acc_out[idx] = mo
+            acc_lse[idx] = ml
+
+
+def _bwd_source(plan, src, me, saved, received, dq, dk_src, scale):
+    """Block backward for one source; adds into dq and the source's dK/dV.
+
+    dk_src: (dk, dv) laid out like the source (own rows: the local (B, L, Hkv, D) accumulators;
+    received rows: one (dk, dv) pair per offset).
+    """
+    q, k, v, mask, out, lse, dout = saved
+    b = q.shape[0]
+    srcs = _sources(plan, src, me, k, v, mask, received)
+    for oi, (off, (ks, vs, ms, heads)) in enumerate(zip(plan.offsets, srcs, strict=True)):
+        dks, dvs = dk_src if src == me else dk_src[oi]
+        for job in plan.jobs[(src, oi)]:
+            qb, kb, vb, mb = _block_inputs(job, off, q, ks, vs, ms, heads)
+            s, nq = job.qidx.shape
+            idx = _rows_idx(job, off)
+            gh = off.hq.numel()
+            ob = out[idx].reshape(b * s, nq, gh, -1).transpose(1, 2)
+            dob = dout[idx].reshape(b * s, nq, gh, -1).transpose(1, 2)
+            lb = lse[idx].reshape(b * s, nq, gh).transpose(1, 2).contiguous()
+            dqb, dkb, dvb = attn_bwd(dob, qb, kb, vb, ob, lb, scale, job.causal, mb)
+            dq[idx] += dqb.transpose(1, 2).reshape(b, s, nq, gh, -1).to(dq.dtype)
+            nk = job.kidx.shape[1]
+            dkb = dkb.transpose(1, 2).reshape(b, s, nk, -1, dkb.shape[-1]).to(dks.dtype)
+            dvb = dvb.transpose(1, 2).reshape(b, s, nk, -1, dvb.shape[-1]).to(dvs.dtype)
+            if off.kexp is not None:  # sum the per-query-head copies back onto the kv heads
+                gk = off.hk.numel()
+                dkb = dkb.new_zeros(*dkb.shape[:3], gk, dkb.shape[-1]).index_add_(3, off.kexp, dkb)
+                dvb = dvb.new_zeros(*dvb.shape[:3], gk, dvb.shape[-1]).index_add_(3, off.kexp, dvb)
+            # (row, head) pairs of one job are distinct, so += through an index is exact
+            kidx = _kv_index(job, heads)
+            dks[kidx] += dkb
+            dvs[kidx] += dvb
+
+
+# ------------------------------------------------------------------------------ autograd glue
+
+
+class _DilatedSPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, plans, group, me, world, scale):
+        b, L, h, _ = q.shape
+        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc_out = torch.zeros(b, L, h, v.shape[-1], dtype=adt, device=q.device)
+        acc_lse = torch.full((b, L, h), float("-inf"), dtype=adt, device=q.device)
+        total, per_branch = 0, []
+        for plan in plans:
+            sent = _branch_forward(plan, group, me, q, k, v, mask, acc_out, acc_lse, scale)
+            total += sent
+            per_branch.append(dict(w=plan.w, r=plan.r, mode=plan.mode, peers=plan.peers, fwd_bytes_sent=sent))
+        _LAST_STATS.clear()
+        _LAST_STATS.update(fwd_bytes_sent=total, bwd_bytes_sent=0, branches=per_branch,
+                           world=world)
+        out = acc_out.to(q.dtype)
+        del acc_out
+        ctx.save_for_backward(q, k, v, mask, out, acc_lse)
+        ctx.plans, ctx.group, ctx.me, ctx.scale = plans, group, me, scale
+        lse = acc_lse.permute(0, 2, 1).to(torch.float32)  # (B, H, L)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        adt = lse.dtype
+        dq = torch.zeros(q.shape, dtype=adt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=adt, device=q.device)
+        dv = torch.zeros(v.shape, dtype=adt, device=q.device)
+        saved = (q, k, v, mask, out, lse, dout.contiguous())
+        total = 0
+        for plan in ctx.plans:
+            total += _branch_backward(plan, ctx.group, ctx.me, saved, dq, dk, dv, ctx.scale)
+        _LAST_STATS["bwd_bytes_sent"] = total
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def _branch_forward(plan, group, me, q, k, v, mask, acc_out, acc_lse, scale) -> int:
+    sent = 0
+    ex = _Exchange(group, _TAG_KV)
+    recv = _post_kv_round(ex, plan, plan.rounds[0], k, v, mask) if plan.rounds else {}
+    # own rows first: overlaps the first exchange round
+    _fwd_source(plan, me, me, q, k, v, mask, None, acc_out, acc_lse, scale)
+    b, d = k.shape[0], k.shape[-1]
+    for i in range(len(plan.rounds)):
+        ex.wait()
+        sent += ex.bytes_sent
+        cur = {p: _unpack_kv(plan, plan.recv_counts[p], buf, b, d, mask is not None) for p, buf in recv.items()}
+        ex = _Exchange(group, _TAG_KV)
+        recv = _post_kv_round(ex, plan, plan.rounds[i + 1], k, v, mask) if i + 1 < len(plan.rounds) else {}
+        for src in sorted(cur):
+            _fwd_source(plan, src, me, q, k, v, mask, cur, acc_out, acc_lse, scale)
+        del cur
+    return sent
+
+
+def _branch_backward(plan, group, me, saved, dq, dk, dv, scale) -> int:
+    q, k, v, mask = saved[:4]
+    b, d = k.shape[0], k.shape[-1]
+    adt = dq.dtype
+    sent = 0
+    ex = _Exchange(group, _TAG_KV)
+    recv = _post_kv_round(ex, plan, plan.rounds[0], k, v, mask) if plan.rounds else {}
+    _bwd_source(plan, me, me, saved, None, dq, (dk, dv), scale)  # own rows, straight into dk/dv
+    grads_back = {}  # src -> flat dK/dV of the rows it sent us
+    for i in range(len(plan.rounds)):
+        ex.wait()
+        sent += ex.bytes_sent
+        cur = {p: _unpack_kv(plan, plan.recv_counts[p], buf, b, d, mask is not None) for p, buf in recv.items()}
+        ex = _Exchange(group, _TAG_KV)
+        recv = _post_kv_round(ex, plan, plan.rounds[i + 1], k, v, mask) if i + 1 < len(plan.rounds) else {}
+        for src in sorted(cur):
+            acc = [[torch.zeros(kk.shape, dtype=adt, device=kk.device), torch.zeros(vv.shape, dtype=adt, device=vv.device)]
+                   for kk, vv, _ in cur[src]]
+            _bwd_source(plan, src, me, saved, cur, dq, acc, scale)
+            grads_back[src] = torch.cat([t.reshape(-1) for pair in acc for t in pair]) if acc else dq.new_zeros(0)
+        del cur
+    # return the dK/dV of received rows to their owners, one round for the whole branch
+    if plan.send_rows or plan.recv_counts:
+        ret = _Exchange(group, _TAG_RET)
+        incoming = {}
+        for dst, rows in plan.send_rows.items():
+            n = sum(2 * b * r_.numel() * off.hk.numel() * d for r_, off in zip(rows, plan.offsets, strict=True))
+            incoming[dst] = torch.empty(n, dtype=adt, device=q.device)
+        ret.add(grads_back, incoming)
+        ret.wait()
+        sent += ret.bytes_sent
+        for dst, buf in incoming.items():
+            pos = 0
+            for rows, off in zip(plan.send_rows[dst], plan.offsets, strict=True):
+                n = b * rows.numel() * off.hk.numel() * d
+                shape = (b, rows.numel(), off.hk.numel(), d)
+                sel = (slice(None), rows[:, None], off.hk[None, :])
+                dk[sel] += buf[pos : pos + n].view(shape)
+                dv[sel] += buf[pos + n : pos + 2 * n].view(shape)
+                pos += 2 * n
+    return sent
+
+
+# ---------------------------------------------------------------------------------- entry point
+
+
+def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment, impl, group, world):
+    local_error = None
+    try:
+        if dropout_p > 0:
+            raise ValueError(
+                "dropout_p > 0 is not supported with group= (sequence-parallel); apply dropout "
+                "outside attention or run without a group"
+            )
+        if impl in ("reference", "triton"):
+            raise ValueError(
+                f"impl={impl!r} is not available with group= (sequence-parallel): each rank runs "
+                "the blocks with the torch attention kernels; use impl='torch' or 'auto'"
+            )
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(
+                f"sequence-parallel dilated_attention needs seqlen_q == seqlen_k per shard, got "
+                f"{q.shape[1]} and {k.shape[1]} (KV-cache decoding is single-device only)"
+            )
+    except ValueError as e:
+        if world == 1:
+            raise
+        local_error = str(e)
+    names = ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv",
+             "dtype", "causal", "key_padding_mask given", "head_assignment", "branches", "softmax_scale"]
+    if local_error:
+        desc = [0] * len(names)
+    else:
+        bhash = hash((seg, dil)) & ((1 << 62) - 1)  # same on every rank: tuples of ints hash stably
+        desc = [q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[2], dtype_code(q.dtype),
+                int(causal), int(mask is not None), int(head_assignment == "split"), bhash,
+                struct.unpack("<q", struct.pack("<d", scale))[0]]
+    check_same_across_ranks(group, desc, names, q, "dilated_attention(group=...)", local_error)
+
+
+def dilated_attention_sp(
+    q, k, v, segment_lengths, dilation_rates, *, causal, scale, key_padding_mask, dropout_p,
+    head_assignment, return_lse, impl, group,
+):
+    """Validated inputs from :func:`dilated_attention_api`. Each rank passes its contiguous shard.
+
+    q: (B, N/P, H, D); k, v: (B, N/P, Hkv, D); key_padding_mask: (B, N/P) bool or None.
+    Returns out (B, N/P, H, D) (and lse (B, H, N/P) float32 when ``return_lse``).
+    """
+    group = resolve_group(group)
+    world, me = world_and_rank(group)
+    seg, dil = tuple(segment_lengths), tuple(dilation_rates)
+    _validate(q, k, v, seg, dil, causal, scale, key_padding_mask, dropout_p, head_assignment, impl,
+              group, world)
+    b, L, h, _ = q.shape
+    ranges = branch_head_ranges(h, len(seg), head_assignment)
+    plans = [
+        _plan(world, me, L, h, k.shape[2], w, r, hs, he, bool(causal), _MODE[0], q.device)
+        for (w, r), (hs, he) in zip(zip(seg, dil, strict=True), ranges, strict=True)
+        if he > hs
+    ]
+    mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
+    out, lse = _DilatedSPFunction.apply(
+        q, k, v, mask, plans, group if world > 1 else None, me, world, scale
+    )
+    return (out, lse) if return_lse else out
