@@ -7,6 +7,7 @@ See README.md and SPEC (shared/SPEC.md) for the exact definition.
 from .api import available_impls, dilated_attention
 from .distributed import gather_sequence, ring_attention, shard_sequence
 from .modules import DilatedAttention, MultiheadDilatedAttention
+from .ordering import hilbert_permutation
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,7 @@ __all__ = [
     "MultiheadDilatedAttention",
     "available_impls",
     "dilated_attention",
+    "hilbert_permutation",
     "gather_sequence",
     "ring_attention",
     "shard_sequence",
