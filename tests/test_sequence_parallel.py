@@ -18,7 +18,7 @@ from dilated_attention.distributed.layout import shard_local
 
 
 def _case(name, world, rank, L, seg, dil, *, causal=False, h=4, hkv=2, d=8, b=2, mask=False,
-          head_assignment="all", seed=0, mode="auto", dtype=torch.float64, atol=1e-10):
+          head_assignment="all", seed=0, mode="auto", dtype=torch.float64, atol=1e-10, group=None):
     n = L * world
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
@@ -37,7 +37,7 @@ def _case(name, world, rank, L, seg, dil, *, causal=False, h=4, hkv=2, d=8, b=2,
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
     with sp.exchange_mode(mode):
         out, lse = dilated_attention(ql, kl, vl, seg, dil, key_padding_mask=None if kpm is None else shard(kpm),
-                                     group=dist.group.WORLD, **kw)
+                                     group=group or dist.group.WORLD, **kw)
     grads = torch.autograd.grad(out, (ql, kl, vl), shard(do).to(dtype))
     name = f"P={world} rank={rank} {name} seg={seg} dil={dil} causal={causal} mode={mode}"
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -109,6 +109,21 @@ def _errors_worker(rank, world):
     _case("after errors", world, rank, 4, (8,), (2,), seed=3)
 
 
+def _groups_worker(rank, world):
+    """Subgroups (global ranks != group ranks), a (mesh, dim) pair, and a one-rank group."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    for causal in (False, True):
+        _case("subgroup", 2, rank % 2, 6, (4, 12), (1, 2), causal=causal, seed=70 + rank // 2,
+              group=groups[rank // 2])
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    _case("mesh dim", 2, mesh.get_local_rank("sp"), 6, (5, 12), (2, 3), causal=True,
+          seed=80 + mesh.get_local_rank("dp"), group=(mesh, 1))
+    solos = [dist.new_group([x]) for x in range(world)]
+    _case("one-rank group", 1, 0, 10, (4, 10), (1, 3), causal=True, seed=90 + rank, group=solos[rank])
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_sp_exact(world):
@@ -124,6 +139,11 @@ def test_sp_bytes_sent_constant_when_n_and_p_double(tmp_path):
         res.append(f.read_text())
     assert res[0] == res[1], res
     assert int(res[0].split()[0]) > 0
+
+
+@pytest.mark.timeout(60)
+def test_sp_subgroups_and_meshes():
+    run_distributed(_groups_worker, 4)
 
 
 @pytest.mark.timeout(60)

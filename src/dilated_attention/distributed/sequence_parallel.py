@@ -100,6 +100,8 @@ class _Jobs:
     qidx: torch.Tensor  # (S, nq) local query rows
     kidx: torch.Tensor  # (S, nk) rows of the source K/V tensor
     causal: bool
+    qstart: int | None = None  # qidx == arange(qstart, qstart + S*nq): read/write through views
+    kstart: int | None = None  # same for kidx
 
 
 @dataclass
@@ -108,6 +110,8 @@ class _Offset:
     hq: torch.Tensor  # (Gh,) query heads of this offset
     hk: torch.Tensor  # (Gk,) distinct kv heads they read
     kexp: torch.Tensor | None  # (Gh,) index into hk per query head when the sharing is uneven
+    hq_range: tuple[int, int] | None = None  # hq == arange(*hq_range): heads by slicing
+    hk_range: tuple[int, int] | None = None
 
 
 @dataclass
@@ -139,6 +143,16 @@ def _peers(x: int, P: int, L: int, w: int, causal: bool) -> tuple[list[int], lis
     return send, recv
 
 
+def _as_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """(start, stop) if the 1-D int tensor is start, start+1, ..., else None."""
+    if t.numel() == 0:
+        return None
+    start = int(t[0])
+    if torch.equal(t, torch.arange(start, start + t.numel())):
+        return start, start + t.numel()
+    return None
+
+
 @functools.lru_cache(maxsize=512)
 def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
     N = P * L
@@ -152,7 +166,8 @@ def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
         uniq = sorted(set(kv))
         even = len({kv.count(u) for u in uniq}) == 1
         kexp = None if even else torch.tensor([uniq.index(x) for x in kv])
-        offsets.append(_Offset(o, torch.tensor(hq), torch.tensor(uniq), kexp))
+        offsets.append(_Offset(o, torch.tensor(hq), torch.tensor(uniq), kexp,
+                               _as_range(torch.tensor(hq)), _as_range(torch.tensor(uniq))))
 
     def rows(x, s, o, upto=None):
         """Global positions of rank x in segment s with offset o (below ``upto`` if given)."""
@@ -198,11 +213,11 @@ def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
                     by_shape.setdefault((nq, nk), []).append((qi, ki))
                 kbase += nk
             counts.append(kbase)
-            jobs[(src, oi)] = [
-                _Jobs(torch.stack([a for a, _ in lst]), torch.stack([b for _, b in lst]),
-                      causal and src == me)
-                for lst in by_shape.values()
-            ]
+            jobs[(src, oi)] = []
+            for lst in by_shape.values():
+                qi, ki = torch.stack([a for a, _ in lst]), torch.stack([b for _, b in lst])
+                qr, kr = _as_range(qi.reshape(-1)), _as_range(ki.reshape(-1))
+                jobs[(src, oi)].append(_Jobs(qi, ki, causal and src == me, qr and qr[0], kr and kr[0]))
         if src != me:
             recv_counts[src] = counts
     # the schedule depends only on global shapes, so every rank picks the same one
@@ -235,8 +250,9 @@ def _plan(P, me, L, H, Hkv, w, r, hs, he, causal, mode, device) -> _BranchPlan:
 
         plan = _BranchPlan(
             cpu.w, cpu.r,
-            [_Offset(o.o, mv(o.hq), mv(o.hk), mv(o.kexp)) for o in cpu.offsets],
-            {k: [_Jobs(mv(j.qidx), mv(j.kidx), j.causal) for j in v] for k, v in cpu.jobs.items()},
+            [_Offset(o.o, mv(o.hq), mv(o.hk), mv(o.kexp), o.hq_range, o.hk_range) for o in cpu.offsets],
+            {k: [_Jobs(mv(j.qidx), mv(j.kidx), j.causal, j.qstart, j.kstart) for j in v]
+             for k, v in cpu.jobs.items()},
             {k: [mv(t) for t in v] for k, v in cpu.send_rows.items()},
             dict(cpu.recv_counts), cpu.rounds, cpu.mode, cpu.peers,
         )
@@ -334,10 +350,38 @@ def _sources(plan, src, me, k, v, mask, received):
     return [(kk, vv, mm, None) for kk, vv, mm in received[src]]
 
 
-def _kv_index(job, heads):
+def _q_rows(job, off, x):
+    """Query-side rows of one job from x (B, L, H, ...) -> (B, S, nq, Gh, ...), a view if possible."""
+    s, nq = job.qidx.shape
+    if job.qstart is not None and off.hq_range is not None:
+        return x[:, job.qstart : job.qstart + s * nq, off.hq_range[0] : off.hq_range[1]].unflatten(1, (s, nq))
+    return x[:, job.qidx[..., None], off.hq[None, None, :]]
+
+
+def _k_rows(job, off, x, heads):
+    """Key-side rows from a source tensor -> (B, S, nk, Gk, ...), a view if possible.
+
+    heads: the kv heads to take (own rows, x is (B, L, Hkv, D)) or None (received rows, x is
+    already (B, n, Gk, D)).
+    """
+    s, nk = job.kidx.shape
+    if job.kstart is not None and (heads is None or off.hk_range is not None):
+        hsl = slice(None) if heads is None else slice(*off.hk_range)
+        return x[:, job.kstart : job.kstart + s * nk, hsl].unflatten(1, (s, nk))
     if heads is None:
-        return (slice(None), job.kidx)
-    return (slice(None), job.kidx[..., None], heads[None, None, :])
+        return x[:, job.kidx]
+    return x[:, job.kidx[..., None], heads[None, None, :]]
+
+
+def _k_add(job, off, acc, val, heads):
+    """acc[rows of the job] += val (B, S, nk, Gk, D); (row, head) pairs of a job are distinct."""
+    s, nk = job.kidx.shape
+    if job.kstart is not None and (heads is None or off.hk_range is not None):
+        _k_rows(job, off, acc, heads).add_(val)
+    elif heads is None:
+        acc[:, job.kidx] += val
+    else:
+        acc[:, job.kidx[..., None], heads[None, None, :]] += val
 
 
 def _block_inputs(job, off, q, ks, vs, ms, heads):
@@ -345,10 +389,8 @@ def _block_inputs(job, off, q, ks, vs, ms, heads):
     b, d = q.shape[0], q.shape[-1]
     s, nq = job.qidx.shape
     nk = job.kidx.shape[1]
-    qb = q[:, job.qidx[..., None], off.hq[None, None, :]]  # (B, S, nq, Gh, D)
-    qb = qb.reshape(b * s, nq, -1, d).transpose(1, 2)
-    kidx = _kv_index(job, heads)
-    kb, vb = ks[kidx], vs[kidx]  # (B, S, nk, Gk, D)
+    qb = _q_rows(job, off, q).reshape(b * s, nq, -1, d).transpose(1, 2)
+    kb, vb = _k_rows(job, off, ks, heads), _k_rows(job, off, vs, heads)  # (B, S, nk, Gk, D)
     if off.kexp is not None:  # query heads share kv heads unevenly: one kv head per query head
         kb, vb = kb[:, :, :, off.kexp], vb[:, :, :, off.kexp]
     kb = kb.reshape(b * s, nk, -1, d).transpose(1, 2)
@@ -357,8 +399,20 @@ def _block_inputs(job, off, q, ks, vs, ms, heads):
     return qb, kb, vb, mb
 
 
-def _rows_idx(job, off):
-    return (slice(None), job.qidx[..., None], off.hq[None, None, :])  # -> (B, S, nq, Gh, ...)
+def _merge_rows(job, off, acc_out, acc_lse, o, lse):
+    """Merge a job's partial (o (B, S, nq, Gh, D), lse (B, S, nq, Gh)) into the accumulators."""
+    ao, al = _q_rows(job, off, acc_out), _q_rows(job, off, acc_lse)
+    if job.qstart is not None and off.hq_range is not None:  # views: merge in place
+        new_lse = torch.logaddexp(al, lse)
+        shift = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+        ao.mul_(torch.exp(al - shift).unsqueeze(-1))
+        ao.add_(o.to(ao.dtype) * torch.exp(lse - shift).unsqueeze(-1))
+        al.copy_(new_lse)
+        return
+    mo, ml = merge_partial(ao, al, o, lse)
+    idx = (slice(None), job.qidx[..., None], off.hq[None, None, :])
+    acc_out[idx] = mo
+    acc_lse[idx] = ml
 
 
 def _fwd_source(plan, src, me, q, k, v, mask, received, acc_out, acc_lse, scale):
@@ -369,12 +423,9 @@ def _fwd_source(plan, src, me, q, k, v, mask, received, acc_out, acc_lse, scale)
             qb, kb, vb, mb = _block_inputs(job, off, q, ks, vs, ms, heads)
             o, lse = attn_fwd(qb, kb, vb, scale, job.causal, mb)
             s, nq = job.qidx.shape
-            idx = _rows_idx(job, off)
             o = o.transpose(1, 2).reshape(b, s, nq, -1, o.shape[-1])
             lse = lse.transpose(1, 2).reshape(b, s, nq, -1).to(acc_lse.dtype)
-            mo, ml = merge_partial(acc_out[idx], acc_lse[idx], o, lse)
-            acc_out[idx] = mo
-            acc_lse[idx] = ml
+            _merge_rows(job, off, acc_out, acc_lse, o, lse)
 
 
 def _bwd_source(plan, src, me, saved, received, dq, dk_src, scale):
@@ -391,13 +442,16 @@ def _bwd_source(plan, src, me, saved, received, dq, dk_src, scale):
         for job in plan.jobs[(src, oi)]:
             qb, kb, vb, mb = _block_inputs(job, off, q, ks, vs, ms, heads)
             s, nq = job.qidx.shape
-            idx = _rows_idx(job, off)
             gh = off.hq.numel()
-            ob = out[idx].reshape(b * s, nq, gh, -1).transpose(1, 2)
-            dob = dout[idx].reshape(b * s, nq, gh, -1).transpose(1, 2)
-            lb = lse[idx].reshape(b * s, nq, gh).transpose(1, 2).contiguous()
+            ob = _q_rows(job, off, out).reshape(b * s, nq, gh, -1).transpose(1, 2)
+            dob = _q_rows(job, off, dout).reshape(b * s, nq, gh, -1).transpose(1, 2)
+            lb = _q_rows(job, off, lse).reshape(b * s, nq, gh).transpose(1, 2).contiguous()
             dqb, dkb, dvb = attn_bwd(dob, qb, kb, vb, ob, lb, scale, job.causal, mb)
-            dq[idx] += dqb.transpose(1, 2).reshape(b, s, nq, gh, -1).to(dq.dtype)
+            dqb = dqb.transpose(1, 2).reshape(b, s, nq, gh, -1).to(dq.dtype)
+            if job.qstart is not None and off.hq_range is not None:
+                _q_rows(job, off, dq).add_(dqb)
+            else:
+                dq[:, job.qidx[..., None], off.hq[None, None, :]] += dqb
             nk = job.kidx.shape[1]
             dkb = dkb.transpose(1, 2).reshape(b, s, nk, -1, dkb.shape[-1]).to(dks.dtype)
             dvb = dvb.transpose(1, 2).reshape(b, s, nk, -1, dvb.shape[-1]).to(dvs.dtype)
@@ -405,10 +459,8 @@ def _bwd_source(plan, src, me, saved, received, dq, dk_src, scale):
                 gk = off.hk.numel()
                 dkb = dkb.new_zeros(*dkb.shape[:3], gk, dkb.shape[-1]).index_add_(3, off.kexp, dkb)
                 dvb = dvb.new_zeros(*dvb.shape[:3], gk, dvb.shape[-1]).index_add_(3, off.kexp, dvb)
-            # (row, head) pairs of one job are distinct, so += through an index is exact
-            kidx = _kv_index(job, heads)
-            dks[kidx] += dkb
-            dvs[kidx] += dvb
+            _k_add(job, off, dks, dkb, heads)
+            _k_add(job, off, dvs, dvb, heads)
 
 
 # ------------------------------------------------------------------------------ autograd glue
