@@ -26,3 +26,17 @@ def merge_partial(
     wb = torch.exp(lse_b - shift).unsqueeze(-1)
     out = out_a * wa + out_b.to(wa.dtype) * wb
     return out, lse
+
+
+def merge_partial_(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
+    """In-place :func:`merge_partial` into (out_acc, lse_acc), which may be strided views.
+
+    Fewer temporaries than the functional form: used on the hot path of the torch impl.
+    """
+    lse = torch.logaddexp(lse_acc, lse_b)
+    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    out_acc.mul_(torch.exp(lse_acc - shift).unsqueeze(-1))
+    out_acc.add_(out_b * torch.exp(lse_b - shift).unsqueeze(-1))
+    lse_acc.copy_(lse)

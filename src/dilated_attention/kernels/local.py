@@ -72,6 +72,15 @@ def _cuda_flash_native_gqa(device_index: int) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_flash_aux(device_index: int):
+    """(cum_seq_q, cum_seq_k, philox_seed, philox_offset) exactly as this torch's flash forward
+    returns them for dense, dropout-free inputs; the backward op wants these objects back."""
+    q = torch.randn(1, 1, 16, 64, device=torch.device("cuda", device_index), dtype=torch.float16)
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False, False)
+    return res[2], res[3], res[6], res[7]
+
+
 def _expand_kv(q, k, v):
     rep = q.shape[1] // k.shape[1]
     if rep == 1:
@@ -140,8 +149,7 @@ def attn_bwd(
         native = hkv == q.shape[1] or _cuda_flash_native_gqa(q.device.index or 0)
         ke, ve = (k, v) if native else _expand_kv(q, k, v)
         lq, lk = q.shape[2], k.shape[2]
-        empty = torch.empty(0, device=q.device)
-        # rows with no key (lse=-inf) cannot occur for unmasked flash blocks of length >= 1
+        cum_q, cum_k, seed, offset = _cuda_flash_aux(q.device.index or 0)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do.contiguous() if do.stride(-1) != 1 else do,
             q,
@@ -149,14 +157,14 @@ def attn_bwd(
             ve,
             out,
             lse.contiguous(),
-            empty,
-            empty,
+            cum_q,
+            cum_k,
             lq,
             lk,
             0.0,
             causal,
-            empty,
-            empty,
+            seed,
+            offset,
             scale=scale,
         )
         if not native and hkv != q.shape[1]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..branches import branch_head_ranges
-from ..merge import merge_partial
+from ..merge import merge_partial, merge_partial_
 from .local import attn_bwd, attn_fwd
 
 
@@ -100,23 +100,29 @@ class _Group:
         return m.reshape(-1, m.shape[-1])
 
     # ------------------------------------------------------------------ writing rows
-    def merge_into(self, acc_out, acc_lse, out_g, lse_g) -> None:
+    def merge_into(self, acc_out, acc_lse, out_g, lse_g, first: bool = False) -> None:
         """Merge (out_g (B', Gh, L, D), lse_g (B', Gh, L)) into acc_out (B, Nq+1, H, D), acc_lse (B, Nq+1, H)."""
         b, d = acc_out.shape[0], acc_out.shape[-1]
         if self.kind == "view":
             sl = (slice(None), slice(self.start, self.start + self.nseg * self.length), slice(self.hs, self.he))
             gh = self.he - self.hs
             o_new = out_g.transpose(1, 2).reshape(b, self.nseg * self.length, gh, d)
-            l_new = lse_g.transpose(1, 2).reshape(b, self.nseg * self.length, gh)
-            o, l = merge_partial(acc_out[sl], acc_lse[sl], o_new, l_new.to(acc_lse.dtype))
-            acc_out[sl] = o
-            acc_lse[sl] = l
+            l_new = lse_g.transpose(1, 2).reshape(b, self.nseg * self.length, gh).to(acc_lse.dtype)
+            if first:  # nothing merged here yet: write, no merge pass
+                acc_out[sl] = o_new
+                acc_lse[sl] = l_new
+                return
+            merge_partial_(acc_out[sl], acc_lse[sl], o_new, l_new)
             return
         idx = (slice(None), self.qdst[..., None], self.hq[None, :, None, :])
         s, o_, l_ = self.qdst.shape
         gh = self.hq.shape[1]
         o_new = out_g.transpose(1, 2).reshape(b, s, o_, l_, gh, d)
         l_new = lse_g.transpose(1, 2).reshape(b, s, o_, l_, gh).to(acc_lse.dtype)
+        if first:
+            acc_out[idx] = o_new.to(acc_out.dtype)
+            acc_lse[idx] = l_new
+            return
         o, l = merge_partial(acc_out[idx], acc_lse[idx], o_new, l_new)
         acc_out[idx] = o
         acc_lse[idx] = l
@@ -237,7 +243,7 @@ class _DilatedTorchFunction(torch.autograd.Function):
                 grp.take(q, "q"), grp.take(k, "k"), grp.take(v, "k"), scale, causal,
                 grp.take_mask(key_padding_mask), dropout_p, seed + gid,
             )
-            grp.merge_into(acc_out, acc_lse, o_g, l_g)
+            grp.merge_into(acc_out, acc_lse, o_g, l_g, first=gid == 0)
         out = acc_out[:, :nq].to(q.dtype)
         del acc_out
         acc_lse[:, nq] = float("inf")  # dummy rows contribute nothing in the backward

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up (.venv) and run the whole CPU test suite. Triton kernels run under TRITON_INTERPRET=1,
+# distributed tests spawn real gloo processes. Extra args go to pytest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh || { echo "setup failed"; exit 1; }
+.venv/bin/python -m pytest -q -rs --durations=15 "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: the setup is broken, not a pass"
+  exit 1
+fi
+exit "$rc"
