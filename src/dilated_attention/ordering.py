@@ -214,20 +214,26 @@ def _exchange_plan(height: int, width: int, world: int, rank: int, forward: bool
     return send_idx, unsort, send_splits, recv_splits
 
 
+@functools.lru_cache(maxsize=64)
+def _exchange_plan_on(height, width, world, rank, forward, device):
+    """:func:`_exchange_plan` with the index tensors on ``device`` (no copy per call)."""
+    send_idx, unsort, send_splits, recv_splits = _exchange_plan(height, width, world, rank, forward)
+    return send_idx.to(device), unsort.to(device), send_splits, recv_splits
+
+
 def _exchange(x: torch.Tensor, grid, group, forward: bool) -> torch.Tensor:
     """Shard (B, n, ...) of a contiguous-layout sequence -> shard of the (un)permuted sequence."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    send_idx, unsort, send_splits, recv_splits = _exchange_plan(
-        grid[0], grid[1], world, rank, forward
+    send_idx, unsort, send_splits, recv_splits = _exchange_plan_on(
+        grid[0], grid[1], world, rank, forward, x.device
     )
-    dev = x.device
     # One gather that also moves the sequence dim first, because all_to_all_single splits dim 0.
-    send = x.transpose(0, 1).index_select(0, send_idx.to(dev))  # (n, B, ...) contiguous
+    send = x.transpose(0, 1).index_select(0, send_idx)  # (n, B, ...) contiguous
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
-    return recv.index_select(0, unsort.to(dev)).transpose(0, 1).contiguous()  # (B, n, ...)
+    return recv.index_select(0, unsort).transpose(0, 1).contiguous()  # (B, n, ...)
 
 
 class _ExchangeFunction(torch.autograd.Function):
