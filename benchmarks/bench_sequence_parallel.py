@@ -316,12 +316,12 @@ def main():
             rows.append(run_case(a, dev, dtype, hkv, rank, world, solo, kind, n, mode))
     if rank == 0:
         report = render(a, rows, errs, dev, world)
-        print(report)
         if a.out:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             with open(a.out, "w") as f:
                 f.write(report)
-            print(f"wrote {a.out}")
+            print(f"wrote {a.out}", flush=True)
+        print(report, flush=True)  # the table is the last thing printed
     dist.barrier()
     dist.destroy_process_group()
 

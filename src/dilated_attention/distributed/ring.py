@@ -5,7 +5,7 @@ queries stay on their rank; the (k, v) block (only the kv heads, packed into one
 round the ring rank -> rank+1 in P-1 steps. At step t, rank r computes its queries against the
 block of rank ``(r - t) % P`` while the next block is already in flight (batched isend/irecv,
 :class:`.comm.RingComm`), and merges the partial output into an fp32 accumulator by LSE
-(:func:`..merge.merge_partial`). The backward sends (k, v) round the ring again and the fp32
+(the stable form of :func:`..merge.merge_partial`, written in place). The backward sends (k, v) round the ring again and the fp32
 dK/dV accumulator of each block round a second ring, one hop behind; after P hops each rank holds
 the gradient of its own K/V. Each block's backward runs with the FINAL output and LSE
 (:func:`..kernels.local.attn_bwd`), which gives exact gradients.
@@ -29,7 +29,6 @@ import torch
 
 from ..api import check_qkv, resolve_scale
 from ..kernels.local import attn_bwd, attn_fwd
-from ..merge import merge_partial
 from .comm import (
     BufferTracker,
     RingComm,
@@ -76,6 +75,15 @@ def _step_plan(rank: int, src: int, causal: bool, layout: str, n_local: int):
     return slice(c, None), full, False
 
 
+def _merge_inplace(acc_out, acc_lse, out, lse) -> None:
+    """merge_partial written into the accumulator views (one temporary of out's size, not three)."""
+    new_lse = torch.logaddexp(acc_lse, lse)
+    shift = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    acc_out.mul_(torch.exp(acc_lse - shift).unsqueeze(-1))
+    acc_out.add_(out.to(acc_out.dtype) * torch.exp(lse - shift).unsqueeze(-1))
+    acc_lse.copy_(new_lse)
+
+
 def _ring_forward(qt, kv, group, scale, causal, layout, tracker):
     """qt: (B, H, Nl, D); kv: (2, B, Hkv, Nl, D) contiguous. Returns out acc, lse acc, bytes sent."""
     world, rank = world_and_rank(group)
@@ -93,10 +101,8 @@ def _ring_forward(qt, kv, group, scale, causal, layout, tracker):
         if plan is not None:
             qs, ks, c = plan
             o, lse = attn_fwd(qt[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, c)
-            mo, ml = merge_partial(acc_out[:, :, qs], acc_lse[:, :, qs], o, lse.to(adt))
-            acc_out[:, :, qs] = mo
-            acc_lse[:, :, qs] = ml
-            del o, lse, mo, ml
+            _merge_inplace(acc_out[:, :, qs], acc_lse[:, :, qs], o, lse.to(adt))
+            del o, lse
         if nxt is not None:
             comm.wait()
             kv = nxt  # drops the previous travelling block

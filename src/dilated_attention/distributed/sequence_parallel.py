@@ -100,8 +100,9 @@ class _Jobs:
     qidx: torch.Tensor  # (S, nq) local query rows
     kidx: torch.Tensor  # (S, nk) rows of the source K/V tensor
     causal: bool
-    qstart: int | None = None  # qidx == arange(qstart, qstart + S*nq): read/write through views
-    kstart: int | None = None  # same for kidx
+    # qidx[s, t] == a + s*b + t*c: rows read and written through strided views, no gather
+    qaff: tuple[int, int, int] | None = None
+    kaff: tuple[int, int, int] | None = None  # same for kidx
 
 
 @dataclass
@@ -110,8 +111,8 @@ class _Offset:
     hq: torch.Tensor  # (Gh,) query heads of this offset
     hk: torch.Tensor  # (Gk,) distinct kv heads they read
     kexp: torch.Tensor | None  # (Gh,) index into hk per query head when the sharing is uneven
-    hq_range: tuple[int, int] | None = None  # hq == arange(*hq_range): heads by slicing
-    hk_range: tuple[int, int] | None = None
+    hq_aff: tuple[int, int] | None = None  # hq == h0 + step * arange(Gh): (h0, step)
+    hk_aff: tuple[int, int] | None = None
 
 
 @dataclass
@@ -143,14 +144,27 @@ def _peers(x: int, P: int, L: int, w: int, causal: bool) -> tuple[list[int], lis
     return send, recv
 
 
-def _as_range(t: torch.Tensor) -> tuple[int, int] | None:
-    """(start, stop) if the 1-D int tensor is start, start+1, ..., else None."""
+def _affine1(t: torch.Tensor) -> tuple[int, int] | None:
+    """(t0, step) if the 1-D int tensor is t0 + step * arange(n), else None."""
     if t.numel() == 0:
         return None
-    start = int(t[0])
-    if torch.equal(t, torch.arange(start, start + t.numel())):
-        return start, start + t.numel()
-    return None
+    step = int(t[1] - t[0]) if t.numel() > 1 else 1
+    if step < 1 or not torch.equal(t, t[0] + step * torch.arange(t.numel())):
+        return None
+    return int(t[0]), step
+
+
+def _affine2(idx: torch.Tensor) -> tuple[int, int, int] | None:
+    """(a, b, c) if idx (S, n) == a + b * s + c * t, with b, c >= 1, else None."""
+    rows = _affine1(idx[0])
+    cols = _affine1(idx[:, 0])
+    if rows is None or cols is None:
+        return None
+    a, c = rows
+    b = cols[1]
+    if not torch.equal(idx, a + b * torch.arange(idx.shape[0])[:, None] + c * torch.arange(idx.shape[1])):
+        return None
+    return a, b, c
 
 
 @functools.lru_cache(maxsize=512)
@@ -167,7 +181,7 @@ def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
         even = len({kv.count(u) for u in uniq}) == 1
         kexp = None if even else torch.tensor([uniq.index(x) for x in kv])
         offsets.append(_Offset(o, torch.tensor(hq), torch.tensor(uniq), kexp,
-                               _as_range(torch.tensor(hq)), _as_range(torch.tensor(uniq))))
+                               _affine1(torch.tensor(hq)), _affine1(torch.tensor(uniq))))
 
     def rows(x, s, o, upto=None):
         """Global positions of rank x in segment s with offset o (below ``upto`` if given)."""
@@ -216,8 +230,7 @@ def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
             jobs[(src, oi)] = []
             for lst in by_shape.values():
                 qi, ki = torch.stack([a for a, _ in lst]), torch.stack([b for _, b in lst])
-                qr, kr = _as_range(qi.reshape(-1)), _as_range(ki.reshape(-1))
-                jobs[(src, oi)].append(_Jobs(qi, ki, causal and src == me, qr and qr[0], kr and kr[0]))
+                jobs[(src, oi)].append(_Jobs(qi, ki, causal and src == me, _affine2(qi), _affine2(ki)))
         if src != me:
             recv_counts[src] = counts
     # the schedule depends only on global shapes, so every rank picks the same one
@@ -250,8 +263,8 @@ def _plan(P, me, L, H, Hkv, w, r, hs, he, causal, mode, device) -> _BranchPlan:
 
         plan = _BranchPlan(
             cpu.w, cpu.r,
-            [_Offset(o.o, mv(o.hq), mv(o.hk), mv(o.kexp), o.hq_range, o.hk_range) for o in cpu.offsets],
-            {k: [_Jobs(mv(j.qidx), mv(j.kidx), j.causal, j.qstart, j.kstart) for j in v]
+            [_Offset(o.o, mv(o.hq), mv(o.hk), mv(o.kexp), o.hq_aff, o.hk_aff) for o in cpu.offsets],
+            {k: [_Jobs(mv(j.qidx), mv(j.kidx), j.causal, j.qaff, j.kaff) for j in v]
              for k, v in cpu.jobs.items()},
             {k: [mv(t) for t in v] for k, v in cpu.send_rows.items()},
             dict(cpu.recv_counts), cpu.rounds, cpu.mode, cpu.peers,
@@ -350,11 +363,32 @@ def _sources(plan, src, me, k, v, mask, received):
     return [(kk, vv, mm, None) for kk, vv, mm in received[src]]
 
 
+def _strided(x, aff, s, n, haff, gh):
+    """View of x (B, L, H, ...) at rows aff[0] + aff[1]*i + aff[2]*t and heads haff[0] + haff[1]*j.
+
+    -> (B, S, n, Gh, ...). The (row, head) pairs are distinct, so in-place updates are safe.
+    """
+    a, b, c = aff
+    h0, hstep = haff
+    st = x.stride()
+    size = (x.shape[0], s, n, gh, *x.shape[3:])
+    stride = (st[0], b * st[1], c * st[1], hstep * st[2], *st[3:])
+    return x.as_strided(size, stride, x.storage_offset() + a * st[1] + h0 * st[2])
+
+
+def _q_view_ok(job, off) -> bool:
+    return job.qaff is not None and off.hq_aff is not None
+
+
+def _k_view_ok(job, off, heads) -> bool:
+    return job.kaff is not None and (heads is None or off.hk_aff is not None)
+
+
 def _q_rows(job, off, x):
     """Query-side rows of one job from x (B, L, H, ...) -> (B, S, nq, Gh, ...), a view if possible."""
     s, nq = job.qidx.shape
-    if job.qstart is not None and off.hq_range is not None:
-        return x[:, job.qstart : job.qstart + s * nq, off.hq_range[0] : off.hq_range[1]].unflatten(1, (s, nq))
+    if _q_view_ok(job, off):
+        return _strided(x, job.qaff, s, nq, off.hq_aff, off.hq.numel())
     return x[:, job.qidx[..., None], off.hq[None, None, :]]
 
 
@@ -365,9 +399,9 @@ def _k_rows(job, off, x, heads):
     already (B, n, Gk, D)).
     """
     s, nk = job.kidx.shape
-    if job.kstart is not None and (heads is None or off.hk_range is not None):
-        hsl = slice(None) if heads is None else slice(*off.hk_range)
-        return x[:, job.kstart : job.kstart + s * nk, hsl].unflatten(1, (s, nk))
+    if _k_view_ok(job, off, heads):
+        haff, gk = ((0, 1), x.shape[2]) if heads is None else (off.hk_aff, off.hk.numel())
+        return _strided(x, job.kaff, s, nk, haff, gk)
     if heads is None:
         return x[:, job.kidx]
     return x[:, job.kidx[..., None], heads[None, None, :]]
@@ -375,8 +409,7 @@ def _k_rows(job, off, x, heads):
 
 def _k_add(job, off, acc, val, heads):
     """acc[rows of the job] += val (B, S, nk, Gk, D); (row, head) pairs of a job are distinct."""
-    s, nk = job.kidx.shape
-    if job.kstart is not None and (heads is None or off.hk_range is not None):
+    if _k_view_ok(job, off, heads):
         _k_rows(job, off, acc, heads).add_(val)
     elif heads is None:
         acc[:, job.kidx] += val
@@ -402,7 +435,7 @@ def _block_inputs(job, off, q, ks, vs, ms, heads):
 def _merge_rows(job, off, acc_out, acc_lse, o, lse):
     """Merge a job's partial (o (B, S, nq, Gh, D), lse (B, S, nq, Gh)) into the accumulators."""
     ao, al = _q_rows(job, off, acc_out), _q_rows(job, off, acc_lse)
-    if job.qstart is not None and off.hq_range is not None:  # views: merge in place
+    if _q_view_ok(job, off):  # views: merge in place
         new_lse = torch.logaddexp(al, lse)
         shift = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
         ao.mul_(torch.exp(al - shift).unsqueeze(-1))
@@ -448,7 +481,7 @@ def _bwd_source(plan, src, me, saved, received, dq, dk_src, scale):
             lb = _q_rows(job, off, lse).reshape(b * s, nq, gh).transpose(1, 2).contiguous()
             dqb, dkb, dvb = attn_bwd(dob, qb, kb, vb, ob, lb, scale, job.causal, mb)
             dqb = dqb.transpose(1, 2).reshape(b, s, nq, gh, -1).to(dq.dtype)
-            if job.qstart is not None and off.hq_range is not None:
+            if _q_view_ok(job, off):
                 _q_rows(job, off, dq).add_(dqb)
             else:
                 dq[:, job.qidx[..., None], off.hq[None, None, :]] += dqb
