@@ -84,7 +84,9 @@ def setup(device: str):
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        # the other ranks wait at a barrier while rank 0 runs the one-GPU baseline: long timeout
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local),
+                                timeout=datetime.timedelta(minutes=30))
         return torch.device("cuda", local)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("WORLD_SIZE", "1")))))
     dist.init_process_group("gloo")

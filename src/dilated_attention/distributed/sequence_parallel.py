@@ -417,19 +417,60 @@ def _k_add(job, off, acc, val, heads):
         acc[:, job.kidx[..., None], heads[None, None, :]] += val
 
 
-def _block_inputs(job, off, q, ks, vs, ms, heads):
-    """Gathered rows of one job in SDPA layout: (B*S, Gh, nq, D), (B*S, Gk, nk, D), mask."""
-    b, d = q.shape[0], q.shape[-1]
-    s, nq = job.qidx.shape
-    nk = job.kidx.shape[1]
-    qb = _q_rows(job, off, q).reshape(b * s, nq, -1, d).transpose(1, 2)
-    kb, vb = _k_rows(job, off, ks, heads), _k_rows(job, off, vs, heads)  # (B, S, nk, Gk, D)
-    if off.kexp is not None:  # query heads share kv heads unevenly: one kv head per query head
-        kb, vb = kb[:, :, :, off.kexp], vb[:, :, :, off.kexp]
-    kb = kb.reshape(b * s, nk, -1, d).transpose(1, 2)
-    vb = vb.reshape(b * s, nk, -1, d).transpose(1, 2)
-    mb = None if ms is None else ms[:, job.kidx].reshape(b * s, nk)
-    return qb, kb, vb, mb
+def _bundles(plan, src) -> list[list[tuple[int, _Jobs]]]:
+    """(offset index, job) pairs of one source grouped by shape: one attention call per group.
+
+    Blocks of different offsets (different heads) with equal shapes are stacked along the batch
+    dim, so a branch with r offsets costs one kernel launch per shape, not r.
+    """
+    groups: dict = {}
+    for oi, off in enumerate(plan.offsets):
+        gk = off.hq.numel() if off.kexp is not None else off.hk.numel()
+        for job in plan.jobs[(src, oi)]:
+            key = (*job.qidx.shape, job.kidx.shape[1], off.hq.numel(), gk, job.causal)
+            groups.setdefault(key, []).append((oi, job))
+    return list(groups.values())
+
+
+def _to_sdpa(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[(B, S, n, G, D)] * O -> (B*O*S, G, n, D) (one copy at most)."""
+    x = parts[0].unsqueeze(1) if len(parts) == 1 else torch.stack(parts, 1)  # (B, O, S, n, G, D)
+    b, o, s, n, g, d = x.shape
+    return x.reshape(b * o * s, n, g, d).transpose(1, 2)
+
+
+def _from_sdpa(x: torch.Tensor, b: int, o: int) -> torch.Tensor:
+    """(B*O*S, G, n, ...) -> (B, O, S, n, G, ...)."""
+    x = x.transpose(1, 2)
+    return x.reshape(b, o, -1, *x.shape[1:])
+
+
+def _bundle_inputs(bundle, plan, q, srcs):
+    """q, k, v in SDPA layout (B*O*S, G, n, D) and the key mask (B*O*S, nk) of one bundle."""
+    qs, ks_, vs_, ms_ = [], [], [], []
+    for oi, job in bundle:
+        off = plan.offsets[oi]
+        ks, vs, ms, heads = srcs[oi]
+        qs.append(_q_rows(job, off, q))
+        kb, vb = _k_rows(job, off, ks, heads), _k_rows(job, off, vs, heads)  # (B, S, nk, Gk, D)
+        if off.kexp is not None:  # query heads share kv heads unevenly: one kv head per query head
+            kb, vb = kb[:, :, :, off.kexp], vb[:, :, :, off.kexp]
+        ks_.append(kb)
+        vs_.append(vb)
+        ms_.append(None if ms is None else ms[:, job.kidx])  # (B, S, nk)
+    mb = None
+    if ms_[0] is not None:
+        mb = torch.stack(ms_, 1).reshape(-1, ms_[0].shape[-1])
+    return _to_sdpa(qs), _to_sdpa(ks_), _to_sdpa(vs_), mb
+
+
+def _q_side_sdpa(bundle, plan, x, lse_like=False):
+    """Query-side rows of x (out, dout: (B, L, H, D); lse: (B, L, H)) for a bundle, SDPA layout."""
+    parts = [_q_rows(job, plan.offsets[oi], x) for oi, job in bundle]
+    if lse_like:
+        parts = [t.unsqueeze(-1) for t in parts]
+        return _to_sdpa(parts).squeeze(-1).contiguous()  # (B*O*S, G, n)
+    return _to_sdpa(parts)
 
 
 def _merge_rows(job, off, acc_out, acc_lse, o, lse):
@@ -451,14 +492,13 @@ def _merge_rows(job, off, acc_out, acc_lse, o, lse):
 def _fwd_source(plan, src, me, q, k, v, mask, received, acc_out, acc_lse, scale):
     b = q.shape[0]
     srcs = _sources(plan, src, me, k, v, mask, received)
-    for oi, (off, (ks, vs, ms, heads)) in enumerate(zip(plan.offsets, srcs, strict=True)):
-        for job in plan.jobs[(src, oi)]:
-            qb, kb, vb, mb = _block_inputs(job, off, q, ks, vs, ms, heads)
-            o, lse = attn_fwd(qb, kb, vb, scale, job.causal, mb)
-            s, nq = job.qidx.shape
-            o = o.transpose(1, 2).reshape(b, s, nq, -1, o.shape[-1])
-            lse = lse.transpose(1, 2).reshape(b, s, nq, -1).to(acc_lse.dtype)
-            _merge_rows(job, off, acc_out, acc_lse, o, lse)
+    for bundle in _bundles(plan, src):
+        qb, kb, vb, mb = _bundle_inputs(bundle, plan, q, srcs)
+        o, lse = attn_fwd(qb, kb, vb, scale, bundle[0][1].causal, mb)
+        o = _from_sdpa(o, b, len(bundle))  # (B, O, S, nq, Gh, D)
+        lse = _from_sdpa(lse.unsqueeze(-1), b, len(bundle)).squeeze(-1).to(acc_lse.dtype)
+        for i, (oi, job) in enumerate(bundle):
+            _merge_rows(job, plan.offsets[oi], acc_out, acc_lse, o[:, i], lse[:, i])
 
 
 def _bwd_source(plan, src, me, saved, received, dq, dk_src, scale):
@@ -470,30 +510,31 @@ def _bwd_source(plan, src, me, saved, received, dq, dk_src, scale):
     q, k, v, mask, out, lse, dout = saved
     b = q.shape[0]
     srcs = _sources(plan, src, me, k, v, mask, received)
-    for oi, (off, (ks, vs, ms, heads)) in enumerate(zip(plan.offsets, srcs, strict=True)):
-        dks, dvs = dk_src if src == me else dk_src[oi]
-        for job in plan.jobs[(src, oi)]:
-            qb, kb, vb, mb = _block_inputs(job, off, q, ks, vs, ms, heads)
-            s, nq = job.qidx.shape
-            gh = off.hq.numel()
-            ob = _q_rows(job, off, out).reshape(b * s, nq, gh, -1).transpose(1, 2)
-            dob = _q_rows(job, off, dout).reshape(b * s, nq, gh, -1).transpose(1, 2)
-            lb = _q_rows(job, off, lse).reshape(b * s, nq, gh).transpose(1, 2).contiguous()
-            dqb, dkb, dvb = attn_bwd(dob, qb, kb, vb, ob, lb, scale, job.causal, mb)
-            dqb = dqb.transpose(1, 2).reshape(b, s, nq, gh, -1).to(dq.dtype)
+    for bundle in _bundles(plan, src):
+        qb, kb, vb, mb = _bundle_inputs(bundle, plan, q, srcs)
+        ob = _q_side_sdpa(bundle, plan, out)
+        dob = _q_side_sdpa(bundle, plan, dout)
+        lb = _q_side_sdpa(bundle, plan, lse, lse_like=True)
+        dqb, dkb, dvb = attn_bwd(dob, qb, kb, vb, ob, lb, scale, bundle[0][1].causal, mb)
+        dqb = _from_sdpa(dqb, b, len(bundle))  # (B, O, S, nq, Gh, D)
+        dkb = _from_sdpa(dkb, b, len(bundle))  # (B, O, S, nk, Gk, D)
+        dvb = _from_sdpa(dvb, b, len(bundle))
+        for i, (oi, job) in enumerate(bundle):
+            off = plan.offsets[oi]
+            dks, dvs = dk_src if src == me else dk_src[oi]
+            dqi = dqb[:, i].to(dq.dtype)
             if _q_view_ok(job, off):
-                _q_rows(job, off, dq).add_(dqb)
+                _q_rows(job, off, dq).add_(dqi)
             else:
-                dq[:, job.qidx[..., None], off.hq[None, None, :]] += dqb
-            nk = job.kidx.shape[1]
-            dkb = dkb.transpose(1, 2).reshape(b, s, nk, -1, dkb.shape[-1]).to(dks.dtype)
-            dvb = dvb.transpose(1, 2).reshape(b, s, nk, -1, dvb.shape[-1]).to(dvs.dtype)
+                dq[:, job.qidx[..., None], off.hq[None, None, :]] += dqi
+            dki, dvi = dkb[:, i].to(dks.dtype), dvb[:, i].to(dvs.dtype)
             if off.kexp is not None:  # sum the per-query-head copies back onto the kv heads
                 gk = off.hk.numel()
-                dkb = dkb.new_zeros(*dkb.shape[:3], gk, dkb.shape[-1]).index_add_(3, off.kexp, dkb)
-                dvb = dvb.new_zeros(*dvb.shape[:3], gk, dvb.shape[-1]).index_add_(3, off.kexp, dvb)
-            _k_add(job, off, dks, dkb, heads)
-            _k_add(job, off, dvs, dvb, heads)
+                dki = dki.new_zeros(*dki.shape[:3], gk, dki.shape[-1]).index_add_(3, off.kexp, dki)
+                dvi = dvi.new_zeros(*dvi.shape[:3], gk, dvi.shape[-1]).index_add_(3, off.kexp, dvi)
+            heads = srcs[oi][3]
+            _k_add(job, off, dks, dki, heads)
+            _k_add(job, off, dvs, dvi, heads)
 
 
 # ------------------------------------------------------------------------------ autograd glue
