@@ -1,0 +1,147 @@
+"""Training data: a seeded synthetic long-range retrieval task, and byte-level text.
+
+Retrieval (:class:`RetrievalTask`): every sequence is random filler with ``num_pairs`` key-value
+pairs planted ``distance`` tokens before its end; the tail asks for each key in turn::
+
+    filler ... k1 v1 k2 v2 ... filler ... Q k2 v2 Q k1 v1
+               ^ planted block starts distance tokens before the end
+
+Only the answers (the value after each queried key) are trained and scored; filler is uniform
+noise and carries no signal. Keys, values, filler and ``Q`` use disjoint token ranges, so a
+model that cannot see the planted block is at chance, ``1 / num_values``. ``distance`` is drawn
+uniformly from ``[min_distance, max_distance]`` per sequence, or fixed for accuracy-vs-distance
+evaluation. Batches are a pure function of ``(seed, step)``, so a resumed run sees the same data.
+
+Text (:class:`ByteText`): random crops of a file's bytes (vocab 256), next-byte prediction.
+
+A batch is ``(x, y)``: x (B, N) int64 inputs, y (B, N) int64 targets with -100 = ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+
+
+def _mix(seed: int, step: int, stream: int) -> int:
+    """A generator seed from (seed, step, stream); stable across processes (no str hashing)."""
+    return (int(seed) * 1_000_003 + int(step) * 4 + int(stream)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class RetrievalTask:
+    seq_len: int = 256
+    num_pairs: int = 2
+    num_keys: int = 16
+    num_values: int = 16
+    num_filler: int = 64
+    min_distance: int = 32
+    max_distance: int = 256
+
+    def __post_init__(self):
+        if self.num_pairs > self.num_keys:
+            raise ValueError(
+                f"num_pairs ({self.num_pairs}) > num_keys ({self.num_keys}): keys must be distinct"
+            )
+        need = 5 * self.num_pairs  # planted block (2P) + question tail (3P)
+        if self.min_distance < need:
+            raise ValueError(
+                f"min_distance ({self.min_distance}) must be >= 5 * num_pairs = {need}"
+            )
+        if self.max_distance > self.seq_len:
+            raise ValueError(
+                f"max_distance ({self.max_distance}) must be <= seq_len ({self.seq_len})"
+            )
+        if self.min_distance > self.max_distance:
+            raise ValueError(f"min_distance {self.min_distance} > max_distance {self.max_distance}")
+
+    # token ranges: [filler | keys | values | Q]
+    @property
+    def key0(self) -> int:
+        return self.num_filler
+
+    @property
+    def value0(self) -> int:
+        return self.num_filler + self.num_keys
+
+    @property
+    def query_token(self) -> int:
+        return self.num_filler + self.num_keys + self.num_values
+
+    @property
+    def vocab_size(self) -> int:
+        return self.query_token + 1
+
+    @property
+    def chance(self) -> float:
+        return 1.0 / self.num_values
+
+    def batch(self, batch_size: int, seed: int, step: int, distance: int | None = None):
+        """(x, y), each (batch_size, seq_len) int64 on CPU; ``distance`` fixes the distance."""
+        g = torch.Generator().manual_seed(_mix(seed, step, 0))
+        n, p = self.seq_len, self.num_pairs
+        tok = torch.randint(0, self.num_filler, (batch_size, n + 1), generator=g)  # (B, N+1)
+        keys = torch.stack(
+            [torch.randperm(self.num_keys, generator=g)[:p] for _ in range(batch_size)]
+        )  # (B, P)
+        vals = torch.randint(0, self.num_values, (batch_size, p), generator=g)  # (B, P)
+        if distance is None:
+            dist = torch.randint(
+                self.min_distance, self.max_distance + 1, (batch_size,), generator=g
+            )
+        else:
+            if not 5 * p <= distance <= n:
+                raise ValueError(f"distance {distance} must be in [{5 * p}, {n}]")
+            dist = torch.full((batch_size,), int(distance))
+        order = torch.stack([torch.randperm(p, generator=g) for _ in range(batch_size)])  # (B, P)
+        y = torch.full((batch_size, n), IGNORE, dtype=torch.long)
+        for b in range(batch_size):
+            s = n + 1 - int(dist[b])  # start of the planted block (token index)
+            for j in range(p):
+                tok[b, s + 2 * j] = self.key0 + keys[b, j]
+                tok[b, s + 2 * j + 1] = self.value0 + vals[b, j]
+            t0 = n + 1 - 3 * p  # question tail
+            for qi, j in enumerate(order[b].tolist()):
+                a = t0 + 3 * qi
+                tok[b, a] = self.query_token
+                tok[b, a + 1] = self.key0 + keys[b, j]
+                tok[b, a + 2] = self.value0 + vals[b, j]
+                y[b, a + 1] = self.value0 + vals[b, j]  # predicted at the key's position
+        return tok[:, :-1].contiguous(), y
+
+    @staticmethod
+    def accuracy(logits: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+        """(correct, total) over the scored positions; logits (B, N, V), y (B, N)."""
+        mask = y != IGNORE
+        pred = logits.argmax(-1)
+        return int((pred[mask] == y[mask]).sum()), int(mask.sum())
+
+
+class ByteText:
+    """Byte-level LM on a file: random crops of ``seq_len + 1`` bytes, seeded per step."""
+
+    vocab_size = 256
+
+    def __init__(self, path: str, seq_len: int, val_fraction: float = 0.05):
+        with open(path, "rb") as f:
+            data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
+        if len(data) < 2 * (seq_len + 1):
+            raise ValueError(
+                f"{path} has {len(data)} bytes; need at least {2 * (seq_len + 1)} for seq_len {seq_len}"
+            )
+        cut = max(seq_len + 1, int(len(data) * (1 - val_fraction)))
+        if len(data) - cut < seq_len + 1:
+            cut = len(data) - (seq_len + 1)
+        self.train_data, self.val_data = data[:cut], data[cut:]
+        self.seq_len = seq_len
+
+    def batch(self, batch_size: int, seed: int, step: int, split: str = "train"):
+        data = self.train_data if split == "train" else self.val_data
+        g = torch.Generator().manual_seed(_mix(seed, step, 0 if split == "train" else 1))
+        hi = max(1, len(data) - self.seq_len - 1)
+        starts = torch.randint(0, hi, (batch_size,), generator=g)
+        chunks = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()])  # (B, N+1)
+        return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()

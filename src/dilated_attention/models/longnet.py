@@ -1,0 +1,554 @@
+"""LongNet models in one file: config, MAGNETO blocks, decoder LM with KV cache, LongViT encoder.
+
+What this file owns (gpt-fast / nanoGPT style: read top to bottom):
+
+- :class:`LongNetConfig`: a dataclass with named presets (``LongNetConfig.preset("tiny")``).
+- :class:`Rotary`: rotary position embedding (RoPE) on (B, N, H, D) q/k, optionally xPos.
+- :class:`Attention`: q/k/v/out projections + rotary + :class:`DilatedAttention` + MAGNETO
+  sub-LayerNorm before the output projection. The sub-LN and gamma initialisation are the same
+  as :class:`dilated_attention.MultiheadDilatedAttention`; this block exists because rotary must
+  be applied between the projections and the attention, which that module does internally.
+- :class:`FeedForward`: fc1 -> GELU -> sub-LayerNorm -> fc2 (MAGNETO).
+- :class:`LongNetLM`: decoder-only causal LM, tied embeddings, activation checkpointing,
+  KV-cache ``generate``.
+- :class:`LongNetEncoder`: non-causal LongViT-style encoder over image patches.
+
+The models contain no parallelism code. :func:`dilated_attention.models.parallelize.parallelize`
+sets each attention module's ``process_group`` and the model's ``sp_group`` from outside; the
+model then treats its input as this rank's contiguous shard of the sequence and offsets its
+rotary positions by ``rank * N_local`` so that positions are global (SPEC section 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..modules import DilatedAttention
+
+# --------------------------------------------------------------------------------------- config
+
+
+@dataclass
+class LongNetConfig:
+    """Hyper-parameters of a LongNet model. ``segment_lengths``/``dilation_rates``: one per branch."""
+
+    vocab_size: int = 256
+    dim: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # None = n_head; fewer gives GQA/MQA
+    ffn_dim: int | None = None  # None = 4 * dim
+    segment_lengths: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
+    dilation_rates: tuple[int, ...] = (1, 2, 4, 6, 12)
+    head_assignment: str = "all"
+    max_seq_len: int = 32768  # a default for the data/KV cache; the model itself has no limit
+    dropout: float = 0.0  # residual and FFN dropout
+    attention_dropout: float = 0.0
+    bias: bool = True
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    xpos: bool = False  # xPos (Sun et al. 2022) decay on top of rotary
+    xpos_scale_base: float = 512.0
+    tie_embeddings: bool = True
+    gamma_init: float | None = None  # None = MAGNETO's sqrt(log(2 * n_layer))
+    checkpoint_activations: bool = False
+    impl: str = "auto"
+    # encoder (LongViT) only
+    image_size: tuple[int, int] = (224, 224)
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 0  # 0 = no head, forward returns features
+    ordering: str | None = None  # "hilbert" reorders the patch grid before attention
+    extra: dict = field(default_factory=dict)  # free-form notes (e.g. what a preset is for)
+
+    def __post_init__(self):
+        self.segment_lengths = tuple(int(w) for w in self.segment_lengths)
+        self.dilation_rates = tuple(int(r) for r in self.dilation_rates)
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.ffn_dim is None:
+            self.ffn_dim = 4 * self.dim
+        if self.dim % self.n_head != 0:
+            raise ValueError(f"dim ({self.dim}) must be a multiple of n_head ({self.n_head})")
+        if (self.dim // self.n_head) % 2 != 0:
+            raise ValueError(
+                f"head_dim = dim / n_head = {self.dim // self.n_head} must be even for rotary"
+            )
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(
+                f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})"
+            )
+        if max(self.dilation_rates) > self.n_head and self.head_assignment == "all":
+            # Not an error (SPEC allows it) but the query rows whose offset has no head are never
+            # attended in that branch: worth knowing when choosing a config.
+            self.extra.setdefault(
+                "warning",
+                f"max dilation {max(self.dilation_rates)} > n_head {self.n_head}: "
+                "some offsets have no head",
+            )
+        if self.gamma_init is None:
+            self.gamma_init = math.sqrt(math.log(2 * self.n_layer))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> LongNetConfig:
+        """A named configuration; keyword arguments override its fields."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(cls(**PRESETS[name]), **overrides)
+
+    def with_attention(
+        self, kind: str, seq_len: int, local_window: int | None = None
+    ) -> LongNetConfig:
+        """Same model size, other attention: ``"dilated"`` (unchanged), ``"dense"`` (one branch
+        w >= seq_len, r = 1) or ``"local"`` (one branch of window ``local_window``, r = 1;
+        default the smallest segment of this config)."""
+        if kind == "dilated":
+            return dataclasses.replace(self)
+        if kind == "dense":
+            return dataclasses.replace(
+                self, segment_lengths=(max(seq_len, 1),), dilation_rates=(1,)
+            )
+        if kind == "local":
+            w = local_window or min(self.segment_lengths)
+            return dataclasses.replace(self, segment_lengths=(w,), dilation_rates=(1,))
+        raise ValueError(f"attention kind must be 'dilated', 'dense' or 'local', got {kind!r}")
+
+
+PRESETS: dict[str, dict] = {
+    # CPU, seconds per step: 4 layers, 4 heads so that every offset of r <= 4 has a head.
+    "tiny": dict(
+        vocab_size=256,
+        dim=128,
+        n_layer=4,
+        n_head=4,
+        ffn_dim=256,
+        segment_lengths=(64, 256, 1024),
+        dilation_rates=(1, 2, 4),
+        max_seq_len=1024,
+    ),
+    # one GPU, quick: 32K tokens.
+    "small": dict(
+        vocab_size=256,
+        dim=384,
+        n_layer=6,
+        n_head=6,
+        ffn_dim=1536,
+        segment_lengths=(1024, 4096, 16384, 32768),
+        dilation_rates=(1, 2, 4, 6),
+        max_seq_len=32768,
+    ),
+    # the paper's LongNet base: 768 hidden, 12 heads, 12 layers.
+    "base": dict(
+        vocab_size=50304,
+        dim=768,
+        n_layer=12,
+        n_head=12,
+        ffn_dim=3072,
+        segment_lengths=(2048, 4096, 8192, 16384, 32768),
+        dilation_rates=(1, 2, 4, 6, 12),
+        max_seq_len=32768,
+    ),
+    # LongViT-style encoder on a 1024x1024 image with 16x16 patches (4096 tokens).
+    "vit-tiny": dict(
+        dim=128,
+        n_layer=4,
+        n_head=4,
+        ffn_dim=256,
+        image_size=(128, 128),
+        patch_size=8,
+        segment_lengths=(64, 256),
+        dilation_rates=(1, 2),
+        num_classes=10,
+    ),
+    "vit-base": dict(
+        dim=768,
+        n_layer=12,
+        n_head=12,
+        ffn_dim=3072,
+        image_size=(1024, 1024),
+        patch_size=16,
+        segment_lengths=(256, 1024, 4096),
+        dilation_rates=(1, 2, 4),
+        num_classes=1000,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------- rotary
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half form) on (B, N, H, D), with optional xPos decay.
+
+    Positions are absolute (global) positions, passed by the caller, so a KV cache or a
+    sequence-parallel shard gets the same rotation as the full sequence would.
+    xPos multiplies q by zeta^(p / scale_base) and k by zeta^(-p / scale_base); the product
+    decays with the distance i - j. It is not centred (centring would make a cached key depend
+    on the final length), so very long sequences in low precision can under/overflow: keep
+    ``xpos=False`` beyond a few thousand tokens or compute in float32.
+    """
+
+    def __init__(
+        self, head_dim: int, base: float = 10000.0, xpos: bool = False, scale_base: float = 512.0
+    ):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
+        self.xpos = xpos
+        self.scale_base = scale_base
+        zeta = (torch.arange(0, head_dim, 2, dtype=torch.float64) + 0.4 * head_dim) / (
+            1.4 * head_dim
+        )
+        self.register_buffer("zeta", zeta, persistent=False)  # (D/2,)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor):
+        """q (B, Nq, H, D), k (B, Nk, Hkv, D), pos_* (N,) int64 -> rotated q, k (same dtypes)."""
+        return self._rotate(q, pos_q, +1), self._rotate(k, pos_k, -1)
+
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor, sign: int) -> torch.Tensor:
+        # Angles in float64 then cast: positions up to millions keep full precision.
+        ang = pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq  # (N, D/2)
+        cos, sin = ang.cos(), ang.sin()
+        if self.xpos:
+            scale = self.zeta ** (
+                sign * pos.to(self.zeta.dtype)[:, None] / self.scale_base
+            )  # (N, D/2)
+            cos, sin = cos * scale, sin * scale
+        dt = x.dtype if x.dtype == torch.float64 else torch.float32
+        cos = torch.cat([cos, cos], -1).to(dt)[None, :, None, :]  # (1, N, 1, D)
+        sin = torch.cat([sin, sin], -1).to(dt)[None, :, None, :]
+        xf = x.to(dt)
+        x1, x2 = xf.chunk(2, dim=-1)
+        rot = torch.cat([-x2, x1], dim=-1)
+        return (xf * cos + rot * sin).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------- blocks
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values of one layer: (B, max_len, Hkv, D) each (gpt-fast style)."""
+
+    def __init__(self, batch: int, max_len: int, n_kv_head: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, max_len, n_kv_head, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k/v (B, T, Hkv, D) at [start, start+T); return all keys/values up to start+T."""
+        end = start + k.shape[1]
+        if end > self.k.shape[1]:
+            raise ValueError(
+                f"KV cache of length {self.k.shape[1]} is full (need {end}); setup_cache larger"
+            )
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        return self.k[:, :end], self.v[:, :end]  # (B, end, Hkv, D)
+
+
+class Attention(nn.Module):
+    """Pre-projected multi-head dilated attention with rotary and MAGNETO sub-LN.
+
+    Same parameterisation as :class:`MultiheadDilatedAttention` (q/k gain 1, v/out gain gamma,
+    xavier_normal_, zero biases, LayerNorm before ``out_proj``), plus rotary on q/k.
+    """
+
+    def __init__(self, cfg: LongNetConfig, causal: bool, grid: tuple[int, int] | None = None):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.causal = causal
+        self.gamma_init = cfg.gamma_init
+        kv_dim = cfg.n_kv_head * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.bias)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.xpos, cfg.xpos_scale_base)
+        self.attention = DilatedAttention(
+            cfg.segment_lengths, cfg.dilation_rates, attention_dropout=cfg.attention_dropout,
+            head_assignment=cfg.head_assignment, impl=cfg.impl,
+            ordering=cfg.ordering if grid is not None else None, grid=grid,
+        )  # fmt: skip
+        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)  # MAGNETO sub-LN
+        self.out_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+        self.kv_cache: KVCache | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_normal_(self.q_proj.weight)
+        nn.init.xavier_normal_(self.k_proj.weight)
+        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
+        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        self.norm.reset_parameters()
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """x (B, T, E) holding positions [start_pos, start_pos + T) -> (B, T, E).
+
+        With a KV cache the keys are every cached position [0, start_pos + T) and the queries
+        are the last T of them (bottom-right alignment of ``dilated_attention``). Without one,
+        ``start_pos`` is only the rotary offset (nonzero for a sequence-parallel shard).
+        """
+        b, t, e = x.shape
+        q = self.q_proj(x).view(b, t, self.n_head, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
+        pos = torch.arange(start_pos, start_pos + t, device=x.device)  # (T,) global positions
+        q, k = self.rotary(q, k, pos, pos)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(start_pos, k, v)  # (B, start_pos + T, Hkv, D)
+        y = self.attention(q, k, v, is_causal=self.causal)  # (B, T, H, D)
+        y = self.norm(y.reshape(b, t, e))
+        return self.out_proj(y)
+
+
+class FeedForward(nn.Module):
+    """MAGNETO FFN: fc1 -> GELU -> sub-LayerNorm -> fc2, fc1/fc2 xavier_normal_ with gain gamma."""
+
+    def __init__(self, cfg: LongNetConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.norm = nn.LayerNorm(cfg.ffn_dim, eps=cfg.norm_eps)
+        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+        for lin in (self.fc1, self.fc2):
+            nn.init.xavier_normal_(lin.weight, gain=cfg.gamma_init)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(self.dropout(F.gelu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """Pre-LN residual block: x + attn(LN(x)), then x + ffn(LN(x))."""
+
+    def __init__(self, cfg: LongNetConfig, causal: bool, grid: tuple[int, int] | None = None):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, causal, grid)
+        self.ffn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), start_pos))
+        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+
+
+class _Trunk(nn.Module):
+    """Blocks + final LayerNorm + the sequence-parallel position offset, shared by both models."""
+
+    def __init__(self, cfg: LongNetConfig, causal: bool, grid: tuple[int, int] | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(Block(cfg, causal, grid) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        # Set by parallelize(): the sequence-parallel group; the input is then this rank's shard.
+        self.sp_group = None
+
+    def position_offset(self, local_len: int) -> int:
+        """Global position of this rank's first token: rank * N_local (contiguous layout)."""
+        if self.sp_group is None:
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank(self.sp_group) * local_len
+
+    def run_layers(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        for layer in self.layers:
+            if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, start_pos, use_reentrant=False)
+            else:
+                x = layer(x, start_pos)
+        return self.norm(x)
+
+
+# --------------------------------------------------------------------------------------- decoder
+
+
+class LongNetLM(_Trunk):
+    """Decoder-only causal LongNet language model with tied embeddings.
+
+    ``forward(idx (B, T) int64, targets (B, T) | None)`` -> ``(logits (B, T, V), loss | None)``;
+    targets equal to -100 are ignored. The loss is the mean over this rank's valid targets.
+    """
+
+    def __init__(self, cfg: LongNetConfig):
+        super().__init__(cfg, causal=True)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.tok_emb.weight, std=cfg.dim**-0.5)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        else:
+            nn.init.normal_(self.lm_head.weight, std=cfg.dim**-0.5)
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        start_pos: int | None = None,
+    ):
+        """idx (B, T) -> (logits (B, T, V), loss or None).
+
+        ``start_pos``: global position of ``idx[:, 0]``. Default: 0, or ``rank * T`` when
+        sequence-parallel. With a KV cache (:meth:`setup_cache`) it is where the tokens are
+        written and must be given.
+        """
+        b, t = idx.shape
+        if start_pos is None:
+            if self.has_cache:
+                raise ValueError(
+                    "with a KV cache, pass start_pos (the cache length before these tokens)"
+                )
+            start_pos = self.position_offset(t)
+        x = self.emb_dropout(self.tok_emb(idx))  # (B, T, E)
+        x = self.run_layers(x, start_pos)  # (B, T, E)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100
+            )
+        return logits, loss
+
+    # ---------------------------------------------------------------- KV cache and generation
+
+    @property
+    def has_cache(self) -> bool:
+        return self.layers[0].attn.kv_cache is not None
+
+    def setup_cache(self, batch: int, max_len: int) -> None:
+        """Allocate a KV cache for ``batch`` sequences of up to ``max_len`` tokens.
+
+        The cache keeps every position: dilated segments are aligned to absolute positions, so
+        a key far back can still share a segment with a new query.
+        """
+        p = self.tok_emb.weight
+        for layer in self.layers:
+            a = layer.attn
+            a.kv_cache = KVCache(batch, max_len, a.n_kv_head, a.head_dim, p.dtype, p.device)
+
+    def clear_cache(self) -> None:
+        for layer in self.layers:
+            layer.attn.kv_cache = None
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        *,
+        return_logits: bool = False,
+    ):
+        """Sample ``max_new_tokens`` after ``idx`` (B, T) using a KV cache.
+
+        temperature 0 means greedy. Returns (B, T + max_new_tokens); with ``return_logits`` also
+        the list of last-position logits (B, V) used at each step.
+        """
+        if self.sp_group is not None:
+            raise ValueError(
+                "generate() runs on one device; call it on a model without sequence parallelism"
+            )
+        was_training = self.training
+        self.eval()
+        b, t = idx.shape
+        self.setup_cache(b, t + max_new_tokens)
+        steps = []
+        try:
+            logits, _ = self(idx, start_pos=0)  # prefill: (B, T, V)
+            pos = t
+            for _ in range(max_new_tokens):
+                last = logits[:, -1, :]  # (B, V)
+                steps.append(last)
+                nxt = _sample(last, temperature, top_k)  # (B, 1)
+                idx = torch.cat([idx, nxt], dim=1)
+                if len(steps) == max_new_tokens:
+                    break
+                logits, _ = self(nxt, start_pos=pos)  # (B, 1, V)
+                pos += 1
+        finally:
+            self.clear_cache()
+            self.train(was_training)
+        return (idx, steps) if return_logits else idx
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """logits (B, V) -> next token (B, 1)."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+
+# --------------------------------------------------------------------------------------- encoder
+
+
+class LongNetEncoder(_Trunk):
+    """Non-causal LongViT-style encoder: image -> patch tokens -> MAGNETO blocks.
+
+    ``forward(images (B, C, H, W))`` -> features (B, N, E), N = (H/p)(W/p) patches in row-major
+    order, or class logits (B, num_classes) from mean-pooled features when ``num_classes > 0``.
+    ``forward_tokens(x (B, N, E))`` skips the patch embedding (pre-embedded or 1-D inputs).
+    With ``ordering="hilbert"`` the attention reorders the patch grid along a Hilbert curve
+    (needs :mod:`dilated_attention.ordering`).
+    """
+
+    def __init__(self, cfg: LongNetConfig):
+        ih, iw = cfg.image_size
+        if ih % cfg.patch_size or iw % cfg.patch_size:
+            raise ValueError(
+                f"image_size {cfg.image_size} must be a multiple of patch_size {cfg.patch_size}"
+            )
+        grid = (ih // cfg.patch_size, iw // cfg.patch_size)
+        if cfg.ordering not in (None, "none", "hilbert"):
+            raise ValueError(f"ordering must be None or 'hilbert', got {cfg.ordering!r}")
+        if (
+            cfg.ordering == "hilbert"
+            and importlib.util.find_spec("dilated_attention.ordering") is None
+        ):
+            raise ValueError(
+                "ordering='hilbert' needs dilated_attention.ordering, not in this version"
+            )
+        super().__init__(cfg, causal=False, grid=grid if cfg.ordering == "hilbert" else None)
+        self.grid = grid
+        self.patch_embed = nn.Conv2d(
+            cfg.in_chans, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size
+        )
+        self.head = nn.Linear(cfg.dim, cfg.num_classes) if cfg.num_classes > 0 else None
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(images)  # (B, E, H/p, W/p)
+        x = x.flatten(2).transpose(1, 2)  # (B, N, E), row-major patches
+        return self.forward_tokens(x)
+
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.run_layers(x, self.position_offset(x.shape[1]))  # (B, N, E)
+        if self.head is None:
+            return x
+        return self.head(x.mean(dim=1))  # (B, num_classes)

@@ -1,0 +1,232 @@
+"""LongNet models: shapes, causality, KV-cache generation, checkpointing, encoder, parallelize on gloo."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dilated_attention.models import LongNetConfig, LongNetEncoder, LongNetLM, parallelize
+from dilated_attention.models.longnet import Rotary
+
+
+def _cfg(**kw) -> LongNetConfig:
+    # awkward sizes on purpose: N = 37 is not a multiple of any segment
+    base = dict(
+        vocab_size=50,
+        dim=32,
+        n_layer=2,
+        n_head=4,
+        ffn_dim=48,
+        segment_lengths=(8, 16, 32),
+        dilation_rates=(1, 2, 4),
+        impl="torch",
+    )
+    base.update(kw)
+    return LongNetConfig(**base)
+
+
+def test_presets():
+    base = LongNetConfig.preset("base")
+    assert (base.dim, base.n_head, base.n_layer) == (768, 12, 12)
+    assert base.segment_lengths == (2048, 4096, 8192, 16384, 32768)
+    assert base.dilation_rates == (1, 2, 4, 6, 12)
+    assert LongNetConfig.preset("tiny", dim=64).dim == 64
+    with pytest.raises(ValueError, match="unknown preset"):
+        LongNetConfig.preset("huge")
+    dense = base.with_attention("dense", 40000)
+    assert dense.segment_lengths == (40000,) and dense.dilation_rates == (1,)
+    local = base.with_attention("local", 40000, 256)
+    assert local.segment_lengths == (256,)
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_lm_shapes_and_loss(n_kv_head):
+    torch.manual_seed(0)
+    m = LongNetLM(_cfg(n_kv_head=n_kv_head))
+    idx = torch.randint(0, 50, (2, 37))
+    logits, loss = m(idx)
+    assert logits.shape == (2, 37, 50) and loss is None
+    tgt = idx.clone()
+    tgt[:, :10] = -100
+    _, loss = m(idx, tgt)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
+    assert m.lm_head.weight is m.tok_emb.weight  # tied
+
+
+@pytest.mark.parametrize("xpos", [False, True])
+def test_no_future_leakage(xpos):
+    torch.manual_seed(0)
+    m = LongNetLM(_cfg(xpos=xpos)).double().eval()
+    idx = torch.randint(0, 50, (2, 37))
+    t = 21
+    idx2 = idx.clone()
+    idx2[:, t] = (idx[:, t] + 1) % 50
+    l1, _ = m(idx)
+    l2, _ = m(idx2)
+    torch.testing.assert_close(l1[:, :t], l2[:, :t], rtol=0, atol=1e-12)
+    assert (l1[:, t:] - l2[:, t:]).abs().max() > 1e-6  # the change is visible from t on
+
+
+def test_rotary_relative():
+    """Rotary scores depend on i - j only: a shift of all positions leaves them unchanged."""
+    rot = Rotary(16).double()
+    q, k = (
+        torch.randn(1, 5, 2, 16, dtype=torch.float64),
+        torch.randn(1, 5, 2, 16, dtype=torch.float64),
+    )
+    p = torch.arange(5)
+    s = [torch.einsum("bihd,bjhd->bhij", *rot(q, k, p + off, p + off)) for off in (0, 1000)]
+    torch.testing.assert_close(s[0], s[1])
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 1])
+def test_cached_generation_equals_recompute(n_kv_head):
+    torch.manual_seed(0)
+    m = LongNetLM(_cfg(n_kv_head=n_kv_head)).double().eval()
+    prompt = torch.randint(0, 50, (2, 11))
+    out, step_logits = m.generate(prompt, max_new_tokens=30, temperature=0.0, return_logits=True)
+    assert out.shape == (2, 41) and not m.has_cache
+    # Full recomputation over the growing sequence: same last-position logits at every step,
+    # across several segment boundaries of every branch (8, 16, 32).
+    for s, lg in enumerate(step_logits):
+        full, _ = m(out[:, : 11 + s])
+        torch.testing.assert_close(lg, full[:, -1], rtol=1e-9, atol=1e-9)
+    # sampling with top_k runs and stays in range
+    out2 = m.generate(prompt, max_new_tokens=5, temperature=0.8, top_k=5)
+    assert out2.shape == (2, 16) and out2.max() < 50
+
+
+def test_checkpoint_activations_same_grads():
+    torch.manual_seed(0)
+    cfg = _cfg()
+    m1 = LongNetLM(cfg).double()
+    m2 = LongNetLM(dataclasses.replace(cfg, checkpoint_activations=True)).double()
+    m2.load_state_dict(m1.state_dict())
+    idx = torch.randint(0, 50, (2, 37))
+    for m in (m1, m2):
+        m(idx, idx)[1].backward()
+    for (n, p1), p2 in zip(m1.named_parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(p1.grad, p2.grad, msg=n)
+
+
+def test_state_dict_round_trip(tmp_path):
+    torch.manual_seed(0)
+    cfg = _cfg()
+    m = LongNetLM(cfg)
+    path = tmp_path / "m.pt"
+    torch.save({"config": dataclasses.asdict(cfg), "model": m.state_dict()}, path)
+    ck = torch.load(path, weights_only=False)
+    m2 = LongNetLM(LongNetConfig(**ck["config"]))
+    m2.load_state_dict(ck["model"])
+    idx = torch.randint(0, 50, (1, 37))
+    torch.testing.assert_close(m.eval()(idx)[0], m2.eval()(idx)[0], rtol=0, atol=0)
+
+
+def test_encoder_shapes():
+    torch.manual_seed(0)
+    cfg = _cfg(image_size=(32, 48), patch_size=8, num_classes=0)
+    enc = LongNetEncoder(cfg)
+    img = torch.randn(2, 3, 32, 48)
+    assert enc(img).shape == (2, 24, 32)  # 4 x 6 patches
+    cls = LongNetEncoder(dataclasses.replace(cfg, num_classes=7))
+    assert cls(img).shape == (2, 7)
+    # non-causal: the first token sees a later one
+    x = torch.randn(1, 24, 32, dtype=torch.float64)
+    enc = enc.double().eval()
+    y1 = enc.forward_tokens(x)
+    x2 = x.clone()
+    x2[:, 5] = torch.randn(32, dtype=torch.float64)  # (a constant shift would vanish in LayerNorm)
+    assert (enc.forward_tokens(x2)[:, 0] - y1[:, 0]).abs().max() > 1e-8
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("dilated_attention.ordering") is None, reason="no ordering module"
+)
+def test_encoder_hilbert():
+    torch.manual_seed(0)
+    cfg = _cfg(image_size=(32, 48), patch_size=8, num_classes=3, ordering="hilbert")
+    enc = LongNetEncoder(cfg)
+    assert enc(torch.randn(2, 3, 32, 48)).shape == (2, 3)
+
+
+# ------------------------------------------------------------------------------ sequence parallel
+
+
+def _sp_available() -> bool:
+    try:
+        from dilated_attention.distributed import sequence_parallel
+    except ImportError:
+        return False
+    return hasattr(sequence_parallel, "dilated_attention_sp")
+
+
+def _sp_cfg() -> LongNetConfig:
+    # N = 32 over 2 ranks: the 32-segment spans both ranks, the 8-segments do not.
+    return _cfg(segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), impl="torch", vocab_size=40)
+
+
+def _sp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = LongNetLM(_sp_cfg()).double()
+        g = torch.Generator().manual_seed(1)
+        idx = torch.randint(0, 40, (2, 32), generator=g)
+        tgt = torch.randint(0, 40, (2, 32), generator=g)
+        parallelize(model, dist.group.WORLD)
+        n = 32 // world
+        sl = slice(rank * n, (rank + 1) * n)
+        logits, loss = model(idx[:, sl], tgt[:, sl])
+        # equal tokens per rank: the global mean loss is the mean of the local means
+        (loss / world).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        dist.all_reduce(grads)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.save(
+            {"logits": logits.detach(), "loss": total / world, "grads": grads},
+            os.path.join(result_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parallelize_gloo_matches_single_process():
+    if not _sp_available():
+        pytest.skip("sequence-parallel backend not available")
+    world = 2
+    torch.manual_seed(0)
+    model = LongNetLM(_sp_cfg()).double()
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 40, (2, 32), generator=g)
+    tgt = torch.randint(0, 40, (2, 32), generator=g)
+    logits, loss = model(idx, tgt)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_sp_worker, args=(world, os.path.join(d, "rdzv"), d), nprocs=world, join=True)
+        res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    torch.testing.assert_close(torch.cat([r["logits"] for r in res], dim=1), logits.detach())
+    for r in res:
+        torch.testing.assert_close(r["loss"], loss.detach())
+        torch.testing.assert_close(r["grads"], grads)
+
+
+def test_parallelize_sets_groups_without_dist():
+    m = LongNetLM(_cfg())
+    sentinel = object()
+    parallelize(m, sentinel)
+    assert m.sp_group is sentinel
+    assert all(layer.attn.attention.process_group is sentinel for layer in m.layers)
+    parallelize(m, None)
+    assert m.sp_group is None
