@@ -157,6 +157,11 @@ def _extras_worker(rank, world):
         mesh1 = init_device_mesh("cpu", (4,))
         _check_case("1-D mesh", mesh1, 4, rank, "zigzag", False, 1, 16, 2, 1, 8, seed=30)
 
+    # a one-rank group with torch.distributed initialised: plain attention, no communication
+    solos = [dist.new_group([x]) for x in range(world)]
+    _check_case("one-rank group", solos[rank], 1, 0, "zigzag", True, 1, 8, 2, 1, 8, seed=40 + rank)
+    assert last_ring_stats()["fwd_bytes_sent"] == 0
+
     # gather_sequence: forward is the global tensor, backward sums the ranks' gradients
     x = torch.arange(4.0 * world, dtype=torch.float64).reshape(1, 4 * world, 1)
     for layout in ("contiguous", "zigzag"):

@@ -84,9 +84,8 @@ def _merge_inplace(acc_out, acc_lse, out, lse) -> None:
     acc_lse.copy_(new_lse)
 
 
-def _ring_forward(qt, kv, group, scale, causal, layout, tracker):
+def _ring_forward(qt, kv, group, world, rank, scale, causal, layout, tracker):
     """qt: (B, H, Nl, D); kv: (2, B, Hkv, Nl, D) contiguous. Returns out acc, lse acc, bytes sent."""
-    world, rank = world_and_rank(group)
     b, h, nl, _ = qt.shape
     adt = _acc_dtype(qt)
     acc_out = torch.zeros(b, h, nl, kv.shape[-1], dtype=adt, device=qt.device)
@@ -109,9 +108,8 @@ def _ring_forward(qt, kv, group, scale, causal, layout, tracker):
     return acc_out, acc_lse, (comm.bytes_sent if comm else 0)
 
 
-def _ring_backward(dot, qt, kv, out, lse, group, scale, causal, layout, tracker):
+def _ring_backward(dot, qt, kv, out, lse, group, world, rank, scale, causal, layout, tracker):
     """All in (B, H|Hkv, Nl, D) layout; kv: (2, B, Hkv, Nl, D). Returns dq (acc), dkv (acc), bytes."""
-    world, rank = world_and_rank(group)
     nl = qt.shape[2]
     adt = _acc_dtype(qt)
     dq = torch.zeros(qt.shape, dtype=adt, device=qt.device)
@@ -160,21 +158,22 @@ def _ring_backward(dot, qt, kv, out, lse, group, scale, causal, layout, tracker)
 
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, layout):
+    def forward(ctx, q, k, v, group, world, rank, scale, causal, layout):
         # q: (B, Nl, H, D); k, v: (B, Nl, Hkv, D)
         qt = q.transpose(1, 2)  # (B, H, Nl, D) view, as SDPA takes it
         kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()  # (2, B, Hkv, Nl, D)
         tracker = BufferTracker()
-        acc_out, acc_lse, sent = _ring_forward(qt, kv, group, scale, causal, layout, tracker)
+        acc_out, acc_lse, sent = _ring_forward(qt, kv, group, world, rank, scale, causal, layout, tracker)
         out_t = acc_out.to(q.dtype)  # (B, H, Nl, D)
         del acc_out
         _LAST_STATS.update(
             fwd_bytes_sent=sent, fwd_peak_ring_bytes=tracker.peak_live_bytes,
-            kv_block_bytes=kv.numel() * kv.element_size(), world=world_and_rank(group)[0],
+            kv_block_bytes=kv.numel() * kv.element_size(), world=world,
         )
         if any(ctx.needs_input_grad[:3]):
             ctx.save_for_backward(q, k, v, out_t, acc_lse)
-        ctx.group, ctx.scale, ctx.causal, ctx.layout = group, scale, causal, layout
+        ctx.group, ctx.world, ctx.rank = group, world, rank
+        ctx.scale, ctx.causal, ctx.layout = scale, causal, layout
         lse = acc_lse.to(torch.float32)
         ctx.mark_non_differentiable(lse)
         return out_t.transpose(1, 2).contiguous(), lse
@@ -188,14 +187,14 @@ class _RingAttentionFunction(torch.autograd.Function):
         kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()
         tracker = BufferTracker()
         dq, dkv, sent = _ring_backward(
-            dot, q.transpose(1, 2), kv, out_t, lse, ctx.group, ctx.scale, ctx.causal, ctx.layout,
-            tracker,
+            dot, q.transpose(1, 2), kv, out_t, lse, ctx.group, ctx.world, ctx.rank, ctx.scale,
+            ctx.causal, ctx.layout, tracker,
         )
         _LAST_STATS.update(bwd_bytes_sent=sent, bwd_peak_ring_bytes=tracker.peak_live_bytes)
         dq = dq.transpose(1, 2).to(q.dtype)
         dk = dkv[0].transpose(1, 2).to(k.dtype)
         dv = dkv[1].transpose(1, 2).to(v.dtype)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _validate(q, k, v, causal, scale, layout, group, validate: bool):
@@ -269,9 +268,10 @@ def ring_attention(
         or ``(out, lse)``. Gradients flow to q, k, v in their dtypes.
     """
     group = resolve_group(group)
-    world, _ = world_and_rank(group)
+    world, rank = world_and_rank(group)
     scale = resolve_scale(softmax_scale, q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else 1.0
     causal = bool(causal)
     _validate(q, k, v, causal, scale, layout, group, validate)
-    out, lse = _RingAttentionFunction.apply(q, k, v, group if world > 1 else None, scale, causal, layout)
+    # world and rank travel explicitly: group=None would mean the default group inside
+    out, lse = _RingAttentionFunction.apply(q, k, v, group, world, rank, scale, causal, layout)
     return (out, lse) if return_lse else out
