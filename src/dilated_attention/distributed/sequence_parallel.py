@@ -7,8 +7,9 @@ gradients. Positions are global.
 Per branch (w, r) and dilation offset o (query heads ``h % r == o``), a query at position p sees
 the keys of its segment ``p // w`` whose in-segment index is congruent to o. The keys of a
 segment may live on other ranks ("source" ranks); this rank computes one partial attention per
-(source rank, offset), batched over the segments of equal shape, and merges every partial result
-of every branch into one float32 accumulator by LSE (:func:`..merge.merge_partial`):
+(source rank, segment, offset) block, with the blocks of equal shape (over segments and offsets)
+batched into one attention call, and merges every partial result of every branch into one float32
+accumulator by LSE (:func:`..merge.merge_partial`; in place where rows are strided views):
 
 - keys on this rank: no communication (a branch whose segments never cross a shard boundary,
   e.g. ``L % w == 0``, is entirely local); causal is plain causal masking inside each block.
@@ -19,8 +20,9 @@ of every branch into one float32 accumulator by LSE (:func:`..merge.merge_partia
 
 Queries never move. Exchange schedules (:func:`exchange_mode`): ``"allgather"`` posts every
 peer's rows at once (one round; best when a segment spans few ranks), ``"ring"`` exchanges with
-the peers at distance 1, 2, ... one distance per round with the next round in flight, so only
-two peers' rows are held at a time. ``"auto"`` picks allgather when no rank has more than two
+the peers at distance 1, 2, ... one distance per round with the next round in flight, so at most
+two rounds (four peers' rows) are held at a time (a distance-staged ring: rows go straight to
+their destination, never relayed, so each row crosses the network once). ``"auto"`` picks allgather when no rank has more than two
 peers in the branch, else ring (the choice is a pure function of the shapes, so every rank
 agrees).
 
@@ -42,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -126,7 +128,6 @@ class _BranchPlan:
     rounds: list  # [[peer, ...]] peers exchanged with in each round
     mode: str
     peers: int
-    extra: dict = field(default_factory=dict)
 
 
 def _rank_segments(x: int, L: int, w: int) -> range:
