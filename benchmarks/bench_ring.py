@@ -13,6 +13,9 @@ the per-rank peak memory; and on rank 0 alone (the other ranks wait at a barrier
 A small correctness check against SDPA runs first. The markdown table is printed last and written
 to ``--out`` with the command, GPU, versions, date and NCCL environment.
 
+Expected run time on 2 x H200 with the defaults: about 5-6 minutes, dominated by the one-GPU
+SDPA baseline at N = 512K (drop it with ``--sizes 65536,131072,262144`` or ``--no-single``).
+
 CPU smoke test (gloo): ``torchrun --nproc_per_node=2 benchmarks/bench_ring.py --device cpu --small``
 """
 
@@ -55,7 +58,7 @@ def parse_args():
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=2)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--small", action="store_true", help="tiny sizes for a CPU smoke test")
     p.add_argument("--no-single", action="store_true", help="skip the one-GPU SDPA baseline")
