@@ -21,7 +21,7 @@ def eq10_per_branch(q, k, v, seg, dil, causal, head_assignment):
             for i in range(n):
                 num = torch.zeros(d, dtype=torch.float64)
                 den = torch.zeros((), dtype=torch.float64)
-                for (w, r), (hs, he) in zip(zip(seg, dil), branch_head_ranges(h, len(seg), head_assignment)):
+                for (w, r), (hs, he) in zip(zip(seg, dil, strict=True), branch_head_ranges(h, len(seg), head_assignment), strict=True):
                     if not hs <= hi < he:
                         continue
                     o = hi % r

@@ -256,7 +256,7 @@ def cmd_bench(args) -> int:
             json.dump({"meta": meta, "results": results}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(f"# bench: dilated attention vs dense SDPA\n\n")
+            f.write("# bench: dilated attention vs dense SDPA\n\n")
             for key, val in meta.items():
                 f.write(f"- {key}: `{val}`\n")
             f.write("\n" + _md_table(hdr, table) + "\n")

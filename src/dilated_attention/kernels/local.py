@@ -56,7 +56,7 @@ def pick_backend(q, k, key_mask=None, dropout_p: float = 0.0, causal: bool = Fal
     return "math"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_flash_native_gqa(device_index: int) -> bool:
     """Does this torch's flash op take fewer K/V heads than Q heads? Probed once per device."""
     dev = torch.device("cuda", device_index)
@@ -72,7 +72,7 @@ def _cuda_flash_native_gqa(device_index: int) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_flash_aux(device_index: int):
     """(cum_seq_q, cum_seq_k, philox_seed, philox_offset) exactly as this torch's flash forward
     returns them for dense, dropout-free inputs; the backward op wants these objects back."""
