@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import tempfile
 
@@ -43,6 +44,9 @@ def test_presets():
     assert dense.segment_lengths == (40000,) and dense.dilation_rates == (1,)
     local = base.with_attention("local", 40000, 256)
     assert local.segment_lengths == (256,)
+    # derived defaults follow overrides (no stale values from the preset)
+    t = LongNetConfig.preset("base", n_layer=3, n_head=8, dim=512, ffn_dim=None)
+    assert t.gamma == math.sqrt(math.log(6)) and t.kv_heads == 8 and t.ffn_hidden == 2048
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2])

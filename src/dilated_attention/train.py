@@ -32,16 +32,7 @@ from .models.longnet import LongNetConfig, LongNetLM
 # "tiny": CPU, a few minutes on 2 cores. "small"/"base": one GPU, 32K-token sequences.
 TRAIN_PRESETS: dict[str, dict] = {
     "tiny": dict(
-        model=dict(
-            vocab_size=128,
-            dim=64,
-            n_layer=3,
-            n_head=4,
-            ffn_dim=128,
-            segment_lengths=(32, 128, 256),
-            dilation_rates=(1, 2, 4),
-            max_seq_len=256,
-        ),
+        model=dict(),
         seq_len=256,
         batch_size=32,
         steps=600,
@@ -60,17 +51,17 @@ TRAIN_PRESETS: dict[str, dict] = {
     "small": dict(
         model=dict(vocab_size=128, max_seq_len=32768),
         seq_len=32768,
-        batch_size=4,
-        steps=2000,
-        lr=1e-3,
-        warmup=100,
+        batch_size=8,
+        steps=900,
+        lr=2e-3,
+        warmup=50,
         local_window=1024,
         num_pairs=1,
         min_distance=64,
         max_distance=32768,
         eval_distances=(512, 2048, 8192, 16384, 32768),
-        eval_every=200,
-        eval_samples=64,
+        eval_every=300,
+        eval_samples=32,
         device="cuda",
         dtype="bfloat16",
     ),
@@ -231,7 +222,9 @@ def evaluate(model, data, s: dict, seed: int, device, autocast) -> dict:
     bs = s["batch_size"]
     nb = max(1, math.ceil(s["eval_samples"] / bs))
     out = {}
-    # Eval batches use steps >= 10**9 of the eval seed: never the training batches.
+    # Eval batches use steps >= 10**9 of seed + 1: never the training batches. Every distance
+    # gets the same sequences (filler, keys, values) with only the planted block moved: a
+    # paired comparison in which distance is the only variable.
     if isinstance(data, RetrievalTask):
         for d in (None, *s["eval_distances"]):
             correct = total = 0
@@ -318,7 +311,7 @@ def run_train(args: argparse.Namespace) -> int:
             min_distance=s["min_distance"],
             max_distance=s["max_distance"],
         )
-        vocab = s["model"].get("vocab_size", data.vocab_size)
+        vocab = s["model"].get("vocab_size", LongNetConfig.preset(args.preset).vocab_size)
         if vocab < data.vocab_size:
             raise ValueError(f"model vocab {vocab} < task vocab {data.vocab_size}")
     cfg = LongNetConfig.preset(args.preset, **{**s["model"], "vocab_size": vocab})
