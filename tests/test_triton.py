@@ -215,7 +215,10 @@ def test_triton_cuda_vs_torch_path(seed, n, h, hkv, seg, dil, causal, kw, dtype)
         ea, eb = _err(a, r), _err(b, r)
         print(f"{name}: triton err {ea:.3g}, baseline err {eb:.3g}")
         assert ea <= 2 * eb + 1e-3, f"{name}: triton err {ea:.3g} > 2 x baseline err {eb:.3g} + 1e-3"
-    assert _err(tri[1], ref[1]) <= 2e-2, "lse"
+    # rows with no key (split heads + padding) have lse = -inf in both: compare where finite
+    fin = torch.isfinite(ref[1])
+    assert torch.equal(fin, torch.isfinite(tri[1])), "lse: rows without keys differ"
+    assert _err(tri[1][fin], ref[1][fin]) <= 2e-2, "lse"
 
 
 @pytest.mark.cuda
