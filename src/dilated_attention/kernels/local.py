@@ -11,6 +11,8 @@ LSE is float32 (float64 for float64 inputs), shape ``(batch, heads, Lq)``; a row
 ``lse = -inf`` and output 0.
 
 Backends, chosen per call by :func:`pick_backend`:
+- ``"cudnn"``: cuDNN attention (Hopper; what SDPA picks there), same private-op route, used only
+  when a one-time probe on the device reproduces the FlashAttention-2 results;
 - ``"flash"``: PyTorch's FlashAttention-2 kernels (CUDA, fp16/bf16) through the private aten ops
   that ``torch.distributed.tensor.experimental`` context parallelism also uses;
 - ``"cpu_flash"``: PyTorch's fused CPU kernel (same contract, any float dtype);
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
 _MATH_BLOCK_BYTES = 64 * 1024 * 1024  # fp32 score bytes per block in the math path
+_CUDNN_MIN_ROWS = 128
 
 
 def _flash_ok(q: torch.Tensor, k: torch.Tensor, key_mask, dropout_p: float, causal: bool) -> bool:
@@ -43,6 +47,15 @@ def _flash_ok(q: torch.Tensor, k: torch.Tensor, key_mask, dropout_p: float, caus
 
 def pick_backend(q, k, key_mask=None, dropout_p: float = 0.0, causal: bool = False) -> str:
     if _flash_ok(q, k, key_mask, dropout_p, causal):
+        # cuDNN only for MHA blocks of >= 128 rows (the shapes its probe and the GPU runs covered;
+        # it rejects s_q = s_kv = 1 outright); small blocks gain nothing from it anyway
+        if (
+            q.shape[1] == k.shape[1]
+            and q.shape[-1] in (64, 128)
+            and min(q.shape[2], k.shape[2]) >= _CUDNN_MIN_ROWS
+            and _cudnn_usable(q.device.index or 0)
+        ):
+            return "cudnn"
         return "flash"
     if (
         q.device.type == "cpu"
@@ -54,6 +67,70 @@ def pick_backend(q, k, key_mask=None, dropout_p: float = 0.0, causal: bool = Fal
     ):
         return "cpu_flash"
     return "math"
+
+
+def _cudnn_fwd(q, k, v, scale, causal):
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    lse = res[1]
+    return res[0], (lse.reshape(lse.shape[:3]) if lse.dim() == 4 else lse)
+
+
+def _cudnn_bwd(do, q, k, v, out, lse, scale, causal):
+    lse_in = lse.reshape(*lse.shape, 1) if _CUDNN_LSE_4D.get(q.device.index or 0) else lse
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do, q, k, v, out, lse_in.contiguous(), *_cudnn_aux(q.device.index or 0), q.shape[2], k.shape[2],
+        0.0, causal, scale=scale,
+    )
+
+
+_CUDNN_LSE_4D: dict[int, bool] = {}
+
+
+@functools.cache
+def _cudnn_aux(device_index: int):
+    """(philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k) as the dropout-free cuDNN
+    forward returns them (the backward op wants them back)."""
+    q = torch.randn(1, 1, 16, 64, device=torch.device("cuda", device_index), dtype=torch.float16)
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, False, False)
+    _CUDNN_LSE_4D[device_index] = res[1].dim() == 4
+    return res[6], res[7], None, res[2], res[3]
+
+
+@functools.cache
+def _cudnn_usable(device_index: int) -> bool:
+    """Use cuDNN attention (what SDPA itself picks on Hopper; measured ~1.7x PyTorch's
+    FlashAttention-2 there, see benchmarks/results/ring_probe_*) through its private ops?
+
+    Only on compute capability >= 9 and only if a probe on this device reproduces the
+    FlashAttention-2 forward, LSE and backward on strided (B, L, H, D)-transposed inputs like ours.
+    ``DILATED_ATTENTION_CUDNN=0`` turns it off.
+    """
+    if os.environ.get("DILATED_ATTENTION_CUDNN", "1") == "0":
+        return False
+    dev = torch.device("cuda", device_index)
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    try:
+        _cudnn_aux(device_index)
+        g = torch.Generator(device=dev).manual_seed(0)
+        for causal in (False, True):
+            q, k, v, do = (
+                torch.randn(2, 300, 4, 128, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                for _ in range(4)
+            )
+            o1, l1 = _cudnn_fwd(q, k, v, 0.1, causal)
+            o2, l2 = attn_fwd(q, k, v, 0.1, causal, backend="flash")
+            if (o1.float() - o2.float()).abs().max() > 2e-2 or (l1 - l2).abs().max() > 1e-3:
+                return False
+            out = o2.transpose(1, 2).contiguous().transpose(1, 2)  # layout of our saved outputs
+            g1 = _cudnn_bwd(do, q, k, v, out, l2, 0.1, causal)
+            g2 = attn_bwd(do, q, k, v, out, l2, 0.1, causal, backend="flash")
+            for a, b in zip(g1, g2, strict=True):
+                if (a.float() - b.float()).norm() > 2e-2 * b.float().norm():
+                    return False
+        return True
+    except RuntimeError:
+        return False
 
 
 @functools.cache
@@ -115,6 +192,8 @@ def attn_fwd(
             q, k, v, 0.0, causal, False, scale=scale
         )
         return res[0], res[1]
+    if backend == "cudnn":
+        return _cudnn_fwd(q, k, v, scale, causal)
     if backend == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
@@ -144,6 +223,8 @@ def attn_bwd(
     backend = backend or pick_backend(q, k, key_mask, dropout_p, causal)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if backend == "cudnn":
+        return _cudnn_bwd(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, out, lse, scale, causal)
     if backend == "flash":
         hkv = k.shape[1]
         native = hkv == q.shape[1] or _cuda_flash_native_gqa(q.device.index or 0)
