@@ -272,7 +272,12 @@ class _DilatedTorchFunction(torch.autograd.Function):
             grp.add_into(dq, dq_g, "q")
             grp.add_into(dk, dk_g, "k")
             grp.add_into(dv, dv_g, "k")
-        return (dq[:, :nq].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None)
+        # cast one accumulator at a time and drop it, so that the float32 copies of dq/dk/dv
+        # never coexist with all three casts (peak: 3 float32 accumulators + 1 cast, not + 3)
+        dq = dq[:, :nq].to(q.dtype)
+        dk = dk.to(k.dtype)
+        dv = dv.to(v.dtype)
+        return (dq, dk, dv, None, None, None, None, None, None)
 
 
 def dilated_attention_torch(
