@@ -29,6 +29,20 @@ def _check_ordering(ordering, grid):
     return None, None
 
 
+def magneto_init_(
+    q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear, out_proj: nn.Linear, gamma: float
+) -> None:
+    """MAGNETO (Wang et al. 2022) attention init: xavier_normal_ with gain 1 for the query and key
+    projections and gain ``gamma`` for the value and output projections; biases zero."""
+    nn.init.xavier_normal_(q_proj.weight)
+    nn.init.xavier_normal_(k_proj.weight)
+    nn.init.xavier_normal_(v_proj.weight, gain=gamma)
+    nn.init.xavier_normal_(out_proj.weight, gain=gamma)
+    for lin in (q_proj, k_proj, v_proj, out_proj):
+        if lin.bias is not None:
+            nn.init.zeros_(lin.bias)
+
+
 class DilatedAttention(nn.Module):
     """Dilated attention over (batch, seqlen, nheads, headdim) tensors.
 
@@ -175,14 +189,7 @@ class MultiheadDilatedAttention(nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        # MAGNETO (Wang et al. 2022): q/k gain 1, v/out gain gamma; biases zero.
-        nn.init.xavier_normal_(self.q_proj.weight)
-        nn.init.xavier_normal_(self.k_proj.weight)
-        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
-        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
+        magneto_init_(self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.gamma_init)
         if self.norm is not None:
             self.norm.reset_parameters()
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..modules import DilatedAttention
+from ..modules import DilatedAttention, magneto_init_
 
 # --------------------------------------------------------------------------------------- config
 
@@ -289,13 +289,7 @@ class Attention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.xavier_normal_(self.q_proj.weight)
-        nn.init.xavier_normal_(self.k_proj.weight)
-        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
-        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
+        magneto_init_(self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.gamma_init)
         self.norm.reset_parameters()
 
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
