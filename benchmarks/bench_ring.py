@@ -30,12 +30,12 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from dist_bench_utils import peak_gib, reset_peak, setup, time_fn  # noqa: E402
 
 from dilated_attention.distributed import ring_attention, shard_sequence  # noqa: E402
 
@@ -70,55 +70,6 @@ def parse_args():
             a.dtype = "fp32"
     a.sizes = a.sizes or "65536,131072,262144,524288"
     return a
-
-
-def setup(device: str):
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        # the other ranks wait at a barrier while rank 0 runs the one-GPU baseline: long timeout
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local),
-                                timeout=datetime.timedelta(minutes=30))
-        return torch.device("cuda", local)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("WORLD_SIZE", "1")))))
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def reset_peak(dev):
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-
-
-def peak_gib(dev) -> float | None:
-    if dev.type == "cuda":
-        return torch.cuda.max_memory_allocated(dev) / 2**30
-    return None
-
-
-def time_fn(fn, dev, warmup, iters, group=None):
-    """Mean seconds per call; with a group, the max over its ranks (after a barrier)."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    if group is not None:
-        dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(dev)
-    dt = (time.perf_counter() - t0) / iters
-    if group is not None:
-        t = torch.tensor([dt], dtype=torch.float64, device=dev if dev.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        dt = float(t.item())
-    return dt
 
 
 def make_inputs(b, n, h, hkv, d, dtype, dev, seed, grad):
