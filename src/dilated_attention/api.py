@@ -161,8 +161,10 @@ def dilated_attention(
         head_assignment: ``"all"`` (every head in every branch, the paper) or ``"split"``.
         return_lse: also return lse (batch, nheads, seqlen_q) float32 (not differentiable).
         impl: ``"auto"``, ``"reference"``, ``"torch"`` or ``"triton"``.
-        group: a ``torch.distributed`` process group for sequence-parallel execution; each rank
-            passes its contiguous shard of the sequence (not available yet on this version).
+        group: a ``torch.distributed`` process group (or 1-D DeviceMesh) for sequence-parallel
+            execution: each rank passes its contiguous shard (dim 1) of q, k, v and
+            key_padding_mask and gets its shard of the single-device result, with exact gradients
+            (see ``distributed/sequence_parallel.py``; seqlen_q == seqlen_k, no dropout there).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``.
