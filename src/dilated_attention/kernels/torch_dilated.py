@@ -60,6 +60,7 @@ class _Group:
     hq: torch.Tensor | None = None  # (O, Gh) query heads per offset
     hk: torch.Tensor | None = None  # (O, Gk) kv heads per offset
     unique_k: bool = True  # (position, kv head) pairs are unique in this group
+    fresh: bool = False  # no earlier group wrote these (row, head) pairs: write, don't merge
 
     # ------------------------------------------------------------------ reading rows
     def take(self, x: torch.Tensor, side: str) -> torch.Tensor:
@@ -149,11 +150,12 @@ class _Group:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment):
+def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, chunk_rows):
     """The groups of every branch, with index tensors on the CPU (cached per shape)."""
     qoff = nk - nq
     rep = nheads // nheads_kv
     groups: list[dict] = []
+    touched: list[tuple[int, int]] = []
     ranges = branch_head_ranges(nheads, len(segment_lengths), head_assignment)
     for (w, r), (hs, he) in zip(zip(segment_lengths, dilation_rates, strict=True), ranges, strict=True):
         if he <= hs:
@@ -166,11 +168,22 @@ def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_a
         if nk % w:
             seg_types.append((nfull, 1, nk - nfull * w))
         use_view = r == 1 and (qoff == 0) and hs % rep == 0 and he % rep == 0
+        # heads no earlier branch touched: this branch's groups write the accumulator directly
+        fresh = all(he2 <= hs or he <= hs2 for hs2, he2 in touched)
+        touched.append((hs, he))
+        # at most ~chunk_rows query rows per attention call: bounds the call's temporaries
+        # (its dq/dk/dv and the kernels' workspaces) to a fraction of the full tensors
+        seg_types = [
+            (f, min(c, first + count - f), length)
+            for first, count, length in seg_types
+            for c in [max(1, chunk_rows // length)]
+            for f in range(first, first + count, c)
+        ]
         for first, count, length in seg_types:
             if use_view:
                 groups.append(
                     dict(kind="view", start=first * w, nseg=count, length=length, hs=hs, he=he,
-                         kvs=hs // rep, kve=he // rep)
+                         kvs=hs // rep, kve=he // rep, fresh=fresh)
                 )
                 continue
             by_shape: dict[tuple, list] = {}
@@ -203,19 +216,23 @@ def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_a
                         hq=torch.tensor([h for _, h, _ in offs]),
                         hk=torch.tensor([kh for _, _, kh in offs]),
                         unique_k=unique,
+                        fresh=fresh,
                     )
                 )
     return groups
 
 
 _device_plans: dict = {}
+_GROUP_ROWS = 32768  # query rows per attention call (whole segments; at least one segment)
 
 
 def make_plan(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, device):
-    key = (nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, str(device))
+    key = (nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, str(device), _GROUP_ROWS)
     plan = _device_plans.get(key)
     if plan is None:
-        raw = _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment)
+        raw = _plan_cpu(
+            nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, _GROUP_ROWS
+        )
         plan = tuple(
             _Group(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in g.items()})
             for g in raw
@@ -243,7 +260,7 @@ class _DilatedTorchFunction(torch.autograd.Function):
                 grp.take(q, "q"), grp.take(k, "k"), grp.take(v, "k"), scale, causal,
                 grp.take_mask(key_padding_mask), dropout_p, seed + gid,
             )
-            grp.merge_into(acc_out, acc_lse, o_g, l_g, first=gid == 0)
+            grp.merge_into(acc_out, acc_lse, o_g, l_g, first=grp.fresh)
         out = acc_out[:, :nq].to(q.dtype)
         del acc_out
         acc_lse[:, nq] = float("inf")  # dummy rows contribute nothing in the backward
