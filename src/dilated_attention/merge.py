@@ -33,10 +33,12 @@ def merge_partial_(
 ) -> None:
     """In-place :func:`merge_partial` into (out_acc, lse_acc), which may be strided views.
 
-    Fewer temporaries than the functional form: used on the hot path of the torch impl.
+    Fewer temporaries than the functional form: the hot path of the torch impl, the ring steps
+    and the sequence-parallel merge.
     """
+    lse_b = lse_b.to(lse_acc.dtype)
     lse = torch.logaddexp(lse_acc, lse_b)
     shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     out_acc.mul_(torch.exp(lse_acc - shift).unsqueeze(-1))
-    out_acc.add_(out_b * torch.exp(lse_b - shift).unsqueeze(-1))
+    out_acc.add_(out_b.to(out_acc.dtype) * torch.exp(lse_b - shift).unsqueeze(-1))
     lse_acc.copy_(lse)

@@ -29,6 +29,7 @@ import torch
 
 from ..api import check_qkv, resolve_scale
 from ..kernels.local import attn_bwd, attn_fwd
+from ..merge import merge_partial_
 from .comm import (
     BufferTracker,
     RingComm,
@@ -75,15 +76,6 @@ def _step_plan(rank: int, src: int, causal: bool, layout: str, n_local: int):
     return slice(c, None), full, False
 
 
-def _merge_inplace(acc_out, acc_lse, out, lse) -> None:
-    """merge_partial written into the accumulator views (one temporary of out's size, not three)."""
-    new_lse = torch.logaddexp(acc_lse, lse)
-    shift = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    acc_out.mul_(torch.exp(acc_lse - shift).unsqueeze(-1))
-    acc_out.add_(out.to(acc_out.dtype) * torch.exp(lse - shift).unsqueeze(-1))
-    acc_lse.copy_(new_lse)
-
-
 def _ring_forward(qt, kv, group, world, rank, scale, causal, layout, tracker):
     """qt: (B, H, Nl, D); kv: (2, B, Hkv, Nl, D) contiguous. Returns out acc, lse acc, bytes sent."""
     b, h, nl, _ = qt.shape
@@ -100,7 +92,7 @@ def _ring_forward(qt, kv, group, world, rank, scale, causal, layout, tracker):
         if plan is not None:
             qs, ks, c = plan
             o, lse = attn_fwd(qt[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, c)
-            _merge_inplace(acc_out[:, :, qs], acc_lse[:, :, qs], o, lse.to(adt))
+            merge_partial_(acc_out[:, :, qs], acc_lse[:, :, qs], o, lse)
             del o, lse
         if nxt is not None:
             comm.wait()

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ..branches import branch_head_ranges
 from ..kernels.local import attn_bwd, attn_fwd
-from ..merge import merge_partial
+from ..merge import merge_partial, merge_partial_
 from .comm import check_same_across_ranks, dtype_code, global_rank, resolve_group, world_and_rank
 
 EXCHANGE_MODES = ("auto", "allgather", "ring")
@@ -478,11 +478,7 @@ def _merge_rows(job, off, acc_out, acc_lse, o, lse):
     """Merge a job's partial (o (B, S, nq, Gh, D), lse (B, S, nq, Gh)) into the accumulators."""
     ao, al = _q_rows(job, off, acc_out), _q_rows(job, off, acc_lse)
     if _q_view_ok(job, off):  # views: merge in place
-        new_lse = torch.logaddexp(al, lse)
-        shift = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-        ao.mul_(torch.exp(al - shift).unsqueeze(-1))
-        ao.add_(o.to(ao.dtype) * torch.exp(lse - shift).unsqueeze(-1))
-        al.copy_(new_lse)
+        merge_partial_(ao, al, o, lse)
         return
     mo, ml = merge_partial(ao, al, o, lse)
     idx = (slice(None), job.qidx[..., None], off.hq[None, None, :])
