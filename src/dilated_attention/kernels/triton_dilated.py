@@ -20,12 +20,19 @@ Backward (exact, the mixing weights are not detached): with the final merged ``o
 contributes ``dS = P_b * (dP - delta)`` independently. Per branch two kernels:
 - dK/dV: one program per (key block x segment, batch x kv head x offset class). It loops over the
   query heads that share its kv head *and* its offset (``h = g*rep + i0 + k*r``), so dK/dV of
-  shared kv heads are summed inside the program: no atomics, deterministic.
-- dQ: one program per query block, like the forward.
+  shared kv heads are summed inside the program: no atomics, deterministic. The (head, query
+  block) loop is one flat loop (a nested one miscompiled under pipelining, v2), computed in the
+  transposed form S^T = K Q^T (no register transposes), in two stages: query blocks on the
+  causal diagonal (or all, with a padding mask) with masks, then the rest without any.
+- dQ: one program per query block, like the forward, with the same mask-free first stage.
 Both add into accumulators with a plain load-add-store (each row owned by one program per
-branch). Accumulators are float32 whenever a row can receive more than one branch's
-contribution; when it cannot (single branch, or ``head_assignment="split"`` with unshared kv
-heads) the output dtype is used directly, which rounds exactly once and saves memory.
+branch); all dK/dV launches run before all dQ launches, so only one phase's accumulators are
+alive at a time. In fp16/bf16, a result that a row can receive from more than one branch is
+accumulated as a compensated pair (hi, lo) of the result dtype: hi is the result buffer itself
+(at every step the correctly rounded partial sum, so no final cast and no float32 copy) and lo
+the rounding residue (error per branch <= ~2^-17 relative for bf16, far below the final
+rounding). The forward's (out, lse) merge uses the same pair. float32 inputs accumulate in
+float32 directly; a row with a single contribution is written once in the result dtype.
 
 LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)``; a query with no key gets
 ``out = 0`` and ``lse = -inf`` and zero gradients (never NaN).
@@ -87,7 +94,31 @@ def unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | 
 # ---------------------------------------------------------------------------------- kernels
 @functools.cache
 def _kernels(interpret: bool):
-    """Build the jitted kernels (once per mode). ``interpret`` only keys the cache."""
+    """Build the jitted kernels (once per mode). ``interpret`` only keys the cache.
+
+    Constexpr switches: ``V3`` selects the v3 loop bodies exactly (variant "v3"); ``COMP`` the
+    compensated (hi, lo) accumulation of the output/gradients across branches (see
+    ``_acc_store``); ``STORE_LO`` is False for the last branch (its lo part is never read).
+    """
+
+    @triton.jit
+    def _acc_store(ptrs, lo_ptrs, val, mask, FIRST: tl.constexpr, COMP: tl.constexpr,
+                   STORE_LO: tl.constexpr):
+        # x = old + val, stored as hi = x rounded to the buffer's dtype and, if COMP, the
+        # rounding residue lo = x - hi in a second buffer of the same dtype: hi + lo carries
+        # ~2x the dtype's mantissa (bf16: error <= 2^-17 |x| per branch), hi is at every step
+        # the correctly rounded partial sum (so rows a later branch never touches are final)
+        if FIRST:
+            x = val
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + val
+            if COMP:
+                x += tl.load(lo_ptrs, mask=mask, other=0.0).to(tl.float32)
+        hi = x.to(ptrs.dtype.element_ty)
+        tl.store(ptrs, hi, mask=mask)
+        if COMP:
+            if STORE_LO:
+                tl.store(lo_ptrs, (x - hi.to(tl.float32)).to(lo_ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _fwd_inner(
@@ -129,17 +160,113 @@ def _kernels(interpret: bool):
             m_i = m_new
         return acc, l_i, m_i
 
+    @triton.jit
+    def _dkdv_inner(
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+        h_start, m_start, j0, nj, nhl, offs_n, valid_k, qk_scale,
+        D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+        PREC: tl.constexpr, MASKED: tl.constexpr, V3: tl.constexpr,
+    ):
+        # one flat loop over (query head, query block j0..j0+nj): a nested loop under software
+        # pipelining gave a wrong dK on the GPU (v2)
+        offs_d = tl.arange(0, D)
+        njd = tl.maximum(nj, 1)  # no division by zero in a pipelined prologue of an empty loop
+        for it in range(0, nhl * nj):
+            h = h_start + (it // njd) * R
+            m_lo = m_start + (j0 + it % njd) * BM
+            offs_m = m_lo + tl.arange(0, BM)
+            pos_m = (pos0 + R * offs_m).to(tl.int64)
+            qrow = pos_m - QOFF
+            valid_m = (offs_m < L) & (qrow >= 0)
+            q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
+                        mask=valid_m[:, None], other=0.0)
+            do = tl.load(DOb + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
+                         mask=valid_m[:, None], other=0.0)
+            hq = h * NQ
+            lse = tl.load(LSEb + hq + qrow, mask=valid_m, other=float("inf"))
+            # rows with no key (lse = -inf) get no gradient: treat as +inf => p = 0; so do the
+            # rows that do not exist (other=+inf), which is why v4 needs no query-row mask
+            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+            dlt = tl.load(DELTAb + hq + qrow, mask=valid_m, other=0.0)
+            if V3:
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BM, BN)
+                p = tl.math.exp2(s - lse[:, None])
+                mask = valid_k[None, :] & valid_m[:, None]
+                if CAUSAL:
+                    mask = mask & (offs_n[None, :] <= offs_m[:, None])
+                p = tl.where(mask, p, 0.0)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+                dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+                ds = p * (dp - dlt[:, None])
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+            else:
+                # transposed form (keys on the rows): P^T and dS^T are the left operands in
+                # the layout the MMA produced them in, no register transpose; only loaded
+                # tiles (q, do) are transposed, which is free
+                st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BN, BM)
+                pt = tl.math.exp2(st - lse[None, :])
+                if MASKED:
+                    if HAS_KPM:
+                        pt = tl.where(valid_k[:, None], pt, 0.0)
+                    if CAUSAL:
+                        pt = tl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
+                dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+                dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+                dst = pt * (dpt - dlt[None, :])
+                dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+        return dk, dv
+
+    @triton.jit
+    def _dq_inner(
+        dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, valid_m, lo, hi,
+        qk_scale, D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, V3: tl.constexpr,
+    ):
+        offs_d = tl.arange(0, D)
+        for n_lo in range(lo, hi, BN):
+            offs_n = n_lo + tl.arange(0, BN)
+            pos_n = (pos0 + R * offs_n).to(tl.int64)
+            kp = Kb + pos_n[:, None] * skn + offs_d[None, :]
+            vp = Vb + pos_n[:, None] * svn + offs_d[None, :]
+            if MASKED:
+                valid_n = offs_n < L
+                k = tl.load(kp, mask=valid_n[:, None], other=0.0)
+                v = tl.load(vp, mask=valid_n[:, None], other=0.0)
+                if HAS_KPM:
+                    pad = tl.load(KPMb + pos_n, mask=valid_n, other=1)
+                    valid_n = valid_n & (pad == 0)
+            else:
+                k = tl.load(kp)
+                v = tl.load(vp)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            p = tl.math.exp2(s - lse[:, None])
+            if MASKED:
+                mask = valid_n[None, :]
+                if V3:
+                    mask = mask & valid_m[:, None]  # v4: rows that do not exist have p = 0
+                if CAUSAL:
+                    mask = mask & (offs_n[None, :] <= offs_m[:, None])
+                p = tl.where(mask, p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - dlt[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        return dq
+
     # kernels resolve helper names through the module globals
+    globals()["_acc_store"] = _acc_store
     globals()["_fwd_inner"] = _fwd_inner
+    globals()["_dkdv_inner"] = _dkdv_inner
+    globals()["_dq_inner"] = _dq_inner
 
     @triton.jit
     def _fwd_kernel(
-        Q, K, V, KPM, ACC_O, ACC_L,
+        Q, K, V, KPM, ACC_O, ACC_LO, ACC_L,
         sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
         NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
         qk_scale,
         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_KPM: tl.constexpr, FIRST: tl.constexpr, PREC: tl.constexpr,
+        COMP: tl.constexpr, STORE_LO: tl.constexpr,
     ):
         pid0 = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -199,13 +326,16 @@ def _kernels(interpret: bool):
         out_b = acc / l_safe[:, None]
         hq = (b64 * H + h) * NQ
         lptrs = ACC_L + hq + qrow
-        optrs = ACC_O + b64 * sob + qrow[:, None] * son + h * soh + offs_d[None, :]
+        ooff = b64 * sob + qrow[:, None] * son + h * soh + offs_d[None, :]
+        optrs = ACC_O + ooff
         if FIRST:
             new_lse = lse_b
             new_out = out_b
         else:
             lse_a = tl.load(lptrs, mask=valid_m, other=float("-inf"))
-            out_a = tl.load(optrs, mask=valid_m[:, None], other=0.0)
+            out_a = tl.load(optrs, mask=valid_m[:, None], other=0.0).to(tl.float32)
+            if COMP:
+                out_a += tl.load(ACC_LO + ooff, mask=valid_m[:, None], other=0.0).to(tl.float32)
             mx = tl.maximum(lse_a, lse_b)
             mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
             wa = tl.exp(lse_a - mx_safe)
@@ -215,7 +345,8 @@ def _kernels(interpret: bool):
             new_lse = tl.where(tot > 0, mx_safe + tl.log(tot_safe), float("-inf"))
             new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / tot_safe[:, None]
         tl.store(lptrs, new_lse, mask=valid_m)
-        tl.store(optrs, new_out, mask=valid_m[:, None])
+        # (the merge is a weighted mean, not a sum: _acc_store with FIRST=True stores it)
+        _acc_store(optrs, ACC_LO + ooff, new_out, valid_m[:, None], True, COMP, STORE_LO)
 
     @triton.jit
     def _delta_kernel(O, DO, DELTA, NROWS, NQ, H, D: tl.constexpr, BR: tl.constexpr):
@@ -233,13 +364,14 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def _bwd_dkdv_kernel(
-        Q, K, V, KPM, DO, LSE, DELTA, DK, DV,
+        Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO,
         sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
         sdkb, sdkn, sdkh, sdvb, sdvn, sdvh,
         NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, W, R, S0, NNB,
         qk_scale, sm_scale,
         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
-        HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+        HAS_KPM: tl.constexpr, PREC: tl.constexpr, V3: tl.constexpr, COMP: tl.constexpr,
+        STORE_LO: tl.constexpr,
     ):
         pid0 = tl.program_id(0)
         pid_x = tl.program_id(1)
@@ -282,52 +414,55 @@ def _kernels(interpret: bool):
         m_start = t_q0 // BM * BM
         if CAUSAL:
             m_start = tl.maximum(m_start, n_lo // BM * BM)
-        # one flat loop over (query head, query block): a nested loop pipelined badly
         nmb = tl.maximum(L - m_start + BM - 1, 0) // BM
         nhl = (h_end - h_start + R - 1) // R
-        for it in range(0, nhl * nmb):
-            h = h_start + (it // nmb) * R
-            m_lo = m_start + (it % nmb) * BM
-            offs_m = m_lo + tl.arange(0, BM)
-            pos_m = (seg_start + o + R * offs_m).to(tl.int64)
-            qrow = pos_m - QOFF
-            valid_m = (offs_m < L) & (qrow >= 0)
-            q = tl.load(Q + b64 * sqb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
-                        mask=valid_m[:, None], other=0.0)
-            do = tl.load(DO + b64 * sdob + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
-                         mask=valid_m[:, None], other=0.0)
-            hq = (b64 * H + h) * NQ
-            lse = tl.load(LSE + hq + qrow, mask=valid_m, other=float("inf"))
-            # rows with no key (lse = -inf) get no gradient: treat as +inf => p = 0
-            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-            dlt = tl.load(DELTA + hq + qrow, mask=valid_m, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BM, BN)
-            p = tl.math.exp2(s - lse[:, None])
-            mask = valid_k[None, :] & valid_m[:, None]
-            if CAUSAL:
-                mask = mask & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(mask, p, 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - dlt[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        Qb = Q + b64 * sqb
+        DOb = DO + b64 * sdob
+        LSEb = LSE + b64 * H * NQ
+        DELTAb = DELTA + b64 * H * NQ
+        pos0 = seg_start + o
+        if V3:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+                h_start, m_start, 0, nmb, nhl, offs_n, valid_k, qk_scale,
+                D, BM, CAUSAL, HAS_KPM, PREC, True, True,
+            )
+        else:
+            # masked stage: query blocks that straddle the causal diagonal (all of them with a
+            # key padding mask); then the mask-free stage. Key rows past L (partial key block)
+            # need no mask here: their dK/dV rows are never stored.
+            if HAS_KPM:
+                ndiag = nmb
+            elif CAUSAL:
+                ndiag = tl.minimum(tl.maximum(n_lo + BN - 1 - m_start + BM - 1, 0) // BM, nmb)
+            else:
+                ndiag = nmb * 0
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+                h_start, m_start, 0, ndiag, nhl, offs_n, valid_k, qk_scale,
+                D, BM, CAUSAL, HAS_KPM, PREC, True, False,
+            )
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+                h_start, m_start, ndiag, nmb - ndiag, nhl, offs_n, valid_k, qk_scale,
+                D, BM, CAUSAL, HAS_KPM, PREC, False, False,
+            )
         dk = dk * sm_scale
-        dk_ptrs = DK + b64 * sdkb + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
-        dv_ptrs = DV + b64 * sdvb + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
-        dk_old = tl.load(dk_ptrs, mask=valid_n[:, None], other=0.0).to(tl.float32)
-        dv_old = tl.load(dv_ptrs, mask=valid_n[:, None], other=0.0).to(tl.float32)
-        tl.store(dk_ptrs, (dk_old + dk).to(DK.dtype.element_ty), mask=valid_n[:, None])
-        tl.store(dv_ptrs, (dv_old + dv).to(DV.dtype.element_ty), mask=valid_n[:, None])
+        dk_off = b64 * sdkb + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
+        dv_off = b64 * sdvb + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
+        _acc_store(DK + dk_off, DK_LO + dk_off, dk, valid_n[:, None], False, COMP, STORE_LO)
+        _acc_store(DV + dv_off, DV_LO + dv_off, dv, valid_n[:, None], False, COMP, STORE_LO)
 
     @triton.jit
     def _bwd_dq_kernel(
-        Q, K, V, KPM, DO, LSE, DELTA, DQ,
+        Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO,
         sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
         sdqb, sdqn, sdqh,
         NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
         qk_scale, sm_scale,
         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
-        HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+        HAS_KPM: tl.constexpr, PREC: tl.constexpr, V3: tl.constexpr, COMP: tl.constexpr,
+        STORE_LO: tl.constexpr,
     ):
         pid0 = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -358,48 +493,90 @@ def _kernels(interpret: bool):
                      mask=valid_m[:, None], other=0.0)
         hq = (b64 * H + h) * NQ
         lse = tl.load(LSE + hq + qrow, mask=valid_m, other=float("inf"))
+        # rows with no key (lse = -inf) and rows that do not exist (other=+inf) get p = 0
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
         dlt = tl.load(DELTA + hq + qrow, mask=valid_m, other=0.0)
         dq = tl.zeros([BM, D], tl.float32)
         hi = L
         if CAUSAL:
             hi = m_hi
-        for n_lo in range(0, hi, BN):
-            offs_n = n_lo + tl.arange(0, BN)
-            valid_n = offs_n < L
-            pos_n = (seg_start + o + R * offs_n).to(tl.int64)
-            k = tl.load(K + b64 * skb + pos_n[:, None] * skn + kvh * skh + offs_d[None, :],
-                        mask=valid_n[:, None], other=0.0)
-            v = tl.load(V + b64 * svb + pos_n[:, None] * svn + kvh * svh + offs_d[None, :],
-                        mask=valid_n[:, None], other=0.0)
-            if HAS_KPM:
-                pad = tl.load(KPM + b64 * skpb + pos_n, mask=valid_n, other=1)
-                valid_n = valid_n & (pad == 0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            p = tl.math.exp2(s - lse[:, None])
-            mask = valid_n[None, :] & valid_m[:, None]
-            if CAUSAL:
-                mask = mask & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(mask, p, 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - dlt[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        Kb = K + b64 * skb + kvh * skh
+        Vb = V + b64 * svb + kvh * svh
+        KPMb = KPM + b64 * skpb
+        pos0 = seg_start + o
+        if V3:
+            dq = _dq_inner(
+                dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, valid_m, 0, hi,
+                qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True, True,
+            )
+        else:
+            # stage 1: full, fully visible key blocks without masks; stage 2: the rest
+            mid = 0
+            if not HAS_KPM:
+                if CAUSAL:
+                    mid = m_lo  # BM % BN == 0
+                else:
+                    mid = L // BN * BN
+            dq = _dq_inner(
+                dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, valid_m, 0, mid,
+                qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, False, False,
+            )
+            dq = _dq_inner(
+                dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, valid_m, mid, hi,
+                qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True, False,
+            )
         dq = dq * sm_scale
-        dq_ptrs = DQ + b64 * sdqb + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
-        dq_old = tl.load(dq_ptrs, mask=valid_m[:, None], other=0.0).to(tl.float32)
-        tl.store(dq_ptrs, (dq_old + dq).to(DQ.dtype.element_ty), mask=valid_m[:, None])
+        dq_off = b64 * sdqb + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
+        _acc_store(DQ + dq_off, DQ_LO + dq_off, dq, valid_m[:, None], False, COMP, STORE_LO)
 
     return _fwd_kernel, _delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 
 
 # ---------------------------------------------------------------------------------- launch
-def _configs(d: int, interpret: bool) -> dict:
+# Private A/B switch, read at call time (benchmarks/NOTES_triton.md): "v4" (default), "v3" (the
+# v3 kernels, configs and fp32 accumulators exactly) or "v4-fp32acc" (v4 kernels with float32
+# accumulators + separate casts instead of the compensated (hi, lo) accumulation).
+_VARIANT_ENV = "DILATED_ATTENTION_TRITON_VARIANT"
+_VARIANTS = ("v4", "v3", "v4-fp32acc")
+# Private override of block configs for GPU sweeps, e.g. "dkdv=32,128,8,3;dq=128,32,8,3"
+# (BM, BN, num_warps, num_stages per kernel; fwd and dq need BM % BN == 0, dkdv BN % BM == 0).
+_CONFIG_ENV = "DILATED_ATTENTION_TRITON_CONFIG"
+
+
+def _variant() -> str:
+    v = os.environ.get(_VARIANT_ENV, "v4") or "v4"
+    if v not in _VARIANTS:
+        raise ValueError(f"{_VARIANT_ENV}={v!r}: expected one of {_VARIANTS}")
+    return v
+
+
+def _configs(d: int, interpret: bool, variant: str = "v4") -> dict:
     """Block sizes and launch parameters per kernel (fixed, tuned on an H100 for D = 64/128)."""
-    if interpret:  # small blocks: exercise multi-block loops at test sizes
-        return dict(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1))
-    if d <= 64:
-        return dict(fwd=(128, 64, 4, 3), dkdv=(32, 128, 4, 1), dq=(128, 32, 4, 3))
-    return dict(fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 1), dq=(128, 32, 8, 3))
+    if variant == "v3":
+        if interpret:  # small blocks: exercise multi-block loops at test sizes
+            return dict(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1))
+        if d <= 64:
+            return dict(fwd=(128, 64, 4, 3), dkdv=(32, 128, 4, 1), dq=(128, 32, 4, 3))
+        return dict(fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 1), dq=(128, 32, 8, 3))
+    if interpret:
+        # BM != BN where the kernels allow it: several causal-diagonal query blocks per key
+        # block (dkdv) and several mask-free key blocks before the diagonal (dq, fwd)
+        cfg = dict(fwd=(32, 16, 1, 1), dkdv=(16, 32, 1, 1), dq=(32, 16, 1, 1))
+    elif d <= 64:
+        cfg = dict(fwd=(128, 64, 4, 3), dkdv=(32, 128, 4, 3), dq=(128, 32, 4, 3))
+    else:
+        cfg = dict(fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 2), dq=(128, 32, 8, 3))
+    spec = os.environ.get(_CONFIG_ENV, "")
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        name, _, vals = item.partition("=")
+        vals = tuple(int(x) for x in vals.split(","))
+        if name.strip() not in cfg or len(vals) != 4:
+            raise ValueError(f"{_CONFIG_ENV}: bad item {item!r} (want e.g. 'dkdv=32,128,8,3')")
+        cfg[name.strip()] = vals
+    fb, db, qb = cfg["fwd"], cfg["dkdv"], cfg["dq"]
+    if fb[0] % fb[1] or qb[0] % qb[1] or db[1] % db[0]:
+        raise ValueError(f"{_CONFIG_ENV}: need fwd/dq BM % BN == 0 and dkdv BN % BM == 0: {cfg}")
+    return cfg
 
 
 def _launch_kw(cfg, interpret):
@@ -428,37 +605,6 @@ def _kpm_arg(kpm: torch.Tensor | None, q: torch.Tensor):
     return kpm, kpm.stride(0), True
 
 
-def _fwd_impl(q, k, v, kpm, seg, dil, causal, scale, head_ranges):
-    bsz, nq, nh, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    interp = q.device.type == "cpu"
-    fwd_k = _kernels(interp)[0]
-    bm, bn = _configs(d, interp)["fwd"][:2]
-    cfg = _configs(d, interp)["fwd"]
-    acc_o = torch.zeros(bsz, nq, nh, d, dtype=torch.float32, device=q.device)
-    acc_l = torch.full((bsz, nh, nq), float("-inf"), dtype=torch.float32, device=q.device)
-    kp, skp, has_kpm = _kpm_arg(kpm, q)
-    qoff = nk - nq
-    first = True
-    for w, r, hs, he in _branches(nh, seg, dil, head_ranges):
-        s0 = qoff // w
-        nseg = -(-nk // w) - s0
-        nm = triton.cdiv(triton.cdiv(min(w, nk), r), bm)
-        grid = (nm * nseg, bsz * (he - hs))
-        fwd_k[grid](
-            q, k, v, kp, acc_o, acc_l,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), skp,
-            acc_o.stride(0), acc_o.stride(1), acc_o.stride(2),
-            nq, nk, qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
-            scale * _LOG2E,
-            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=first, PREC=_prec(q.dtype),
-            **_launch_kw(cfg, interp),
-        )
-        first = False
-    return acc_o.to(q.dtype), acc_l
-
-
 def _needs_fp32_acc(nh, hkv, head_ranges):
     """(dq, dkv): can a row receive contributions from more than one branch?"""
     rep = nh // hkv
@@ -471,56 +617,147 @@ def _needs_fp32_acc(nh, hkv, head_ranges):
     return dq32, dkv32
 
 
+def _acc_buffers(shape, dtype, device, multi: bool, variant: str):
+    """Accumulator for a result that ``multi`` branches may add into: (hi, lo or None, fp32?).
+
+    v4: hi in the result dtype (zeros) + lo (zeros, same dtype) when rows get several
+    contributions in a dtype narrower than float32; hi is the result. v3 / v4-fp32acc: a
+    float32 buffer cast at the end when rows get several contributions.
+    """
+    if not multi or dtype == torch.float32:
+        return torch.zeros(shape, dtype=dtype, device=device), None, False
+    if variant == "v4":
+        hi = torch.zeros(shape, dtype=dtype, device=device)
+        return hi, torch.zeros_like(hi), False
+    return torch.zeros(shape, dtype=torch.float32, device=device), None, True
+
+
+def _fwd_impl(q, k, v, kpm, seg, dil, causal, scale, head_ranges):
+    bsz, nq, nh, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    interp = q.device.type == "cpu"
+    variant = _variant()
+    fwd_k = _kernels(interp)[0]
+    cfg = _configs(d, interp, variant)["fwd"]
+    bm, bn = cfg[:2]
+    branches = _branches(nh, seg, dil, head_ranges)
+    if variant == "v3":
+        acc_o, acc_lo, cast = torch.zeros(bsz, nq, nh, d, dtype=torch.float32, device=q.device), None, True
+    else:
+        multi = _needs_fp32_acc(nh, hkv, head_ranges)[0]
+        acc_o, acc_lo, cast = _acc_buffers((bsz, nq, nh, d), q.dtype, q.device, multi, variant)
+    acc_l = torch.full((bsz, nh, nq), float("-inf"), dtype=torch.float32, device=q.device)
+    kp, skp, has_kpm = _kpm_arg(kpm, q)
+    qoff = nk - nq
+    for bi, (w, r, hs, he) in enumerate(branches):
+        s0 = qoff // w
+        nseg = -(-nk // w) - s0
+        nm = triton.cdiv(triton.cdiv(min(w, nk), r), bm)
+        grid = (nm * nseg, bsz * (he - hs))
+        fwd_k[grid](
+            q, k, v, kp, acc_o, acc_o if acc_lo is None else acc_lo, acc_l,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), skp,
+            acc_o.stride(0), acc_o.stride(1), acc_o.stride(2),
+            nq, nk, qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
+            scale * _LOG2E,
+            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=bi == 0, PREC=_prec(q.dtype),
+            COMP=acc_lo is not None, STORE_LO=bi < len(branches) - 1,
+            **_launch_kw(cfg, interp),
+        )
+    del acc_lo
+    return (acc_o.to(q.dtype) if cast else acc_o), acc_l
+
+
 def _bwd_impl(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges):
+    """dq, dk, dv (input dtypes) of the branches given, with the FINAL out and lse (which may
+    include branches not given here: every branch's share is independent)."""
     bsz, nq, nh, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     rep = nh // hkv
     interp = q.device.type == "cpu"
+    variant = _variant()
     _, delta_k, dkdv_k, dq_k = _kernels(interp)
-    cfgs = _configs(d, interp)
+    cfgs = _configs(d, interp, variant)
     dout = dout.contiguous()
     out = out.contiguous()
     delta = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
     nrows = bsz * nq * nh
     br = 16 if interp else 64
     delta_k[(triton.cdiv(nrows, br),)](out, dout, delta, nrows, nq, nh, D=d, BR=br)
-    dq32, dkv32 = _needs_fp32_acc(nh, hkv, head_ranges)
-    dq = torch.zeros(q.shape, dtype=torch.float32 if dq32 else q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32 if dkv32 else k.dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32 if dkv32 else v.dtype, device=q.device)
+    multi_q, multi_kv = _needs_fp32_acc(nh, hkv, head_ranges)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
     qoff = nk - nq
     prec = _prec(q.dtype)
+    v3 = variant == "v3"
     strides_in = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), skp, dout.stride(0), dout.stride(1), dout.stride(2),
     )
-    for w, r, hs, he in _branches(nh, seg, dil, head_ranges):
+    branches = _branches(nh, seg, dil, head_ranges)
+
+    def geom(w, r):
         s0 = qoff // w
-        nseg = -(-nk // w) - s0
-        lmax = -(-min(w, nk) // r)
+        return s0, -(-nk // w) - s0, -(-min(w, nk) // r)  # first segment, segments, max L
+
+    def launch_dkdv(bi, w, r, hs, he, dk, dk_lo, dv, dv_lo):
+        s0, nseg, lmax = geom(w, r)
         bm, bn = cfgs["dkdv"][:2]
         nnb = -(-lmax // bn)
         ni = min(rep, r)
         dkdv_k[(nnb * nseg, bsz * hkv * ni)](
-            q, k, v, kp, dout, lse, delta, dk, dv, *strides_in,
+            q, k, v, kp, dout, lse, delta, dk, dv,
+            dk if dk_lo is None else dk_lo, dv if dv_lo is None else dv_lo, *strides_in,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             nq, nk, qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
             scale * _LOG2E, scale,
-            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
+            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec, V3=v3,
+            COMP=dk_lo is not None, STORE_LO=bi < len(branches) - 1,
             **_launch_kw(cfgs["dkdv"], interp),
         )
+
+    def launch_dq(bi, w, r, hs, he, dq, dq_lo):
+        s0, nseg, lmax = geom(w, r)
         bm, bn = cfgs["dq"][:2]
         nm = -(-lmax // bm)
         dq_k[(nm * nseg, bsz * (he - hs))](
-            q, k, v, kp, dout, lse, delta, dq, *strides_in,
+            q, k, v, kp, dout, lse, delta, dq, dq if dq_lo is None else dq_lo, *strides_in,
             dq.stride(0), dq.stride(1), dq.stride(2),
             nq, nk, qoff, hs, he - hs, nh, rep, w, r, s0, nm,
             scale * _LOG2E, scale,
-            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
+            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec, V3=v3,
+            COMP=dq_lo is not None, STORE_LO=bi < len(branches) - 1,
             **_launch_kw(cfgs["dq"], interp),
         )
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    if v3:  # per branch dK/dV then dQ, float32 accumulators, casts at the end
+        dq = torch.zeros(q.shape, dtype=torch.float32 if multi_q else q.dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32 if multi_kv else k.dtype, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32 if multi_kv else v.dtype, device=q.device)
+        for bi, (w, r, hs, he) in enumerate(branches):
+            launch_dkdv(bi, w, r, hs, he, dk, None, dv, None)
+            launch_dq(bi, w, r, hs, he, dq, None)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    # v4: all dK/dV first, then all dQ, so that at most one phase's accumulators are alive
+    # (peak: the inputs, out, dout, lse, delta, the results and 2 units of lo buffers, each the
+    # size of one result; v4-fp32acc: 4 units of float32 during dK/dV, casts one at a time)
+    dk, dk_lo, dk_cast = _acc_buffers(k.shape, k.dtype, q.device, multi_kv, variant)
+    dv, dv_lo, dv_cast = _acc_buffers(v.shape, v.dtype, q.device, multi_kv, variant)
+    for bi, (w, r, hs, he) in enumerate(branches):
+        launch_dkdv(bi, w, r, hs, he, dk, dk_lo, dv, dv_lo)
+    del dk_lo, dv_lo
+    if dk_cast:
+        dk = dk.to(k.dtype)
+    if dv_cast:
+        dv = dv.to(v.dtype)
+    dq, dq_lo, dq_cast = _acc_buffers(q.shape, q.dtype, q.device, multi_q, variant)
+    for bi, (w, r, hs, he) in enumerate(branches):
+        launch_dq(bi, w, r, hs, he, dq, dq_lo)
+    del dq_lo
+    if dq_cast:
+        dq = dq.to(q.dtype)
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------- torch ops
