@@ -63,6 +63,9 @@ def parse_args():
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--exchange", choices=list(sp.EXCHANGE_MODES), default="auto")
+    p.add_argument("--impl", choices=["auto", "torch", "triton"], default="auto",
+                   help="impl of the sequence-parallel runs (their local blocks: torch attention "
+                        "or the fused Triton kernel; see sequence_parallel._local_impl)")
     p.add_argument("--single-impl", default="auto", help="impl of the one-GPU dilated baseline")
     p.add_argument("--dense-max", type=int, default=262144, help="dense SDPA baseline up to this N")
     p.add_argument("--no-single", action="store_true", help="skip all one-GPU baselines")
@@ -136,7 +139,8 @@ def correctness_check(a, dev, dtype, hkv, rank, world):
         sh = partial(shard_local, world=world, rank=rank, layout="contiguous", dim=1)
         ql, kl, vl = (sh(x.detach()).requires_grad_() for x in (q, k, v))
         with sp.exchange_mode(a.exchange):
-            out = dilated_attention(ql, kl, vl, seg, dil, causal=causal, group=dist.group.WORLD)
+            out = dilated_attention(ql, kl, vl, seg, dil, causal=causal, group=dist.group.WORLD,
+                                    impl=a.impl)
         out.backward(sh(do))
         err = max((out - sh(ref)).abs().max().item(), (ql.grad - sh(q.grad)).abs().max().item(),
                   (kl.grad - sh(k.grad)).abs().max().item(), (vl.grad - sh(v.grad)).abs().max().item())
@@ -144,7 +148,8 @@ def correctness_check(a, dev, dtype, hkv, rank, world):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         res[mode] = float(t.item())
     if rank == 0:
-        print(f"correctness vs single-device impl='torch' (max abs err out/dq/dk/dv, N={n}): {res}", flush=True)
+        print(f"correctness of impl={a.impl!r} with group= vs single-device impl='torch' (max abs err "
+              f"out/dq/dk/dv, N={n}): {res}", flush=True)
     return res
 
 
@@ -166,7 +171,7 @@ def run_case(a, dev, dtype, hkv, rank, world, solo, kind, n, mode):
         fn1 = partial(dilated_attention, segment_lengths=seg1, dilation_rates=dil1, causal=causal)
         q, k, v = make(b, n1, h, hkv, d, dtype, dev, 0)
         for name, f in (
-            ("sp1", partial(fn1, group=solo)),
+            ("sp1", partial(fn1, group=solo, impl=a.impl)),
             ("single", partial(fn1, impl=a.single_impl)),
             ("dense", partial(dense, causal=causal)),
         ):
@@ -184,7 +189,7 @@ def run_case(a, dev, dtype, hkv, rank, world, solo, kind, n, mode):
     # ---- P ranks
     reset_peak(dev)
     q, k, v = make(b, n // world, h, hkv, d, dtype, dev, 1 + rank)
-    fp = partial(fn, group=dist.group.WORLD)
+    fp = partial(fn, group=dist.group.WORLD, impl=a.impl)
     with sp.exchange_mode(a.exchange):
         tf = time_fn(partial(fp, q, k, v), dev, a.warmup, a.iters, dist.group.WORLD)
         tfb = time_fn(partial(fwd_bwd, fp, q, k, v), dev, a.warmup, a.iters, dist.group.WORLD)
@@ -200,6 +205,7 @@ def run_case(a, dev, dtype, hkv, rank, world, solo, kind, n, mode):
         mem=stats[0].item() if dev.type == "cuda" else None,
         fwd_mib=stats[1].item() / 2**20, bwd_mib=stats[2].item() / 2**20,
         modes=sorted({x["mode"] for x in st["branches"]}),
+        local=sorted({x.get("local_impl", "torch") for x in st["branches"]}),
     )
     scale = 1 if kind == "weak" else world
     for key in ("sp1", "single", "dense"):
@@ -230,7 +236,9 @@ def render(a, rows, errs, dev, world):
         f"- NCCL env: {env}",
         f"- shape: batch {a.batch}, heads {a.heads} (kv {a.kv_heads or a.heads}) x {a.headdim}, {a.dtype}; "
         f"exchange {a.exchange}; warmup {a.warmup}, iters {a.iters}",
-        f"- correctness vs single-device torch path, max abs err: {errs}",
+        f"- sequence-parallel impl: {a.impl!r} (column local: the kernels that ran rank 0's local "
+        "blocks, torch attention and/or the fused triton kernel)",
+        f"- correctness of impl={a.impl!r} with group= vs single-device torch path, max abs err: {errs}",
         "- branches (w, r): " + "; ".join(f"N={n}: {b}" for n, b in {r["N"]: r["branches"] for r in rows}.items()),
         "- t1 = the same sequence-parallel code on a one-rank group (rank 0); eff = t1 / tP (weak: "
         "N/P per GPU fixed) or t1 / (P tP) (strong); 1-GPU dilated = dilated_attention(impl="
@@ -239,8 +247,8 @@ def render(a, rows, errs, dev, world):
         "",
         "| scaling | N | mode | P | fwd ms | fwd+bwd ms | TFLOP/s/GPU fwd | TFLOP/s/GPU fwd+bwd | peak GiB/rank "
         "| sent fwd MiB | sent bwd MiB | t1 fwd ms | t1 fwd+bwd ms | eff fwd | eff fwd+bwd "
-        "| 1-GPU dilated fwd/fwd+bwd ms | dense fwd/fwd+bwd ms | exchange |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "| 1-GPU dilated fwd/fwd+bwd ms | dense fwd/fwd+bwd ms | exchange | local |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -248,7 +256,8 @@ def render(a, rows, errs, dev, world):
             f"{r['tflops_f']:.3g} | {r['tflops_fb']:.3g} | {fmt(r['mem'])} | {r['fwd_mib']:.2f} | "
             f"{r['bwd_mib']:.2f} | {fmt(r['sp1_f'])} | {fmt(r['sp1_fb'])} | {fmt(r['eff_f'])} | "
             f"{fmt(r['eff_fb'])} | {fmt(r['single_f'])} / {fmt(r['single_fb'])} | "
-            f"{fmt(r['dense_f'])} / {fmt(r['dense_fb'])} | {','.join(r['modes']) or 'local'} |"
+            f"{fmt(r['dense_f'])} / {fmt(r['dense_fb'])} | {','.join(r['modes']) or 'local'} | "
+            f"{','.join(r['local'])} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -7,6 +7,8 @@ dq/dk/dv with ``impl="reference"`` on the global tensors. One spawn per world si
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +20,8 @@ from dilated_attention.distributed.layout import shard_local
 
 
 def _case(name, world, rank, L, seg, dil, *, causal=False, h=4, hkv=2, d=8, b=2, mask=False,
-          head_assignment="all", seed=0, mode="auto", dtype=torch.float64, atol=1e-10, group=None):
+          head_assignment="all", seed=0, mode="auto", dtype=torch.float64, atol=1e-10, group=None,
+          impl="auto"):
     n = L * world
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
@@ -37,9 +40,9 @@ def _case(name, world, rank, L, seg, dil, *, causal=False, h=4, hkv=2, d=8, b=2,
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
     with sp.exchange_mode(mode):
         out, lse = dilated_attention(ql, kl, vl, seg, dil, key_padding_mask=None if kpm is None else shard(kpm),
-                                     group=group or dist.group.WORLD, **kw)
+                                     group=group or dist.group.WORLD, impl=impl, **kw)
     grads = torch.autograd.grad(out, (ql, kl, vl), shard(do).to(dtype))
-    name = f"P={world} rank={rank} {name} seg={seg} dil={dil} causal={causal} mode={mode}"
+    name = f"P={world} rank={rank} {name} seg={seg} dil={dil} causal={causal} mode={mode} impl={impl}"
     assert out.dtype == dtype and lse.dtype == torch.float32
     check_close(f"{name} out", out, shard(ref_out), atol)
     fin = torch.isfinite(shard(ref_lse, 2))
@@ -105,6 +108,10 @@ def _errors_worker(rank, world):
         dilated_attention(q, q, q, (4,), (1,), dropout_p=0.1, group=dist.group.WORLD)
     with pytest.raises(ValueError, match="impl='reference' is not available"):
         dilated_attention(q, q, q, (4,), (1,), impl="reference", group=dist.group.WORLD)
+    # the fused kernel cannot run on CPU tensors outside the interpreter (or without triton)
+    os.environ["TRITON_INTERPRET"] = "0"
+    with pytest.raises(ValueError, match="impl='triton' cannot run here with group="):
+        dilated_attention(q, q, q, (4,), (1,), impl="triton", group=dist.group.WORLD)
     # still healthy
     _case("after errors", world, rank, 4, (8,), (2,), seed=3)
 

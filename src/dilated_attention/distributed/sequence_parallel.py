@@ -34,9 +34,24 @@ of each branch and added there.
 Per rank, per branch: traffic O(w/r) rows (x kv heads of an offset), independent of N; memory
 O(L + w/r). :func:`last_comm_stats` reports the bytes this rank sent.
 
+Local work (:func:`_local_impl`): with ``impl="torch"`` every block runs :mod:`..kernels.local`
+attention on gathered or strided rows. With ``impl="triton"`` the blocks of this rank's own rows
+(keys on this rank) of every branch whose segments start at the start of this rank's shard
+(``rank*L % w == 0``, e.g. every branch with ``L % w == 0``; a branch with no peer on this rank
+always qualifies) run instead in ONE call of the fused Triton forward on the local shard
+(positions are the same modulo w, causal is per segment, the key padding mask is the local
+shard), which returns its own (out, lse) over all those branches; it initialises the float32
+accumulator and the remaining blocks (received rows, and own rows of unaligned branches) merge
+into it by LSE as above. It runs while the first K/V exchange round is in flight. Its backward is
+one call of the fused Triton backward with the final merged out and lse (exact, as for the
+blocks). A rank whose branches are all fused needs no accumulator and no merge.
+``impl="auto"`` currently means ``"torch"``. The fused forward returns its partial output in the
+input dtype, so with fp16/bf16 inputs that partial result is rounded once more before the merge
+(one extra rounding of the input dtype, on the torch path's error scale).
+
 Not supported with a group (clear errors): ``dropout_p > 0``, ``seqlen_q != seqlen_k`` (KV-cache
-decoding), ``impl="reference"`` / ``"triton"`` (the blocks run :mod:`..kernels.local` attention,
-i.e. ``impl="torch"``; ``"auto"`` means the same).
+decoding), ``impl="reference"``, and ``impl="triton"`` where the Triton kernel cannot run (no
+triton, not CUDA, headdim or dtype unsupported: the error gives the reason).
 """
 
 from __future__ import annotations
@@ -80,7 +95,9 @@ def last_comm_stats() -> dict:
     """Bytes this rank sent in the last sequence-parallel forward / backward.
 
     Keys: ``fwd_bytes_sent``, ``bwd_bytes_sent`` (K/V rows again + dK/dV returned), ``branches``
-    (one dict per branch: ``w``, ``r``, ``mode``, ``peers``, ``fwd_bytes_sent``), ``world``.
+    (one dict per branch: ``w``, ``r``, ``mode``, ``peers``, ``fwd_bytes_sent``, ``local_impl``:
+    ``"triton"`` when this rank's own-row blocks ran in the fused kernel, else ``"torch"``),
+    ``world``.
     """
     return {k: (list(v) if isinstance(v, list) else v) for k, v in _LAST_STATS.items()}
 
@@ -537,25 +554,82 @@ def _bwd_source(plan, src, me, saved, received, dq, dk_src, scale):
 # ------------------------------------------------------------------------------ autograd glue
 
 
+@dataclass
+class _Fused:
+    """The branches whose own-row blocks run in one fused Triton call on the local shard."""
+
+    seg: list  # [w]
+    dil: list  # [r]
+    head_ranges: list  # [(hs, he)] global head ranges of those branches
+    causal: bool
+
+
+def _contig_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _fused_fwd(fused, q, k, v, mask, scale):
+    """-> out (B, L, H, D) in q's dtype, lse (B, H, L) float32, over the fused branches only."""
+    from ..kernels.triton_dilated import _fwd_impl
+
+    return _fwd_impl(_contig_last(q), _contig_last(k), _contig_last(v), mask, fused.seg,
+                     fused.dil, fused.causal, scale, fused.head_ranges)
+
+
+def _fused_bwd(fused, dout, q, k, v, mask, out, lse_bhl, scale):
+    """Fused branches' share of dq, dk, dv, given the FINAL merged out and lse (B, H, L)."""
+    from ..kernels.triton_dilated import _bwd_impl
+
+    return _bwd_impl(dout, _contig_last(q), _contig_last(k), _contig_last(v), mask, out,
+                     lse_bhl.contiguous(), fused.seg, fused.dil, fused.causal, scale,
+                     fused.head_ranges)
+
+
 class _DilatedSPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, plans, group, me, world, scale):
+    def forward(ctx, q, k, v, mask, work, fused, stats, group, me, world, scale):
+        """work: [(branch index, plan, own)] branches with blocks on the torch path (``own``:
+        this rank's own rows too, else only received rows); fused: :class:`_Fused` or None;
+        stats: one dict per branch for :func:`last_comm_stats`."""
         b, L, h, _ = q.shape
         adt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        acc_out = torch.zeros(b, L, h, v.shape[-1], dtype=adt, device=q.device)
-        acc_lse = torch.full((b, L, h), float("-inf"), dtype=adt, device=q.device)
-        total, per_branch = 0, []
-        for plan in plans:
-            sent = _branch_forward(plan, group, me, q, k, v, mask, acc_out, acc_lse, scale)
-            total += sent
-            per_branch.append(dict(w=plan.w, r=plan.r, mode=plan.mode, peers=plan.peers, fwd_bytes_sent=sent))
+        if fused is not None:  # exchanging branches first: the fused call overlaps their 1st round
+            work = sorted(work, key=lambda t: not t[1].rounds)
+        sent_by = {}
+        if not work:  # every branch of this rank is fused: its result is the result
+            out, lse_bhl = (_fused_fwd(fused, q, k, v, mask, scale) if fused is not None else (
+                torch.zeros_like(q), torch.full((b, h, L), float("-inf"), device=q.device)))
+            acc_lse = lse_bhl.permute(0, 2, 1)
+        else:
+            if fused is not None:  # the fused result initialises the accumulators
+                acc_out = torch.empty(b, L, h, v.shape[-1], dtype=adt, device=q.device)
+                acc_lse = torch.empty((b, L, h), dtype=adt, device=q.device)
+
+                def run_fused():
+                    o, lse_f = _fused_fwd(fused, q, k, v, mask, scale)
+                    acc_out.copy_(o)
+                    acc_lse.copy_(lse_f.permute(0, 2, 1))
+
+                pending = [run_fused]
+                if not work[0][1].rounds:
+                    pending.pop()()
+            else:
+                acc_out = torch.zeros(b, L, h, v.shape[-1], dtype=adt, device=q.device)
+                acc_lse = torch.full((b, L, h), float("-inf"), dtype=adt, device=q.device)
+                pending = []
+            for bi, plan, own in work:
+                sent_by[bi] = _branch_forward(
+                    plan, group, me, q, k, v, mask, acc_out, acc_lse, scale, own=own,
+                    overlap=pending.pop() if pending else None,
+                )
+            out = acc_out.to(q.dtype)
+            del acc_out
+        per_branch = [dict(st, fwd_bytes_sent=sent_by.get(bi, 0)) for bi, st in enumerate(stats)]
         _LAST_STATS.clear()
-        _LAST_STATS.update(fwd_bytes_sent=total, bwd_bytes_sent=0, branches=per_branch,
-                           world=world)
-        out = acc_out.to(q.dtype)
-        del acc_out
+        _LAST_STATS.update(fwd_bytes_sent=sum(sent_by.values()), bwd_bytes_sent=0,
+                           branches=per_branch, world=world)
         ctx.save_for_backward(q, k, v, mask, out, acc_lse)
-        ctx.plans, ctx.group, ctx.me, ctx.scale = plans, group, me, scale
+        ctx.work, ctx.fused, ctx.group, ctx.me, ctx.scale = work, fused, group, me, scale
         lse = acc_lse.permute(0, 2, 1).to(torch.float32)  # (B, H, L)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -563,24 +637,53 @@ class _DilatedSPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, mask, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        fused, work = ctx.fused, ctx.work
+        nones = (None,) * 8
+        if not work:
+            if fused is None:
+                return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), *nones
+            _LAST_STATS["bwd_bytes_sent"] = 0
+            return (*_fused_bwd(fused, dout, q, k, v, mask, out, lse.permute(0, 2, 1), ctx.scale),
+                    *nones)
         adt = lse.dtype
-        dq = torch.zeros(q.shape, dtype=adt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=adt, device=q.device)
-        dv = torch.zeros(v.shape, dtype=adt, device=q.device)
-        saved = (q, k, v, mask, out, lse, dout.contiguous())
+        new = torch.empty if fused is not None else torch.zeros
+        dq = new(q.shape, dtype=adt, device=q.device)
+        dk = new(k.shape, dtype=adt, device=q.device)
+        dv = new(v.shape, dtype=adt, device=q.device)
+        pending = []
+        if fused is not None:  # the fused gradients initialise the accumulators
+
+            def run_fused():
+                for acc, g in zip((dq, dk, dv), _fused_bwd(fused, dout, q, k, v, mask, out,
+                                                            lse.permute(0, 2, 1), ctx.scale),
+                                  strict=True):
+                    acc.copy_(g)
+
+            pending.append(run_fused)
+            if not work[0][1].rounds:
+                pending.pop()()
+        saved = (q, k, v, mask, out, lse, dout)
         total = 0
-        for plan in ctx.plans:
-            total += _branch_backward(plan, ctx.group, ctx.me, saved, dq, dk, dv, ctx.scale)
+        for _, plan, own in work:
+            total += _branch_backward(plan, ctx.group, ctx.me, saved, dq, dk, dv, ctx.scale,
+                                      own=own, overlap=pending.pop() if pending else None)
         _LAST_STATS["bwd_bytes_sent"] = total
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *nones
 
 
-def _branch_forward(plan, group, me, q, k, v, mask, acc_out, acc_lse, scale) -> int:
+def _branch_forward(plan, group, me, q, k, v, mask, acc_out, acc_lse, scale, own=True,
+                    overlap=None) -> int:
+    """One branch's blocks on the torch path. own: run this rank's own-row blocks (False when
+    the fused kernel does them); overlap: work to run while the first exchange round flies."""
     sent = 0
     ex = _Exchange(group, _TAG_KV)
     recv = _post_kv_round(ex, plan, plan.rounds[0], k, v, mask) if plan.rounds else {}
+    if overlap is not None:
+        overlap()
     # own rows first: overlaps the first exchange round
-    _fwd_source(plan, me, me, q, k, v, mask, None, acc_out, acc_lse, scale)
+    if own:
+        _fwd_source(plan, me, me, q, k, v, mask, None, acc_out, acc_lse, scale)
     b, d = k.shape[0], k.shape[-1]
     for i in range(len(plan.rounds)):
         ex.wait()
@@ -594,14 +697,17 @@ def _branch_forward(plan, group, me, q, k, v, mask, acc_out, acc_lse, scale) -> 
     return sent
 
 
-def _branch_backward(plan, group, me, saved, dq, dk, dv, scale) -> int:
+def _branch_backward(plan, group, me, saved, dq, dk, dv, scale, own=True, overlap=None) -> int:
     q, k, v, mask = saved[:4]
     b, d = k.shape[0], k.shape[-1]
     adt = dq.dtype
     sent = 0
     ex = _Exchange(group, _TAG_KV)
     recv = _post_kv_round(ex, plan, plan.rounds[0], k, v, mask) if plan.rounds else {}
-    _bwd_source(plan, me, me, saved, None, dq, (dk, dv), scale)  # own rows, straight into dk/dv
+    if overlap is not None:
+        overlap()
+    if own:
+        _bwd_source(plan, me, me, saved, None, dq, (dk, dv), scale)  # own rows, straight into dk/dv
     grads_back = {}  # src -> flat dK/dV of the rows it sent us
     for i in range(len(plan.rounds)):
         ex.wait()
@@ -640,19 +746,58 @@ def _branch_backward(plan, group, me, saved, dq, dk, dv, scale) -> int:
 # ---------------------------------------------------------------------------------- entry point
 
 
+def _local_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
+    """The kernel for this rank's local blocks: ``"torch"`` or ``"triton"`` (the one rule).
+
+    - ``"torch"``: every block runs :mod:`..kernels.local` attention on gathered/strided rows.
+    - ``"triton"``: the own-row blocks of the branches aligned with this rank's shard start run in
+      one fused Triton call (:func:`_fused_fwd`); raises ``ValueError`` naming the reason when
+      the kernel cannot run (no triton, not CUDA, headdim or dtype unsupported).
+    - ``"auto"``: ``"torch"`` for now. Which one is faster on a GPU is to be measured
+      (benchmarks/bench_sequence_parallel.py ``--impl``); the rule for ``"auto"`` goes here and
+      only here (it must be a pure function of shapes, dtype and device, so that every rank of a
+      group agrees; a mismatch would stay exact, only slower).
+    """
+    if impl == "triton":
+        from ..api import triton_unavailable_reason
+
+        reason = triton_unavailable_reason(q, k)
+        if reason is not None:
+            raise ValueError(
+                f"impl='triton' cannot run here with group= (sequence-parallel): {reason}; "
+                "use impl='torch' or 'auto' (torch kernels for the local blocks)"
+            )
+        return "triton"
+    if impl in ("torch", "auto"):
+        return "torch"
+    raise ValueError(
+        f"impl={impl!r} is not available with group= (sequence-parallel): the local blocks run "
+        "the torch attention kernels ('torch', 'auto') or the fused Triton kernel ('triton')"
+    )
+
+
+def _fusable(me: int, L: int, w: int) -> bool:
+    """Can the fused kernel run this rank's own-row blocks of a branch of segment length w?
+
+    Its segments count from row 0 of the tensor it gets, so the local shard must start on a
+    segment boundary: ``me*L % w == 0`` (every rank when ``L % w == 0``; always rank 0). The
+    own-row blocks are then exactly the kernel's segments of the shard (the last one cut at the
+    shard end, as the owner of the rest computes its part), with the same in-segment offsets.
+    """
+    return (me * L) % w == 0
+
+
 def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment, impl, group, world):
+    """Check the inputs on every rank (same error everywhere); returns :func:`_local_impl`."""
     local_error = None
+    local = "torch"
     try:
         if dropout_p > 0:
             raise ValueError(
                 "dropout_p > 0 is not supported with group= (sequence-parallel); apply dropout "
                 "outside attention or run without a group"
             )
-        if impl in ("reference", "triton"):
-            raise ValueError(
-                f"impl={impl!r} is not available with group= (sequence-parallel): each rank runs "
-                "the blocks with the torch attention kernels; use impl='torch' or 'auto'"
-            )
+        local = _local_impl(impl, q, k)
         if q.shape[1] != k.shape[1]:
             raise ValueError(
                 f"sequence-parallel dilated_attention needs seqlen_q == seqlen_k per shard, got "
@@ -672,6 +817,7 @@ def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment
                 int(causal), int(mask is not None), int(head_assignment == "split"), bhash,
                 struct.unpack("<q", struct.pack("<d", scale))[0]]
     check_same_across_ranks(group, desc, names, q, "dilated_attention(group=...)", local_error)
+    return local
 
 
 def dilated_attention_sp(
@@ -686,17 +832,28 @@ def dilated_attention_sp(
     group = resolve_group(group)
     world, me = world_and_rank(group)
     seg, dil = tuple(segment_lengths), tuple(dilation_rates)
-    _validate(q, k, v, seg, dil, causal, scale, key_padding_mask, dropout_p, head_assignment, impl,
-              group, world)
+    local = _validate(q, k, v, seg, dil, causal, scale, key_padding_mask, dropout_p,
+                      head_assignment, impl, group, world)
     b, L, h, _ = q.shape
     ranges = branch_head_ranges(h, len(seg), head_assignment)
-    plans = [
-        _plan(world, me, L, h, k.shape[2], w, r, hs, he, bool(causal), _MODE[0], q.device)
-        for (w, r), (hs, he) in zip(zip(seg, dil, strict=True), ranges, strict=True)
-        if he > hs
-    ]
+    work, stats = [], []
+    fused = _Fused([], [], [], bool(causal))
+    for (w, r), (hs, he) in zip(zip(seg, dil, strict=True), ranges, strict=True):
+        if he <= hs:
+            continue
+        plan = _plan(world, me, L, h, k.shape[2], w, r, hs, he, bool(causal), _MODE[0], q.device)
+        fuse = local == "triton" and _fusable(me, L, w)
+        if fuse:
+            fused.seg.append(w)
+            fused.dil.append(r)
+            fused.head_ranges.append((hs, he))
+        if not fuse or plan.rounds:  # blocks left for the torch path (at least the exchange)
+            work.append((len(stats), plan, not fuse))
+        stats.append(dict(w=w, r=r, mode=plan.mode, peers=plan.peers,
+                          local_impl="triton" if fuse else "torch"))
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
     out, lse = _DilatedSPFunction.apply(
-        q, k, v, mask, plans, group if world > 1 else None, me, world, scale
+        q, k, v, mask, work, fused if fused.seg else None, stats, group if world > 1 else None,
+        me, world, scale,
     )
     return (out, lse) if return_lse else out

@@ -1,0 +1,71 @@
+"""Sequence-parallel dilated attention with ``impl="triton"`` (fused kernel for the local blocks).
+
+Real gloo process groups of 2 and 3 ranks; the ranks run the Triton kernels in its interpreter
+(``TRITON_INTERPRET=1``, set in each rank before the first kernel is built) at tiny sizes. Every
+case compares this rank's shard of out, lse and dq/dk/dv with ``impl="reference"`` in float64 on
+the global tensors (``_case`` of test_sequence_parallel.py), and checks from
+``last_comm_stats()`` which branches ran fused on this rank: fully local branches, branches whose
+own rows are fused while received rows take the torch path, and unaligned branches (torch only)
+all occur.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_sequence_parallel import _case
+
+from dilated_attention import dilated_attention
+
+# not importorskip: the ranks import this module, and triton must not be imported there before
+# TRITON_INTERPRET=1 is set (its standard-library functions are built at import time)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
+
+
+def _fused(st):
+    return [x["local_impl"] == "triton" for x in st["branches"]]
+
+
+def _worker(rank, world, dtypes):
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are built (lazily, at call time)
+    import torch.distributed as dist
+
+    L = {2: 12, 3: 6}[world]
+    n = L * world
+    kw = dict(impl="triton", d=16, b=1)
+    for dtype, atol in dtypes:
+        kw.update(dtype=dtype, atol=atol)
+        seed = 100
+        for causal in (False, True):
+            seed += 10
+            # every branch local (L % w == 0): one fused call, no torch block, no merge
+            st = _case("fused local", world, rank, L, (L, L // 2), (1, 2), causal=causal,
+                       seed=seed, **kw)
+            assert _fused(st) == [True, True] and st["fwd_bytes_sent"] == 0, st
+            # local + spanning + unaligned branches; GQA; key padding
+            seg, dil = (4, L, 2 * L, n, 5), (1, 2, 2, 4, 3)
+            st = _case("fused mix", world, rank, L, seg, dil, causal=causal, h=4, hkv=2,
+                       mask=True, seed=seed + 1, **kw)
+            assert _fused(st) == [(rank * L) % w == 0 for w in seg], st
+            # head split (global head ranges), GQA with uneven kv sharing per offset
+            _case("fused split", world, rank, L, (4, 2 * L, n), (1, 2, 3), causal=causal, h=6,
+                  hkv=2, head_assignment="split", seed=seed + 2, **kw)
+    # what the kernel cannot do is an error on every rank, not a hang
+    q = torch.randn(1, L, 2, 8)
+    with pytest.raises(ValueError, match="impl='triton' cannot run here with group=.*headdim 8"):
+        dilated_attention(q, q, q, (4,), (1,), impl="triton", group=dist.group.WORLD)
+
+
+@pytest.mark.timeout(120)
+def test_sp_triton_p2():
+    run_distributed(_worker, 2, [(torch.float32, 2e-5), (torch.float16, 4e-3)])
+
+
+@pytest.mark.timeout(120)
+def test_sp_triton_p3():
+    run_distributed(_worker, 3, [(torch.float32, 2e-5), (torch.float16, 4e-3)])
