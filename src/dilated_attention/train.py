@@ -1,9 +1,18 @@
 """``dilated-attention train``: train a LongNet LM on synthetic long-range retrieval or bytes.
 
 The command line lives in ``cli.py``; this file provides :func:`add_train_arguments` (the flags of
-the ``train`` subcommand) and :func:`run_train` (the loop). One process, one device: AdamW, linear
-warmup then cosine decay, gradient clipping, periodic eval (retrieval accuracy per distance, or
-validation loss on text), checkpoint + ``--resume``, a JSON-lines and a CSV log, and a loss plot.
+the ``train`` subcommand) and :func:`run_train` (the loop): AdamW, linear warmup then cosine decay,
+gradient clipping, periodic eval (retrieval accuracy per distance, or validation loss on text),
+checkpoint + ``--resume``, a JSON-lines and a CSV log, and a loss plot.
+
+Sequence parallelism: launched by ``torchrun`` with ``WORLD_SIZE > 1`` (or called inside an
+initialised process group), all ranks form one sequence-parallel group (:func:`parallelize`). Every
+rank builds the same model from ``--seed`` and generates the same global batch (batches are a pure
+function of ``(seed, step)``), takes its contiguous shard of the sequence (:func:`shard_batch`) and
+computes ``sum of its token losses / global token count``; after backward the gradients are summed
+over the ranks, which is exactly the gradient of the single-process loss (the attention backward
+already routes the K/V gradients of other ranks' queries to the owner). Eval is sequence-parallel
+too; logs, checkpoints, progress and plots are written by rank 0 only.
 
 ``--attention dense`` / ``local`` train a model of the same size whose attention is one branch
 ``w >= N, r = 1`` (dense) or ``w = --local-window, r = 1`` (local), as baselines.
@@ -24,9 +33,11 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
-from .data import ByteText, RetrievalTask
+from .data import IGNORE, ByteText, RetrievalTask
 from .models.longnet import LongNetConfig, LongNetLM
+from .models.parallelize import parallelize, shard_batch
 
 # A training preset = a model preset + the task and optimisation settings that go with it.
 # "tiny": CPU, a few minutes on 2 cores. "small"/"base": one GPU, 32K-token sequences.
@@ -186,11 +197,12 @@ def _lr_at(step: int, s: dict, min_ratio: float) -> float:
 
 
 class _Progress:
-    """tqdm when installed and wanted, else a print every ~5% of the run."""
+    """tqdm when installed and wanted, else a print every ~5% of the run; silent when disabled."""
 
-    def __init__(self, total: int, initial: int, plain: bool):
+    def __init__(self, total: int, initial: int, plain: bool, enabled: bool = True):
         self.bar = None
-        if not plain:
+        self.enabled = enabled
+        if enabled and not plain:
             try:
                 from tqdm.auto import tqdm
 
@@ -200,6 +212,8 @@ class _Progress:
         self.total, self.every = total, max(1, total // 20)
 
     def update(self, step: int, msg: str) -> None:
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(msg)
@@ -207,16 +221,88 @@ class _Progress:
             print(f"step {step + 1}/{self.total} {msg}", flush=True)
 
     def write(self, msg: str) -> None:
-        (self.bar.write if self.bar is not None else print)(msg)
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(msg)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
+# ------------------------------------------------------------------------ sequence parallelism
+
+
+def _dist_env() -> tuple[int, int, int]:
+    """(world_size, rank, local_rank): of the initialised default group, else of torchrun's env."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        return world, rank, int(os.environ.get("LOCAL_RANK", rank))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    return world, rank, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def _init_sp(device: torch.device, local_rank: int):
+    """Join (or reuse) the default process group; returns (group, device, owns_group)."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    owns = False
+    if not dist.is_initialized():
+        # NVLink SHARP (multicast) is off unless asked for: not every machine supports it.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        owns = True
+    return dist.group.WORLD, device, owns
+
+
+def _lm_loss(model, x, y, count: int, autocast) -> torch.Tensor:
+    """Sum of the token losses of (x, y) (this rank's shard, or all) over ``count``: the global
+    number of scored targets. Summed over the ranks this is the single-process mean loss."""
+    with autocast:
+        logits, _ = model(x)  # (B, T, V)
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum"
+        )
+    return loss / count
+
+
+def _allreduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def _allreduce_grads(params: list, group) -> None:
+    """Sum the gradients over the sequence-parallel ranks (one flat all-reduce)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = _allreduce_sum(torch.cat([g.reshape(-1) for g in grads]), group)
+    off = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[off : off + n].view_as(p)
+        off += n
+
+
+def _shard(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else shard_batch(x, group)
+
+
 @torch.no_grad()
-def evaluate(model, data, s: dict, seed: int, device, autocast) -> dict:
-    """Retrieval: accuracy per distance and over random distances. Text: validation loss."""
+def evaluate(model, data, s: dict, seed: int, device, autocast, group=None) -> dict:
+    """Retrieval: accuracy per distance and over random distances. Text: validation loss.
+
+    With ``group`` (sequence-parallel model) every rank scores its shard and the counts are summed.
+    """
     was_training = model.training
     model.eval()
     bs = s["batch_size"]
@@ -227,21 +313,24 @@ def evaluate(model, data, s: dict, seed: int, device, autocast) -> dict:
     # paired comparison in which distance is the only variable.
     if isinstance(data, RetrievalTask):
         for d in (None, *s["eval_distances"]):
-            correct = total = 0
+            counts = torch.zeros(2, dtype=torch.float64, device=device)  # correct, total
             for i in range(nb):
                 x, y = data.batch(bs, seed + 1, 10**9 + i, distance=d)
+                x, y = _shard(x, group).to(device), _shard(y, group).to(device)
                 with autocast:
-                    logits, _ = model(x.to(device))
-                c, t = data.accuracy(logits.float().cpu(), y)
-                correct, total = correct + c, total + t
-            out["acc" if d is None else f"acc@{d}"] = correct / total
+                    logits, _ = model(x)
+                c, t = data.accuracy(logits.float(), y)
+                counts += torch.tensor([c, t], dtype=torch.float64, device=device)
+            correct, total = _allreduce_sum(counts, group).tolist()
+            out["acc" if d is None else f"acc@{d}"] = correct / max(total, 1.0)
     else:
         losses = []
         for i in range(nb):
             x, y = data.batch(bs, seed + 1, 10**9 + i, split="val")
-            with autocast:
-                _, loss = model(x.to(device), y.to(device))
-            losses.append(loss.item())
+            count = max(1, int((y != IGNORE).sum()))
+            x, y = _shard(x, group).to(device), _shard(y, group).to(device)
+            loss = _lm_loss(model, x, y, count, autocast)
+            losses.append(_allreduce_sum(loss.detach(), group).item())
         out["val_loss"] = sum(losses) / len(losses)
         out["val_bpb"] = out["val_loss"] / math.log(2)
     model.train(was_training)
@@ -292,14 +381,49 @@ def _plot(history: list, path: str, title: str) -> bool:
     return True
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
 def run_train(args: argparse.Namespace) -> int:
-    """Train as the flags say; returns 0 on success."""
+    """Train as the flags say; returns 0 on success.
+
+    Under ``torchrun`` (``WORLD_SIZE > 1``) or in an initialised process group, all ranks train
+    one model sequence-parallel (see the module docstring); ``--seq-len`` must be divisible by
+    the number of ranks.
+    """
     s = _settings(args)
+    world, rank, local_rank = _dist_env()
+    if world > 1 and s["seq_len"] % world != 0:
+        raise ValueError(
+            f"sequence-parallel training over {world} ranks: --seq-len {s['seq_len']} is not "
+            f"divisible by the world size {world}; use a multiple of {world} "
+            f"(e.g. {s['seq_len'] - s['seq_len'] % world or world})"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(s["device"])
-    os.makedirs(args.out_dir, exist_ok=True)
+    group, owns_group = None, False
+    if world > 1:
+        group, device, owns_group = _init_sp(device, local_rank)
+    try:
+        return _train(args, s, device, group, rank, world)
+    finally:
+        if owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(args, s: dict, device: torch.device, group, rank: int, world: int) -> int:
+    main_rank = rank == 0
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    if main_rank:
+        os.makedirs(args.out_dir, exist_ok=True)
 
     if args.text_file:
         data = ByteText(args.text_file, s["seq_len"])
@@ -323,6 +447,13 @@ def run_train(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     model = LongNetLM(cfg).to(device)
+    params = list(model.parameters())  # shared (tied) parameters once
+    if group is not None:
+        import torch.distributed as dist
+
+        parallelize(model, group)
+        for p in params:  # the same seed gives the same init; make sure of it
+            dist.broadcast(p.data, src=0, group=group)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -347,86 +478,117 @@ def run_train(args: argparse.Namespace) -> int:
         opt.load_state_dict(ck["optimizer"])
         start, history = ck["step"], ck["history"]
         torch.set_rng_state(ck["rng"])
-        print(f"resumed from {ckpt_path} at step {start}")
+        if main_rank:
+            print(f"resumed from {ckpt_path} at step {start}")
 
     amp_dtype = getattr(torch, s["dtype"])
     autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32)
-    with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-        json.dump(
-            {
-                "model": dataclasses.asdict(cfg),
-                "settings": s,
-                "args": vars(args),
-                "params": model.num_params(),
-                "torch": torch.__version__,
-            },
-            f,
-            indent=1,
-            default=str,
+    tokens_per_step = s["batch_size"] * s["seq_len"]  # global, over all ranks
+    if main_rank:
+        with open(os.path.join(args.out_dir, "config.json"), "w") as f:
+            json.dump(
+                {
+                    "model": dataclasses.asdict(cfg),
+                    "settings": s,
+                    "args": vars(args),
+                    "params": model.num_params(),
+                    "torch": torch.__version__,
+                    "world_size": world,
+                    "device": str(device),
+                    "device_name": _device_name(device),
+                },
+                f,
+                indent=1,
+                default=str,
+            )
+        task = "text" if args.text_file else "retrieval"
+        sp = f", sequence-parallel over {world} ranks" if world > 1 else ""
+        print(
+            f"{args.attention} LongNet ({args.preset}): {model.num_params() / 1e6:.2f}M params, "
+            f"branches w={list(cfg.segment_lengths)} r={list(cfg.dilation_rates)}, task={task}, "
+            f"N={s['seq_len']}, batch={s['batch_size']}, steps={s['steps']}, device={device}{sp}",
+            flush=True,
         )
-    task = "text" if args.text_file else "retrieval"
-    print(
-        f"{args.attention} LongNet ({args.preset}): {model.num_params() / 1e6:.2f}M params, "
-        f"branches w={list(cfg.segment_lengths)} r={list(cfg.dilation_rates)}, task={task}, "
-        f"N={s['seq_len']}, batch={s['batch_size']}, steps={s['steps']}, device={device}"
-    )
 
-    log_jsonl = open(os.path.join(args.out_dir, "log.jsonl"), "a" if args.resume else "w")
-    bar = _Progress(s["steps"], start, args.no_progress)
+    log_jsonl = None
+    if main_rank:
+        log_jsonl = open(os.path.join(args.out_dir, "log.jsonl"), "a" if args.resume else "w")
+    bar = _Progress(s["steps"], start, args.no_progress, enabled=main_rank)
     model.train()
     t0 = time.perf_counter()
     last = {}
-    step = start
+    step_times = []  # seconds per optimizer step of this process (no eval, no checkpoint)
     try:
         for step in range(start, s["steps"]):
+            ts = time.perf_counter()
             lr = _lr_at(step, s, args.min_lr_ratio)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = data.batch(s["batch_size"], args.seed, step)
+            x, y = data.batch(s["batch_size"], args.seed, step)  # the global batch, every rank
+            count = max(1, int((y != IGNORE).sum()))  # scored targets in the global batch
+            x, y = _shard(x, group), _shard(y, group)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast:
-                _, loss = model(x, y)
+            loss = _lm_loss(model, x, y, count, autocast)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            if group is not None:
+                _allreduce_grads(params, group)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             opt.step()
+            loss_val = _allreduce_sum(loss.detach().clone(), group).item()  # syncs the step
+            step_times.append(time.perf_counter() - ts)
             rec = {
                 "step": step + 1,
-                "loss": loss.item(),
+                "loss": loss_val,
                 "lr": lr,
                 "grad_norm": float(gnorm),
+                "step_s": step_times[-1],
                 "time_s": time.perf_counter() - t0,
             }
             done = step + 1
             if done % s["eval_every"] == 0 or done == s["steps"]:
-                rec.update(evaluate(model, data, s, args.seed, device, autocast))
+                rec.update(evaluate(model, data, s, args.seed, device, autocast, group))
                 last = {k: v for k, v in rec.items() if k.startswith(("acc", "val_"))}
                 bar.write(
                     f"step {done}: loss {rec['loss']:.4f} "
                     + " ".join(f"{k} {v:.3f}" for k, v in last.items())
                 )
             history.append(rec)
-            log_jsonl.write(json.dumps(rec) + "\n")
-            log_jsonl.flush()
-            if (
-                (args.save_every and done % args.save_every == 0)
-                or done % s["eval_every"] == 0
-                or done == s["steps"]
-            ):
-                _save(ckpt_path, model, opt, done, cfg, s, history)
+            if main_rank:
+                log_jsonl.write(json.dumps(rec) + "\n")
+                log_jsonl.flush()
+                if (
+                    (args.save_every and done % args.save_every == 0)
+                    or done % s["eval_every"] == 0
+                    or done == s["steps"]
+                ):
+                    _save(ckpt_path, model, opt, done, cfg, s, history)
             bar.update(step, f"loss {rec['loss']:.3f} lr {lr:.2e}")
             if args.stop_at is not None and done >= args.stop_at:
-                _save(ckpt_path, model, opt, done, cfg, s, history)
+                if main_rank:
+                    _save(ckpt_path, model, opt, done, cfg, s, history)
                 break
     finally:
         bar.close()
-        log_jsonl.close()
+        if log_jsonl is not None:
+            log_jsonl.close()
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)  # every rank finished its steps (rank 0 wrote the checkpoint)
+    if not main_rank:
+        return 0
 
     keys = sorted({k for h in history for k in h}, key=lambda k: (k != "step", k))
     with open(os.path.join(args.out_dir, "log.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(history)
+    # Throughput over this process's steps, leaving out the first ones (allocator warm-up, kernel
+    # autotuning and compilation): tokens of the global batch per second of step time.
+    skip = min(5, len(step_times) // 4)
+    timed = step_times[skip:]
+    tok_s = tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else None
     summary = {
         "attention": args.attention,
         "preset": args.preset,
@@ -434,6 +596,12 @@ def run_train(args: argparse.Namespace) -> int:
         "train_time_s": time.perf_counter() - t0,
         "final_loss": history[-1]["loss"] if history else None,
         "params": model.num_params(),
+        "world_size": world,
+        "tokens_per_step": tokens_per_step,
+        "step_s": sum(timed) / len(timed) if timed else None,
+        "tokens_per_s": tok_s,
+        "tokens_per_s_per_gpu": tok_s / world if tok_s is not None else None,
+        "throughput_steps_skipped": skip,
         **last,
     }
     if isinstance(data, RetrievalTask):
