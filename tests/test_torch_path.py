@@ -177,6 +177,30 @@ def test_chunked_groups_match_reference(seed, monkeypatch, ha, causal):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("heads,kmode", [((8, 8), "diag"), ((8, 2), "shared")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_groups_match_reference(seed, heads, kmode, causal):
+    """Branches with r > 1 whose groups are strided diagonal views (no index tensors): plain MHA
+    ("diag") and GQA with r dividing the group size ("shared"), with key padding, whole and
+    partial segments, against the oracle; the plan must really contain such groups."""
+    from dilated_attention.kernels import torch_dilated
+
+    h, hkv = heads
+    seg, dil = (8, 16, 32), (1, 2, 4)
+    n = 88  # 88 % 32 != 0: a partial last segment (gathered) next to strided whole segments
+    plan = torch_dilated.make_plan(n, n, h, hkv, seg, dil, "all", torch.device("cpu"))
+    assert {g.kmode for g in plan if g.kind == "strided"} == {kmode}
+    assert sum(g.kind == "strided" for g in plan) >= 2
+    q, k, v, kpm = _inputs(2, n, n, h, hkv, 8, torch.float64, True)
+    do = torch.randn(2, n, h, 8, dtype=torch.float64)
+    o_r, l_r, g_r = _run("reference", q, k, v, seg, dil, causal, "all", kpm, do)
+    o_t, l_t, g_t = _run("torch", q, k, v, seg, dil, causal, "all", kpm, do)
+    torch.testing.assert_close(o_t, o_r, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(l_t, l_r)
+    for a, b in zip(g_t, g_r, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])

@@ -41,6 +41,12 @@ class _Group:
     """Equally shaped blocks of one branch, batched into one attention call.
 
     view kind (r == 1, no dummies): rows [start, start + nseg * length), heads [hs, he).
+    strided kind (r > 1, whole segments of length % r == 0, every offset, head ranges aligned to
+    r, no dummies): rows [start, start + nseg * length) split as (segment, t, offset); query heads
+    [hs, he) split as (g, offset) and the two offsets tied by a diagonal view, so that reading is
+    one strided copy and writing is in place, with no index tensors. K/V: the same diagonal
+    (``kmode="diag"``, MHA) or every kv head [kvs, kve) for every offset (``kmode="shared"``,
+    GQA with r dividing the group size).
     gather kind: index tensors, built on the inputs' device.
     """
 
@@ -53,6 +59,9 @@ class _Group:
     he: int = 0
     kvs: int = 0
     kve: int = 0
+    # strided kind (uses start, nseg, length, hs, he, kvs, kve too)
+    r: int = 1
+    kmode: str = ""
     # gather kind
     kpos: torch.Tensor | None = None  # (S, O, L) key positions
     qsrc: torch.Tensor | None = None  # (S, O, L) query rows to read (dummies clamped to 0)
@@ -63,9 +72,28 @@ class _Group:
     fresh: bool = False  # no earlier group wrote these (row, head) pairs: write, don't merge
 
     # ------------------------------------------------------------------ reading rows
+    def strided(self, x: torch.Tensor, side: str) -> torch.Tensor:
+        """strided kind: x (B, N, heads, *tail) -> a view (B, S, O, G, T, *tail), O = r offsets."""
+        r, t = self.r, self.length // self.r
+        rows = x[:, self.start : self.start + self.nseg * self.length]
+        rows = rows.unflatten(1, (self.nseg, t, r))  # (B, S, T, O, heads, *tail)
+        if side == "k" and self.kmode == "shared":
+            y = rows[:, :, :, :, self.kvs : self.kve]  # (B, S, T, O, Gk, *tail)
+            return y.permute(0, 1, 3, 4, 2, *range(5, y.dim()))
+        hs, he = (self.hs, self.he) if side == "q" else (self.kvs, self.kve)
+        y = rows[:, :, :, :, hs:he].unflatten(4, ((he - hs) // r, r))  # (B, S, T, O, G, O', *tail)
+        y = torch.diagonal(y, 0, 3, 5)  # (B, S, T, G, *tail, O): position offset == head offset
+        y = y.movedim(-1, 2)  # (B, S, O, T, G, *tail)
+        return y.transpose(3, 4)  # (B, S, O, G, T, *tail)
+
     def take(self, x: torch.Tensor, side: str) -> torch.Tensor:
         """x: (B, N, heads, D) -> (B', G, L, D), a view when possible."""
         b, d = x.shape[0], x.shape[-1]
+        if self.kind == "strided":
+            y = self.strided(x, side)  # (B, S, O, G, T, D)
+            # one strided copy into the (B', L, G, D) layout the flash kernels read fastest
+            y = y.transpose(3, 4).reshape(-1, y.shape[4], y.shape[3], d)
+            return y.transpose(1, 2)
         if self.kind == "view":
             hs, he = (self.hs, self.he) if side == "q" else (self.kvs, self.kve)
             rows = x[:, self.start : self.start + self.nseg * self.length, hs:he]
@@ -82,6 +110,9 @@ class _Group:
         x: (B, Nq + 1, H) -> (B', Gh, L), contiguous (used for the LSE).
         """
         b = x.shape[0]
+        if self.kind == "strided":
+            y = self.strided(x, "q")  # (B, S, O, G, T)
+            return y.reshape(-1, y.shape[3], y.shape[4])
         if self.kind == "view":
             rows = x[:, self.start : self.start + self.nseg * self.length, self.hs : self.he]
             return rows.reshape(b * self.nseg, self.length, self.he - self.hs).transpose(1, 2).contiguous()
@@ -94,6 +125,10 @@ class _Group:
         if kpm is None:
             return None
         b = kpm.shape[0]
+        if self.kind == "strided":
+            rows = kpm[:, self.start : self.start + self.nseg * self.length]
+            rows = rows.unflatten(1, (self.nseg, self.length // self.r, self.r))  # (B, S, T, O)
+            return rows.transpose(2, 3).reshape(-1, self.length // self.r)
         if self.kind == "view":
             rows = kpm[:, self.start : self.start + self.nseg * self.length]
             return rows.reshape(b * self.nseg, self.length)
@@ -104,6 +139,17 @@ class _Group:
     def merge_into(self, acc_out, acc_lse, out_g, lse_g, first: bool = False) -> None:
         """Merge (out_g (B', Gh, L, D), lse_g (B', Gh, L)) into acc_out (B, Nq+1, H, D), acc_lse (B, Nq+1, H)."""
         b, d = acc_out.shape[0], acc_out.shape[-1]
+        if self.kind == "strided":
+            dst_o = self.strided(acc_out, "q")  # (B, S, O, G, T, D) view of the accumulator
+            dst_l = self.strided(acc_lse, "q")  # (B, S, O, G, T)
+            o_new = out_g.unflatten(0, dst_o.shape[:3])
+            l_new = lse_g.unflatten(0, dst_l.shape[:3])
+            if first:
+                dst_o.copy_(o_new)
+                dst_l.copy_(l_new)
+                return
+            merge_partial_(dst_o, dst_l, o_new, l_new)
+            return
         if self.kind == "view":
             sl = (slice(None), slice(self.start, self.start + self.nseg * self.length), slice(self.hs, self.he))
             gh = self.he - self.hs
@@ -131,6 +177,10 @@ class _Group:
     def add_into(self, acc: torch.Tensor, val: torch.Tensor, side: str) -> None:
         """acc (B, N(+1), heads, D) += val (B', G, L, D) at this group's rows."""
         b, d = acc.shape[0], acc.shape[-1]
+        if self.kind == "strided":  # (row, head) pairs are unique within the group
+            dst = self.strided(acc, side)  # (B, S, O, G, T, D)
+            dst += val.unflatten(0, dst.shape[:3])
+            return
         if self.kind == "view":
             hs, he = (self.hs, self.he) if side == "q" else (self.kvs, self.kve)
             region = acc[:, self.start : self.start + self.nseg * self.length, hs:he]
@@ -147,6 +197,24 @@ class _Group:
         else:
             # unique (row, head) pairs (the trash row may repeat; it is discarded): no sort needed
             acc[idx] = acc[idx] + v
+
+
+def _strided_kmode(offs, r, length, nrows, hs, he, rep, qoff) -> str:
+    """"diag" / "shared" when a gather group of every offset has a strided view, else ""."""
+    if qoff != 0 or r < 2 or length % r or nrows * r != length or len(offs) != r:
+        return ""
+    if hs % r or (he - hs) % r:
+        return ""
+    for i, (off, heads, khead) in enumerate(offs):
+        if off != i or heads != list(range(hs + off, he, r)):
+            return ""
+    if rep == 1:
+        return "diag"
+    if hs % rep == 0 and he % rep == 0 and rep % r == 0:
+        kv = list(range(hs // rep, he // rep))
+        if all(khead == kv for _, _, khead in offs):
+            return "shared"
+    return ""
 
 
 @functools.lru_cache(maxsize=256)
@@ -202,6 +270,13 @@ def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_a
                 key = (nrows, len(heads), len(khead), unique)
                 by_shape.setdefault(key, []).append((off, heads, khead))
             for (nrows, _, _, unique), offs in by_shape.items():
+                kmode = _strided_kmode(offs, r, length, nrows, hs, he, rep, qoff)
+                if kmode:
+                    groups.append(
+                        dict(kind="strided", start=first * w, nseg=count, length=length, hs=hs,
+                             he=he, kvs=hs // rep, kve=he // rep, r=r, kmode=kmode, fresh=fresh)
+                    )
+                    continue
                 segs = torch.arange(first, first + count)[:, None, None] * w  # (S, 1, 1)
                 o_t = torch.tensor([o for o, _, _ in offs])[None, :, None]  # (1, O, 1)
                 t = torch.arange(nrows)[None, None, :] * r  # (1, 1, L)
