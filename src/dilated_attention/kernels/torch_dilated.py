@@ -205,7 +205,7 @@ def _strided_kmode(offs, r, length, nrows, hs, he, rep, qoff) -> str:
         return ""
     if hs % r or (he - hs) % r:
         return ""
-    for i, (off, heads, khead) in enumerate(offs):
+    for i, (off, heads, _khead) in enumerate(offs):
         if off != i or heads != list(range(hs + off, he, r)):
             return ""
     if rep == 1:
