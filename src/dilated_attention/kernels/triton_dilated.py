@@ -14,6 +14,11 @@ program runs a flash-attention online softmax over its block's keys and then mer
 (out, lse) into a float32 accumulator ``(acc_out, acc_lse)`` by LSE (SPEC's Eq. 10, exactly).
 Within one branch every (row, head) belongs to exactly one program, so the in-place merge has no
 races; branches run one after another. ``acc_lse`` *is* the returned lse ``(B, H, Nq)``.
+Folded forward (not causal, seqlen_q == seqlen_k, every r dividing r_max, every w a multiple
+of w_min, r_max dividing w_min: LongNet's default branches): ONE launch; a program takes BM
+rows of one head congruent to c mod r_max inside one w_min window, which every branch takes
+all or none of, and runs one online softmax over the concatenated key lists of its branches
+(exactly the LSE merge): one output write, no merge (:func:`_fold_geometry`).
 
 Backward (exact, the mixing weights are not detached): with the final merged ``out`` and ``lse``,
 ``P_b = exp(S - lse)`` on branch b's pairs, ``delta = rowsum(dout * out)``, and every branch
@@ -349,6 +354,80 @@ def _kernels(interpret: bool):
         _acc_store(optrs, ACC_LO + ooff, new_out, valid_m[:, None], True, COMP, STORE_LO)
 
     @triton.jit
+    def _fwd_folded_kernel(
+        Q, K, V, KPM, OUT, LSE, BRS,
+        sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
+        N, H, REP, NB, WMIN, RMAX, NT,
+        qk_scale,
+        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+    ):
+        # one program = BM rows of one (batch, head) congruent to c mod RMAX inside one WMIN-aligned
+        # window; every branch takes all of them or none (see _fold_ok), so ONE online softmax
+        # runs over the concatenated key lists of its branches: no merge, one output write
+        pid0 = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        pid_t = pid0 % NT
+        rest = pid0 // NT
+        c = rest % RMAX
+        win = rest // RMAX
+        b = pid_bh // H
+        h = pid_bh % H
+        kvh = h // REP
+        t0 = pid_t * BM
+        offs_t = t0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        pos_m = (win * WMIN + c + RMAX * offs_t).to(tl.int64)
+        valid_m = (offs_t < WMIN // RMAX) & (pos_m < N)
+        b64 = b.to(tl.int64)
+        q = tl.load(Q + b64 * sqb + pos_m[:, None] * sqn + h * sqh + offs_d[None, :],
+                    mask=valid_m[:, None], other=0.0)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        kbase = K + b64 * skb + kvh * skh
+        vbase = V + b64 * svb + kvh * svh
+        kpm_base = KPM + b64 * skpb
+        first_pos = win * WMIN + c + RMAX * t0  # smallest row of the tile
+        last_pos = tl.minimum(win * WMIN + c + RMAX * tl.minimum(t0 + BM - 1, WMIN // RMAX - 1),
+                              N - 1)
+        if first_pos < N:
+            for bi in range(NB):
+                W = tl.load(BRS + 4 * bi)
+                R = tl.load(BRS + 4 * bi + 1)
+                hs = tl.load(BRS + 4 * bi + 2)
+                he = tl.load(BRS + 4 * bi + 3)
+                o = h % R
+                if (c % R == o) & (h >= hs) & (h < he):
+                    seg_start = (first_pos // W) * W
+                    L = (tl.minimum(W, N - seg_start) - o + R - 1) // R
+                    offs_m = (pos_m - seg_start - o) // R  # this branch's row index of each row
+                    hi = L
+                    mid = 0
+                    if CAUSAL:
+                        hi = (last_pos - seg_start - o) // R + 1
+                    if not HAS_KPM:
+                        if CAUSAL:
+                            mid = (first_pos - seg_start - o) // R // BN * BN
+                        else:
+                            mid = L // BN * BN
+                    acc, l_i, m_i = _fwd_inner(
+                        acc, l_i, m_i, q, kbase, vbase, kpm_base, skn, svn, seg_start + o, R, L,
+                        offs_m, 0, mid, qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, False,
+                    )
+                    acc, l_i, m_i = _fwd_inner(
+                        acc, l_i, m_i, q, kbase, vbase, kpm_base, skn, svn, seg_start + o, R, L,
+                        offs_m, mid, hi, qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
+                    )
+        has = l_i > 0
+        l_safe = tl.where(has, l_i, 1.0)
+        lse = tl.where(has, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        out = acc / l_safe[:, None]
+        tl.store(LSE + (b64 * H + h) * N + pos_m, lse, mask=valid_m)
+        tl.store(OUT + b64 * sob + pos_m[:, None] * son + h * soh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=valid_m[:, None])
+
+    @triton.jit
     def _delta_kernel(O, DO, DELTA, NROWS, NQ, H, D: tl.constexpr, BR: tl.constexpr):
         # O, DO contiguous (B, NQ, H, D); DELTA (B, H, NQ) float32
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -529,7 +608,7 @@ def _kernels(interpret: bool):
         dq_off = b64 * sdqb + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
         _acc_store(DQ + dq_off, DQ_LO + dq_off, dq, valid_m[:, None], False, COMP, STORE_LO)
 
-    return _fwd_kernel, _delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
+    return _fwd_kernel, _delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_folded_kernel
 
 
 # ---------------------------------------------------------------------------------- launch
@@ -565,7 +644,9 @@ def _configs(d: int, interpret: bool, variant: str = "v4") -> dict:
     elif d <= 64:
         cfg = dict(fwd=(128, 64, 4, 3), dkdv=(32, 128, 4, 3), dq=(128, 32, 4, 3))
     else:
-        cfg = dict(fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 2), dq=(128, 32, 8, 3))
+        # H100 sweep 2026-11-23 (benchmarks/tune_triton.py): dK/dV 64 x 64, 4 warps was 10%
+        # faster than 32 x 128, 8 warps; dQ 128 x 64 on par with 128 x 32
+        cfg = dict(fwd=(128, 64, 8, 3), dkdv=(64, 64, 4, 2), dq=(128, 64, 8, 3))
     spec = os.environ.get(_CONFIG_ENV, "")
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         name, _, vals = item.partition("=")
@@ -632,15 +713,72 @@ def _acc_buffers(shape, dtype, device, multi: bool, variant: str):
     return torch.zeros(shape, dtype=torch.float32, device=device), None, True
 
 
+_FOLD_ENV = "DILATED_ATTENTION_TRITON_FOLD"  # "0": per-branch forward launches + merge (A/B)
+
+
+def _fold_geometry(nq, nk, branches, causal=False):
+    """(w_min, r_max) when the forward can fold all branches into one online softmax, else None.
+
+    Needs seqlen_q == seqlen_k, several branches, every r dividing r_max, every w a multiple of
+    w_min and r_max dividing w_min. Then the rows of one head congruent to c mod r_max inside
+    one w_min-aligned window lie in one segment of every branch and, for each branch (w, r),
+    all have the offset c mod r: the branch takes all of them (c mod r == h mod r, h in its
+    heads) or none. LongNet's default branches (w = 2048 * 2^i, r = 2^i) qualify; r = 6, 12
+    with r = 4 do not. Not causal only: a tile's rows are spread over a whole w_min window, so
+    the causal diagonal crosses every key block and the folded causal forward was 1.65x slower
+    than the per-branch one on an H100 (benchmarks/results/triton_fold_h100_2026-11-23.md);
+    not causal it was 8% faster.
+    """
+    if causal or nq != nk or len(branches) < 2 or os.environ.get(_FOLD_ENV, "1") == "0":
+        return None
+    wmin = min(w for w, _, _, _ in branches)
+    rmax = max(r for _, r, _, _ in branches)
+    if wmin % rmax or any(rmax % r or w % wmin for w, r, _, _ in branches):
+        return None
+    return wmin, rmax
+
+
+@functools.lru_cache(maxsize=64)
+def _branch_table(branches: tuple, device: torch.device) -> torch.Tensor:
+    """(w, r, head start, head stop) per branch as an int32 device tensor, built once per
+    (branches, device): a fresh host-to-device copy per call would block the host."""
+    return torch.tensor([list(b) for b in branches], dtype=torch.int32, device=device)
+
+
+def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, interp):
+    bsz, n, nh, d = q.shape
+    bm, bn = cfg[:2]
+    out = torch.empty_like(q)
+    lse = torch.empty(bsz, nh, n, dtype=torch.float32, device=q.device)
+    brs = _branch_table(tuple(branches), q.device)
+    kp, skp, has_kpm = _kpm_arg(kpm, q)
+    nt = triton.cdiv(wmin // rmax, bm)
+    grid = (nt * rmax * triton.cdiv(n, wmin), bsz * nh)
+    _kernels(interp)[4][grid](
+        q, k, v, kp, out, lse, brs,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), skp,
+        out.stride(0), out.stride(1), out.stride(2),
+        n, nh, nh // k.shape[2], len(branches), wmin, rmax, nt,
+        scale * _LOG2E,
+        D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=_prec(q.dtype),
+        **_launch_kw(cfg, interp),
+    )
+    return out, lse
+
+
 def _fwd_impl(q, k, v, kpm, seg, dil, causal, scale, head_ranges):
     bsz, nq, nh, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     interp = q.device.type == "cpu"
     variant = _variant()
-    fwd_k = _kernels(interp)[0]
     cfg = _configs(d, interp, variant)["fwd"]
-    bm, bn = cfg[:2]
     branches = _branches(nh, seg, dil, head_ranges)
+    geo = None if variant == "v3" else _fold_geometry(nq, nk, branches, causal)
+    if geo is not None:
+        return _fwd_folded(q, k, v, kpm, causal, scale, branches, *geo, cfg, interp)
+    fwd_k = _kernels(interp)[0]
+    bm, bn = cfg[:2]
     if variant == "v3":
         acc_o, acc_lo, cast = torch.zeros(bsz, nq, nh, d, dtype=torch.float32, device=q.device), None, True
     else:
@@ -677,7 +815,7 @@ def _bwd_impl(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges
     rep = nh // hkv
     interp = q.device.type == "cpu"
     variant = _variant()
-    _, delta_k, dkdv_k, dq_k = _kernels(interp)
+    _, delta_k, dkdv_k, dq_k, _ = _kernels(interp)
     cfgs = _configs(d, interp, variant)
     dout = dout.contiguous()
     out = out.contiguous()
