@@ -7,10 +7,14 @@ runs all its cases (spawning is the slow part on CPU).
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import check_close, run_distributed
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dilated_attention.distributed import (
     gather_sequence,
@@ -141,6 +145,76 @@ def _memory_worker(rank, world, nl):
     assert st["bwd_peak_ring_bytes"] <= 4 * block, st
 
 
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages created by ops inside the mode that are still alive, and their peak.
+
+    Storages are tracked through weak references (freed = no tensor, view or pending send/recv
+    holds them any more). Allocations inside a kernel (its workspace) are not seen: this counts
+    the tensors the Python code keeps, which is what the ring controls.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: set[int] = set()
+        self.cur = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # views and in-place results share an input's storage: nothing new was allocated
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        seen = {t.untyped_storage().data_ptr() for t in ins}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key, n = st.data_ptr(), st.nbytes()
+                if n and key not in self.live and key not in seen:
+                    self.live.add(key)
+                    self.cur += n
+                    self.peak = max(self.peak, self.cur)
+                    weakref.finalize(st, self._free, key, n)
+        return out
+
+    def _free(self, key: int, n: int) -> None:
+        self.live.discard(key)
+        self.cur -= n
+
+
+def _live_bytes_worker(rank, world):
+    """Peak bytes of the tensors a P = 2 ring creates, in units of T = one local q-sized tensor.
+
+    float32 and MHA: every accumulator, K or V block and partial gradient is exactly T. Forward:
+    the output accumulator (it is the returned output), the step's partial output and the k, v in
+    flight: 4T (no stacked K/V copy, no second output copy, no float32 copy of a partial in the
+    merge). Backward (q, k, v, out, dout exist before): dq, the travelling k, v, the dK/dV being
+    sent and the pair being received (7T), and the step's dq/dk/dv partials (at most 3T).
+    """
+    b, nl, h, d = 1, 64, 2, 64  # lse-sized temporaries are T / 64
+    ql, kl, vl, dol = (shard_local(x, world, rank, "zigzag", 1).to(torch.float32)
+                       for x in _inputs(8, b, nl * world, h, h, d))
+    ql, kl, vl = (x.requires_grad_() for x in (ql, kl, vl))
+    t = ql.numel() * ql.element_size()
+    slack = t // 8  # a few lse-sized temporaries
+    with _LiveBytes() as fwd:
+        out = ring_attention(ql, kl, vl, causal=True, layout="zigzag", validate=False)
+    with _LiveBytes() as bwd:
+        grads = torch.autograd.grad(out, (ql, kl, vl), dol)
+    # the same numbers as without the tracker
+    ref = ring_attention(ql.detach(), kl.detach(), vl.detach(), causal=True, layout="zigzag")
+    check_close("live-bytes run out", out, ref, 0.0)
+    assert all(g.shape == x.shape for g, x in zip(grads, (ql, kl, vl), strict=True))
+    where = f"rank {rank}: fwd peak {fwd.peak / t:.3f}T, bwd peak {bwd.peak / t:.3f}T"
+    assert 4 * t <= fwd.peak <= 4 * t + slack, where
+    # zigzag, second step: rank 0 meets the late half of its queries with all of the block (dq/2,
+    # dk, dv), rank 1 all its queries with the block's first half (dq, dk/2, dv/2)
+    want = 7 * t + (5 * t // 2 if rank == 0 else 2 * t)
+    assert want <= bwd.peak <= want + slack, where
+    st = last_ring_stats()
+    assert st["kv_block_bytes"] == 2 * t, st
+    assert st["fwd_peak_ring_bytes"] == 2 * t, st  # the k, v in flight
+    assert st["bwd_peak_ring_bytes"] == 6 * t, st  # k, v received; dK/dV sent; dK/dV received
+
+
 def _extras_worker(rank, world):
     """Subgroups, DeviceMesh, gather_sequence autograd, cross-rank errors (no hang)."""
     # subgroups: two independent rings of 2 (world 4) — every rank calls new_group for both
@@ -223,6 +297,11 @@ def test_ring_exact(world):
 def test_ring_memory_does_not_grow_with_world():
     for world in (2, 3, 4):
         run_distributed(_memory_worker, world, 6)
+
+
+@pytest.mark.timeout(60)
+def test_ring_live_tensor_bytes_p2():
+    run_distributed(_live_bytes_worker, 2)
 
 
 @pytest.mark.timeout(90)

@@ -34,11 +34,13 @@ def merge_partial_(
     """In-place :func:`merge_partial` into (out_acc, lse_acc), which may be strided views.
 
     Fewer temporaries than the functional form: the hot path of the torch impl, the ring steps
-    and the sequence-parallel merge.
+    and the sequence-parallel merge. ``out_b`` may have a lower precision than ``out_acc`` (a bf16
+    partial into an fp32 accumulator): it is read as it is, with no converted copy of it on the
+    GPU (on the CPU, torch may still convert it on the fly).
     """
     lse_b = lse_b.to(lse_acc.dtype)
     lse = torch.logaddexp(lse_acc, lse_b)
     shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     out_acc.mul_(torch.exp(lse_acc - shift).unsqueeze(-1))
-    out_acc.add_(out_b.to(out_acc.dtype) * torch.exp(lse_b - shift).unsqueeze(-1))
+    out_acc.addcmul_(out_b, torch.exp(lse_b - shift).unsqueeze(-1))  # no out_b-sized temporary
     lse_acc.copy_(lse)

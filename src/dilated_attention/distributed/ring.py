@@ -1,14 +1,15 @@
 """Ring attention: exact dense attention over a sequence sharded across the ranks of a group.
 
 Algorithm (forward), for P ranks, each holding N/P queries and the K/V of the same positions:
-queries stay on their rank; the (k, v) block (only the kv heads, packed into one buffer) travels
-round the ring rank -> rank+1 in P-1 steps. At step t, rank r computes its queries against the
-block of rank ``(r - t) % P`` while the next block is already in flight (batched isend/irecv,
-:class:`.comm.RingComm`), and merges the partial output into an fp32 accumulator by LSE
-(the stable form of :func:`..merge.merge_partial`, written in place). The backward sends (k, v) round the ring again and the fp32
-dK/dV accumulator of each block round a second ring, one hop behind; after P hops each rank holds
-the gradient of its own K/V. Each block's backward runs with the FINAL output and LSE
-(:func:`..kernels.local.attn_bwd`), which gives exact gradients.
+queries stay on their rank; k and v (only the kv heads, each in its own (B, N/P, Hkv, D) layout)
+travel round the ring rank -> rank+1 in P-1 steps, as one batch of isend/irecv. At step t, rank r
+computes its queries against the block of rank ``(r - t) % P`` while the next block is already in
+flight (:class:`.comm.RingComm`), and merges the partial output into an fp32 accumulator by LSE (the
+stable form of :func:`..merge.merge_partial`, written in place). The backward sends (k, v) round
+the ring again and the fp32 dK and dV accumulators of each block (a pair, one batch) round a second
+ring, one hop behind; after P hops each rank holds the gradient of its own K/V. Each block's
+backward runs with the FINAL output and LSE (:func:`..kernels.local.attn_bwd`), which gives exact
+gradients.
 
 Causal: with ``layout="contiguous"`` blocks from later ranks are skipped (still forwarded) and the
 own block is causal; rank P-1 does P times the work of rank 0. With ``layout="zigzag"`` (rank r
@@ -16,8 +17,17 @@ holds chunks r and 2P-1-r of 2P) every step costs every rank the same: the own b
 a block from an earlier rank is seen by all local queries through its first chunk only, and a
 block from a later rank is seen only by the local late chunk, through both of its chunks.
 
-Memory per rank: the local q, k, v, out and lse, plus at most two travelling K/V blocks in the
-forward, and two K/V blocks plus two fp32 dK/dV blocks in the backward: O(N/P), independent of P.
+Memory per rank, in units of T = one local (B, N/P, H, D) tensor in the input dtype (bf16; an fp32
+buffer is 2T; K/V are smaller under GQA). Forward, besides q, k, v (3T): the fp32 output
+accumulator (2T, in (B, N/P, H, D) layout, so the returned output is its cast and is also what the
+backward saves: no second copy in another layout), one step's partial output (1T) and the
+travelling k, v: the pair in flight (2T) and, from the second step on, the pair being computed
+(2T; the first step computes on the inputs themselves): 8T at P = 2, 10T at P >= 3. No K/V copy
+is made unless k or v is not contiguous. Backward: the saved q, k, v, out and dout (5T), the fp32
+dq (2T), the travelling k, v (2T at P = 2, 4T at P >= 3), the fp32 dK/dV pair being sent and the
+pair being received (8T) and one block's dq/dk/dv partials (3T): 20T at P = 2, 22T at P >= 3, plus
+the attention kernel's workspace; the final casts to the input dtype come one accumulator at a
+time after the rings. All O(N/P), independent of P.
 Communication per rank: (P-1) K/V blocks forward; (P-1) K/V blocks + P fp32 dK/dV blocks backward.
 """
 
@@ -47,7 +57,8 @@ def last_ring_stats() -> dict:
     """Communication / memory counters of the last ring forward and backward on this rank.
 
     Keys: ``fwd_bytes_sent``, ``fwd_peak_ring_bytes`` (peak bytes of received blocks alive at
-    once), ``bwd_bytes_sent``, ``bwd_peak_ring_bytes``, ``kv_block_bytes`` (one local K/V block),
+    once), ``bwd_bytes_sent``, ``bwd_peak_ring_bytes`` (received K/V and dK/dV buffers and this
+    rank's own dK/dV accumulators), ``kv_block_bytes`` (one local k plus v, in bytes),
     ``world``. Tests use it to check that ring memory does not grow with P.
     """
     return dict(_LAST_STATS)
@@ -76,116 +87,158 @@ def _step_plan(rank: int, src: int, causal: bool, layout: str, n_local: int):
     return slice(c, None), full, False
 
 
-def _ring_forward(qt, kv, group, world, rank, scale, causal, layout, tracker):
-    """qt: (B, H, Nl, D); kv: (2, B, Hkv, Nl, D) contiguous. Returns out acc, lse acc, bytes sent."""
-    b, h, nl, _ = qt.shape
-    adt = _acc_dtype(qt)
-    acc_out = torch.zeros(b, h, nl, kv.shape[-1], dtype=adt, device=qt.device)
-    acc_lse = torch.full((b, h, nl), float("-inf"), dtype=adt, device=qt.device)
+def _t(x: torch.Tensor) -> torch.Tensor:
+    """(B, N, H, D) <-> (B, H, N, D) view: the kernels take SDPA's layout, we store (B, N, H, D)."""
+    return x.transpose(1, 2)
+
+
+def _ring_forward(q, k, v, group, world, rank, scale, causal, layout, tracker):
+    """q: (B, Nl, H, D); k, v: (B, Nl, Hkv, D) contiguous (they travel as they are).
+
+    Returns the output accumulator (B, Nl, H, D) (fp32, fp64 for fp64), lse (B, H, Nl), bytes sent.
+    """
+    b, nl, h, _ = q.shape
+    adt = _acc_dtype(q)
+    qt = _t(q)
+    acc = torch.empty(b, nl, h, v.shape[-1], dtype=adt, device=q.device)
+    acc_lse = torch.empty((b, h, nl), dtype=adt, device=q.device)
     comm = RingComm(group, tracker, tag=0) if world > 1 else None
     for step in range(world):
         nxt = None
         if step + 1 < world:
-            nxt = comm.send_recv(kv)
+            nxt = (comm.send_recv(k), comm.send_recv(v))  # one batch: k and v together
             comm.commit()
         plan = _step_plan(rank, (rank - step) % world, causal, layout, nl)
         if plan is not None:
             qs, ks, c = plan
-            o, lse = attn_fwd(qt[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, c)
-            merge_partial_(acc_out[:, :, qs], acc_lse[:, :, qs], o, lse)
+            o, lse = attn_fwd(qt[:, :, qs], _t(k)[:, :, ks], _t(v)[:, :, ks], scale, c)
+            if step == 0:  # the own block (all rows, always attended): the accumulators start as it
+                _t(acc).copy_(o)
+                acc_lse.copy_(lse)
+            else:
+                merge_partial_(_t(acc)[:, :, qs], acc_lse[:, :, qs], o, lse)
             del o, lse
         if nxt is not None:
             comm.wait()
-            kv = nxt  # drops the previous travelling block
-    return acc_out, acc_lse, (comm.bytes_sent if comm else 0)
+            k, v = nxt  # drops the previous travelling block
+            nxt = None
+    return acc, acc_lse, (comm.bytes_sent if comm else 0)
 
 
-def _ring_backward(dot, qt, kv, out, lse, group, world, rank, scale, causal, layout, tracker):
-    """All in (B, H|Hkv, Nl, D) layout; kv: (2, B, Hkv, Nl, D). Returns dq (acc), dkv (acc), bytes."""
-    nl = qt.shape[2]
-    adt = _acc_dtype(qt)
-    dq = torch.zeros(qt.shape, dtype=adt, device=qt.device)
+def _ring_backward(do, q, k, v, out, lse, group, world, rank, scale, causal, layout, tracker):
+    """do, q, out: (B, Nl, H, D); k, v: (B, Nl, Hkv, D) contiguous; lse: (B, H, Nl).
+
+    Returns dq, dk, dv in the input dtypes (B, Nl, H|Hkv, D), and the bytes sent.
+    """
+    nl = q.shape[1]
+    adt = _acc_dtype(q)
+    dt_q, dt_k, dt_v = q.dtype, k.dtype, v.dtype
+    dot, qt, ot = _t(do), _t(q), _t(out)
     kv_comm = RingComm(group, tracker, tag=1) if world > 1 else None
     dkv_comm = RingComm(group, tracker, tag=2) if world > 1 else None
-    dkv_in = None
+    dq = dk = dv = dkv_in = None
     for step in range(world):
         nxt = None
         if step + 1 < world:
-            nxt = kv_comm.send_recv(kv)
+            nxt = (kv_comm.send_recv(k), kv_comm.send_recv(v))
             kv_comm.commit()
         plan = _step_plan(rank, (rank - step) % world, causal, layout, nl)
-        grads = None
+        dk_s = dv_s = None
         if plan is not None:
             qs, ks, c = plan
             dq_s, dk_s, dv_s = attn_bwd(
-                dot[:, :, qs], qt[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
+                dot[:, :, qs], qt[:, :, qs], _t(k)[:, :, ks], _t(v)[:, :, ks], ot[:, :, qs],
                 lse[:, :, qs], scale, c,
             )
-            dq[:, :, qs] += dq_s
-            grads = (ks, dk_s, dv_s)
-        # the dK/dV accumulator of the block we hold now arrives one hop behind the block itself
+            if step == 0:  # own block: all rows; the fp32 dq starts as its gradient
+                dq = torch.empty(q.shape, dtype=adt, device=q.device)
+                _t(dq).copy_(dq_s)
+            else:
+                _t(dq)[:, :, qs] += dq_s
+            del dq_s
+        # the dK/dV accumulators of the block we hold now arrive one hop behind the block itself
         if step == 0:
-            dkv = tracker.track(torch.zeros(kv.shape, dtype=adt, device=kv.device))
+            dk = tracker.track(torch.empty(k.shape, dtype=adt, device=k.device))
+            _t(dk).copy_(dk_s)
+            del dk_s
+            dv = tracker.track(torch.empty(v.shape, dtype=adt, device=v.device))
+            _t(dv).copy_(dv_s)
+            del dv_s
         else:
             dkv_comm.wait()
-            dkv = dkv_in
-        if grads is not None:
-            ks, dk_s, dv_s = grads
-            dkv[0][:, :, ks] += dk_s
-            dkv[1][:, :, ks] += dv_s
-            del grads, dk_s, dv_s
+            dk, dv = dkv_in
+            dkv_in = None
+            if plan is not None:
+                _t(dk)[:, :, ks] += dk_s
+                del dk_s
+                _t(dv)[:, :, ks] += dv_s
+                del dv_s
         if world > 1:
-            dkv_in = dkv_comm.send_recv(dkv)
+            dkv_in = (dkv_comm.send_recv(dk), dkv_comm.send_recv(dv))
             dkv_comm.commit()
-            dkv = None  # the send holds it until the next wait
+            dk = dv = None  # the send holds them until the next wait
         if nxt is not None:
             kv_comm.wait()
-            kv = nxt
+            k, v = nxt
+            nxt = None
+    del k, v, dot, qt, ot
+    dq_out = dq.to(dt_q)  # while the last dK/dV hop is in flight
+    del dq
     if world > 1:
         dkv_comm.wait()
-        dkv = dkv_in  # after P hops: the gradient of this rank's own K/V
+        dk, dv = dkv_in  # after P hops: the gradient of this rank's own K/V
+        dkv_in = None
+    # one fp32 accumulator at a time next to its cast (a no-op in the accumulator dtype)
+    dk_out = dk.to(dt_k)
+    del dk
+    dv_out = dv.to(dt_v)
+    del dv
     sent = (kv_comm.bytes_sent + dkv_comm.bytes_sent) if world > 1 else 0
-    return dq, dkv, sent
+    return dq_out, dk_out, dv_out, sent
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
 
 
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, world, rank, scale, causal, layout):
         # q: (B, Nl, H, D); k, v: (B, Nl, Hkv, D)
-        qt = q.transpose(1, 2)  # (B, H, Nl, D) view, as SDPA takes it
-        kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()  # (2, B, Hkv, Nl, D)
         tracker = BufferTracker()
-        acc_out, acc_lse, sent = _ring_forward(qt, kv, group, world, rank, scale, causal, layout, tracker)
-        out_t = acc_out.to(q.dtype)  # (B, H, Nl, D)
-        del acc_out
+        kc, vc = _contiguous(k), _contiguous(v)
+        acc, acc_lse, sent = _ring_forward(
+            q, kc, vc, group, world, rank, scale, causal, layout, tracker
+        )
         _LAST_STATS.update(
             fwd_bytes_sent=sent, fwd_peak_ring_bytes=tracker.peak_live_bytes,
-            kv_block_bytes=kv.numel() * kv.element_size(), world=world,
+            kv_block_bytes=kc.numel() * kc.element_size() + vc.numel() * vc.element_size(),
+            world=world,
         )
+        del kc, vc
+        out = acc.to(q.dtype)  # (B, Nl, H, D) contiguous; the accumulator itself for fp32 inputs
+        del acc
         if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(q, k, v, out_t, acc_lse)
+            # the inputs as given (no extra copies kept between forward and backward) and the
+            # returned output itself (no second copy in another layout)
+            ctx.save_for_backward(q, k, v, out, acc_lse)
         ctx.group, ctx.world, ctx.rank = group, world, rank
         ctx.scale, ctx.causal, ctx.layout = scale, causal, layout
         lse = acc_lse.to(torch.float32)
         ctx.mark_non_differentiable(lse)
-        return out_t.transpose(1, 2).contiguous(), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out_t, lse = ctx.saved_tensors
-        dot = dout.transpose(1, 2)  # (B, H, Nl, D)
-        if dot.stride(-1) != 1:
-            dot = dot.contiguous()
-        kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
         tracker = BufferTracker()
-        dq, dkv, sent = _ring_backward(
-            dot, q.transpose(1, 2), kv, out_t, lse, ctx.group, ctx.world, ctx.rank, ctx.scale,
-            ctx.causal, ctx.layout, tracker,
+        dq, dk, dv, sent = _ring_backward(
+            dout, q, _contiguous(k), _contiguous(v), out, lse, ctx.group, ctx.world, ctx.rank,
+            ctx.scale, ctx.causal, ctx.layout, tracker,
         )
         _LAST_STATS.update(bwd_bytes_sent=sent, bwd_peak_ring_bytes=tracker.peak_live_bytes)
-        dq = dq.transpose(1, 2).to(q.dtype)
-        dk = dkv[0].transpose(1, 2).to(k.dtype)
-        dv = dkv[1].transpose(1, 2).to(v.dtype)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -257,7 +310,9 @@ def ring_attention(
 
     Returns:
         out (batch, N/P, nheads, headdim) in q's dtype, this rank's shard of the global output;
-        or ``(out, lse)``. Gradients flow to q, k, v in their dtypes.
+        or ``(out, lse)``. Gradients flow to q, k, v in their dtypes. ``out`` itself is saved for
+        the backward (as SDPA does): changing it in place before the backward makes autograd
+        raise its in-place error.
     """
     group = resolve_group(group)
     world, rank = world_and_rank(group)
