@@ -69,3 +69,25 @@ def test_sp_triton_p2():
 @pytest.mark.timeout(120)
 def test_sp_triton_p3():
     run_distributed(_worker, 3, [(torch.float32, 2e-5), (torch.float16, 4e-3)])
+
+
+def test_auto_local_impl_rule(monkeypatch):
+    """impl='auto' with a group: the fused kernel for causal calls and calls without gradient
+    (measured faster there on 2 x H200), the torch kernels for non-causal training and wherever
+    triton cannot run."""
+    from dilated_attention.distributed.sequence_parallel import _local_impl
+
+    q = torch.randn(1, 8, 2, 16)
+    k = torch.randn(1, 8, 2, 16)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU without interpreter: no triton
+    assert _local_impl("auto", q, k, causal=True) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _local_impl("auto", q, k, causal=True) == "triton"
+    assert _local_impl("auto", q, k, causal=False) == "triton"  # no gradient needed
+    qg = q.clone().requires_grad_()
+    assert _local_impl("auto", qg, k, causal=False) == "torch"
+    assert _local_impl("auto", qg, k, causal=True) == "triton"
+    with torch.no_grad():
+        assert _local_impl("auto", qg, k, causal=False) == "triton"
+    assert _local_impl("auto", qg, torch.randn(1, 8, 2, 24), causal=True) == "torch"  # headdim
+    assert _local_impl("torch", qg, k, causal=True) == "torch"

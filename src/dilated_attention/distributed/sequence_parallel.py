@@ -45,7 +45,10 @@ accumulator and the remaining blocks (received rows, and own rows of unaligned b
 into it by LSE as above. It runs while the first K/V exchange round is in flight. Its backward is
 one call of the fused Triton backward with the final merged out and lse (exact, as for the
 blocks). A rank whose branches are all fused needs no accumulator and no merge.
-``impl="auto"`` currently means ``"torch"``. The fused forward returns its partial output in the
+``impl="auto"`` picks the fused kernel where it was measured faster (2 x H200, N = 512K-1M,
+benchmarks/results/sequence_parallel_h200x2_2026-11-23.md): causal attention (fwd+bwd 10%
+faster, forward 30%) and calls that need no gradient (forward 15-30% faster); the torch kernels
+for non-causal training (fwd+bwd 5% faster there). The fused forward returns its partial output in the
 input dtype, so with fp16/bf16 inputs that partial result is rounded once more before the merge
 (one extra rounding of the input dtype, on the torch path's error scale).
 
@@ -746,17 +749,18 @@ def _branch_backward(plan, group, me, saved, dq, dk, dv, scale, own=True, overla
 # ---------------------------------------------------------------------------------- entry point
 
 
-def _local_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
+def _local_impl(impl: str, q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> str:
     """The kernel for this rank's local blocks: ``"torch"`` or ``"triton"`` (the one rule).
 
     - ``"torch"``: every block runs :mod:`..kernels.local` attention on gathered/strided rows.
     - ``"triton"``: the own-row blocks of the branches aligned with this rank's shard start run in
       one fused Triton call (:func:`_fused_fwd`); raises ``ValueError`` naming the reason when
       the kernel cannot run (no triton, not CUDA, headdim or dtype unsupported).
-    - ``"auto"``: ``"torch"`` for now. Which one is faster on a GPU is to be measured
-      (benchmarks/bench_sequence_parallel.py ``--impl``); the rule for ``"auto"`` goes here and
-      only here (it must be a pure function of shapes, dtype and device, so that every rank of a
-      group agrees; a mismatch would stay exact, only slower).
+    - ``"auto"``: ``"triton"`` where it can run and either ``causal`` or no gradient is needed
+      (measured faster there on 2 x H200, benchmarks/bench_sequence_parallel.py ``--impl``);
+      else ``"torch"`` (non-causal fwd+bwd was 5% faster with the torch kernels). The rule for
+      ``"auto"`` lives here only; ranks that disagree (e.g. one without triton) stay exact,
+      only slower.
     """
     if impl == "triton":
         from ..api import triton_unavailable_reason
@@ -768,7 +772,14 @@ def _local_impl(impl: str, q: torch.Tensor, k: torch.Tensor) -> str:
                 "use impl='torch' or 'auto' (torch kernels for the local blocks)"
             )
         return "triton"
-    if impl in ("torch", "auto"):
+    if impl == "auto":
+        from ..api import triton_unavailable_reason
+
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
+        if (causal or not needs_grad) and triton_unavailable_reason(q, k) is None:
+            return "triton"
+        return "torch"
+    if impl == "torch":
         return "torch"
     raise ValueError(
         f"impl={impl!r} is not available with group= (sequence-parallel): the local blocks run "
@@ -797,7 +808,7 @@ def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment
                 "dropout_p > 0 is not supported with group= (sequence-parallel); apply dropout "
                 "outside attention or run without a group"
             )
-        local = _local_impl(impl, q, k)
+        local = _local_impl(impl, q, k, causal)
         if q.shape[1] != k.shape[1]:
             raise ValueError(
                 f"sequence-parallel dilated_attention needs seqlen_q == seqlen_k per shard, got "
