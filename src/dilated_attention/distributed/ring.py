@@ -197,16 +197,12 @@ def _ring_backward(do, q, k, v, out, lse, group, world, rank, scale, causal, lay
     return dq_out, dk_out, dv_out, sent
 
 
-def _contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.is_contiguous() else x.contiguous()
-
-
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, world, rank, scale, causal, layout):
         # q: (B, Nl, H, D); k, v: (B, Nl, Hkv, D)
         tracker = BufferTracker()
-        kc, vc = _contiguous(k), _contiguous(v)
+        kc, vc = k.contiguous(), v.contiguous()  # no copy when already contiguous
         acc, acc_lse, sent = _ring_forward(
             q, kc, vc, group, world, rank, scale, causal, layout, tracker
         )
@@ -235,7 +231,7 @@ class _RingAttentionFunction(torch.autograd.Function):
             dout = dout.contiguous()
         tracker = BufferTracker()
         dq, dk, dv, sent = _ring_backward(
-            dout, q, _contiguous(k), _contiguous(v), out, lse, ctx.group, ctx.world, ctx.rank,
+            dout, q, k.contiguous(), v.contiguous(), out, lse, ctx.group, ctx.world, ctx.rank,
             ctx.scale, ctx.causal, ctx.layout, tracker,
         )
         _LAST_STATS.update(bwd_bytes_sent=sent, bwd_peak_ring_bytes=tracker.peak_live_bytes)

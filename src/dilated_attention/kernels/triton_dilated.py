@@ -363,7 +363,7 @@ def _kernels(interpret: bool):
         HAS_KPM: tl.constexpr, PREC: tl.constexpr,
     ):
         # one program = BM rows of one (batch, head) congruent to c mod RMAX inside one WMIN-aligned
-        # window; every branch takes all of them or none (see _fold_ok), so ONE online softmax
+        # window; every branch takes all of them or none (see _fold_geometry), so ONE online softmax
         # runs over the concatenated key lists of its branches: no merge, one output write
         pid0 = tl.program_id(0)
         pid_bh = tl.program_id(1)
