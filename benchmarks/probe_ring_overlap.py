@@ -18,7 +18,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch
 import torch.distributed as dist
 
-from dilated_attention.kernels.local import attn_fwd
+from dilated_attention.kernels.block_attention import attn_fwd
 
 
 def main() -> None:

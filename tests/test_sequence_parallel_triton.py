@@ -75,7 +75,7 @@ def test_auto_local_impl_rule(monkeypatch):
     """impl='auto' with a group: the fused kernel for causal calls and calls without gradient
     (measured faster there on 2 x H200), the torch kernels for non-causal training and wherever
     triton cannot run."""
-    from dilated_attention.distributed.sequence_parallel import _local_impl
+    from dilated_attention.kernels.select import pick_sp_local_impl as _local_impl
 
     q = torch.randn(1, 8, 2, 16)
     k = torch.randn(1, 8, 2, 16)

@@ -19,9 +19,13 @@ import torch
 from . import __version__
 from .api import available_impls, dilated_attention
 from .flops import dense_flops, dilated_flops
+from .kernels.select import triton_unavailable_reason
 
-LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
-LONGNET_DILATIONS = (1, 2, 4, 8, 16)
+# `bench` default branches on a GPU: w = 2048 * 2^i, r = 2^i (the geometric series the README's
+# tables use). Not the LongNet paper's preset, whose rates are (1, 2, 4, 6, 12): that one is
+# models.LongNetConfig's default; pass --dilations 1 2 4 6 12 to bench it.
+BENCH_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
+BENCH_DILATIONS = (1, 2, 4, 8, 16)
 
 
 def _device(arg: str | None) -> torch.device:
@@ -63,8 +67,6 @@ def cmd_info(args) -> int:
     probe_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     probe = torch.empty(1, 1, 1, 64, device=dev, dtype=probe_dtype)
     print(f"{'impls on ' + dev.type:>18}: {', '.join(available_impls(probe))}")
-    from .api import triton_unavailable_reason
-
     reason = triton_unavailable_reason(probe)
     if reason:
         print(f"{'triton':>18}: not here ({reason})")
@@ -196,8 +198,8 @@ def cmd_bench(args) -> int:
     dev = _device(args.device)
     on_gpu = dev.type == "cuda"
     dt = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
-    seg = tuple(args.segments) if args.segments else (LONGNET_SEGMENTS if on_gpu else (64, 128, 256))
-    dil = tuple(args.dilations) if args.dilations else (LONGNET_DILATIONS if on_gpu else (1, 2, 4))
+    seg = tuple(args.segments) if args.segments else (BENCH_SEGMENTS if on_gpu else (64, 128, 256))
+    dil = tuple(args.dilations) if args.dilations else (BENCH_DILATIONS if on_gpu else (1, 2, 4))
     seqlens = args.seqlens or ([32768, 65536, 131072] if on_gpu else [512, 1024, 2048])
     heads, hd = args.heads or (16 if on_gpu else 4), args.headdim or (128 if on_gpu else 64)
     impls = args.impls or [i for i in available_impls(torch.empty(1, 1, 1, hd, device=dev, dtype=dt)) if i != "reference"]
@@ -331,8 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--heads", type=int, default=None)
     pb.add_argument("--headdim", type=int, default=None)
     pb.add_argument("--seqlens", type=int, nargs="+", default=None)
-    pb.add_argument("--segments", type=int, nargs="+", default=None)
-    pb.add_argument("--dilations", type=int, nargs="+", default=None)
+    pb.add_argument("--segments", type=int, nargs="+", default=None,
+                    help=f"segment lengths (default on a GPU: {' '.join(map(str, BENCH_SEGMENTS))})")
+    pb.add_argument("--dilations", type=int, nargs="+", default=None,
+                    help=f"dilation rates (default on a GPU: {' '.join(map(str, BENCH_DILATIONS))}; "
+                    "the LongNet paper's preset is 1 2 4 6 12)")
     pb.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False])
     pb.add_argument("--impls", nargs="+", default=None, choices=["torch", "triton", "reference"])
     pb.add_argument("--warmup", type=int, default=3)

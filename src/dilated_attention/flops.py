@@ -1,4 +1,4 @@
-"""Useful FLOP counts (SPEC section 6), from the branch geometry in closed form.
+"""Useful FLOP counts (docs/spec.md, "Measuring speed"), from the branch geometry in closed form.
 
 forward = 4 * headdim * sum_{branch b, head h} #{(i, j) attended in branch b by head h}
 (a pair two branches share counts twice; causal counts only j <= i); backward = 2.5 x forward.
@@ -7,6 +7,7 @@ forward = 4 * headdim * sum_{branch b, head h} #{(i, j) attended in branch b by 
 from __future__ import annotations
 
 from .branches import branch_head_ranges
+from .geometry import block_length, block_offsets, first_query_row, segments
 
 
 def _block_pairs(n: int, nq_rows: int, causal: bool) -> int:
@@ -37,15 +38,13 @@ def dilated_pairs(
         heads_per_off = [0] * r
         for h in range(hs, he):
             heads_per_off[h % r] += 1
-        for s0 in range(0, seqlen_k, w):
-            ls = min(w, seqlen_k - s0)
-            for o in range(min(r, ls)):
+        for s0, ls in segments(seqlen_k, w):
+            for o in block_offsets(r, ls):
                 if heads_per_off[o] == 0:
                     continue
-                n = -(-(ls - o) // r)
+                n = block_length(ls, o, r)
                 # rows s0 + o + r t with position >= qoff are queries
-                first_q = max(0, -(-(qoff - s0 - o) // r))
-                nq_rows = max(0, n - first_q)
+                nq_rows = max(0, n - first_query_row(s0, o, r, qoff))
                 total += heads_per_off[o] * _block_pairs(n, nq_rows, causal)
     return total
 

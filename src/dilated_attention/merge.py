@@ -11,6 +11,16 @@ from __future__ import annotations
 import torch
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulator dtype for inputs of ``dtype``: float64 for float64, else float32.
+
+    The one rule every implementation follows for partial outputs, LSEs, merged results and
+    gradient accumulators, so that float64 calls are exact to float64 rounding (the reference
+    tests rely on it) and every other dtype accumulates in float32.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def merge_partial(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .api import IMPLS, dilated_attention
+from .api import dilated_attention
+from .kernels.select import check_impl
 from .branches import normalize_branches
 
 
@@ -73,8 +74,7 @@ class DilatedAttention(nn.Module):
         self.segment_lengths, self.dilation_rates = normalize_branches(segment_lengths, dilation_rates)
         if head_assignment not in ("all", "split"):
             raise ValueError(f"head_assignment must be 'all' or 'split', got {head_assignment!r}")
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        check_impl(impl)
         if not 0.0 <= float(attention_dropout) < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
         self.softmax_scale = softmax_scale

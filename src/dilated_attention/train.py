@@ -8,7 +8,7 @@ checkpoint + ``--resume``, a JSON-lines and a CSV log, and a loss plot.
 Sequence parallelism: launched by ``torchrun`` with ``WORLD_SIZE > 1`` (or called inside an
 initialised process group), all ranks form one sequence-parallel group (:func:`parallelize`). Every
 rank builds the same model from ``--seed`` and generates the same global batch (batches are a pure
-function of ``(seed, step)``), takes its contiguous shard of the sequence (:func:`shard_batch`) and
+function of ``(seed, step)``), takes its contiguous shard of the sequence (:func:`~.distributed.shard_sequence`) and
 computes ``sum of its token losses / global token count``; after backward the gradients are summed
 over the ranks, which is exactly the gradient of the single-process loss (the attention backward
 already routes the K/V gradients of other ranks' queries to the owner). Eval is sequence-parallel
@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from .data import IGNORE, ByteText, RetrievalTask
+from .distributed import shard_sequence
 from .models.longnet import LongNetConfig, LongNetLM
-from .models.parallelize import parallelize, shard_batch
+from .models.parallelize import parallelize
 
 # A training preset = a model preset + the task and optimisation settings that go with it.
 # "tiny": CPU, a few minutes on 2 cores. "small"/"base": one GPU, 32K-token sequences.
@@ -294,7 +295,7 @@ def _allreduce_grads(params: list, group) -> None:
 
 
 def _shard(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else shard_batch(x, group)
+    return x if group is None else shard_sequence(x, group).contiguous()
 
 
 @torch.no_grad()

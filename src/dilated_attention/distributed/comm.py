@@ -1,17 +1,20 @@
-"""Point-to-point ring communication and cross-rank input checks.
+"""Process groups, point-to-point ring communication and cross-rank input checks.
 
 - :func:`resolve_group`: ``None`` / a ``ProcessGroup`` / a 1-D ``DeviceMesh`` / ``(mesh, dim)``
-  -> a ``ProcessGroup`` (or ``None`` for the default group).
+  / an N-D mesh with ``dim`` -> a ``ProcessGroup`` (or ``None`` for the default group).
 - :class:`RingComm`: batched ``isend``/``irecv`` to the next / from the previous rank of a group,
   so that the next block is in flight while the current one is computed. It counts the bytes it
   sends and the bytes of receive buffers that are alive (through weak references), which is how
   the tests check that ring memory does not grow with the number of ranks.
-- :func:`check_same_across_ranks`: one small ``all_gather`` of an int64 descriptor so that
-  mismatched shapes or dtypes raise the same clear error on every rank instead of hanging.
+- :func:`world_and_rank`: (size, rank) of a group, (1, 0) without ``torch.distributed``.
+- :func:`validate_across_ranks` / :func:`check_same_across_ranks`: local input checks, then one
+  small ``all_gather`` of an int64 descriptor so that mismatched shapes or dtypes raise the same
+  clear error on every rank instead of hanging.
 """
 
 from __future__ import annotations
 
+import struct
 import weakref
 
 import torch
@@ -26,23 +29,33 @@ _DTYPE_CODES = {
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
-def resolve_group(group):
-    """Accept a ProcessGroup, None, a 1-D DeviceMesh, or a ``(DeviceMesh, dim)`` pair.
+def resolve_group(group, dim=None):
+    """A ``ProcessGroup`` (or ``None``: the default group) from what a user may pass.
 
-    A multi-dimensional mesh is ambiguous: pass ``(mesh, dim)`` or ``mesh.get_group(dim)``.
+    ``group``: ``None``, a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair,
+    or an N-D ``DeviceMesh`` together with ``dim`` (the mesh dimension, name or index, used for
+    the sequence). A multi-dimensional mesh without ``dim`` is ambiguous and raises.
     """
     if group is None:
         return None
     if isinstance(group, tuple) and len(group) == 2 and _is_mesh(group[0]):
-        mesh, dim = group
-        return mesh.get_group(dim)
+        if dim is not None:
+            raise ValueError("give the mesh dimension once: (mesh, dim) or mesh with dim=, not both")
+        group, dim = group
     if _is_mesh(group):
+        if dim is not None:
+            return group.get_group(dim)
         if group.ndim != 1:
             raise ValueError(
                 f"a DeviceMesh with {group.ndim} dims is ambiguous for sequence parallelism; pass "
-                "(mesh, dim) or mesh.get_group(dim) for the sequence-parallel dimension"
+                "(mesh, dim) or mesh.get_group(dim) for the sequence-parallel dimension (for "
+                "parallelize: parallelize(model, mesh, sp_dim='sp'))"
             )
         return group.get_group()
+    if dim is not None:
+        raise ValueError(
+            f"a mesh dimension ({dim!r}) is only meaningful with a DeviceMesh; a ProcessGroup was given"
+        )
     return group
 
 
@@ -79,6 +92,35 @@ def _comm_device(group, like: torch.Tensor) -> torch.device:
 
 def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES.get(dtype, 0)
+
+
+def float_bits(x: float) -> int:
+    """The float64 bit pattern of ``x`` as an int64 (descriptors compare floats exactly)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def validate_across_ranks(group, what: str, local_checks, describe, names: list[str],
+                          like: torch.Tensor, enabled: bool = True) -> None:
+    """Run this rank's ``local_checks()``, then compare input descriptors across ranks.
+
+    With one rank (or ``enabled=False``) a local ``TypeError``/``ValueError`` is raised as it is
+    and nothing is exchanged. Otherwise a local error is not raised at once: every rank takes
+    part in one :func:`check_same_across_ranks` (``describe()`` gives this rank's descriptor, a
+    list of ints named by ``names``), which raises the same error on every rank, so that no rank
+    is left waiting in a later collective.
+    """
+    world, _ = world_and_rank(group)
+    local_error = None
+    try:
+        local_checks()
+    except (TypeError, ValueError) as e:
+        if world == 1 or not enabled:
+            raise
+        local_error = str(e)
+    if world == 1 or not enabled:
+        return
+    desc = [0] * len(names) if local_error else describe()
+    check_same_across_ranks(group, desc, names, like, what, local_error)
 
 
 def check_same_across_ranks(group, desc: list[int], names: list[str], like: torch.Tensor, what: str,

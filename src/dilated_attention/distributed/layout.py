@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .comm import resolve_group, world_and_rank
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -83,24 +85,13 @@ def unshard(shards: list[torch.Tensor], layout: str = "contiguous", dim: int = 1
     return torch.cat(chunks, dim=dim)
 
 
-def _world_rank(group) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    from .comm import resolve_group
-
-    group = resolve_group(group)
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def shard_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
     """Global tensor (identical on every rank) -> this rank's shard along ``dim``.
 
     No communication. ``group=None``: the default group when ``torch.distributed`` is initialised,
     otherwise a single rank (returns ``x``). Not differentiable through other ranks' shards.
     """
-    world, rank = _world_rank(group)
+    world, rank = world_and_rank(resolve_group(group))
     return shard_local(x, world, rank, layout, dim)
 
 
@@ -131,15 +122,9 @@ def gather_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim
     Uses one ``all_gather`` (O(N) memory per rank). Differentiable: the gradient of each shard is
     the sum over ranks of the gradient of the gathered tensor (one ``all_reduce``).
     """
-    import torch.distributed as dist
-
-    from .comm import resolve_group
-
     check_layout(layout)
     group = resolve_group(group)
-    world, rank = _world_rank(group)
+    world, rank = world_and_rank(group)
     if world == 1:
-        return x
-    if not dist.is_initialized():  # pragma: no cover - _world_rank returned 1 then
         return x
     return _GatherFunction.apply(x, group, layout, dim % x.dim(), world, rank)

@@ -8,7 +8,7 @@ flight (:class:`.comm.RingComm`), and merges the partial output into an fp32 acc
 stable form of :func:`..merge.merge_partial`, written in place). The backward sends (k, v) round
 the ring again and the fp32 dK and dV accumulators of each block (a pair, one batch) round a second
 ring, one hop behind; after P hops each rank holds the gradient of its own K/V. Each block's
-backward runs with the FINAL output and LSE (:func:`..kernels.local.attn_bwd`), which gives exact
+backward runs with the FINAL output and LSE (:func:`..kernels.block_attention.attn_bwd`), which gives exact
 gradients.
 
 Causal: with ``layout="contiguous"`` blocks from later ranks are skipped (still forwarded) and the
@@ -33,19 +33,18 @@ Communication per rank: (P-1) K/V blocks forward; (P-1) K/V blocks + P fp32 dK/d
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
-from ..api import check_qkv, resolve_scale
-from ..kernels.local import attn_bwd, attn_fwd
-from ..merge import merge_partial_
+from ..checks import check_qkv, resolve_scale
+from ..kernels.block_attention import attn_bwd, attn_fwd
+from ..merge import acc_dtype, merge_partial_
 from .comm import (
     BufferTracker,
     RingComm,
-    check_same_across_ranks,
     dtype_code,
+    float_bits,
     resolve_group,
+    validate_across_ranks,
     world_and_rank,
 )
 from .layout import LAYOUTS, check_layout
@@ -62,10 +61,6 @@ def last_ring_stats() -> dict:
     ``world``. Tests use it to check that ring memory does not grow with P.
     """
     return dict(_LAST_STATS)
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _step_plan(rank: int, src: int, causal: bool, layout: str, n_local: int):
@@ -98,7 +93,7 @@ def _ring_forward(q, k, v, group, world, rank, scale, causal, layout, tracker):
     Returns the output accumulator (B, Nl, H, D) (fp32, fp64 for fp64), lse (B, H, Nl), bytes sent.
     """
     b, nl, h, _ = q.shape
-    adt = _acc_dtype(q)
+    adt = acc_dtype(q.dtype)
     qt = _t(q)
     acc = torch.empty(b, nl, h, v.shape[-1], dtype=adt, device=q.device)
     acc_lse = torch.empty((b, h, nl), dtype=adt, device=q.device)
@@ -131,7 +126,7 @@ def _ring_backward(do, q, k, v, out, lse, group, world, rank, scale, causal, lay
     Returns dq, dk, dv in the input dtypes (B, Nl, H|Hkv, D), and the bytes sent.
     """
     nl = q.shape[1]
-    adt = _acc_dtype(q)
+    adt = acc_dtype(q.dtype)
     dt_q, dt_k, dt_v = q.dtype, k.dtype, v.dtype
     dot, qt, ot = _t(do), _t(q), _t(out)
     kv_comm = RingComm(group, tracker, tag=1) if world > 1 else None
@@ -241,8 +236,8 @@ class _RingAttentionFunction(torch.autograd.Function):
 def _validate(q, k, v, causal, scale, layout, group, validate: bool):
     """Local checks, then one cross-rank descriptor check (the same error on every rank)."""
     world, _ = world_and_rank(group)
-    local_error = None
-    try:
+
+    def local_checks():
         check_qkv(q, k, v, "ring_attention")
         check_layout(layout)
         if q.shape[1] != k.shape[1]:
@@ -255,21 +250,16 @@ def _validate(q, k, v, causal, scale, layout, group, validate: bool):
                 f"ring_attention: layout='zigzag' needs an even shard length (global N divisible "
                 f"by 2P = {2 * world}), got a shard of {q.shape[1]}; pad the sequence"
             )
-    except (TypeError, ValueError) as e:
-        if world == 1 or not validate:
-            raise
-        local_error = str(e)
-    if world == 1 or not validate:
-        return
+
     names = ["batch", "seqlen_q (shard)", "nheads", "headdim", "batch (k)", "seqlen_k (shard)",
              "nheads_kv", "headdim (k)", "dtype", "causal", "layout", "softmax_scale (float64 bits)"]
-    if local_error:
-        desc = [0] * len(names)
-    else:
-        scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
-        desc = [*q.shape, *k.shape, dtype_code(q.dtype), int(causal), LAYOUTS.index(layout), scale_bits]
+
+    def describe():
+        return [*q.shape, *k.shape, dtype_code(q.dtype), int(causal), LAYOUTS.index(layout),
+                float_bits(scale)]
+
     like = q if isinstance(q, torch.Tensor) else torch.empty(0)
-    check_same_across_ranks(group, desc, names, like, "ring_attention", local_error)
+    validate_across_ranks(group, "ring_attention", local_checks, describe, names, like, validate)
 
 
 def ring_attention(

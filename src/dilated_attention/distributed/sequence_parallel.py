@@ -1,4 +1,6 @@
-"""Sequence-parallel dilated attention: ``dilated_attention(..., group=...)`` (SPEC sections 2, 4).
+"""Sequence-parallel dilated attention: ``dilated_attention(..., group=...)``.
+
+Semantics: docs/spec.md ("Definition", "Sequence parallelism").
 
 Each of the P ranks holds the contiguous shard ``[rank*L, (rank+1)*L)`` (L = N/P) of q, k, v and
 of ``key_padding_mask``, and gets back its shard of exactly the single-device result, with exact
@@ -34,8 +36,8 @@ of each branch and added there.
 Per rank, per branch: traffic O(w/r) rows (x kv heads of an offset), independent of N; memory
 O(L + w/r). :func:`last_comm_stats` reports the bytes this rank sent.
 
-Local work (:func:`_local_impl`): with ``impl="torch"`` every block runs :mod:`..kernels.local`
-attention on gathered or strided rows. With ``impl="triton"`` the blocks of this rank's own rows
+Local work (:func:`..kernels.select.pick_sp_local_impl`): with ``impl="torch"`` every block runs
+:mod:`..kernels.block_attention` on gathered or strided rows. With ``impl="triton"`` the blocks of this rank's own rows
 (keys on this rank) of every branch whose segments start at the start of this rank's shard
 (``rank*L % w == 0``, e.g. every branch with ``L % w == 0``; a branch with no peer on this rank
 always qualifies) run instead in ONE call of the fused Triton forward on the local shard
@@ -45,10 +47,9 @@ accumulator and the remaining blocks (received rows, and own rows of unaligned b
 into it by LSE as above. It runs while the first K/V exchange round is in flight. Its backward is
 one call of the fused Triton backward with the final merged out and lse (exact, as for the
 blocks). A rank whose branches are all fused needs no accumulator and no merge.
-``impl="auto"`` picks the fused kernel where it was measured faster (2 x H200, N = 512K-1M,
-benchmarks/results/sequence_parallel_h200x2_2026-11-23.md): causal attention (fwd+bwd 10%
-faster, forward 30%) and calls that need no gradient (forward 15-30% faster); the torch kernels
-for non-causal training (fwd+bwd 5% faster there). The fused forward returns its partial output in the
+``impl="auto"`` picks the fused kernel where it measured faster (causal attention, and calls that
+need no gradient) and the torch kernels for non-causal training (the rule and its measurement:
+:func:`..kernels.select.pick_sp_local_impl`, benchmarks/bench_sequence_parallel.py). The fused forward returns its partial output in the
 input dtype, so with fp16/bf16 inputs that partial result is rounded once more before the merge
 (one extra rounding of the input dtype, on the torch path's error scale).
 
@@ -60,17 +61,25 @@ triton, not CUDA, headdim or dtype unsupported: the error gives the reason).
 from __future__ import annotations
 
 import contextlib
-import functools
-import struct
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..branches import branch_head_ranges
-from ..kernels.local import attn_bwd, attn_fwd
-from ..merge import merge_partial, merge_partial_
-from .comm import check_same_across_ranks, dtype_code, global_rank, resolve_group, world_and_rank
+from ..geometry import block_offsets, block_row, rows_in
+from ..kernels.block_attention import attn_bwd, attn_fwd
+from ..kernels.select import pick_sp_local_impl
+from ..merge import acc_dtype, merge_partial, merge_partial_
+from ..plan_cache import cached_plan
+from .comm import (
+    dtype_code,
+    float_bits,
+    global_rank,
+    resolve_group,
+    validate_across_ranks,
+    world_and_rank,
+)
 
 EXCHANGE_MODES = ("auto", "allgather", "ring")
 _MODE = ["auto"]
@@ -106,13 +115,6 @@ def last_comm_stats() -> dict:
 
 
 # --------------------------------------------------------------------------------------- geometry
-
-
-def _sel(lo: int, hi: int, first: int, r: int) -> tuple[int, int]:
-    """Index range [t0, t1) of positions ``first + r*t`` that lie in [lo, hi)."""
-    t0 = max(0, -(-(lo - first) // r))
-    t1 = max(t0, -(-(hi - first) // r))
-    return t0, t1
 
 
 @dataclass
@@ -188,12 +190,11 @@ def _affine2(idx: torch.Tensor) -> tuple[int, int, int] | None:
     return a, b, c
 
 
-@functools.lru_cache(maxsize=512)
 def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
     N = P * L
     rep = H // Hkv
     offsets = []
-    for o in range(min(r, w)):
+    for o in block_offsets(r, w):
         hq = [h for h in range(hs, he) if h % r == o]
         if not hq:
             continue
@@ -206,13 +207,13 @@ def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
 
     def rows(x, s, o, upto=None):
         """Global positions of rank x in segment s with offset o (below ``upto`` if given)."""
-        first = s * w + o
-        seg_end = min((s + 1) * w, N)
-        lo, hi = max(s * w, x * L), min(seg_end, (x + 1) * L)
+        seg_start = s * w
+        seg_end = seg_start + min(w, N - seg_start)
+        lo, hi = max(seg_start, x * L), min(seg_end, (x + 1) * L)
         if upto is not None:
             hi = min(hi, upto)
-        t0, t1 = _sel(lo, hi, first, r)
-        return first + r * t0, t1 - t0
+        t0, t1 = rows_in(lo, hi, block_row(seg_start, o, r, 0), r)
+        return block_row(seg_start, o, r, t0), t1 - t0
 
     send_to, recv_from = _peers(me, P, L, w, causal)
     my_segs = _rank_segments(me, L, w)
@@ -270,19 +271,17 @@ def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
     return _BranchPlan(w, r, offsets, jobs, send_rows, recv_counts, rounds, mode, len(peers))
 
 
-_device_plans: dict = {}
-
-
 def _plan(P, me, L, H, Hkv, w, r, hs, he, causal, mode, device) -> _BranchPlan:
-    key = (P, me, L, H, Hkv, w, r, hs, he, causal, mode, str(device))
-    plan = _device_plans.get(key)
-    if plan is None:
-        cpu = _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode)
+    """One branch's plan on ``device`` (cached in :mod:`..plan_cache`)."""
+    args = (P, me, L, H, Hkv, w, r, hs, he, causal, mode)
+
+    def build():
+        cpu = _plan_cpu(*args)
 
         def mv(t):
             return None if t is None else t.to(device)
 
-        plan = _BranchPlan(
+        return _BranchPlan(
             cpu.w, cpu.r,
             [_Offset(o.o, mv(o.hq), mv(o.hk), mv(o.kexp), o.hq_aff, o.hk_aff) for o in cpu.offsets],
             {k: [_Jobs(mv(j.qidx), mv(j.kidx), j.causal, j.qaff, j.kaff) for j in v]
@@ -290,10 +289,8 @@ def _plan(P, me, L, H, Hkv, w, r, hs, he, causal, mode, device) -> _BranchPlan:
             {k: [mv(t) for t in v] for k, v in cpu.send_rows.items()},
             dict(cpu.recv_counts), cpu.rounds, cpu.mode, cpu.peers,
         )
-        if len(_device_plans) > 512:
-            _device_plans.clear()
-        _device_plans[key] = plan
-    return plan
+
+    return cached_plan((__name__, *args, str(device)), build)
 
 
 # ------------------------------------------------------------------------------------- exchange
@@ -595,7 +592,7 @@ class _DilatedSPFunction(torch.autograd.Function):
         this rank's own rows too, else only received rows); fused: :class:`_Fused` or None;
         stats: one dict per branch for :func:`last_comm_stats`."""
         b, L, h, _ = q.shape
-        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        adt = acc_dtype(q.dtype)
         if fused is not None:  # exchanging branches first: the fused call overlaps their 1st round
             work = sorted(work, key=lambda t: not t[1].rounds)
         sent_by = {}
@@ -749,44 +746,6 @@ def _branch_backward(plan, group, me, saved, dq, dk, dv, scale, own=True, overla
 # ---------------------------------------------------------------------------------- entry point
 
 
-def _local_impl(impl: str, q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> str:
-    """The kernel for this rank's local blocks: ``"torch"`` or ``"triton"`` (the one rule).
-
-    - ``"torch"``: every block runs :mod:`..kernels.local` attention on gathered/strided rows.
-    - ``"triton"``: the own-row blocks of the branches aligned with this rank's shard start run in
-      one fused Triton call (:func:`_fused_fwd`); raises ``ValueError`` naming the reason when
-      the kernel cannot run (no triton, not CUDA, headdim or dtype unsupported).
-    - ``"auto"``: ``"triton"`` where it can run and either ``causal`` or no gradient is needed
-      (measured faster there on 2 x H200, benchmarks/bench_sequence_parallel.py ``--impl``);
-      else ``"torch"`` (non-causal fwd+bwd was 5% faster with the torch kernels). The rule for
-      ``"auto"`` lives here only; ranks that disagree (e.g. one without triton) stay exact,
-      only slower.
-    """
-    if impl == "triton":
-        from ..api import triton_unavailable_reason
-
-        reason = triton_unavailable_reason(q, k)
-        if reason is not None:
-            raise ValueError(
-                f"impl='triton' cannot run here with group= (sequence-parallel): {reason}; "
-                "use impl='torch' or 'auto' (torch kernels for the local blocks)"
-            )
-        return "triton"
-    if impl == "auto":
-        from ..api import triton_unavailable_reason
-
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
-        if (causal or not needs_grad) and triton_unavailable_reason(q, k) is None:
-            return "triton"
-        return "torch"
-    if impl == "torch":
-        return "torch"
-    raise ValueError(
-        f"impl={impl!r} is not available with group= (sequence-parallel): the local blocks run "
-        "the torch attention kernels ('torch', 'auto') or the fused Triton kernel ('triton')"
-    )
-
-
 def _fusable(me: int, L: int, w: int) -> bool:
     """Can the fused kernel run this rank's own-row blocks of a branch of segment length w?
 
@@ -798,37 +757,35 @@ def _fusable(me: int, L: int, w: int) -> bool:
     return (me * L) % w == 0
 
 
-def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment, impl, group, world):
-    """Check the inputs on every rank (same error everywhere); returns :func:`_local_impl`."""
-    local_error = None
-    local = "torch"
-    try:
+def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment, impl, group):
+    """Check the inputs on every rank (same error everywhere); returns the local-block kernel
+    (:func:`..kernels.select.pick_sp_local_impl`)."""
+    local = ["torch"]
+
+    def local_checks():
         if dropout_p > 0:
             raise ValueError(
                 "dropout_p > 0 is not supported with group= (sequence-parallel); apply dropout "
                 "outside attention or run without a group"
             )
-        local = _local_impl(impl, q, k, causal)
+        local[0] = pick_sp_local_impl(impl, q, k, causal)
         if q.shape[1] != k.shape[1]:
             raise ValueError(
                 f"sequence-parallel dilated_attention needs seqlen_q == seqlen_k per shard, got "
                 f"{q.shape[1]} and {k.shape[1]} (KV-cache decoding is single-device only)"
             )
-    except ValueError as e:
-        if world == 1:
-            raise
-        local_error = str(e)
+
     names = ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv",
              "dtype", "causal", "key_padding_mask given", "head_assignment", "branches", "softmax_scale"]
-    if local_error:
-        desc = [0] * len(names)
-    else:
+
+    def describe():
         bhash = hash((seg, dil)) & ((1 << 62) - 1)  # same on every rank: tuples of ints hash stably
-        desc = [q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[2], dtype_code(q.dtype),
+        return [q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[2], dtype_code(q.dtype),
                 int(causal), int(mask is not None), int(head_assignment == "split"), bhash,
-                struct.unpack("<q", struct.pack("<d", scale))[0]]
-    check_same_across_ranks(group, desc, names, q, "dilated_attention(group=...)", local_error)
-    return local
+                float_bits(scale)]
+
+    validate_across_ranks(group, "dilated_attention(group=...)", local_checks, describe, names, q)
+    return local[0]
 
 
 def dilated_attention_sp(
@@ -844,7 +801,7 @@ def dilated_attention_sp(
     world, me = world_and_rank(group)
     seg, dil = tuple(segment_lengths), tuple(dilation_rates)
     local = _validate(q, k, v, seg, dil, causal, scale, key_padding_mask, dropout_p,
-                      head_assignment, impl, group, world)
+                      head_assignment, impl, group)
     b, L, h, _ = q.shape
     ranges = branch_head_ranges(h, len(seg), head_assignment)
     work, stats = [], []

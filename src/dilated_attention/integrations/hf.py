@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..api import IMPLS, dilated_attention
+from ..api import dilated_attention
+from ..kernels.select import check_impl
 from ..branches import normalize_branches
 
 
@@ -54,8 +55,7 @@ def make_attention_function(
 ):
     """The ``transformers`` attention function for one branch configuration."""
     seg, dil = normalize_branches(segment_lengths, dilation_rates)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
 
     def dilated_attention_forward(
         module: torch.nn.Module,

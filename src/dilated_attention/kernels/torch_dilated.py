@@ -3,7 +3,7 @@
 For each branch (w, r) the key positions split into blocks: one per (segment, offset o), holding
 the rows ``segment_start + o + r*t``. Query head h reads the block of offset ``h % r``. Each block
 is plain dense attention (causal inside the block when the whole call is causal: positions are
-increasing), so one call of :mod:`.local` attention per *group* of equally shaped blocks does a
+increasing), so one call of :mod:`.block_attention` per *group* of equally shaped blocks does a
 whole branch, batched over (batch, segment, offset). Partial results merge by LSE
 (:mod:`..merge`) into one float32 accumulator; the output is written once.
 
@@ -25,15 +25,16 @@ computed as dummies and routed to a scratch row ("trash row" ``Nq``), and their 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from ..branches import branch_head_ranges
-from ..merge import merge_partial, merge_partial_
-from .local import attn_bwd, attn_fwd
+from ..geometry import block_length, block_offsets, block_row
+from ..merge import acc_dtype, merge_partial, merge_partial_
+from ..plan_cache import cached_plan
+from .block_attention import attn_bwd, attn_fwd
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,6 @@ def _strided_kmode(offs, r, length, nrows, hs, he, rep, qoff) -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=256)
 def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, chunk_rows):
     """The groups of every branch, with index tensors on the CPU (cached per shape)."""
     qoff = nk - nq
@@ -255,11 +255,11 @@ def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_a
                 )
                 continue
             by_shape: dict[tuple, list] = {}
-            for off in range(min(r, length)):
+            for off in block_offsets(r, length):
                 heads = [h for h in range(hs, he) if h % r == off]
                 if not heads:
                     continue
-                nrows = -(-(length - off) // r)
+                nrows = block_length(length, off, r)
                 kv = [h // rep for h in heads]
                 uniq = sorted(set(kv))
                 counts = {u: kv.count(u) for u in uniq}
@@ -279,8 +279,8 @@ def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_a
                     continue
                 segs = torch.arange(first, first + count)[:, None, None] * w  # (S, 1, 1)
                 o_t = torch.tensor([o for o, _, _ in offs])[None, :, None]  # (1, O, 1)
-                t = torch.arange(nrows)[None, None, :] * r  # (1, 1, L)
-                kpos = segs + o_t + t  # (S, O, L)
+                t = torch.arange(nrows)[None, None, :]  # (1, 1, L)
+                kpos = block_row(segs, o_t, r, t)  # (S, O, L)
                 qrow = kpos - qoff
                 groups.append(
                     dict(
@@ -297,29 +297,20 @@ def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_a
     return groups
 
 
-_device_plans: dict = {}
 _GROUP_ROWS = 32768  # query rows per attention call (whole segments; at least one segment)
 
 
 def make_plan(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, device):
-    key = (nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, str(device), _GROUP_ROWS)
-    plan = _device_plans.get(key)
-    if plan is None:
-        raw = _plan_cpu(
-            nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, _GROUP_ROWS
-        )
-        plan = tuple(
+    """The groups of a call on ``device`` (cached in :mod:`..plan_cache`)."""
+    args = (nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, _GROUP_ROWS)
+
+    def build():
+        return tuple(
             _Group(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in g.items()})
-            for g in raw
+            for g in _plan_cpu(*args)
         )
-        if len(_device_plans) > 256:
-            _device_plans.clear()
-        _device_plans[key] = plan
-    return plan
 
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    return cached_plan((__name__, *args, str(device)), build)
 
 
 class _DilatedTorchFunction(torch.autograd.Function):
@@ -327,7 +318,7 @@ class _DilatedTorchFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed):
         b, nq, h, _ = q.shape
         dv = v.shape[-1]
-        adt = _acc_dtype(q)
+        adt = acc_dtype(q.dtype)
         acc_out = torch.zeros(b, nq + 1, h, dv, dtype=adt, device=q.device)  # row nq: trash
         acc_lse = torch.full((b, nq + 1, h), float("-inf"), dtype=adt, device=q.device)
         for gid, grp in enumerate(plan):
@@ -349,12 +340,12 @@ class _DilatedTorchFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, kpm, out, lse_pad = ctx.saved_tensors
         b, nq, h, d = q.shape
-        adt = _acc_dtype(q)
+        adt = acc_dtype(q.dtype)
         dq = torch.zeros(b, nq + 1, h, d, dtype=adt, device=q.device)
         dk = torch.zeros(k.shape, dtype=adt, device=q.device)
         dv = torch.zeros(v.shape, dtype=adt, device=q.device)
         dout = dout.contiguous()
-        lse_pad = lse_pad.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        lse_pad = lse_pad.to(adt)
         for gid, grp in enumerate(ctx.plan):
             dq_g, dk_g, dv_g = attn_bwd(
                 grp.take(dout, "q"), grp.take(q, "q"), grp.take(k, "k"), grp.take(v, "k"),

@@ -6,7 +6,7 @@ The model files contain no parallelism code. :func:`parallelize` sets, on a buil
   ``dilated_attention(..., group=pg)``, whose backward is exact across ranks), and
 - the model's ``sp_group``, from which the model computes its global position offset
   ``rank * N_local``: each rank passes its contiguous shard ``[r*N/P, (r+1)*N/P)`` of the sequence
-  (use :func:`shard_batch`) and rotary positions stay global.
+  (``shard_sequence(x, group)``) and rotary positions stay global.
 
 Composition with data parallelism (2-D mesh ``("dp", "sp")``)::
 
@@ -25,29 +25,10 @@ loss by its token count over the global count instead.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from ..distributed.comm import resolve_group
 from ..modules import DilatedAttention
-
-
-def resolve_sp_group(mesh_or_group, sp_dim=None):
-    """A ``ProcessGroup`` from a ProcessGroup, a 1-D DeviceMesh, or a N-D mesh and ``sp_dim``."""
-    if mesh_or_group is None:
-        return None
-    if hasattr(mesh_or_group, "get_group") and hasattr(mesh_or_group, "ndim"):  # DeviceMesh
-        mesh = mesh_or_group
-        if sp_dim is None:
-            if mesh.ndim != 1:
-                raise ValueError(
-                    f"a {mesh.ndim}-D DeviceMesh needs sp_dim (its dim name or index for sequence "
-                    "parallelism), e.g. parallelize(model, mesh, sp_dim='sp')"
-                )
-            return mesh.get_group()
-        return mesh.get_group(sp_dim)
-    if sp_dim is not None:
-        raise ValueError("sp_dim is only meaningful with a DeviceMesh; a ProcessGroup was given")
-    return mesh_or_group
 
 
 def parallelize(model: nn.Module, mesh_or_group, *, sp_dim: int | str | None = None) -> nn.Module:
@@ -62,7 +43,7 @@ def parallelize(model: nn.Module, mesh_or_group, *, sp_dim: int | str | None = N
 
     After this, ``model(idx_local)`` takes this rank's contiguous shard (B, N/P) of the sequence.
     """
-    group = resolve_sp_group(mesh_or_group, sp_dim)
+    group = resolve_group(mesh_or_group, sp_dim)
     n = 0
     for m in model.modules():
         if isinstance(m, DilatedAttention):
@@ -73,16 +54,3 @@ def parallelize(model: nn.Module, mesh_or_group, *, sp_dim: int | str | None = N
     if n == 0:
         raise ValueError(f"{type(model).__name__} has no DilatedAttention module to parallelize")
     return model
-
-
-def shard_batch(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """This rank's contiguous shard of a global batch tensor (B, N, ...) along ``dim``."""
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = x.shape[dim]
-    if n % world != 0:
-        raise ValueError(
-            f"sequence length {n} is not divisible by the {world} sequence-parallel ranks"
-        )
-    return x.narrow(dim, rank * (n // world), n // world).contiguous()

@@ -1,4 +1,4 @@
-"""Local (dense, one block) attention that returns its LSE, and its backward given the final LSE.
+"""Dense attention over one block of rows that returns its LSE, and its backward given the final LSE.
 
 This is the one building block every path shares: a dilated branch runs it on the gathered rows
 of each (segment, offset) block, a ring step runs it on one K/V block. Both merge partial results
@@ -27,6 +27,8 @@ import math
 import os
 
 import torch
+
+from ..merge import acc_dtype
 
 _MATH_BLOCK_BYTES = 64 * 1024 * 1024  # fp32 score bytes per block in the math path
 _CUDNN_MIN_ROWS = 128
@@ -183,7 +185,7 @@ def attn_fwd(
     backend = backend or pick_backend(q, k, key_mask, dropout_p, causal)
     if q.shape[2] == 0 or k.shape[2] == 0:
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=_lse_dtype(q))
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=acc_dtype(q.dtype))
         return out, lse
     if backend == "flash":
         if k.shape[1] != q.shape[1] and not _cuda_flash_native_gqa(q.device.index or 0):
@@ -198,7 +200,7 @@ def attn_fwd(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
-        return out, lse.to(_lse_dtype(q))
+        return out, lse.to(acc_dtype(q.dtype))
     return _math_fwd(q, k, v, scale, causal, key_mask, dropout_p, dropout_seed)
 
 
@@ -262,14 +264,6 @@ def attn_bwd(
     return _math_bwd(do, q, k, v, out, lse, scale, causal, key_mask, dropout_p, dropout_seed)
 
 
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _block_rows(b: int, h: int, lk: int) -> int:
     per_row = max(1, b * h * lk * 4)
     return max(16, _MATH_BLOCK_BYTES // per_row)
@@ -298,7 +292,7 @@ def _math_fwd(q, k, v, scale, causal, key_mask, dropout_p, dropout_seed):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     rep = h // hkv
-    cdt = _compute_dtype(q)
+    cdt = acc_dtype(q.dtype)
     qg = q.view(b, hkv, rep, lq, d)
     kc = k.to(cdt)[:, :, None]  # (B, Hkv, 1, Lk, D)
     vc = v.to(cdt)[:, :, None]
@@ -319,14 +313,14 @@ def _math_fwd(q, k, v, scale, causal, key_mask, dropout_p, dropout_seed):
             p = p * keep / (1.0 - dropout_p)
         out[:, :, :, t0:t1] = torch.matmul(p, vc).to(q.dtype)
         lse[:, :, :, t0:t1] = m
-    return out.view(b, h, lq, -1), lse.view(b, h, lq).to(_lse_dtype(q))
+    return out.view(b, h, lq, -1), lse.view(b, h, lq).to(acc_dtype(q.dtype))
 
 
 def _math_bwd(do, q, k, v, out, lse, scale, causal, key_mask, dropout_p, dropout_seed):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     rep = h // hkv
-    cdt = _compute_dtype(q)
+    cdt = acc_dtype(q.dtype)
     qg = q.view(b, hkv, rep, lq, d)
     dog = do.reshape(b, hkv, rep, lq, -1)
     og = out.reshape(b, hkv, rep, lq, -1)

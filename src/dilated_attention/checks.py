@@ -1,0 +1,102 @@
+"""Input checks shared by every public entry point (a leaf module: imports only torch).
+
+Each check raises a ``TypeError`` / ``ValueError`` that names the bad value and the fix. The
+functional API (``api.py``), ring attention and sequence-parallel attention all check their
+inputs here, so one input gets one error message whichever entry point it reaches. The tensor
+contract is the one of docs/spec.md ("Tensor contract").
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "attention") -> None:
+    """Shape/dtype/device checks for (B, N, H, D) tensors with GQA."""
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name}: {n} must have 4 dims (batch, seqlen, nheads, headdim), got shape "
+                f"{tuple(t.shape)}; for a single sequence add a batch dim with {n}.unsqueeze(0)"
+            )
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: {n} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"{name}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"{name}: head dims differ: q {q.shape[3]}, k {k.shape[3]}")
+    h, hkv = q.shape[2], k.shape[2]
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(
+            f"{name}: nheads ({h}) must be a multiple of nheads_kv ({hkv}) for GQA/MQA; "
+            "query head h reads kv head h // (nheads // nheads_kv)"
+        )
+    if q.shape[1] > k.shape[1]:
+        raise ValueError(
+            f"{name}: seqlen_q ({q.shape[1]}) > seqlen_k ({k.shape[1]}); queries may be shorter "
+            "than keys (bottom-right aligned, for KV-cache decoding) but not longer"
+        )
+
+
+def resolve_scale(softmax_scale: float | None, headdim: int) -> float:
+    """``softmax_scale`` as a finite float; ``None`` means ``headdim ** -0.5``."""
+    if softmax_scale is None:
+        return headdim**-0.5
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    return scale
+
+
+def check_key_padding_mask(key_padding_mask, q: torch.Tensor, k: torch.Tensor) -> None:
+    """``None`` or a bool (batch, seqlen_k) tensor on k's device, True = padding."""
+    if key_padding_mask is None:
+        return
+    if not isinstance(key_padding_mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a bool tensor, got {type(key_padding_mask).__name__}")
+    if key_padding_mask.dtype != torch.bool:
+        raise TypeError(
+            f"key_padding_mask must be torch.bool (True = padding, as nn.MultiheadAttention), got "
+            f"{key_padding_mask.dtype}; use mask.bool() if 1 marks padding"
+        )
+    want = (k.shape[0], k.shape[1])
+    if tuple(key_padding_mask.shape) != want:
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, seqlen_k) = {want}, got {tuple(key_padding_mask.shape)}"
+        )
+    if key_padding_mask.device != k.device:
+        raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, k on {k.device}; move it to k's device")
+
+
+def check_dropout(dropout_p) -> float:
+    """``dropout_p`` as a float in [0, 1)."""
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return p
+
+
+def check_head_assignment(head_assignment) -> str:
+    """``"all"`` (every head in every branch, the paper) or ``"split"``."""
+    if head_assignment not in ("all", "split"):
+        raise ValueError(f"head_assignment must be 'all' or 'split', got {head_assignment!r}")
+    return head_assignment
+
+
+def as_bool(flag) -> bool:
+    """A flag such as ``causal`` as a plain bool (anything with a truth value, e.g. a 0-d tensor)."""
+    return bool(operator.truth(flag))
+

@@ -1,0 +1,105 @@
+"""Which implementation runs a call: the names, their availability, and the ``auto`` rules.
+
+The one place that knows the implementation names (:data:`IMPLS`), validates an ``impl``
+argument (:func:`check_impl`), says why the fused Triton kernel cannot run
+(:func:`triton_unavailable_reason`), and picks an implementation for ``impl="auto"``: on one
+device (:func:`pick_impl`) and for the local blocks of sequence-parallel attention
+(:func:`pick_sp_local_impl`). An explicitly requested ``impl`` never silently falls back: it
+runs or raises an error that gives the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+IMPLS = ("auto", "reference", "torch", "triton")
+
+# the module of the fused Triton kernel that exposes ``unavailable_reason(q, k)``; imported only
+# when asked, so that importing the package never needs triton
+_TRITON_MODULE = "dilated_attention.kernels.triton_dilated"
+
+
+def check_impl(impl) -> str:
+    """``impl`` if it is one of :data:`IMPLS`, else a ``ValueError`` listing them."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def triton_unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | None:
+    """Why impl='triton' cannot run for these inputs (None if it can)."""
+    try:
+        triton_module = importlib.import_module(_TRITON_MODULE)
+    except ImportError as e:  # triton not installed
+        return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
+    return triton_module.unavailable_reason(q, k)
+
+
+def available_impls(q: torch.Tensor | None = None) -> list[str]:
+    """The implementations that can run for inputs like ``q`` (default: a CUDA bf16 probe if any)."""
+    out = ["reference", "torch"]
+    if q is None:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        q = torch.empty(1, 1, 1, 64, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+    if triton_unavailable_reason(q) is None:
+        out.append("triton")
+    return out
+
+
+def pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
+    """The implementation of a single-device call: ``"reference"``, ``"torch"`` or ``"triton"``.
+
+    ``"auto"``: the fused Triton kernel wherever it can run and there is no dropout (it has
+    none), else the torch path. ``"triton"`` raises ``ValueError`` with the reason when the
+    kernel cannot run or ``dropout_p > 0``.
+    """
+    check_impl(impl)
+    if impl == "triton":
+        reason = triton_unavailable_reason(q, k)
+        if reason is None and dropout_p > 0:
+            reason = "the triton kernel has no dropout; use impl='torch' or 'auto' for dropout_p > 0"
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run here: {reason}")
+        return "triton"
+    if impl == "auto":
+        if dropout_p == 0 and triton_unavailable_reason(q, k) is None:
+            return "triton"
+        return "torch"
+    return impl
+
+
+def pick_sp_local_impl(impl: str, q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> str:
+    """The kernel for a rank's local blocks in sequence-parallel attention: "torch" or "triton".
+
+    - ``"torch"``: every block runs :mod:`.block_attention` on gathered/strided rows.
+    - ``"triton"``: the own-row blocks of the branches aligned with the rank's shard start run in
+      one fused Triton call; raises ``ValueError`` naming the reason when the kernel cannot run
+      (no triton, not CUDA, headdim or dtype unsupported).
+    - ``"auto"``: ``"triton"`` where it can run and either ``causal`` or no gradient is needed
+      (measured faster there; benchmarks/bench_sequence_parallel.py ``--impl`` and its results
+      file), else ``"torch"`` (non-causal training measured faster with the torch kernels).
+      Ranks that disagree (e.g. one without triton) stay exact, only slower.
+    - ``"reference"``: not available with a group (``ValueError``).
+    """
+    check_impl(impl)
+    if impl == "triton":
+        reason = triton_unavailable_reason(q, k)
+        if reason is not None:
+            raise ValueError(
+                f"impl='triton' cannot run here with group= (sequence-parallel): {reason}; "
+                "use impl='torch' or 'auto' (torch kernels for the local blocks)"
+            )
+        return "triton"
+    if impl == "auto":
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
+        if (causal or not needs_grad) and triton_unavailable_reason(q, k) is None:
+            return "triton"
+        return "torch"
+    if impl == "torch":
+        return "torch"
+    raise ValueError(
+        f"impl={impl!r} is not available with group= (sequence-parallel): the local blocks run "
+        "the torch attention kernels ('torch', 'auto') or the fused Triton kernel ('triton')"
+    )
