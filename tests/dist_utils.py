@@ -46,10 +46,3 @@ def run_distributed(fn, world_size: int, *args) -> None:
             start_method="forkserver",
         )
 
-
-def check_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
-    """assert_close with the case name in the message; compares in float64."""
-    torch.testing.assert_close(
-        got.to(torch.float64), want.to(torch.float64), atol=atol, rtol=rtol,
-        msg=lambda m: f"{name}: {m}",
-    )

@@ -12,7 +12,8 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import check_close, run_distributed
+from dist_utils import run_distributed
+from helpers import check_close, dense_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -25,21 +26,6 @@ from dilated_attention.distributed import (
 from dilated_attention.distributed.layout import shard_local, shard_positions, unshard
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def dense_reference(q, k, v, causal, scale=None):
-    """(B, N, H, D) dense attention in float64 with GQA; returns out (B,N,H,D), lse (B,H,N)."""
-    rep = q.shape[2] // k.shape[2]
-    qt, kt, vt = (x.transpose(1, 2).to(torch.float64) for x in (q, k, v))
-    kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = qt @ kt.transpose(-1, -2) * scale
-    if causal:
-        n = q.shape[1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = torch.softmax(s, -1) @ vt
-    return out.transpose(1, 2), lse
 
 
 def _inputs(seed, b, n, h, hkv, d, dtype=torch.float64):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import check_close, run_distributed
+from dist_utils import run_distributed
+from helpers import check_close, dense_reference
 
 from dilated_attention import dilated_attention
 from dilated_attention.distributed import last_ring_stats, ring_attention
@@ -20,15 +21,6 @@ from dilated_attention.distributed.layout import shard_local
 
 P, L, H, HKV, D = 8, 8, 4, 2, 8
 N = P * L
-
-
-def _dense(q, k, v):
-    rep = q.shape[2] // k.shape[2]
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
-    s = qt @ kt.transpose(-1, -2) * q.shape[-1] ** -0.5
-    s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
-    return (torch.softmax(s, -1) @ vt).transpose(1, 2)
 
 
 def _compare(name, rank, seed, ref_fn, dist_fn, layout="contiguous"):
@@ -55,7 +47,7 @@ def _compare(name, rank, seed, ref_fn, dist_fn, layout="contiguous"):
 def _worker(rank, world):
     assert world == P
     for i, layout in enumerate(("contiguous", "zigzag")):
-        _compare(f"ring {layout}", rank, i, _dense,
+        _compare(f"ring {layout}", rank, i, lambda q, k, v: dense_reference(q, k, v, True)[0],
                  lambda q, k, v, lay=layout: ring_attention(q, k, v, causal=True, layout=lay), layout)
         st = last_ring_stats()
         assert st["fwd_bytes_sent"] == (P - 1) * st["kv_block_bytes"], st

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import check_close, run_distributed
+from dist_utils import run_distributed
+from helpers import check_close
 
 from dilated_attention import dilated_attention
 from dilated_attention.distributed import sequence_parallel as sp

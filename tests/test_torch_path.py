@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import rel_err
 
 from dilated_attention import dilated_attention
 
@@ -73,10 +74,6 @@ def test_torch_matches_reference_fp64(seed, branches, causal, heads, lengths, ha
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-def _rel(x, ref):
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("branches", ["two", "w%r!=0", "paper/256"])
@@ -88,9 +85,9 @@ def test_torch_low_precision(seed, dtype, tol, causal, branches):
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
     o_r, _, g_r = _run("reference", q64, k64, v64, seg, dil, causal, "all", None, do.double())
     assert o_t.dtype == dtype and all(g.dtype == dtype for g in g_t)
-    assert _rel(o_t, o_r) < tol
+    assert rel_err(o_t, o_r) < tol
     for a, b in zip(g_t, g_r, strict=True):
-        assert _rel(a, b) < 2 * tol
+        assert rel_err(a, b) < 2 * tol
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -116,7 +113,7 @@ def test_dropout_statistics_and_exact_backward(seed):
     with torch.no_grad():
         mean = sum(dilated_attention(q, k, v, [4, 8], [1, 2], dropout_p=0.3, impl="torch") for _ in range(300)) / 300
         plain = dilated_attention(q, k, v, [4, 8], [1, 2], impl="torch")
-    assert _rel(mean, plain) < 0.1
+    assert rel_err(mean, plain) < 0.1
 
 
 def test_lse_matches_logsumexp_definition(seed):
@@ -218,6 +215,6 @@ def test_torch_path_cuda_vs_reference(seed, dtype, causal):
     ref = dilated_attention(q32, k32, v32, seg, dil, causal=causal, impl="reference")
     refg = torch.autograd.grad(ref, (q32, k32, v32), do.float())
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    assert _rel(out, ref) < tol
+    assert rel_err(out, ref) < tol
     for a, b in zip(grads, refg, strict=True):
-        assert a.dtype == dtype and _rel(a, b) < 2 * tol
+        assert a.dtype == dtype and rel_err(a, b) < 2 * tol

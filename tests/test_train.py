@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
+from helpers import train_args
 
 from dilated_attention.data import IGNORE, RetrievalTask
-from dilated_attention.train import add_train_arguments, load_checkpoint, run_train
+from dilated_attention.train import load_checkpoint, run_train
 
 # Small enough for a few seconds on a busy CPU: 64 tokens, batch 8.
 FAST = [
@@ -33,12 +33,6 @@ FAST = [
 ]
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_train_arguments(p)
-    return p.parse_args(list(argv))
-
-
 def test_retrieval_task_is_seeded_and_well_formed():
     task = RetrievalTask(seq_len=100, num_pairs=3, min_distance=20, max_distance=90)
     x1, y1 = task.batch(4, seed=0, step=5)
@@ -61,7 +55,7 @@ def test_loss_decreases_and_outputs(tmp_path):
     out = tmp_path / "run"
     assert (
         run_train(
-            _args(
+            train_args(
                 *FAST,
                 "--attention",
                 "dense",
@@ -93,10 +87,10 @@ def test_loss_decreases_and_outputs(tmp_path):
 
 def test_resume_is_exact(tmp_path):
     common = [*FAST, "--steps", "6", "--warmup", "2", "--eval-every", "3"]
-    run_train(_args(*common, "--out-dir", str(tmp_path / "a")))
-    run_train(_args(*common, "--out-dir", str(tmp_path / "b"), "--stop-at", "3"))
+    run_train(train_args(*common, "--out-dir", str(tmp_path / "a")))
+    run_train(train_args(*common, "--out-dir", str(tmp_path / "b"), "--stop-at", "3"))
     assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["step"] == 3
-    run_train(_args(*common, "--out-dir", str(tmp_path / "b"), "--resume"))
+    run_train(train_args(*common, "--out-dir", str(tmp_path / "b"), "--resume"))
     a = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
     assert a["step"] == b["step"] == 6
@@ -110,7 +104,7 @@ def test_text_file(tmp_path):
     f.write_text("the quick brown fox jumps over the lazy dog. " * 50)
     out = tmp_path / "txt"
     run_train(
-        _args(
+        train_args(
             *FAST, "--text-file", str(f), "--steps", "3", "--eval-every", "3", "--out-dir", str(out)
         )
     )

@@ -7,7 +7,6 @@ the command (the env-based init itself is exercised by ``benchmarks/train_sp_rec
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -17,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
+from helpers import train_args
 
-from dilated_attention.train import add_train_arguments, run_train
+from dilated_attention.train import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,19 +34,13 @@ TINY_SP = [
 ]  # fmt: skip
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_train_arguments(p)
-    return p.parse_args(list(argv))
-
-
 def _sp_train_worker(rank: int, world: int, out_dir: str, text_file: str) -> None:
-    assert run_train(_args(*TINY_SP, "--out-dir", out_dir)) == 0
+    assert run_train(train_args(*TINY_SP, "--out-dir", out_dir)) == 0
     # interrupted at step 4 and resumed: every rank loads rank 0's checkpoint
-    assert run_train(_args(*TINY_SP, "--out-dir", out_dir + "-resumed", "--stop-at", "4")) == 0
-    assert run_train(_args(*TINY_SP, "--out-dir", out_dir + "-resumed", "--resume")) == 0
+    assert run_train(train_args(*TINY_SP, "--out-dir", out_dir + "-resumed", "--stop-at", "4")) == 0
+    assert run_train(train_args(*TINY_SP, "--out-dir", out_dir + "-resumed", "--resume")) == 0
     text = [*TINY_SP, "--text-file", text_file, "--steps", "2", "--eval-every", "2"]
-    assert run_train(_args(*text, "--out-dir", out_dir + "-text")) == 0
+    assert run_train(train_args(*text, "--out-dir", out_dir + "-text")) == 0
 
 
 def _log(path) -> list[dict]:
@@ -59,9 +53,9 @@ def test_sequence_parallel_training_matches_single_process(tmp_path):
     text_file.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     single, sp = tmp_path / "single", tmp_path / "sp"
     run_distributed(_sp_train_worker, 2, str(sp), str(text_file))
-    assert run_train(_args(*TINY_SP, "--out-dir", str(single))) == 0
+    assert run_train(train_args(*TINY_SP, "--out-dir", str(single))) == 0
     text = [*TINY_SP, "--text-file", str(text_file), "--steps", "2", "--eval-every", "2"]
-    assert run_train(_args(*text, "--out-dir", str(single) + "-text")) == 0
+    assert run_train(train_args(*text, "--out-dir", str(single) + "-text")) == 0
 
     for a_dir, b_dir in ((single, sp), (tmp_path / "single-text", tmp_path / "sp-text")):
         a, b = _log(a_dir), _log(b_dir)
@@ -100,7 +94,7 @@ def test_sequence_length_not_divisible_by_world_size(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match=r"--seq-len 128 is not divisible by the world size 3"):
-        run_train(_args(*TINY_SP, "--out-dir", str(tmp_path / "x")))
+        run_train(train_args(*TINY_SP, "--out-dir", str(tmp_path / "x")))
     assert not (tmp_path / "x").exists()
 
 

@@ -1,4 +1,6 @@
-"""The dense oracle: SPEC section 2 written out literally, as masked dense attention.
+"""The dense oracle: the definition of docs/spec.md ("Definition") written out literally, as
+masked dense attention. It deliberately does not use :mod:`.geometry` (it tests it): the
+multiplicity is built from the definition position by position.
 
 Builds the multiplicity m(i, j, h) as an integer tensor of shape (nheads, seqlen_q, seqlen_k)
 and computes ``lse = log sum_j m exp(s)`` and ``out = sum_j m exp(s - lse) v_j`` in the input
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .branches import branch_head_ranges
+from .merge import acc_dtype
 
 
 def multiplicity(
@@ -73,7 +76,7 @@ def dilated_attention_reference(
     m = m[None].expand(bsz, -1, -1, -1)  # (B, H, Nq, Nk)
     if key_padding_mask is not None:
         m = m.masked_fill(key_padding_mask[:, None, None, :], 0)
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cdt = acc_dtype(q.dtype)
     qh = q.transpose(1, 2).to(cdt)  # (B, H, Nq, D)
     kh = k.transpose(1, 2).to(cdt).repeat_interleave(rep, dim=1)  # (B, H, Nk, D)
     vh = v.transpose(1, 2).to(cdt).repeat_interleave(rep, dim=1)

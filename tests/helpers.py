@@ -1,0 +1,45 @@
+"""Helpers shared by several test files (import as ``from helpers import ...``; pytest puts the
+tests directory on ``sys.path``). Process-group spawning lives in dist_utils.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def check_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
+    """assert_close with the case name in the message; compares in float64."""
+    torch.testing.assert_close(
+        got.to(torch.float64), want.to(torch.float64), atol=atol, rtol=rtol,
+        msg=lambda m: f"{name}: {m}",
+    )
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of ``x`` against ``ref``, in float64."""
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def dense_reference(q, k, v, causal, scale=None):
+    """(B, N, H, D) dense attention in float64 with GQA; returns out (B,N,H,D), lse (B,H,N)."""
+    rep = q.shape[2] // k.shape[2]
+    qt, kt, vt = (x.transpose(1, 2).to(torch.float64) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = qt @ kt.transpose(-1, -2) * scale
+    if causal:
+        n = q.shape[1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) @ vt
+    return out.transpose(1, 2), lse
+
+
+def train_args(*argv: str) -> argparse.Namespace:
+    """The ``dilated-attention train`` flags parsed from ``argv``."""
+    from dilated_attention.train import add_train_arguments
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    return p.parse_args(list(argv))
