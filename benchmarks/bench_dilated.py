@@ -1,6 +1,6 @@
 """Benchmark: dilated attention (impl="triton", impl="torch") next to dense SDPA (issue 3).
 
-Useful TFLOP/s per SPEC section 6 (``dilated_attention.flops``: closed-form pair counts from the
+Useful TFLOP/s as docs/spec.md ("Measuring speed") defines them (``dilated_attention.flops``: closed-form pair counts from the
 branch geometry; fwd+bwd = 3.5 x forward; dense SDPA counts 4*N^2*H*D, halved when causal),
 forward and forward+backward median times (triton.testing.do_bench), peak memory of one
 forward+backward and the memory ratio = peak / bytes of (q, k, v, out, dout, dq, dk, dv).
@@ -182,7 +182,7 @@ def main(argv=None):
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- shape: bf16, batch {b}, {h} heads x {d}; branches w={seg}, r={dil}, head_assignment=all",
-        "- TFLOP/s are useful FLOPs (SPEC 6); fwd+bwd = 3.5 x forward FLOPs; `*` = dense measured "
+        "- TFLOP/s are useful FLOPs (docs/spec.md); fwd+bwd = 3.5 x forward FLOPs; `*` = dense measured "
         "at a smaller N (dense TFLOP/s is flat in N); mem ratio = peak fwd+bwd allocated / bytes "
         "of q, k, v, out, dout, dq, dk, dv",
         "",

@@ -9,7 +9,7 @@ ranks of the run, the forward and forward+backward time of ``ring_attention`` (m
 the per-rank peak memory; and on rank 0 alone (the other ranks wait at a barrier) dense
 ``scaled_dot_product_attention`` over the whole N on one GPU. Strong-scaling efficiency is
 ``t1(N) / (P * tP(N))`` with t1 the one-GPU SDPA time (1.0 = perfect). TFLOP/s count useful work:
-``4 * N^2 * H * D`` for the forward (halved when causal), x3.5 for forward+backward (SPEC sec. 6).
+``4 * N^2 * H * D`` for the forward (halved when causal), x3.5 for forward+backward (docs/spec.md, "Measuring speed").
 A small correctness check against SDPA runs first. The markdown table is printed last and written
 to ``--out`` with the command, GPU, versions, date and NCCL environment.
 

@@ -12,7 +12,7 @@ branch w = N with r = N / 2048 (so every branch has 2048 rows per segment and of
 - strong scaling: N = 1M on P ranks vs N = 1M on one GPU.
 
 For each it reports forward and forward+backward time (max over ranks), useful TFLOP/s per GPU
-(SPEC section 6 count: pairs attended per branch and head, causal counted exactly), per-rank peak
+(docs/spec.md, "Measuring speed": pairs attended per branch and head, causal counted exactly), per-rank peak
 memory, bytes sent per rank (forward; backward = K/V rows again + returned dK/dV), and the
 efficiency ``t1 / tP`` (weak) or ``t1 / (P * tP)`` (strong), where t1 is the same
 sequence-parallel code on a one-rank group on rank 0 (the other ranks wait at a barrier). Also on
@@ -93,7 +93,7 @@ def branches(a, n):
 
 
 def useful_flops(n, h, d, b, seg, dil, causal):
-    """SPEC section 6: 4 * D * sum over branches and heads of attended (i, j) pairs (forward)."""
+    """docs/spec.md, "Measuring speed": 4 * D * sum over branches and heads of attended (i, j) pairs (forward)."""
     total = 0
     for w, r in zip(seg, dil, strict=True):
         for hh in range(h):
@@ -243,7 +243,7 @@ def render(a, rows, errs, dev, world):
         "- t1 = the same sequence-parallel code on a one-rank group (rank 0); eff = t1 / tP (weak: "
         "N/P per GPU fixed) or t1 / (P tP) (strong); 1-GPU dilated = dilated_attention(impl="
         f"{a.single_impl!r}); dense = SDPA at the 1-GPU N; sent = bytes sent per rank (max over "
-        "ranks); TFLOP/s = useful work per GPU (SPEC 6; fwd+bwd = 3.5 x fwd)",
+        "ranks); TFLOP/s = useful work per GPU (docs/spec.md; fwd+bwd = 3.5 x fwd)",
         "",
         "| scaling | N | mode | P | fwd ms | fwd+bwd ms | TFLOP/s/GPU fwd | TFLOP/s/GPU fwd+bwd | peak GiB/rank "
         "| sent fwd MiB | sent bwd MiB | t1 fwd ms | t1 fwd+bwd ms | eff fwd | eff fwd+bwd "

@@ -1,7 +1,7 @@
 """dilated_attention: exact LongNet dilated attention and ring attention for PyTorch.
 
 Layout (batch, seqlen, nheads, headdim) everywhere; LSE float32 (batch, nheads, seqlen).
-See README.md and SPEC (shared/SPEC.md) for the exact definition.
+See README.md and docs/spec.md for the exact definition.
 """
 
 from .api import available_impls, dilated_attention

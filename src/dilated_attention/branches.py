@@ -1,7 +1,8 @@
 """Branch bookkeeping shared by every implementation: which heads take part in which branch.
 
-This file owns the pure-Python facts of SPEC section 2 that do not touch tensors:
-the head ranges of ``head_assignment="all"`` / ``"split"`` and the offset of a head.
+This file owns the pure-Python facts of the definition (docs/spec.md, "Definition") that do not
+touch tensors: the head ranges of ``head_assignment="all"`` / ``"split"`` and the validation of
+the branch lists. Which rows form each block: :mod:`.geometry`.
 """
 
 from __future__ import annotations

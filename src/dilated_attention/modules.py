@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from .api import dilated_attention
-from .kernels.select import check_impl
 from .branches import normalize_branches
+from .kernels.select import check_impl
 
 
 def _check_ordering(ordering, grid):
@@ -48,7 +48,7 @@ class DilatedAttention(nn.Module):
     """Dilated attention over (batch, seqlen, nheads, headdim) tensors.
 
     Args:
-        segment_lengths, dilation_rates: one (w_b, r_b) per branch (SPEC section 2).
+        segment_lengths, dilation_rates: one (w_b, r_b) per branch (docs/spec.md, "Definition").
         softmax_scale: default headdim ** -0.5.
         attention_dropout: dropout on attention probabilities, applied in training mode only.
         head_assignment: "all" (paper) or "split".

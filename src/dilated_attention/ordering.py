@@ -1,4 +1,4 @@
-"""Token orderings for flattened 2-D grids: the Hilbert curve (SPEC section 5).
+"""Token orderings for flattened 2-D grids: the Hilbert curve (docs/spec.md, "Token ordering").
 
 - :func:`hilbert_permutation`: ``(perm, inv)`` for a ``height x width`` grid of any size, built
   with the generalized Hilbert ("gilbert") curve of J. Cerveny, which covers any rectangle and

@@ -26,7 +26,7 @@ def multiplicity(
     causal: bool = False,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """m(i, j, h) of SPEC section 2 as int32, shape (nheads, seqlen_q, seqlen_k).
+    """m(i, j, h) of docs/spec.md ("Definition") as int32, shape (nheads, seqlen_q, seqlen_k).
 
     Query row t is absolute position ``seqlen_k - seqlen_q + t`` (bottom-right alignment).
     Key padding is not included (it depends on the batch); apply it on top.

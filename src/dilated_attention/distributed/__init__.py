@@ -1,4 +1,4 @@
-"""Sequence-parallel execution over ``torch.distributed`` (SPEC section 4).
+"""Sequence-parallel execution over ``torch.distributed`` (docs/spec.md, "Sequence parallelism").
 
 - :mod:`.layout`: which positions each rank holds ("contiguous", "zigzag"), pure tensor code;
 - :mod:`.comm`: the ring of batched isend/irecv and cross-rank input checks;

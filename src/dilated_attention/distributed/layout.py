@@ -3,7 +3,7 @@
 Pure tensor code (no ``torch.distributed`` needed) plus the two thin collectives
 :func:`shard_sequence` / :func:`gather_sequence` built on it.
 
-Layouts of a global sequence of length N over P ranks (SPEC section 4):
+Layouts of a global sequence of length N over P ranks (docs/spec.md, "Sequence parallelism"):
 
 - ``"contiguous"``: rank r holds positions ``[r*N/P, (r+1)*N/P)``; needs ``N % P == 0``.
 - ``"zigzag"``: the sequence is cut into 2P equal chunks; rank r holds chunk r followed by chunk

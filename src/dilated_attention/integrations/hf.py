@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from ..api import dilated_attention
-from ..kernels.select import check_impl
 from ..branches import normalize_branches
+from ..kernels.select import check_impl
 
 
 def _key_padding_mask(attention_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):

@@ -100,8 +100,9 @@ def _cudnn_aux(device_index: int):
 
 @functools.cache
 def _cudnn_usable(device_index: int) -> bool:
-    """Use cuDNN attention (what SDPA itself picks on Hopper; measured ~1.7x PyTorch's
-    FlashAttention-2 there, see benchmarks/results/ring_probe_*) through its private ops?
+    """Use cuDNN attention (what SDPA itself picks on Hopper, where it is faster than PyTorch's
+    FlashAttention-2: benchmarks/results/ring_cudnn_* and bench_cli_torch_cudnn_*) through its
+    private ops?
 
     Only on compute capability >= 9 and only if a probe on this device reproduces the
     FlashAttention-2 forward, LSE and backward on strided (B, L, H, D)-transposed inputs like ours.

@@ -13,7 +13,7 @@ are gathered per *kv head* and GQA is left to the attention kernel whenever the 
 group share their kv heads evenly (never a repeat of K/V in the usual configurations).
 
 The backward runs each group's attention backward with the FINAL merged output and LSE (as ring
-attention does), which is the exact gradient of SPEC section 2: the branch mixing weights are not
+attention does), which is the exact gradient of the definition (docs/spec.md): the branch mixing weights are not
 detached. Memory: one float32 output accumulator (forward) and float32 dq/dk/dv accumulators
 (backward), plus one group's gathered rows; never an N x N score matrix.
 

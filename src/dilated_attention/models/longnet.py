@@ -16,7 +16,8 @@ What this file owns (gpt-fast / nanoGPT style: read top to bottom):
 The models contain no parallelism code. :func:`dilated_attention.models.parallelize.parallelize`
 sets each attention module's ``process_group`` and the model's ``sp_group`` from outside; the
 model then treats its input as this rank's contiguous shard of the sequence and offsets its
-rotary positions by ``rank * N_local`` so that positions are global (SPEC section 4).
+rotary positions by ``rank * N_local`` so that positions are global (docs/spec.md, "Sequence
+parallelism").
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class LongNetConfig:
             raise ValueError(
                 f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.kv_heads})"
             )
-        # Note: max(dilation_rates) > n_head is allowed (SPEC) but then, with head_assignment
-        # "all", query rows whose offset has no head skip that branch; presets keep r <= n_head.
+        # Note: max(dilation_rates) > n_head is allowed (docs/spec.md) but then, with
+        # head_assignment "all", query rows whose offset has no head skip that branch; presets keep r <= n_head.
 
     @property
     def head_dim(self) -> int:
