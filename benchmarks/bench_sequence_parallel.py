@@ -44,6 +44,7 @@ from dist_bench_utils import peak_gib, reset_peak, setup, time_fn  # noqa: E402
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.distributed import sequence_parallel as sp  # noqa: E402
 from dilated_attention.distributed.layout import shard_local  # noqa: E402
+from dilated_attention.flops import dilated_flops  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -65,7 +66,7 @@ def parse_args():
     p.add_argument("--exchange", choices=list(sp.EXCHANGE_MODES), default="auto")
     p.add_argument("--impl", choices=["auto", "torch", "triton"], default="auto",
                    help="impl of the sequence-parallel runs (their local blocks: torch attention "
-                        "or the fused Triton kernel; see sequence_parallel._local_impl)")
+                        "or the fused Triton kernel; see kernels.select.pick_sp_local_impl)")
     p.add_argument("--single-impl", default="auto", help="impl of the one-GPU dilated baseline")
     p.add_argument("--dense-max", type=int, default=262144, help="dense SDPA baseline up to this N")
     p.add_argument("--no-single", action="store_true", help="skip all one-GPU baselines")
@@ -90,19 +91,6 @@ def branches(a, n):
         seg.append(n)
         dil.append(max(1, n // a.global_rows))
     return seg, dil
-
-
-def useful_flops(n, h, d, b, seg, dil, causal):
-    """docs/spec.md, "Measuring speed": 4 * D * sum over branches and heads of attended (i, j) pairs (forward)."""
-    total = 0
-    for w, r in zip(seg, dil, strict=True):
-        for hh in range(h):
-            o = hh % r
-            for start in range(0, n, w):
-                length = min(w, n - start)
-                m = max(0, -(-(length - o) // r))  # rows of offset o in this segment
-                total += m * (m + 1) // 2 if causal else m * m
-    return 4.0 * d * b * total
 
 
 def make(b, n, h, hkv, d, dtype, dev, seed, grad=True):
@@ -198,7 +186,7 @@ def run_case(a, dev, dtype, hkv, rank, world, solo, kind, n, mode):
                          dtype=torch.float64, device=dev)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     q = k = v = None
-    flops = useful_flops(n, h, d, b, seg, dil, causal)
+    flops = dilated_flops(b, n, n, h, d, seg, dil, causal)  # forward
     row.update(
         fwd_ms=tf * 1e3, fb_ms=tfb * 1e3, tflops_f=flops / world / tf / 1e12,
         tflops_fb=3.5 * flops / world / tfb / 1e12,

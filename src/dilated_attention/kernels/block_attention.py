@@ -32,6 +32,8 @@ from ..merge import acc_dtype
 
 _MATH_BLOCK_BYTES = 64 * 1024 * 1024  # fp32 score bytes per block in the math path
 _CUDNN_MIN_ROWS = 128
+# read once per process, at import: the backend never changes between calls of one process
+_CUDNN_ENABLED = os.environ.get("DILATED_ATTENTION_CUDNN", "1") != "0"
 
 
 def _flash_ok(q: torch.Tensor, k: torch.Tensor, key_mask, dropout_p: float, causal: bool) -> bool:
@@ -106,9 +108,9 @@ def _cudnn_usable(device_index: int) -> bool:
 
     Only on compute capability >= 9 and only if a probe on this device reproduces the
     FlashAttention-2 forward, LSE and backward on strided (B, L, H, D)-transposed inputs like ours.
-    ``DILATED_ATTENTION_CUDNN=0`` turns it off.
+    ``DILATED_ATTENTION_CUDNN=0`` in the environment at import turns it off (for comparisons).
     """
-    if os.environ.get("DILATED_ATTENTION_CUDNN", "1") == "0":
+    if not _CUDNN_ENABLED:
         return False
     dev = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(dev)[0] < 9:

@@ -1,7 +1,7 @@
 """``impl="torch"``: dilated attention from PyTorch attention kernels plus an exact LSE merge.
 
 For each branch (w, r) the key positions split into blocks: one per (segment, offset o), holding
-the rows ``segment_start + o + r*t``. Query head h reads the block of offset ``h % r``. Each block
+the rows ``segment_start + o + r*t`` (:mod:`..geometry`). Query head h reads the block of offset ``h % r``. Each block
 is plain dense attention (causal inside the block when the whole call is causal: positions are
 increasing), so one call of :mod:`.block_attention` per *group* of equally shaped blocks does a
 whole branch, batched over (batch, segment, offset). Partial results merge by LSE
@@ -13,8 +13,8 @@ are gathered per *kv head* and GQA is left to the attention kernel whenever the 
 group share their kv heads evenly (never a repeat of K/V in the usual configurations).
 
 The backward runs each group's attention backward with the FINAL merged output and LSE (as ring
-attention does), which is the exact gradient of the definition (docs/spec.md): the branch mixing weights are not
-detached. Memory: one float32 output accumulator (forward) and float32 dq/dk/dv accumulators
+attention does), which is the exact gradient of the definition (docs/spec.md): the branch mixing
+weights are not detached. Memory: one float32 output accumulator (forward) and float32 dq/dk/dv accumulators
 (backward), plus one group's gathered rows; never an N x N score matrix.
 
 Queries shorter than keys (KV-cache decoding): query row t is position ``Nk - Nq + t``. Only the
@@ -219,7 +219,7 @@ def _strided_kmode(offs, r, length, nrows, hs, he, rep, qoff) -> str:
 
 
 def _plan_cpu(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_assignment, chunk_rows):
-    """The groups of every branch, with index tensors on the CPU (cached per shape)."""
+    """The groups of every branch, with index tensors on the CPU (:func:`make_plan` caches them)."""
     qoff = nk - nq
     rep = nheads // nheads_kv
     groups: list[dict] = []
