@@ -97,12 +97,14 @@ def multiplicity_score_mod(segment_lengths, dilation_rates, nheads: int, causal:
 
 
 def flex_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None,
-                           block_mask=None, flex_fn=None, block_size: int = 128):
+                           block_mask=None, score_mod=None, flex_fn=None, block_size: int = 128):
     """Dilated attention through FlexAttention; q: (B, N, H, D), k, v: (B, N, Hkv, D).
 
     ``flex_fn``: ``flex_attention`` itself (eager; the CPU forward) or a ``torch.compile``d
-    copy (needed on CUDA for speed). ``block_mask``: pass a cached :func:`flex_block_mask` to
-    keep its construction out of the timing. Returns out (B, N, H, D).
+    copy (needed on CUDA for speed). ``block_mask`` / ``score_mod``: pass a cached
+    :func:`flex_block_mask` / :func:`multiplicity_score_mod` to keep their construction out of
+    the timing (and one score_mod object, so a compiled flex is not re-traced per call).
+    Returns out (B, N, H, D).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -112,7 +114,7 @@ def flex_dilated_attention(q, k, v, segment_lengths, dilation_rates, *, causal=F
     fn = flex_attention if flex_fn is None else flex_fn
     if block_mask is None:
         block_mask = flex_block_mask(n, segment_lengths, block_size, causal, q.device)
-    sm = multiplicity_score_mod(segment_lengths, dilation_rates, h, causal)
+    sm = score_mod or multiplicity_score_mod(segment_lengths, dilation_rates, h, causal)
     out = fn(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=sm, block_mask=block_mask,
         scale=scale, enable_gqa=k.shape[2] != h,
