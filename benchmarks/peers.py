@@ -241,8 +241,8 @@ class _TorchscaleExact(torch.autograd.Function):
             lg = _gather(lse_d, w, r, heads, offs).squeeze(-1).contiguous()
             gq, gk, gv = _flash_bwd(dog, qg, kg, vg, og, lg, causal, scale, meta)
             dq += _scatter(gq.to(cdt), b, n, w, r, h, heads, offs)
-            dk += _scatter(gk.to(cdt), b, n, w, r, hkv, kvh, offs, accumulate=True)
-            dv += _scatter(gv.to(cdt), b, n, w, r, hkv, kvh, offs, accumulate=True)
+            dk += _scatter(gk.to(cdt), b, n, w, r, hkv, kvh, offs, accumulate=rep > 1)
+            dv += _scatter(gv.to(cdt), b, n, w, r, hkv, kvh, offs, accumulate=rep > 1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

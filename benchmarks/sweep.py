@@ -8,15 +8,16 @@ library's ``auto`` picks and which impl the proposed rule (kernels/auto_rule.py)
 headline shape (B=1, 16 x 128, LongNet 5 branches, N=131072) it also times the peers of
 benchmarks/peers.py (FlexAttention, torchscale-style per-branch flash + exact LSE merge).
 
-Timing: CUDA events, 1 warmup call (forward+backward: it also compiles the Triton kernels), then
+Timing: CUDA events, warmup 1 forward and 1 forward+backward call (they also compile the Triton
+kernels and the compiled FlexAttention), then
 ``--iters`` timed calls (2 when one call is estimated above 150 ms), median reported. Dense SDPA
 runs with k, v repeated to the query heads (the same FLOPs as GQA) and the math backend disabled
-(an N x N fallback would not fit); for N >= 512K it is timed forward only, 2 calls (the first
-absorbs the per-shape setup; 1 timed), and its fwd+bwd rate is taken from the nearest smaller row with the
-same heads, head dim, dtype and causality (marked ``*``). A row is skipped (and says so) once
-the elapsed time passes ``--budget-s``; results are written after every row.
+(an N x N fallback would not fit); for N >= 512K it is timed forward only (1 warmup call, which
+absorbs the per-shape setup, and 1 timed call), and its fwd+bwd rate is taken from another row with the same head dim and
+causality (same dtype and heads preferred; marked ``*``). A row is skipped (and says so) when the
+elapsed time plus its estimated time passes ``--budget-s``; results are written after every row.
 
-    PYTHONPATH=src python3 benchmarks/sweep.py --out benchmarks/results/sweep_h100_DATE
+    PYTHONPATH=src python3 benchmarks/sweep.py --out benchmarks/results --name sweep_h100_DATE
     PYTHONPATH=src python3 benchmarks/sweep.py --tiny --out /tmp/sweep_tiny      # CPU, seconds
     python3 benchmarks/sweep.py --plan                    # the rows and estimated GPU seconds
     python3 benchmarks/sweep.py --rule-report DIR/sweep.json   # rule vs fastest per row
@@ -127,13 +128,13 @@ def estimate_s(r: Row, iters: int = 3) -> float:
     """Rough GPU seconds of one row (2 dilated impls + dense), for planning only."""
     fwd, fb = flops(r) / _RATE["fwd"], flops(r, True) / _RATE["fb"]
     it = 2 if fb > 0.15 else iters
-    dil = 2 * (fb + it * (fwd + fb))
+    dil = 2 * (1 + it) * (fwd + fb)  # torch and triton: warmup fwd + fwd+bwd, then timed
     dfwd, dfb = dflops(r) / _RATE["dense_fwd"], dflops(r, True) / _RATE["dense_fb"]
     if r.seqlen >= DENSE_FWD_ONLY_N:
         dense = 2 * dfwd  # warmup + 1 timed call
     else:
         dit = 1 if dfb > 0.5 else (2 if dfb > 0.15 else iters)
-        dense = dfb + dit * (dfwd + dfb)
+        dense = (1 + dit) * (dfwd + dfb)
     return dil + dense + 0.5  # allocation, randn, empty_cache
 
 
@@ -191,7 +192,7 @@ def eight_tensor_bytes(r: Row) -> int:
 
 
 def measure(fn_fwd, inputs, do, timer, dev, iters, fwd_only=False, warm=None):
-    """{fwd_ms, fb_ms, peak, ...}: warm (one fwd+bwd, or ``warm()``), forward under no_grad,
+    """{fwd_ms, fb_ms, peak, ...}: warm (one fwd and one fwd+bwd, or ``warm()``), forward under no_grad,
     forward+backward with autograd.grad; peak memory over the timed fwd+bwd calls."""
     res = {}
 
@@ -203,12 +204,14 @@ def measure(fn_fwd, inputs, do, timer, dev, iters, fwd_only=False, warm=None):
         with torch.no_grad():
             fn_fwd()
 
+    # warm every mode that is timed: a compiled callee (FlexAttention) traces no_grad and
+    # grad calls separately, and the first call compiles the Triton kernels
     if warm is not None:
         warm()
-    elif fwd_only:
-        fwd()
     else:
-        fb()
+        fwd()
+        if not fwd_only:
+            fb()
     timer.sync()
     res["fwd_ms"] = timer.time(fwd, iters)
     if fwd_only:
@@ -397,8 +400,10 @@ def _fmt(m: dict) -> str:
 
 # ------------------------------------------------------------------------- dense fill-in
 def dense_reference(results: list[dict], i: int) -> tuple[float | None, float | None, str]:
-    """(dense fwd TF/s, dense fwd+bwd TF/s, mark) for row i: its own, or for a forward-only
-    dense row the fwd+bwd rate of the nearest smaller row with the same H, D, dtype, causal."""
+    """(dense fwd TF/s, dense fwd+bwd TF/s, mark) for row i: its own, or, for a forward-only
+    dense row, the fwd+bwd rate of another row with the same head dim and causality (dense
+    TF/s is nearly flat in N): preferring the same dtype, then the same heads, then the largest
+    N; mark "*"."""
     d = results[i]["impls"].get("dense", {})
     fwd, fb = d.get("fwd_tf"), d.get("fb_tf")
     if fb is not None or fwd is None:
@@ -406,13 +411,12 @@ def dense_reference(results: list[dict], i: int) -> tuple[float | None, float | 
     r = results[i]["row"]
     best = None
     for j, o in enumerate(results):
-        ro, od = o["row"], o["impls"].get("dense", {})
-        if j == i or od.get("fb_tf") is None:
+        ro, od = o["row"], o.get("impls", {}).get("dense", {})
+        if j == i or od.get("fb_tf") is None or (ro["headdim"], ro["causal"]) != (r["headdim"], r["causal"]):
             continue
-        if (ro["nheads"], ro["headdim"], ro["dtype"], ro["causal"]) != (r["nheads"], r["headdim"], r["dtype"], r["causal"]):
-            continue
-        if best is None or ro["seqlen"] > best[0]:
-            best = (ro["seqlen"], od["fb_tf"])
+        key = (ro["dtype"] == r["dtype"], ro["nheads"] == r["nheads"], ro["seqlen"])
+        if best is None or key > best[0]:
+            best = (key, od["fb_tf"])
     return fwd, (best[1] if best else None), ("*" if best else "")
 
 
@@ -493,7 +497,7 @@ def markdown(results, peers_res, meta) -> str:
         "timed calls after 1 warmup (CUDA events); `% dense` = TF/s / dense SDPA TF/s of the same row",
         "- dense SDPA: k, v repeated to the query heads, math backend off; for N >= "
         f"{DENSE_FWD_ONLY_N} forward only (1 timed call after 1 warmup call) and `*` = its fwd+bwd rate taken from "
-        "the largest smaller row with the same heads, head dim, dtype and causality",
+        "another row with the same head dim and causality (same dtype, then heads, then largest N preferred)",
         "- mem ratio = peak allocated during fwd+bwd / bytes of q, k, v, out, dout, dq, dk, dv",
         "- auto: the library's `pick_impl('auto', ...)` and the proposed rule "
         "(kernels/auto_rule.py) for a forward-only / a training call",
@@ -616,7 +620,8 @@ def plot(results, path):
 # ------------------------------------------------------------------------------------ main
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", help="directory for sweep.md, sweep.json, sweep.png")
+    p.add_argument("--out", help="directory for NAME.md, NAME.json, NAME.png")
+    p.add_argument("--name", default="sweep", help="results file stem, e.g. sweep_h100_2026-11-23")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny sizes (checks the script)")
     p.add_argument("--rows", help="comma-separated row names (default: all)")
     p.add_argument("--iters", type=int, default=None,
@@ -634,6 +639,8 @@ def main(argv=None):
         done = [r for r in data["rows"] if not r.get("skipped")]
         print(rule_report(done)[0] if args.rule_report else emit_table(done))
         return
+    if args.iters is None:
+        args.iters = 1 if args.tiny else 3
     rows = ROWS
     if args.rows:
         want = args.rows.split(",")
@@ -650,8 +657,6 @@ def main(argv=None):
                   f"{r.dtype} w={r.seg} r={r.dil} causal={r.causal}  ~{e:5.1f} s")
         print(f"total ~{tot:.0f} s of timed work (+ Triton compiles, + peers)")
         return
-    if args.iters is None:
-        args.iters = 1 if args.tiny else 3
     if args.tiny:
         rows = [tiny_row(r) for r in rows]
         dev = torch.device("cpu")
@@ -682,16 +687,18 @@ def main(argv=None):
         meta["wall_s"] = time.perf_counter() - t_start
         if not args.out:
             return
-        with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
             json.dump(dict(meta=meta, rows=results, peers=peers_res), f, indent=1)
-        with open(os.path.join(args.out, "sweep.md"), "w") as f:
+        with open(os.path.join(args.out, args.name + ".md"), "w") as f:
             f.write(markdown(results, peers_res, meta))
 
     torch.manual_seed(0)
     for r in rows:
         el = time.perf_counter() - t_start
-        if el > args.budget_s:
-            results.append({"row": r._asdict(), "skipped": f"budget {args.budget_s:.0f} s reached at {el:.0f} s"})
+        est = estimate_s(r, args.iters) if dev.type == "cuda" else 0.0
+        if el + est > args.budget_s:
+            results.append({"row": r._asdict(), "skipped": f"at {el:.0f} s, ~{est:.0f} s more would pass "
+                                                            f"the budget of {args.budget_s:.0f} s"})
             continue
         print(f"[{el:6.1f} s] {r.name}", flush=True)
         results.append(run_row(r, dev, timer, args))
@@ -705,8 +712,8 @@ def main(argv=None):
     write()
     done = [res for res in results if not res.get("skipped")]
     if args.out:
-        png = plot(results, os.path.join(args.out, "sweep.png"))
-        print(f"wrote {args.out}/sweep.md, sweep.json{', sweep.png' if png else ''}")
+        png = plot(results, os.path.join(args.out, args.name + ".png"))
+        print(f"wrote {args.out}/{args.name}.md, .json{', .png' if png else ''}")
     print()
     print(rule_report(done)[0].splitlines()[-1])
     print(f"wall {time.perf_counter() - t_start:.0f} s")

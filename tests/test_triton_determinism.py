@@ -3,7 +3,7 @@ dq, dk, dv (and out, lse).
 
 The kernels use no atomics: every dK/dV row is owned by one program per branch, which sums the
 query heads that share its kv head itself, dQ likewise, and the branches run one after another
-(kernels/triton_dilated.py, "Backward"). This test keeps that true. Without CUDA it runs in
+(the Triton kernel module's docstring, "Backward"). This test keeps that true. Without CUDA it runs in
 Triton's interpreter at a tiny size (which cannot show scheduling races, only the ordering
 logic); the ``cuda`` case runs a real size where concurrent programs would race if any two
 wrote one row.
