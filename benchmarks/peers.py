@@ -91,7 +91,7 @@ def multiplicity_score_mod(segment_lengths, dilation_rates, nheads: int, causal:
             m = torch.where(j <= i, m, torch.zeros_like(m))
         # log(max(m, 1)) keeps the unselected branch of where() finite (no NaN in its gradient)
         logm = torch.log(torch.clamp(m, min=1).to(score.dtype))
-        return torch.where(m > 0, score + logm, torch.full_like(score, -math.inf))
+        return torch.where(m > 0, score + logm, -math.inf)
 
     return score_mod
 
