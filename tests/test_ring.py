@@ -142,16 +142,20 @@ def _special_values(dtype):
     return torch.tensor(vals + [-x for x in vals], dtype=torch.float64).to(dtype)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_sum_of_two_partials_in_input_dtype_is_fp32_accumulation(dtype):
+def test_sum_of_two_partials_in_input_dtype_is_fp32_accumulation(dtype, device):
     """The P = 2 claim: a + b in bf16/fp16 (out of place, in place, into strided rows) is the
     float32 sum of the two widened values rounded once, i.e. fp32 accumulation then a cast."""
     g = torch.Generator().manual_seed(0)
-    bits = torch.randint(-(2 ** 15), 2 ** 15, (2, 1 << 21), generator=g, dtype=torch.int16)
+    bits = torch.randint(-(2 ** 15), 2 ** 15, (2, 1 << 21), generator=g, dtype=torch.int16).to(device)
     a, b = bits.view(dtype)
     finite = torch.isfinite(a) & torch.isfinite(b)  # NaN inputs carry no claim; inf is kept below
     a, b = a[finite], b[finite]
-    sp = _special_values(dtype)
+    sp = _special_values(dtype).to(device)
     a = torch.cat([a, sp.repeat_interleave(len(sp)), a[:4096] * 0 + sp[3]])
     b = torch.cat([b, sp.repeat(len(sp)), b[:4096]])
     # scaled pairs: sums near overflow and sums that cancel into the subnormal range
@@ -173,6 +177,30 @@ def test_sum_of_two_partials_in_input_dtype_is_fp32_accumulation(dtype):
         )
     assert bool((want.isinf() & torch.isfinite(a) & torch.isfinite(b)).any())  # overflow covered
     assert bool((want != 0).logical_and(want.abs() < fi.tiny).any())  # subnormal results covered
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merge_into_low_precision_output_is_fp32_merge(dtype, device, seed):
+    """The P = 2 forward: merging the second partial into an output kept in the input dtype, an
+    fp32 row chunk at a time, equals merge_partial_ into an fp32 copy then one cast, bit for bit
+    (strided rows as the causal zigzag step uses, awkward lengths, rows with no key)."""
+    g = torch.Generator().manual_seed(seed)
+    for b, h, n, d, rows in ((2, 3, 37, 24, slice(None)), (1, 4, 64, 64, slice(32, None)),
+                             (1, 2, 9, 8, slice(0, 5))):
+        base = torch.randn(b, n, h, d, generator=g).to(device, dtype)  # (B, N, H, D) storage
+        o_b = torch.randn(b, h, n, d, generator=g)[:, :, rows].to(device, dtype)
+        lse_a = (torch.randn(b, h, n, generator=g) * 4).to(device)
+        lse_b = (torch.randn(b, h, n, generator=g) * 4)[:, :, rows].to(device)
+        lse_b[..., :1] = float("-inf")  # a row the second block does not reach
+        want = base.float()
+        want_lse = lse_a.clone()
+        merge_partial_(ring_mod._t(want)[:, :, rows], want_lse[:, :, rows], o_b, lse_b)
+        got = base.clone()
+        got_lse = lse_a.clone()
+        ring_mod._merge_second_partial_(ring_mod._t(got)[:, :, rows], got_lse[:, :, rows], o_b, lse_b)
+        assert torch.equal(got, want.to(dtype)), f"{dtype} {device} rows {rows}: output differs"
+        assert torch.equal(got_lse, want_lse), f"{dtype} {device} rows {rows}: lse differs"
 
 
 
