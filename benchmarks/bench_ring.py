@@ -1,20 +1,27 @@
-"""Ring attention benchmark (GitHub issue 4): strong scaling of exact sequence-sharded attention.
+"""Ring attention benchmark: strong scaling and per-rank memory of exact sequence-sharded attention.
 
-Run with torchrun, one process per GPU, e.g. on 2 GPUs:
+Run with torchrun, one process per GPU, e.g. on 2 GPUs (NVLink SHARP stays off):
 
-    torchrun --nproc_per_node=2 benchmarks/bench_ring.py --out benchmarks/results/ring_h200x2.md
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src torchrun --nproc_per_node=2 benchmarks/bench_ring.py \
+        --out benchmarks/results/ring_memory_h200x2.md
 
 For every total length N and mode (non-causal contiguous, causal zigzag) it measures, on the P
 ranks of the run, the forward and forward+backward time of ``ring_attention`` (max over ranks) and
-the per-rank peak memory; and on rank 0 alone (the other ranks wait at a barrier) dense
-``scaled_dot_product_attention`` over the whole N on one GPU. Strong-scaling efficiency is
+the per-rank peak memory; on rank 0 alone (the other ranks wait at a barrier) dense
+``scaled_dot_product_attention`` over the whole N on one GPU; and, in the same run, PyTorch's
+``torch.distributed.tensor.experimental.context_parallel`` (SDPA on per-rank shards of N/P inside
+the context, for each ``--cp-rotate`` method; its own load balancing when causal; skipped with
+the reason recorded where it does not run, e.g. on CPU, which has no CP sharding rule for SDPA).
+Memory target per rank: ``1.1 * one-GPU peak / P + one K/V block`` (column "target GiB"). Strong-scaling efficiency is
 ``t1(N) / (P * tP(N))`` with t1 the one-GPU SDPA time (1.0 = perfect). TFLOP/s count useful work:
 ``4 * N^2 * H * D`` for the forward (halved when causal), x3.5 for forward+backward (docs/spec.md, "Measuring speed").
 A small correctness check against SDPA runs first. The markdown table is printed last and written
 to ``--out`` with the command, GPU, versions, date and NCCL environment.
 
-Expected run time on 2 x H200 with the defaults: about 5-6 minutes, dominated by the one-GPU
-SDPA baseline at N = 512K (drop it with ``--sizes 65536,131072,262144`` or ``--no-single``).
+Expected run time on 2 x H200 with the defaults (128K, 256K, 512K; 2 modes; ring, one GPU and
+2 CP rotate methods): about 5-7 minutes, about 4 of them at N = 512K (estimated from earlier ring
+and one-GPU timings; context_parallel not yet timed there). To stay well under a 10-minute
+limit run ``--sizes 131072,262144`` and ``--sizes 524288`` as two commands.
 
 CPU smoke test (gloo): ``torchrun --nproc_per_node=2 benchmarks/bench_ring.py --device cpu --small``
 """
@@ -62,13 +69,15 @@ def parse_args():
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--small", action="store_true", help="tiny sizes for a CPU smoke test")
     p.add_argument("--no-single", action="store_true", help="skip the one-GPU SDPA baseline")
+    p.add_argument("--cp-rotate", type=str, default="allgather,alltoall",
+                   help="context_parallel rotate methods to compare ('' skips context_parallel)")
     p.add_argument("--out", type=str, default=None, help="write the markdown report here")
     a = p.parse_args()
     if a.small:
         a.sizes, a.heads, a.headdim, a.iters, a.warmup = a.sizes or "512,1024", 2, 32, 2, 1
         if a.device == "cpu" and a.dtype == "bf16":
             a.dtype = "fp32"
-    a.sizes = a.sizes or "65536,131072,262144,524288"
+    a.sizes = a.sizes or "131072,262144,524288"
     return a
 
 
@@ -122,6 +131,46 @@ def correctness_check(a, dev, dtype, hkv, rank):
     return res
 
 
+def run_context_parallel(a, dev, dtype, hkv, n, causal, rotate, world):
+    """PyTorch's context parallelism on this run's shapes: (fwd s, fwd+bwd s, per-rank peak GiB)
+    or an error string. SDPA on per-rank (B, H, N/P, D) shards inside ``context_parallel`` (the
+    inputs are random, so only the shapes and the work per rank matter)."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+    except ImportError as e:
+        return f"not available: {e}"
+    try:
+        set_rotate_method(rotate)
+        mesh = init_device_mesh(dev.type, (world,))
+        reset_peak(dev)
+        b, h, d = a.batch, a.heads, a.headdim
+        g = torch.Generator(device=dev).manual_seed(3 + dist.get_rank())
+        q, k, v = (torch.randn(b, hh, n // world, d, generator=g, device=dev, dtype=dtype).requires_grad_()
+                   for hh in (h, hkv, hkv))
+
+        def fwd():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != h)
+
+        def fb():
+            fwd().backward(q)
+
+        # the inputs are made per rank already; a (1, 1, N, 1) buffer tells the context the
+        # global length (which sets its load balancing) and is sharded in their place
+        seq = torch.zeros(1, 1, n, 1, device=dev)
+        with context_parallel(mesh, buffers=[seq], buffer_seq_dims=[2], no_restore_buffers={seq}):
+            tf = time_fn(fwd, dev, a.warmup, a.iters, dist.group.WORLD)
+            tfb = time_fn(fb, dev, a.warmup, a.iters, dist.group.WORLD)
+        mem = peak_gib(dev)
+        m = torch.tensor([mem or 0.0], dtype=torch.float64, device=dev)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        return tf, tfb, (m.item() if dev.type == "cuda" else None)
+    except Exception as e:  # noqa: BLE001 - recorded in the report: the comparison is optional
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return msg
+
+
 def fmt(x, spec="{:.1f}"):
     return "-" if x is None else spec.format(x)
 
@@ -164,6 +213,10 @@ def main():
             mem_t = torch.tensor([memp or 0.0], dtype=torch.float64, device=dev)
             dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
             q = k = v = None
+            kv_gib = 2 * b * (n // world) * hkv * d * torch.finfo(dtype).bits / 8 / 2**30
+            cp = {}
+            for rot in [r for r in a.cp_rotate.split(",") if r]:
+                cp[rot] = run_context_parallel(a, dev, dtype, hkv, n, causal, rot, world)
             row = dict(
                 N=n, mode=mode, P=world, fwd_ms=tpf * 1e3, fb_ms=tpfb * 1e3,
                 tflops_fwd=flops_fwd / (world * tpf) / 1e12,
@@ -173,6 +226,7 @@ def main():
                 mem1=mem1,
                 eff_f=None if t1f is None else t1f / (world * tpf),
                 eff_fb=None if t1fb is None else t1fb / (world * tpfb),
+                target=None if mem1 is None else 1.1 * mem1 / world + kv_gib, cp=cp,
             )
             rows.append(row)
             if rank == 0:
@@ -212,16 +266,41 @@ def render(a, rows, errs, dev, world) -> str:
         "useful work per GPU (causal halves it; fwd+bwd = 3.5 x fwd); mem = per-rank peak allocated",
         "",
         "| N | mode | P | ring fwd ms | ring fwd+bwd ms | TFLOP/s/GPU fwd | TFLOP/s/GPU fwd+bwd "
-        "| peak GiB/rank | 1-GPU fwd ms | 1-GPU fwd+bwd ms | 1-GPU peak GiB | eff fwd | eff fwd+bwd |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak GiB/rank | target GiB | 1-GPU fwd ms | 1-GPU fwd+bwd ms | 1-GPU peak GiB | eff fwd "
+        "| eff fwd+bwd |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['N']} | {r['mode']} | {r['P']} | {r['fwd_ms']:.2f} | {r['fb_ms']:.2f} | "
             f"{r['tflops_fwd']:.3g} | {r['tflops_fb']:.3g} | {fmt(r['mem'], '{:.2f}')} | "
+            f"{fmt(r['target'], '{:.2f}')} | "
             f"{fmt(r['t1f'], '{:.2f}')} | {fmt(r['t1fb'], '{:.2f}')} | {fmt(r['mem1'], '{:.2f}')} | "
             f"{fmt(r['eff_f'], '{:.2f}')} | {fmt(r['eff_fb'], '{:.2f}')} |"
         )
+    cp_rows = [(r, rot, res) for r in rows for rot, res in r["cp"].items()]
+    if cp_rows:
+        lines += [
+            "",
+            "context_parallel (torch.distributed.tensor.experimental) on the same shapes; eff "
+            "against the same one-GPU SDPA:",
+            "",
+            "| N | mode | P | rotate | CP fwd ms | CP fwd+bwd ms | CP peak GiB/rank | eff fwd | "
+            "eff fwd+bwd | ring / CP fwd+bwd time |",
+            "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r, rot, res in cp_rows:
+            if isinstance(res, str):
+                lines.append(f"| {r['N']} | {r['mode']} | {r['P']} | {rot} | not run: {res} | | | | | |")
+                continue
+            tf, tfb, mem = res
+            ef = None if r["t1f"] is None else r["t1f"] / 1e3 / (world * tf)
+            efb = None if r["t1fb"] is None else r["t1fb"] / 1e3 / (world * tfb)
+            lines.append(
+                f"| {r['N']} | {r['mode']} | {r['P']} | {rot} | {tf * 1e3:.2f} | {tfb * 1e3:.2f} | "
+                f"{fmt(mem, '{:.2f}')} | {fmt(ef, '{:.2f}')} | {fmt(efb, '{:.2f}')} | "
+                f"{r['fb_ms'] / (tfb * 1e3):.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

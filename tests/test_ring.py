@@ -23,7 +23,9 @@ from dilated_attention.distributed import (
     ring_attention,
     shard_sequence,
 )
+from dilated_attention.distributed import ring as ring_mod
 from dilated_attention.distributed.layout import shard_local, shard_positions, unshard
+from dilated_attention.merge import merge_partial_
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -58,7 +60,149 @@ def _check_case(name, group, world, rank, layout, causal, b, n, h, hkv, d, seed,
         check_close(f"{name} d{gname}", got, shard(want), atol)
 
 
+def fp32_accumulated_ring(q, k, v, do, world, layout, causal):
+    """The schedule with float32 accumulators everywhere, simulated in one process (a reference
+    computation for the tests, not a library mode): per rank, the output merged step by step into
+    an fp32 accumulator; dq accumulated in fp32 in step order; the fp32 dK/dV accumulator of each
+    block starting with its owner's partial and adding the partial of step t (computed by rank
+    owner + t) in step order, as when it travelled round a second ring. Global (B, N, H, D)
+    inputs in the compute dtype; returns per-rank lists out, lse, dq, dk, dv.
+    """
+    t = ring_mod._t
+    sh = [[shard_local(x, world, r, layout, 1) for r in range(world)] for x in (q, k, v, do)]
+    qs_, ks_, vs_, dos = sh
+    nl = qs_[0].shape[1]
+    scale = q.shape[-1] ** -0.5
+    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses = [], []
+    for r in range(world):
+        acc = torch.empty(qs_[r].shape, dtype=adt)
+        acc_lse = None
+        for step in range(world):
+            src = (r - step) % world
+            plan = ring_mod._step_plan(r, src, causal, layout, nl)
+            if plan is None:
+                continue
+            qr, kr, c = plan
+            o, lse = ring_mod.attn_fwd(t(qs_[r])[:, :, qr], t(ks_[src])[:, :, kr], t(vs_[src])[:, :, kr],
+                                       scale, c)
+            if step == 0:
+                t(acc).copy_(o)
+                acc_lse = lse.to(adt).clone()
+            else:
+                merge_partial_(t(acc)[:, :, qr], acc_lse[:, :, qr], o, lse)
+        outs.append(acc.to(q.dtype))
+        lses.append(acc_lse)
+    dq = [torch.zeros(x.shape, dtype=adt) for x in qs_]
+    dk = [torch.zeros(x.shape, dtype=adt) for x in ks_]
+    dv = [torch.zeros(x.shape, dtype=adt) for x in vs_]
+    for step in range(world):  # step order: the order every accumulator adds its partials in
+        for r in range(world):
+            src = (r - step) % world
+            plan = ring_mod._step_plan(r, src, causal, layout, nl)
+            if plan is None:
+                continue
+            qr, kr, c = plan
+            gq, gk, gv = ring_mod.attn_bwd(
+                t(dos[r])[:, :, qr], t(qs_[r])[:, :, qr], t(ks_[src])[:, :, kr], t(vs_[src])[:, :, kr],
+                t(outs[r])[:, :, qr], lses[r][:, :, qr], scale, c,
+            )
+            t(dq[r])[:, :, qr] += gq
+            t(dk[src])[:, :, kr] += gk
+            t(dv[src])[:, :, kr] += gv
+    cast = [[x.to(q.dtype) for x in xs] for xs in (dq, dk, dv)]
+    return outs, [x.to(torch.float32) for x in lses], *cast
+
+
+def _check_bitwise(name, world, rank, layout, causal, b, n, h, hkv, d, seed, dtype):
+    """ring_attention equals the fp32-accumulated schedule bit for bit (out, lse, dq, dk, dv)."""
+    q, k, v, do = (x.to(dtype) for x in _inputs(seed, b, n, h, hkv, d))
+    ref = fp32_accumulated_ring(q, k, v, do, world, layout, causal)
+    ql, kl, vl = (shard_local(x, world, rank, layout, 1).requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, return_lse=True)
+    grads = torch.autograd.grad(out, (ql, kl, vl), shard_local(do, world, rank, layout, 1))
+    for what, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                               (x[rank] for x in ref), strict=True):
+        assert got.dtype == want.dtype, f"{name} {what}: dtype {got.dtype} != {want.dtype}"
+        assert torch.equal(got, want), (
+            f"{name} {what}: not bitwise equal to the fp32-accumulated schedule on rank {rank}, "
+            f"max abs diff {(got.double() - want.double()).abs().max().item():.3g}"
+        )
+
+
 # ----------------------------------------------------------------------------- no dist needed
+
+
+def _special_values(dtype):
+    fi = torch.finfo(dtype)
+    tiny_sub = fi.tiny * fi.eps  # smallest subnormal
+    vals = [0.0, fi.tiny, fi.tiny * 0.5, tiny_sub, 3 * tiny_sub, fi.max, fi.max * 0.5, fi.eps, 1.0,
+            1.0 + fi.eps, 2.0 ** 15, 65504.0, float("inf")]
+    vals = [x for x in vals if x <= fi.max or x == float("inf")]
+    return torch.tensor(vals + [-x for x in vals], dtype=torch.float64).to(dtype)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sum_of_two_partials_in_input_dtype_is_fp32_accumulation(dtype, device):
+    """The P = 2 claim: a + b in bf16/fp16 (out of place, in place, into strided rows) is the
+    float32 sum of the two widened values rounded once, i.e. fp32 accumulation then a cast."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2 ** 15), 2 ** 15, (2, 1 << 21), generator=g, dtype=torch.int16).to(device)
+    a, b = bits.view(dtype)
+    finite = torch.isfinite(a) & torch.isfinite(b)  # NaN inputs carry no claim; inf is kept below
+    a, b = a[finite], b[finite]
+    sp = _special_values(dtype).to(device)
+    a = torch.cat([a, sp.repeat_interleave(len(sp)), a[:4096] * 0 + sp[3]])
+    b = torch.cat([b, sp.repeat(len(sp)), b[:4096]])
+    # scaled pairs: sums near overflow and sums that cancel into the subnormal range
+    fi = torch.finfo(dtype)
+    a = torch.cat([a, (a[:65536].float().clamp(-1, 1) * fi.max).to(dtype),
+                   (a[:65536].float().clamp(-1, 1) * fi.tiny).to(dtype)])
+    b = torch.cat([b, (b[:65536].float().clamp(-1, 1) * fi.max).to(dtype),
+                   (-a[-65536:].float() * (1 + fi.eps)).to(dtype)])
+    want = (a.float() + b.float()).to(dtype)
+    variants = {"a + b": a + b, "b + a": b + a, "a.add_(b)": a.clone().add_(b)}
+    rows = torch.stack([a, a]).t().contiguous()  # strided in-place add, as the ring does
+    rows[:, 1] += b
+    variants["x[:, i] += b"] = rows[:, 1]
+    for name, got in variants.items():
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        assert bool(same.all()), (
+            f"{dtype} {name}: {(~same).sum().item()} of {len(a)} pairs differ from the fp32 sum "
+            f"rounded once, e.g. {a[~same][:3].tolist()} + {b[~same][:3].tolist()}"
+        )
+    assert bool((want.isinf() & torch.isfinite(a) & torch.isfinite(b)).any())  # overflow covered
+    assert bool((want != 0).logical_and(want.abs() < fi.tiny).any())  # subnormal results covered
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merge_into_low_precision_output_is_fp32_merge(dtype, device, seed):
+    """The P = 2 forward: merging the second partial into an output kept in the input dtype, an
+    fp32 row chunk at a time, equals merge_partial_ into an fp32 copy then one cast, bit for bit
+    (strided rows as the causal zigzag step uses, awkward lengths, rows with no key)."""
+    g = torch.Generator().manual_seed(seed)
+    for b, h, n, d, rows in ((2, 3, 37, 24, slice(None)), (1, 4, 64, 64, slice(32, None)),
+                             (1, 2, 9, 8, slice(0, 5))):
+        base = torch.randn(b, n, h, d, generator=g).to(device, dtype)  # (B, N, H, D) storage
+        o_b = torch.randn(b, h, n, d, generator=g)[:, :, rows].to(device, dtype)
+        lse_a = (torch.randn(b, h, n, generator=g) * 4).to(device)
+        lse_b = (torch.randn(b, h, n, generator=g) * 4)[:, :, rows].to(device)
+        lse_b[..., :1] = float("-inf")  # a row the second block does not reach
+        want = base.float()
+        want_lse = lse_a.clone()
+        merge_partial_(ring_mod._t(want)[:, :, rows], want_lse[:, :, rows], o_b, lse_b)
+        got = base.clone()
+        got_lse = lse_a.clone()
+        ring_mod._merge_second_partial_(ring_mod._t(got)[:, :, rows], got_lse[:, :, rows], o_b, lse_b)
+        assert torch.equal(got, want.to(dtype)), f"{dtype} {device} rows {rows}: output differs"
+        assert torch.equal(got_lse, want_lse), f"{dtype} {device} rows {rows}: lse differs"
+
+
 
 
 def test_layout_roundtrip_and_positions():
@@ -108,6 +252,12 @@ def _exact_worker(rank, world):
                     _check_case(name, None, world, rank, layout, causal, 2, nl * world, h, hkv, 8, seed)
     # a shard length that is odd works with the contiguous layout
     _check_case(f"P={world} odd shard", None, world, rank, "contiguous", True, 1, 5 * world, 2, 1, 4, 99)
+    # bf16/fp16: bit for bit the float32-accumulated schedule (every P; at P = 2 the partials
+    # and the running output are kept in the input dtype)
+    for layout, causal, dtype in (("zigzag", True, torch.bfloat16), ("contiguous", False, torch.bfloat16),
+                                  ("contiguous", True, torch.float16), ("zigzag", False, torch.float16)):
+        _check_bitwise(f"P={world} {layout} causal={causal} {dtype}", world, rank, layout, causal,
+                       2, 8 * world, 4, 2, 16, seed=50, dtype=dtype)
     # low precision: right dtypes, error within the dtype's usual range (fp64 reference)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
         _check_case(f"P={world} {dtype}", None, world, rank, "zigzag", True, 2, 8 * world, 4, 2, 16,
@@ -166,39 +316,75 @@ class _LiveBytes(TorchDispatchMode):
         self.cur -= n
 
 
-def _live_bytes_worker(rank, world):
-    """Peak bytes of the tensors a P = 2 ring creates, in units of T = one local q-sized tensor.
-
-    float32 and MHA: every accumulator, K or V block and partial gradient is exactly T. Forward:
-    the output accumulator (it is the returned output), the step's partial output and the k, v in
-    flight: 4T (no stacked K/V copy, no second output copy, no float32 copy of a partial in the
-    merge). Backward (q, k, v, out, dout exist before): dq, the travelling k, v, the dK/dV being
-    sent and the pair being received (7T), and the step's dq/dk/dv partials (at most 3T).
-    """
-    b, nl, h, d = 1, 64, 2, 64  # lse-sized temporaries are T / 64
-    ql, kl, vl, dol = (shard_local(x, world, rank, "zigzag", 1).to(torch.float32)
-                       for x in _inputs(8, b, nl * world, h, h, d))
-    ql, kl, vl = (x.requires_grad_() for x in (ql, kl, vl))
-    t = ql.numel() * ql.element_size()
-    slack = t // 8  # a few lse-sized temporaries
+def _footprint(ql, kl, vl, dol, group, causal, layout):
+    """Peak bytes of one forward+backward in the accounting of a training step: the inputs, the
+    output gradient, the output (saved for the backward) and every tensor created on the way
+    (:class:`_LiveBytes`; kernel workspaces are not seen). Returns (fwd peak, bwd peak, grads)."""
+    nbytes = sum(x.numel() * x.element_size() for x in (ql, kl, vl))
     with _LiveBytes() as fwd:
-        out = ring_attention(ql, kl, vl, causal=True, layout="zigzag", validate=False)
+        out = ring_attention(ql, kl, vl, group=group, causal=causal, layout=layout, validate=False)
+    resident = nbytes + dol.numel() * dol.element_size() + out.numel() * out.element_size()
     with _LiveBytes() as bwd:
         grads = torch.autograd.grad(out, (ql, kl, vl), dol)
-    # the same numbers as without the tracker
-    ref = ring_attention(ql.detach(), kl.detach(), vl.detach(), causal=True, layout="zigzag")
-    check_close("live-bytes run out", out, ref, 0.0)
-    assert all(g.shape == x.shape for g, x in zip(grads, (ql, kl, vl), strict=True))
-    where = f"rank {rank}: fwd peak {fwd.peak / t:.3f}T, bwd peak {bwd.peak / t:.3f}T"
-    assert 4 * t <= fwd.peak <= 4 * t + slack, where
-    # zigzag, second step: rank 0 meets the late half of its queries with all of the block (dq/2,
-    # dk, dv), rank 1 all its queries with the block's first half (dq, dk/2, dv/2)
-    want = 7 * t + (5 * t // 2 if rank == 0 else 2 * t)
-    assert want <= bwd.peak <= want + slack, where
-    st = last_ring_stats()
-    assert st["kv_block_bytes"] == 2 * t, st
-    assert st["fwd_peak_ring_bytes"] == 2 * t, st  # the k, v in flight
-    assert st["bwd_peak_ring_bytes"] == 6 * t, st  # k, v received; dK/dV sent; dK/dV received
+    return nbytes + fwd.peak, resident + bwd.peak, grads
+
+
+def _live_bytes_worker(rank, world):
+    """Per-rank peak bytes in units of T = one local (B, N/P, H, D) float32 tensor, against the
+    one-device footprint of the same call on the whole sequence (the same accounting; printed
+    with ``pytest -s``). The GPU target ``ring peak <= 1.1 * one-GPU peak / P + one K/V block``
+    is measured by benchmarks/bench_ring.py, where both sides also hold the kernel's fp32 dq
+    workspace and the accumulated .grad.
+
+    P = 2 (float32, MHA, so every partial is T or T/2): forward, besides q, k, v: the output (the
+    running output itself), the step's partial output, the k, v in flight: 4T. Backward, besides
+    q, k, v, dout, out (5T): the partner's k, v and the partials computed on them, then (k, v
+    freed) the partner's dK/dV partials of our block, our dq rows and the own block's dq, dk, dv.
+    P >= 3: the fp32 dq and the own block's fp32 dK/dV accumulators (2T each), two k, v pairs,
+    the partials in flight both ways and the step's partials.
+    """
+    b, nl, h, d = 1, 64, 2, 64  # lse-sized temporaries are T / 64
+    solos = [dist.new_group([x]) for x in range(world)]
+    t = b * nl * h * d * 4
+    slack = t // 8  # a few lse-sized temporaries
+    rows = []
+    for layout, causal in (("zigzag", True), ("contiguous", False)):
+        q, k, v, do = (x.to(torch.float32) for x in _inputs(8, b, nl * world, h, h, d))
+        ql, kl, vl, dol = (shard_local(x, world, rank, layout, 1) for x in (q, k, v, do))
+        ql, kl, vl = (x.requires_grad_() for x in (ql, kl, vl))
+        fwd, bwd, grads = _footprint(ql, kl, vl, dol, None, causal, layout)
+        st = last_ring_stats()
+        assert st["kv_block_bytes"] == 2 * t, st
+        one_fwd, one_bwd, one_grads = _footprint(*(x.detach().requires_grad_() for x in (q, k, v)), do,
+                                                 solos[rank], causal, layout)
+        for got, want in zip(grads, one_grads, strict=True):  # the same call, sharded or not
+            check_close(f"live-bytes P={world} {layout}", got, shard_local(want, world, rank, layout, 1),
+                        1e-4)
+        peak, one = max(fwd, bwd), max(one_fwd, one_bwd)
+        bound = 1.1 * one / world + st["kv_block_bytes"]
+        rows.append((layout, causal, fwd / t, bwd / t, one / t, bound / t))
+        where = (f"P={world} rank {rank} {layout} causal={causal}: fwd {fwd / t:.3f}T bwd {bwd / t:.3f}T, "
+                 f"one device {one / t:.3f}T, bound {bound / t:.3f}T")
+        print(where, flush=True)
+        if world == 2:
+            assert 7 * t <= fwd <= 7 * t + slack, where  # q, k, v + 4T
+            if causal:  # zigzag: rank 0 meets the partner's block with its late half (dq T/2, dK/dV
+                # 2T) and gets T of partials back; rank 1 the reverse (dq T, dK/dV T, gets 2T)
+                want = 5 * t + (max(2 * t + 5 * t // 2, t // 2 + t + 3 * t) if rank == 0 else
+                                max(2 * t + 2 * t, t + 2 * t + 3 * t))
+            else:
+                want = 5 * t + max(2 * t + 3 * t, t + 2 * t + 3 * t)
+            assert want <= bwd <= want + slack, where
+            # here the one-device side has no kernel workspace and no gradient accumulation, so
+            # the target (1.1 x share + one K/V block) is not met: the own block's dq, dk, dv
+            # (3T) meet the partner's partials (up to a K/V block and a dq-sized block)
+            assert peak <= one / world + st["kv_block_bytes"] + t + slack, where
+            assert st["fwd_peak_ring_bytes"] == 2 * t, st  # the k, v in flight
+        else:
+            # O(N/P) at every P: the fp32 accumulators (6T), two k, v pairs (4T), the partials in
+            # flight both ways (4T) and the step's partials (3T), besides the 5T resident
+            assert bwd <= 5 * t + 17 * t + slack, where
+    return rows
 
 
 def _extras_worker(rank, world):
@@ -285,9 +471,10 @@ def test_ring_memory_does_not_grow_with_world():
         run_distributed(_memory_worker, world, 6)
 
 
-@pytest.mark.timeout(60)
-def test_ring_live_tensor_bytes_p2():
-    run_distributed(_live_bytes_worker, 2)
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_live_tensor_bytes(world):
+    run_distributed(_live_bytes_worker, world)
 
 
 @pytest.mark.timeout(90)

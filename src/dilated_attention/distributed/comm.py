@@ -217,10 +217,29 @@ class RingComm:
         self.bytes_sent += to_send.numel() * to_send.element_size()
         return recv_buf
 
+    def exchange(self, to_send: torch.Tensor | None, dst: int | None,
+                 recv_buf: torch.Tensor | None, src: int | None) -> None:
+        """Queue a send of ``to_send`` to group rank ``dst`` and a receive into ``recv_buf`` from
+        group rank ``src`` (either may be None), for any peers, in the next :meth:`commit` batch.
+
+        The caller sizes ``recv_buf`` (the two sides of one transfer agree on its shape), and it
+        is counted by the tracker like the buffers :meth:`send_recv` allocates.
+        """
+        if recv_buf is not None:
+            self.tracker.track(recv_buf)
+            peer = global_rank(self.group, src)
+            self._ops.append(dist.P2POp(dist.irecv, recv_buf, peer, self.group, self.tag))
+        if to_send is not None:
+            if not to_send.is_contiguous():
+                raise ValueError("RingComm.exchange needs a contiguous tensor")
+            peer = global_rank(self.group, dst)
+            self._ops.append(dist.P2POp(dist.isend, to_send, peer, self.group, self.tag))
+            self.bytes_sent += to_send.numel() * to_send.element_size()
+
     def commit(self) -> None:
         if self._reqs is not None:
             raise RuntimeError("RingComm.commit called twice without wait")
-        self._reqs = dist.batch_isend_irecv(self._ops)
+        self._reqs = dist.batch_isend_irecv(self._ops) if self._ops else []
 
     def wait(self) -> None:
         if self._reqs is None:

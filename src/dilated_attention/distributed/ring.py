@@ -4,12 +4,24 @@ Algorithm (forward), for P ranks, each holding N/P queries and the K/V of the sa
 queries stay on their rank; k and v (only the kv heads, each in its own (B, N/P, Hkv, D) layout)
 travel round the ring rank -> rank+1 in P-1 steps, as one batch of isend/irecv. At step t, rank r
 computes its queries against the block of rank ``(r - t) % P`` while the next block is already in
-flight (:class:`.comm.RingComm`), and merges the partial output into an fp32 accumulator by LSE (the
-stable form of :func:`..merge.merge_partial`, written in place). The backward sends (k, v) round
-the ring again and the fp32 dK and dV accumulators of each block (a pair, one batch) round a second
-ring, one hop behind; after P hops each rank holds the gradient of its own K/V. Each block's
-backward runs with the FINAL output and LSE (:func:`..kernels.block_attention.attn_bwd`), which gives exact
-gradients.
+flight (:class:`.comm.RingComm`), and merges the partial output by LSE (the stable form of
+:func:`..merge.merge_partial`, in place). Each block's backward runs with the FINAL output and LSE
+(:func:`..kernels.block_attention.attn_bwd`), which gives exact gradients.
+
+Exactness: results equal those of float32 accumulators everywhere (an fp32 output accumulator
+merged in step order, fp32 dq, fp32 dK/dV accumulators adding their partials in step order; fp64
+for fp64 inputs), bit for bit, at every P:
+- P = 2: every output, dq, dk and dv element combines exactly two partials, which the block
+  kernels produce in the input dtype. The running output stays in the input dtype and the merge
+  of the second partial runs in fp32 a row chunk at a time, rounded once. The backward adds the
+  two gradient partials in place in the input dtype: for bf16/fp16 torch computes the sum in
+  fp32 and rounds once, which is fp32 accumulation followed by the cast. Backward order: the
+  partner's K/V arrive, its block is computed, the dK/dV partials are exchanged (each rank gets
+  those of its own block), then the own block is computed and the partials added to its results.
+- P >= 3: fp32 output and dq accumulators as before. K/V travel round the ring again in the
+  backward; the dK/dV partials of the block computed at step t go straight to the block's owner
+  in the input dtype (widening them there is exact), overlapped with the next step, and the owner
+  adds them in step order into one fp32 accumulator pair for its own block only.
 
 Causal: with ``layout="contiguous"`` blocks from later ranks are skipped (still forwarded) and the
 own block is causal; rank P-1 does P times the work of rank 0. With ``layout="zigzag"`` (rank r
@@ -18,17 +30,18 @@ a block from an earlier rank is seen by all local queries through its first chun
 block from a later rank is seen only by the local late chunk, through both of its chunks.
 
 Memory per rank, in units of T = one local (B, N/P, H, D) tensor in the input dtype (bf16; an fp32
-buffer is 2T; K/V are smaller under GQA). Forward, besides q, k, v (3T): the fp32 output
-accumulator (2T, in (B, N/P, H, D) layout, so the returned output is its cast and is also what the
-backward saves: no second copy in another layout), one step's partial output (1T) and the
-travelling k, v: the pair in flight (2T) and, from the second step on, the pair being computed
-(2T; the first step computes on the inputs themselves): 8T at P = 2, 10T at P >= 3. No K/V copy
-is made unless k or v is not contiguous. Backward: the saved q, k, v, out and dout (5T), the fp32
-dq (2T), the travelling k, v (2T at P = 2, 4T at P >= 3), the fp32 dK/dV pair being sent and the
-pair being received (8T) and one block's dq/dk/dv partials (3T): 20T at P = 2, 22T at P >= 3, plus
-the attention kernel's workspace; the final casts to the input dtype come one accumulator at a
-time after the rings. All O(N/P), independent of P.
-Communication per rank: (P-1) K/V blocks forward; (P-1) K/V blocks + P fp32 dK/dV blocks backward.
+buffer is 2T; K/V are smaller under GQA; causal blocks of other ranks are half-sized), besides
+q, k, v, out and dout, and besides the attention kernel's workspace:
+- forward, P = 2: the output (1T, it is also what the backward saves), the partner's k, v (2T),
+  its partial output (1T) and a T/4 fp32 merge chunk. P >= 3: the fp32 output accumulator (2T),
+  the k, v in flight and those being computed (4T) and the step's partial output (1T).
+- backward, P = 2: at most 6T: the partner's k, v and the partials computed on them (5T), then
+  the partner's dK/dV partials of our block (2T), our dq rows of its block (1T) and the own
+  block's dq, dk, dv (3T). The K/V and partial exchanges are not overlapped with compute.
+  P >= 3: fp32 dq and own dK/dV accumulators (6T), two k, v pairs (4T), the partials sent and
+  received (4T) and the step's partials (3T): 17T. All O(N/P), independent of P.
+Communication per rank: (P-1) K/V blocks forward; (P-1) K/V blocks and at most (P-1) dK/dV
+partial blocks in the input dtype backward.
 """
 
 from __future__ import annotations
@@ -56,8 +69,8 @@ def last_ring_stats() -> dict:
     """Communication / memory counters of the last ring forward and backward on this rank.
 
     Keys: ``fwd_bytes_sent``, ``fwd_peak_ring_bytes`` (peak bytes of received blocks alive at
-    once), ``bwd_bytes_sent``, ``bwd_peak_ring_bytes`` (received K/V and dK/dV buffers and this
-    rank's own dK/dV accumulators), ``kv_block_bytes`` (one local k plus v, in bytes),
+    once), ``bwd_bytes_sent``, ``bwd_peak_ring_bytes`` (received K/V blocks and dK/dV partials,
+    and at P >= 3 this rank's fp32 dK/dV accumulators), ``kv_block_bytes`` (one local k plus v, in bytes),
     ``world``. Tests use it to check that ring memory does not grow with P.
     """
     return dict(_LAST_STATS)
@@ -90,12 +103,16 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 def _ring_forward(q, k, v, group, world, rank, scale, causal, layout, tracker):
     """q: (B, Nl, H, D); k, v: (B, Nl, Hkv, D) contiguous (they travel as they are).
 
-    Returns the output accumulator (B, Nl, H, D) (fp32, fp64 for fp64), lse (B, H, Nl), bytes sent.
+    Returns the output (B, Nl, H, D) (in the input dtype at P = 2, else the fp32 accumulator;
+    fp64 for fp64), lse (B, H, Nl) in the accumulator dtype, bytes sent.
     """
     b, nl, h, _ = q.shape
     adt = acc_dtype(q.dtype)
     qt = _t(q)
-    acc = torch.empty(b, nl, h, v.shape[-1], dtype=adt, device=q.device)
+    # P = 2: out is the merge of exactly two partials, computed in the accumulator dtype a row
+    # chunk at a time and rounded once; the running output can live in the input dtype
+    out_dt = q.dtype if world == 2 else adt
+    acc = torch.empty(b, nl, h, v.shape[-1], dtype=out_dt, device=q.device)
     acc_lse = torch.empty((b, h, nl), dtype=adt, device=q.device)
     comm = RingComm(group, tracker, tag=0) if world > 1 else None
     for step in range(world):
@@ -110,8 +127,10 @@ def _ring_forward(q, k, v, group, world, rank, scale, causal, layout, tracker):
             if step == 0:  # the own block (all rows, always attended): the accumulators start as it
                 _t(acc).copy_(o)
                 acc_lse.copy_(lse)
-            else:
+            elif out_dt == adt:
                 merge_partial_(_t(acc)[:, :, qs], acc_lse[:, :, qs], o, lse)
+            else:
+                _merge_second_partial_(_t(acc)[:, :, qs], acc_lse[:, :, qs], o, lse)
             del o, lse
         if nxt is not None:
             comm.wait()
@@ -120,76 +139,208 @@ def _ring_forward(q, k, v, group, world, rank, scale, causal, layout, tracker):
     return acc, acc_lse, (comm.bytes_sent if comm else 0)
 
 
+_MERGE_CHUNKS = 8  # the fp32 temporary of the P = 2 merge is 1/8 of the output in fp32
+
+
+def _merge_second_partial_(out, lse_acc, out_b, lse_b) -> None:
+    """:func:`..merge.merge_partial_` for an ``out`` held in a lower precision than ``lse_acc``.
+
+    Every output element goes through the same operations as in ``merge_partial_`` on an fp32
+    copy of ``out`` (an exact widening): the weights are computed once on the whole LSE, then
+    ``mul_`` and ``addcmul_`` run on an fp32 copy of one chunk of query rows, which is rounded
+    back into ``out``. Elementwise results do not depend on the chunking, so this equals the
+    fp32 accumulator followed by one cast, bit for bit, with an fp32 temporary of 1/8 of ``out``.
+    out: (B, H, Nq, D) strided view; lse_acc: (B, H, Nq), updated in place.
+    """
+    lse_b = lse_b.to(lse_acc.dtype)
+    lse = torch.logaddexp(lse_acc, lse_b)
+    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    w_a = torch.exp(lse_acc - shift).unsqueeze(-1)
+    w_b = torch.exp(lse_b - shift).unsqueeze(-1)
+    lse_acc.copy_(lse)
+    n = out.shape[2]
+    step = max(1, -(-n // _MERGE_CHUNKS))
+    for r0 in range(0, n, step):
+        rows = slice(r0, r0 + step)
+        tmp = out[:, :, rows].to(lse_acc.dtype)
+        tmp.mul_(w_a[:, :, rows])
+        tmp.addcmul_(out_b[:, :, rows], w_b[:, :, rows])
+        out[:, :, rows].copy_(tmp)
+        del tmp
+
+
+def _block_bwd(dot, qt, ot, lse, kt, vt, plan, scale):
+    qs, ks, c = plan
+    return attn_bwd(dot[:, :, qs], qt[:, :, qs], kt[:, :, ks], vt[:, :, ks], ot[:, :, qs],
+                    lse[:, :, qs], scale, c)
+
+
+def _rows(sl: slice, n: int) -> int:
+    return len(range(*sl.indices(n)))
+
+
+def _partial_buf(k, plan, nl) -> torch.Tensor:
+    """Receive buffer for one dK or dV partial of this rank's block, in the (B, rows, Hkv, D)
+    layout partials travel in (the sender computed ``plan`` on our block)."""
+    b, _, hkv, d = k.shape
+    return torch.empty(b, _rows(plan[1], nl), hkv, d, dtype=k.dtype, device=k.device)
+
+
+def _travelling(x_sdpa: torch.Tensor) -> torch.Tensor:
+    """A (B, H, rows, D) block gradient in the (B, rows, H, D) layout it travels and is returned
+    in (no copy when the kernel wrote it in that layout)."""
+    return _t(x_sdpa).contiguous()
+
+
 def _ring_backward(do, q, k, v, out, lse, group, world, rank, scale, causal, layout, tracker):
     """do, q, out: (B, Nl, H, D); k, v: (B, Nl, Hkv, D) contiguous; lse: (B, H, Nl).
 
     Returns dq, dk, dv in the input dtypes (B, Nl, H|Hkv, D), and the bytes sent.
     """
+    if world == 1:
+        dq, dk, dv = attn_bwd(_t(do), _t(q), _t(k), _t(v), _t(out), lse, scale, causal)
+        return _travelling(dq), _travelling(dk), _travelling(dv), 0
+    if world == 2:
+        return _pair_backward(do, q, k, v, out, lse, group, rank, scale, causal, layout, tracker)
+    return _owner_backward(do, q, k, v, out, lse, group, world, rank, scale, causal, layout, tracker)
+
+
+def _pair_backward(do, q, k, v, out, lse, group, rank, scale, causal, layout, tracker):
+    """P = 2. Every dq/dk/dv element is the sum of exactly two partials, each produced in the
+    input dtype by the block kernel; adding them in place in the input dtype computes the sum in
+    fp32 (torch's opmath for bf16/fp16) and rounds once: the same bits as an fp32 accumulator
+    followed by one cast (the addition commutes, so the order of the two does not matter).
+
+    Order, chosen for the peak: exchange K/V, compute the partner's block, exchange the dK/dV
+    partials (each rank receives those of its own block), then compute the own block and add
+    into its results. During the own block only the partner's partials (dq rows, dK, dV of
+    our block) are held besides the kernel's outputs; the two exchanges are not overlapped.
+    """
+    nl = q.shape[1]
+    other = 1 - rank
+    dot, qt, ot = _t(do), _t(q), _t(out)
+    comm = RingComm(group, tracker, tag=1)
+    kr, vr = comm.send_recv(k), comm.send_recv(v)
+    comm.commit()
+    comm.wait()
+    plan = _step_plan(rank, other, causal, layout, nl)  # our queries on the partner's block
+    dq_o = dk_o = dv_o = None
+    if plan is not None:
+        dq_o, dk_o, dv_o = _block_bwd(dot, qt, ot, lse, _t(kr), _t(vr), plan, scale)
+    del kr, vr
+    if plan is not None:  # one at a time: a copy only where the kernel's layout differs
+        dk_o = _travelling(dk_o)
+        dv_o = _travelling(dv_o)
+    in_plan = _step_plan(other, rank, causal, layout, nl)  # the partner's queries on our block
+    rdk = rdv = None
+    if in_plan is not None:
+        rdk, rdv = _partial_buf(k, in_plan, nl), _partial_buf(v, in_plan, nl)
+    pcomm = RingComm(group, tracker, tag=2)
+    pcomm.exchange(dk_o, other if dk_o is not None else None, rdk, other if rdk is not None else None)
+    pcomm.exchange(dv_o, other if dv_o is not None else None, rdv, other if rdv is not None else None)
+    pcomm.commit()
+    pcomm.wait()
+    del dk_o, dv_o
+    dq, dk, dv = attn_bwd(dot, qt, _t(k), _t(v), ot, lse, scale, causal)
+    if plan is not None:
+        dq[:, :, plan[0]] += dq_o
+        del dq_o
+    if in_plan is not None:
+        dk[:, :, in_plan[1]] += _t(rdk)
+        del rdk
+        dv[:, :, in_plan[1]] += _t(rdv)
+        del rdv
+    del dot, qt, ot
+    sent = comm.bytes_sent + pcomm.bytes_sent
+    return _travelling(dq), _travelling(dk), _travelling(dv), sent
+
+
+def _owner_backward(do, q, k, v, out, lse, group, world, rank, scale, causal, layout, tracker):
+    """P >= 3. K/V travel round the ring as in the forward; at step t the dK/dV partials of the
+    block of rank ``src = (r - t) % P`` go straight to ``src`` (in the input dtype, the dtype the
+    block kernel produces them in: widening them later is exact), and the partials of our own
+    block computed at step t by rank ``(r + t) % P`` arrive, overlapped with step t + 1. Each
+    rank keeps one fp32 dK/dV accumulator, for its own block only, and adds its partials in step
+    order, as the fp32 accumulators that travelled round a second ring did: the same sums.
+    dq is accumulated locally in fp32, in step order.
+    """
     nl = q.shape[1]
     adt = acc_dtype(q.dtype)
     dt_q, dt_k, dt_v = q.dtype, k.dtype, v.dtype
     dot, qt, ot = _t(do), _t(q), _t(out)
-    kv_comm = RingComm(group, tracker, tag=1) if world > 1 else None
-    dkv_comm = RingComm(group, tracker, tag=2) if world > 1 else None
-    dq = dk = dv = dkv_in = None
+    kv_comm = RingComm(group, tracker, tag=1)
+    p_comm = RingComm(group, tracker, tag=2)
+    dq = dk = dv = None
+    pending = None  # (rows of our block, dK partial, dV partial) arriving from the last step
+    kk, vv = k, v
     for step in range(world):
         nxt = None
         if step + 1 < world:
-            nxt = (kv_comm.send_recv(k), kv_comm.send_recv(v))
+            nxt = (kv_comm.send_recv(kk), kv_comm.send_recv(vv))
             kv_comm.commit()
-        plan = _step_plan(rank, (rank - step) % world, causal, layout, nl)
+        src = (rank - step) % world
+        plan = _step_plan(rank, src, causal, layout, nl)
         dk_s = dv_s = None
         if plan is not None:
-            qs, ks, c = plan
-            dq_s, dk_s, dv_s = attn_bwd(
-                dot[:, :, qs], qt[:, :, qs], _t(k)[:, :, ks], _t(v)[:, :, ks], ot[:, :, qs],
-                lse[:, :, qs], scale, c,
-            )
-            if step == 0:  # own block: all rows; the fp32 dq starts as its gradient
+            dq_s, dk_s, dv_s = _block_bwd(dot, qt, ot, lse, _t(kk), _t(vv), plan, scale)
+            if step == 0:  # own block: all rows; the fp32 dq and dK/dV start as its gradients
                 dq = torch.empty(q.shape, dtype=adt, device=q.device)
                 _t(dq).copy_(dq_s)
-            else:
-                _t(dq)[:, :, qs] += dq_s
-            del dq_s
-        # the dK/dV accumulators of the block we hold now arrive one hop behind the block itself
-        if step == 0:
-            dk = tracker.track(torch.empty(k.shape, dtype=adt, device=k.device))
-            _t(dk).copy_(dk_s)
-            del dk_s
-            dv = tracker.track(torch.empty(v.shape, dtype=adt, device=v.device))
-            _t(dv).copy_(dv_s)
-            del dv_s
-        else:
-            dkv_comm.wait()
-            dk, dv = dkv_in
-            dkv_in = None
-            if plan is not None:
-                _t(dk)[:, :, ks] += dk_s
+                del dq_s
+                dk = tracker.track(torch.empty(k.shape, dtype=adt, device=k.device))
+                _t(dk).copy_(dk_s)
                 del dk_s
-                _t(dv)[:, :, ks] += dv_s
+                dv = tracker.track(torch.empty(v.shape, dtype=adt, device=v.device))
+                _t(dv).copy_(dv_s)
                 del dv_s
-        if world > 1:
-            dkv_in = (dkv_comm.send_recv(dk), dkv_comm.send_recv(dv))
-            dkv_comm.commit()
-            dk = dv = None  # the send holds them until the next wait
+            else:
+                _t(dq)[:, :, plan[0]] += dq_s
+                del dq_s
+                dk_s = _travelling(dk_s)
+                dv_s = _travelling(dv_s)
+        if step > 0:  # the partials of step - 1 (ours arrived, ours sent): add in step order
+            p_comm.wait()
+            if pending is not None:
+                rows, pdk, pdv = pending
+                dk[:, rows] += pdk
+                del pdk
+                dv[:, rows] += pdv
+                del pdv
+            pending = None
+        if step > 0:
+            # to the owner of the block just computed; from the rank that computed on ours
+            sender = (rank + step) % world
+            in_plan = _step_plan(sender, rank, causal, layout, nl)
+            rdk = rdv = None
+            if in_plan is not None:
+                rdk, rdv = _partial_buf(k, in_plan, nl), _partial_buf(v, in_plan, nl)
+                pending = (in_plan[1], rdk, rdv)
+            dst = src if dk_s is not None else None
+            p_comm.exchange(dk_s, dst, rdk, sender if rdk is not None else None)
+            p_comm.exchange(dv_s, dst, rdv, sender if rdv is not None else None)
+            p_comm.commit()
+            del dk_s, dv_s, rdk, rdv  # the pending batch holds them until its wait
         if nxt is not None:
             kv_comm.wait()
-            k, v = nxt
+            kk, vv = nxt
             nxt = None
-    del k, v, dot, qt, ot
-    dq_out = dq.to(dt_q)  # while the last dK/dV hop is in flight
+    del kk, vv
+    dq_out = dq.to(dt_q)  # while the last partials are in flight
     del dq
-    if world > 1:
-        dkv_comm.wait()
-        dk, dv = dkv_in  # after P hops: the gradient of this rank's own K/V
-        dkv_in = None
+    p_comm.wait()
+    if pending is not None:
+        rows, pdk, pdv = pending
+        dk[:, rows] += pdk
+        dv[:, rows] += pdv
+        del pdk, pdv
+    pending = None
+    del dot, qt, ot
     # one fp32 accumulator at a time next to its cast (a no-op in the accumulator dtype)
     dk_out = dk.to(dt_k)
     del dk
     dv_out = dv.to(dt_v)
     del dv
-    sent = (kv_comm.bytes_sent + dkv_comm.bytes_sent) if world > 1 else 0
-    return dq_out, dk_out, dv_out, sent
+    return dq_out, dk_out, dv_out, kv_comm.bytes_sent + p_comm.bytes_sent
 
 
 class _RingAttentionFunction(torch.autograd.Function):
