@@ -13,11 +13,12 @@ Tensor contract (SPEC section 1):
 from __future__ import annotations
 
 import math
-import operator
+import numbers
 from collections.abc import Sequence
 
 import torch
 
+from .autograd_rules import autocast_inputs
 from .branches import normalize_branches
 
 IMPLS = ("auto", "reference", "torch", "triton")
@@ -37,7 +38,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "at
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name}: {n} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
+            "(or run under torch.autocast, which casts them to its dtype, see docs/autocast.md)"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
@@ -59,10 +63,25 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "at
         )
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` must be a real bool: ``causal="no"`` would otherwise mean True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_real(name: str, value) -> float:
+    """``value`` must be a real number (not a bool, not a string); returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
 def resolve_scale(softmax_scale: float | None, headdim: int) -> float:
     if softmax_scale is None:
-        return headdim**-0.5
-    scale = float(softmax_scale)
+        # headdim 0: every logit q.k is 0 whatever the scale (SDPA accepts it too); use 1
+        return headdim**-0.5 if headdim > 0 else 1.0
+    scale = check_real("softmax_scale", softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     return scale
@@ -88,7 +107,7 @@ def _check_mask(key_padding_mask, q, k) -> None:
 
 
 def _check_dropout(dropout_p) -> float:
-    p = float(dropout_p)
+    p = check_real("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     return p
@@ -167,9 +186,19 @@ def dilated_attention(
             (see ``distributed/sequence_parallel.py``; seqlen_q == seqlen_k, no dropout there).
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``.
+        out (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``. Under
+        ``torch.autocast`` q, k, v are first cast to the autocast dtype, as SDPA does
+        (docs/autocast.md). Second-order gradients: impl="reference" only; the others raise.
         A query with no key (all masked) gets out = 0 and lse = -inf.
     """
+    q, k, v, amp_device = autocast_inputs(q, k, v)
+    if amp_device is not None:  # the SDPA rule (docs/autocast.md): cast once, run with autocast off
+        with torch.autocast(amp_device, enabled=False):
+            return dilated_attention(
+                q, k, v, segment_lengths, dilation_rates, causal=causal, softmax_scale=softmax_scale,
+                key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+                head_assignment=head_assignment, return_lse=return_lse, impl=impl, group=group,
+            )
     check_qkv(q, k, v, "dilated_attention")
     seg, dil = normalize_branches(segment_lengths, dilation_rates)
     if head_assignment not in ("all", "split"):
@@ -177,7 +206,8 @@ def dilated_attention(
     _check_mask(key_padding_mask, q, k)
     p = _check_dropout(dropout_p)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    causal = bool(operator.truth(causal))
+    causal = check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if group is not None:
@@ -188,6 +218,22 @@ def dilated_attention(
             dropout_p=p, head_assignment=head_assignment, return_lse=return_lse, impl=impl,
             group=group,
         )
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        # nothing to attend (batch 0 or no query): an empty output, still connected to q, k, v
+        # so that backward gives (empty or zero) gradients, as SDPA does
+        out = q * 0 + (k.sum() + v.sum()) * 0
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+        return (out, lse) if return_lse else out
+    if q.shape[3] == 0:
+        # headdim 0: every logit is 0, so out is empty and lse = log(number of keys); run the
+        # chosen impl on one zero feature (the same multiplicities) and drop it
+        zq, zk = q.new_zeros(*q.shape[:3], 1), k.new_zeros(*k.shape[:3], 1)
+        _, lse = dilated_attention(
+            zq, zk, zk, seg, dil, causal=causal, softmax_scale=1.0, key_padding_mask=key_padding_mask,
+            head_assignment=head_assignment, return_lse=True, impl=impl,
+        )
+        out = q * 0 + (k.sum() + v.sum()) * 0
+        return (out, lse) if return_lse else out
     chosen = _pick_impl(impl, q, k, p)
     if chosen == "reference":
         from .reference import dilated_attention_reference

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .api import IMPLS, dilated_attention
+from .api import IMPLS, check_real, dilated_attention, resolve_scale
 from .branches import normalize_branches
 
 
@@ -75,8 +75,10 @@ class DilatedAttention(nn.Module):
             raise ValueError(f"head_assignment must be 'all' or 'split', got {head_assignment!r}")
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        if not 0.0 <= float(attention_dropout) < 1.0:
+        if not 0.0 <= check_real("attention_dropout", attention_dropout) < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
+        if softmax_scale is not None:  # a bad scale fails here, not at the first forward
+            resolve_scale(softmax_scale, 1)
         self.softmax_scale = softmax_scale
         self.attention_dropout = float(attention_dropout)
         self.head_assignment = head_assignment
