@@ -174,13 +174,14 @@ def test_autocast_triton(seed):
         ((0, 16, 16), dict(dropout_p=0.5)),  # batch 0 with dropout
     ],
 )
-def test_empty_inputs(impl, shape, extra):
+@pytest.mark.parametrize("branches", [([8], [2]), ([3], [3])])  # ([3], [3]): an IndexError before
+def test_empty_inputs(impl, shape, extra, branches):
     b, nq, nk = shape
     q, k, v = _qkv(b, nq, nk, 2, 1, 4, requires_grad=True)
     kw = dict(extra)
     if kw.pop("key_padding_mask", None):
         kw["key_padding_mask"] = torch.zeros(b, nk, dtype=torch.bool)
-    out, lse = dilated_attention(q, k, v, [8], [2], impl=impl, return_lse=True, **kw)
+    out, lse = dilated_attention(q, k, v, *branches, impl=impl, return_lse=True, **kw)
     assert out.shape == q.shape and lse.shape == (b, 2, nq)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     for g, x in zip(grads, (q, k, v), strict=True):
