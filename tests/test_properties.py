@@ -27,11 +27,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HAS_TRITON = triton_unavailable_reason(torch.empty(1, 1, 1, 16, device=DEV)) is None
 
 _COMMON = dict(deadline=None, derandomize=False, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", max_examples=40, **_COMMON)
+settings.register_profile("ci", max_examples=100, **_COMMON)
 settings.register_profile("long", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # the Triton interpreter takes seconds per example (compile-free but slow): a fraction of the count
-_TRITON_EXAMPLES = max(3, settings().max_examples // 15)
+_TRITON_EXAMPLES = max(3, settings().max_examples // 30)
 
 
 @given(case_strategy(d=4))
