@@ -227,7 +227,7 @@ def library_auto(q, k, dropout_p=0.0) -> str:
     try:
         from dilated_attention.kernels.select import pick_impl
     except ImportError:
-        from dilated_attention.api import _pick_impl as pick_impl
+        from dilated_attention.kernels.select import pick_impl
     return pick_impl("auto", q, k, dropout_p)
 
 

@@ -93,7 +93,7 @@ from dilated_attention import dilated_attention
 try:
     from dilated_attention.kernels.select import pick_impl, triton_unavailable_reason
 except ImportError:
-    from dilated_attention.api import _pick_impl as pick_impl, triton_unavailable_reason
+    from dilated_attention.kernels.select import pick_impl, triton_unavailable_reason
 res = {}
 for d in [int(x) for x in sys.argv[1].split(",")]:
     q, k, v = (torch.randn(1, 24, 2, d, dtype=torch.float32, requires_grad=True) for _ in range(3))

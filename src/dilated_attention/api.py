@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .autograd_rules import autocast_inputs
 from .branches import normalize_branches
 from .checks import (
-    as_bool,
+    check_bool,
     check_dropout,
     check_head_assignment,
     check_key_padding_mask,
@@ -68,16 +69,27 @@ def dilated_attention(
             (see ``distributed/sequence_parallel.py``; seqlen_q == seqlen_k, no dropout there).
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``.
+        out (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``. Under
+        ``torch.autocast`` q, k, v are first cast to the autocast dtype, as SDPA does
+        (docs/autocast.md). Second-order gradients: impl="reference" only; the others raise.
         A query with no key (all masked) gets out = 0 and lse = -inf.
     """
+    q, k, v, amp_device = autocast_inputs(q, k, v)
+    if amp_device is not None:  # the SDPA rule (docs/autocast.md): cast once, run with autocast off
+        with torch.autocast(amp_device, enabled=False):
+            return dilated_attention(
+                q, k, v, segment_lengths, dilation_rates, causal=causal, softmax_scale=softmax_scale,
+                key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+                head_assignment=head_assignment, return_lse=return_lse, impl=impl, group=group,
+            )
     check_qkv(q, k, v, "dilated_attention")
     seg, dil = normalize_branches(segment_lengths, dilation_rates)
     check_head_assignment(head_assignment)
     check_key_padding_mask(key_padding_mask, q, k)
     p = check_dropout(dropout_p)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    causal = as_bool(causal)
+    causal = check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     check_impl(impl)
     if group is not None:
         from .distributed import sequence_parallel
@@ -87,6 +99,22 @@ def dilated_attention(
             dropout_p=p, head_assignment=head_assignment, return_lse=return_lse, impl=impl,
             group=group,
         )
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        # nothing to attend (batch 0 or no query): an empty output, still connected to q, k, v
+        # so that backward gives (empty or zero) gradients, as SDPA does
+        out = q * 0 + (k.sum() + v.sum()) * 0
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+        return (out, lse) if return_lse else out
+    if q.shape[3] == 0:
+        # headdim 0: every logit is 0, so out is empty and lse = log(number of keys); run the
+        # chosen impl on one zero feature (the same multiplicities) and drop it
+        zq, zk = q.new_zeros(*q.shape[:3], 1), k.new_zeros(*k.shape[:3], 1)
+        _, lse = dilated_attention(
+            zq, zk, zk, seg, dil, causal=causal, softmax_scale=1.0, key_padding_mask=key_padding_mask,
+            head_assignment=head_assignment, return_lse=True, impl=impl,
+        )
+        out = q * 0 + (k.sum() + v.sum()) * 0
+        return (out, lse) if return_lse else out
     chosen = pick_impl(impl, q, k, p)
     if chosen == "reference":
         from .reference import dilated_attention_reference

@@ -7,6 +7,7 @@ the branch lists. Which rows form each block: :mod:`.geometry`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 
@@ -36,7 +37,7 @@ def normalize_branches(
     segment_lengths: Sequence[int], dilation_rates: Sequence[int]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validate the branch lists and return them as tuples of ints."""
-    if isinstance(segment_lengths, int) or isinstance(dilation_rates, int):
+    if isinstance(segment_lengths, (int, str, bytes)) or isinstance(dilation_rates, (int, str, bytes)):
         raise TypeError(
             "segment_lengths and dilation_rates must be sequences of ints, e.g. "
             f"segment_lengths=[2048, 4096], dilation_rates=[1, 2]; got {segment_lengths!r}, "
@@ -53,10 +54,11 @@ def normalize_branches(
         )
     for name, vals in (("segment_lengths", seg), ("dilation_rates", dil)):
         for v in vals:
-            if isinstance(v, bool) or not isinstance(v, int):
+            # bools are ints to Python, but dilation_rates=[True, 2] is a mistake, not 1
+            if isinstance(v, bool):
+                raise TypeError(f"{name} must hold ints, got the bool {v!r} in {list(vals)}")
+            if not isinstance(v, int):
                 try:
-                    import operator
-
                     operator.index(v)
                 except TypeError:
                     raise TypeError(f"{name} must hold ints, got {v!r} in {list(vals)}") from None

@@ -9,7 +9,7 @@ contract is the one of docs/spec.md ("Tensor contract").
 from __future__ import annotations
 
 import math
-import operator
+import numbers
 
 import torch
 
@@ -29,7 +29,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "at
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name}: {n} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
+            "(or run under torch.autocast, which casts them to its dtype, see docs/autocast.md)"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
@@ -51,11 +54,26 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "at
         )
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` must be a real bool: ``causal="no"`` would otherwise mean True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_real(name: str, value) -> float:
+    """``value`` must be a real number (not a bool, not a string); returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
 def resolve_scale(softmax_scale: float | None, headdim: int) -> float:
     """``softmax_scale`` as a finite float; ``None`` means ``headdim ** -0.5``."""
     if softmax_scale is None:
-        return headdim**-0.5
-    scale = float(softmax_scale)
+        # headdim 0: every logit q.k is 0 whatever the scale (SDPA accepts it too); use 1
+        return headdim**-0.5 if headdim > 0 else 1.0
+    scale = check_real("softmax_scale", softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     return scale
@@ -83,7 +101,7 @@ def check_key_padding_mask(key_padding_mask, q: torch.Tensor, k: torch.Tensor) -
 
 def check_dropout(dropout_p) -> float:
     """``dropout_p`` as a float in [0, 1)."""
-    p = float(dropout_p)
+    p = check_real("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     return p
@@ -94,9 +112,4 @@ def check_head_assignment(head_assignment) -> str:
     if head_assignment not in ("all", "split"):
         raise ValueError(f"head_assignment must be 'all' or 'split', got {head_assignment!r}")
     return head_assignment
-
-
-def as_bool(flag) -> bool:
-    """A flag such as ``causal`` as a plain bool (anything with a truth value, e.g. a 0-d tensor)."""
-    return bool(operator.truth(flag))
 

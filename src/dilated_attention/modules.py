@@ -15,6 +15,7 @@ from torch import nn
 
 from .api import dilated_attention
 from .branches import normalize_branches
+from .checks import check_real, resolve_scale
 from .kernels.select import check_impl
 
 
@@ -75,8 +76,10 @@ class DilatedAttention(nn.Module):
         if head_assignment not in ("all", "split"):
             raise ValueError(f"head_assignment must be 'all' or 'split', got {head_assignment!r}")
         check_impl(impl)
-        if not 0.0 <= float(attention_dropout) < 1.0:
+        if not 0.0 <= check_real("attention_dropout", attention_dropout) < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
+        if softmax_scale is not None:  # a bad scale fails here, not at the first forward
+            resolve_scale(softmax_scale, 1)
         self.softmax_scale = softmax_scale
         self.attention_dropout = float(attention_dropout)
         self.head_assignment = head_assignment

@@ -141,9 +141,15 @@ def hilbert_permutation(height: int, width: int, device=None) -> tuple[torch.Ten
         ``(perm, inv)``, int64 tensors of shape ``(height * width,)``: ``perm[t]`` is the
         row-major index ``row * width + col`` of the t-th cell along the curve, so
         ``x[:, perm]`` is ``x`` in curve order; ``inv`` is the inverse (``inv[perm] == arange``),
-        so ``y[:, inv]`` restores row-major order. Cached per (height, width, device): do not
-        modify the returned tensors in place.
+        so ``y[:, inv]`` restores row-major order. Fresh tensors on every call (copies of a
+        per-(height, width, device) cache), so the caller may modify them.
     """
+    perm, inv = _hilbert_cached(height, width, device)
+    return perm.clone(), inv.clone()
+
+
+def _hilbert_cached(height: int, width: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached ``(perm, inv)`` themselves: library-internal, never modified, never returned."""
     height, width = _check_grid(height, width)
     dev = torch.device("cpu") if device is None else torch.device(device)
     if dev.type == "cpu":
@@ -271,7 +277,7 @@ def permute_sequence(
     """
     h, w = _check_grid(*grid)
     if group is None:
-        perm, inv = hilbert_permutation(h, w, device=x.device)
+        perm, inv = _hilbert_cached(h, w, device=x.device)
         if inverse:
             perm, inv = inv, perm
         if not x.requires_grad:

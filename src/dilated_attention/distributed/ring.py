@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_qkv, resolve_scale
+from ..autograd_rules import autocast_inputs, backward_context, no_double_backward
+from ..checks import check_bool, check_qkv, resolve_scale
 from ..kernels.block_attention import attn_bwd, attn_fwd
 from ..merge import acc_dtype, merge_partial_
 from .comm import (
@@ -373,14 +374,17 @@ class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        tracker = BufferTracker()
-        dq, dk, dv, sent = _ring_backward(
-            dout, q, k.contiguous(), v.contiguous(), out, lse, ctx.group, ctx.world, ctx.rank,
-            ctx.scale, ctx.causal, ctx.layout, tracker,
-        )
+        dout_in = dout
+        with backward_context(q.device.type):
+            if dout.stride(-1) != 1:
+                dout = dout.contiguous()
+            tracker = BufferTracker()
+            dq, dk, dv, sent = _ring_backward(
+                dout, q, k.contiguous(), v.contiguous(), out, lse, ctx.group, ctx.world, ctx.rank,
+                ctx.scale, ctx.causal, ctx.layout, tracker,
+            )
         _LAST_STATS.update(bwd_bytes_sent=sent, bwd_peak_ring_bytes=tracker.peak_live_bytes)
+        dq, dk, dv = no_double_backward("ring_attention", (dq, dk, dv), (dout_in, q, k, v))
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -451,10 +455,17 @@ def ring_attention(
         the backward (as SDPA does): changing it in place before the backward makes autograd
         raise its in-place error.
     """
+    q, k, v, amp_device = autocast_inputs(q, k, v)
+    if amp_device is not None:  # the SDPA rule (docs/autocast.md): cast once, run with autocast off
+        with torch.autocast(amp_device, enabled=False):
+            return ring_attention(
+                q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                return_lse=return_lse, validate=validate,
+            )
     group = resolve_group(group)
     world, rank = world_and_rank(group)
     scale = resolve_scale(softmax_scale, q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else 1.0
-    causal = bool(causal)
+    causal = check_bool("causal", causal)
     _validate(q, k, v, causal, scale, layout, group, validate)
     # world and rank travel explicitly: group=None would mean the default group inside
     out, lse = _RingAttentionFunction.apply(q, k, v, group, world, rank, scale, causal, layout)

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
 from ..geometry import block_offsets, block_row, rows_in
 from ..kernels.block_attention import attn_bwd, attn_fwd
@@ -637,7 +638,13 @@ class _DilatedSPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
+        with backward_context(q.device.type):
+            grads = _DilatedSPFunction._grads(ctx, dout.contiguous(), q, k, v, mask, out, lse)
+        dq, dk, dv = no_double_backward("dilated_attention(group=...)", grads[:3], (dout, q, k, v))
+        return dq, dk, dv, *grads[3:]
+
+    @staticmethod
+    def _grads(ctx, dout, q, k, v, mask, out, lse):
         fused, work = ctx.fused, ctx.work
         nones = (None,) * 8
         if not work:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
 from ..geometry import block_length, block_offsets, block_row
 from ..merge import acc_dtype, merge_partial, merge_partial_
@@ -319,7 +320,11 @@ class _DilatedTorchFunction(torch.autograd.Function):
         b, nq, h, _ = q.shape
         dv = v.shape[-1]
         adt = acc_dtype(q.dtype)
-        acc_out = torch.zeros(b, nq + 1, h, dv, dtype=adt, device=q.device)  # row nq: trash
+        # row nq: the trash row of dummy query rows, only needed when queries are shorter than
+        # keys; without it acc_out[:, :nq] is contiguous, so the float32/float64 output (no
+        # cast copy) is contiguous like the others
+        trash = 1 if nq < k.shape[1] else 0
+        acc_out = torch.zeros(b, nq + trash, h, dv, dtype=adt, device=q.device)
         acc_lse = torch.full((b, nq + 1, h), float("-inf"), dtype=adt, device=q.device)
         for gid, grp in enumerate(plan):
             o_g, l_g = attn_fwd(
@@ -328,6 +333,8 @@ class _DilatedTorchFunction(torch.autograd.Function):
             )
             grp.merge_into(acc_out, acc_lse, o_g, l_g, first=grp.fresh)
         out = acc_out[:, :nq].to(q.dtype)
+        if not out.is_contiguous():  # float32/float64 with a trash row: a view of acc_out
+            out = out.contiguous()
         del acc_out
         acc_lse[:, nq] = float("inf")  # dummy rows contribute nothing in the backward
         ctx.save_for_backward(q, k, v, key_padding_mask, out, acc_lse)
@@ -339,6 +346,12 @@ class _DilatedTorchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, kpm, out, lse_pad = ctx.saved_tensors
+        with backward_context(q.device.type):
+            grads = _DilatedTorchFunction._grads(ctx, dout, q, k, v, kpm, out, lse_pad)
+        return no_double_backward("impl='torch'", grads, (dout, q, k, v))
+
+    @staticmethod
+    def _grads(ctx, dout, q, k, v, kpm, out, lse_pad):
         b, nq, h, d = q.shape
         adt = acc_dtype(q.dtype)
         dq = torch.zeros(b, nq + 1, h, d, dtype=adt, device=q.device)

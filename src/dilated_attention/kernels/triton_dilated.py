@@ -58,6 +58,7 @@ import os
 
 import torch
 
+from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
 
 try:  # triton is an optional dependency: this module must import without it
@@ -967,7 +968,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, kpm, out, lse = ctx.saved_tensors
     seg, dil, hr, causal, scale = ctx.args
-    dq, dk, dv = _triton_bwd_op(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
+    with backward_context(q.device.type):
+        grads = _triton_bwd_op(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
+    dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
     return dq, dk, dv, None, None, None, None, None, None
 
 
