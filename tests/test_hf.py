@@ -69,3 +69,33 @@ def test_llama_generate_with_cache_and_dilated_branches():
 def test_register_validates():
     with pytest.raises(ValueError, match="larger than its segment"):
         register_dilated_attention([4], [8])
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_llama_generate_uses_decode_path_and_equals_manual_loop(num_kv_heads, monkeypatch):
+    # HF's DynamicCache hands the attention function q (1 row) and the whole cached k, v: the
+    # call goes to the decode path; greedy generate equals a loop of full forward passes
+    import dilated_attention.decode as decode
+
+    calls = []
+    orig = decode.dilated_attention_with_kvcache
+    monkeypatch.setattr(
+        decode, "dilated_attention_with_kvcache", lambda *a, **kw: calls.append(a[0].shape[1]) or orig(*a, **kw)
+    )
+    register_dilated_attention([8, 16], [1, 2], name="dilated", impl="torch")
+    model = _llama("dilated", num_kv_heads)
+    torch.manual_seed(1)
+    idx = torch.randint(0, 100, (2, 13))
+    n_new = 20  # positions 13..32: several segment boundaries of both branches
+    with torch.no_grad():
+        out = model.generate(
+            idx, max_new_tokens=n_new, do_sample=False, use_cache=True, pad_token_id=0,
+            eos_token_id=None,
+        )  # fmt: skip
+        seq = idx
+        for _ in range(n_new):
+            logits = model(seq, use_cache=False).logits[:, -1]
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+    # every decode step of every layer took the decode path with one query row
+    assert calls.count(1) == (n_new - 1) * model.config.num_hidden_layers

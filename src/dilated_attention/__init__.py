@@ -5,6 +5,7 @@ See README.md and docs/spec.md for the exact definition.
 """
 
 from .api import available_impls, dilated_attention
+from .decode import dilated_attention_with_kvcache
 from .distributed import gather_sequence, ring_attention, shard_sequence
 from .modules import DilatedAttention, MultiheadDilatedAttention
 from .ordering import hilbert_permutation
@@ -16,6 +17,7 @@ __all__ = [
     "MultiheadDilatedAttention",
     "available_impls",
     "dilated_attention",
+    "dilated_attention_with_kvcache",
     "hilbert_permutation",
     "gather_sequence",
     "ring_attention",

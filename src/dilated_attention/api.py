@@ -116,6 +116,15 @@ def dilated_attention(
         out = q * 0 + (k.sum() + v.sum()) * 0
         return (out, lse) if return_lse else out
     chosen = pick_impl(impl, q, k, p)
+    if chosen != "reference":
+        from .decode import decode_applies, dilated_attention_with_kvcache
+
+        if decode_applies(q, k, v, key_padding_mask, p):  # a few rows against a longer cache
+            out, lse = dilated_attention_with_kvcache(
+                q, k, v, k.shape[1], seg, dil, causal=causal, softmax_scale=scale,
+                head_assignment=head_assignment, return_lse=True, impl=chosen,
+            )  # fmt: skip
+            return (out, lse) if return_lse else out
     if chosen == "reference":
         from .reference import dilated_attention_reference
 

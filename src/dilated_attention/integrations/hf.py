@@ -7,7 +7,10 @@
 ``transformers`` calls the registered function with (batch, heads, seqlen, headdim) tensors; it is
 transposed to this library's (batch, seqlen, heads, headdim) layout and passed to
 :func:`dilated_attention.dilated_attention`. KV-cache decoding works (fewer queries than keys are
-bottom-right aligned) and so does GQA (kv heads are never repeated).
+bottom-right aligned) and so does GQA (kv heads are never repeated): with ``transformers``'
+cache the function receives the new query rows and the whole cached k, v, and a step of at most
+64 rows without padding goes to the decode path (``dilated_attention_with_kvcache``), which
+reads per branch only the keys of the query's segment and residue, whatever the cache length.
 
 Masks: the mask function registered next to the attention (when ``transformers`` has
 ``AttentionMaskInterface``) is the flash-attention one: ``None`` without padding, else a 2-D

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..decode import MAX_DECODE_ROWS, dilated_attention_with_kvcache
 from ..modules import DilatedAttention, magneto_init_
 
 # --------------------------------------------------------------------------------------- config
@@ -242,24 +243,45 @@ class Rotary(nn.Module):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values of one layer: (B, max_len, Hkv, D) each (gpt-fast style)."""
+    """Preallocated keys/values of one layer: (B, capacity, Hkv, D) each (gpt-fast style).
 
-    def __init__(self, batch: int, max_len: int, n_kv_head: int, head_dim: int, dtype, device):
+    Position p lives in slot ``p % capacity``: a capacity at least the sequence length is the
+    plain cache; a smaller one is a rolling cache (see :meth:`LongNetLM.generate`). Writes take
+    device positions, so a decode step writes without host synchronisation (CUDA-graph safe).
+    """
+
+    def __init__(self, batch: int, capacity: int, n_kv_head: int, head_dim: int, dtype, device):
         super().__init__()
-        shape = (batch, max_len, n_kv_head, head_dim)
+        shape = (batch, capacity, n_kv_head, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k/v (B, T, Hkv, D) at [start, start+T); return all keys/values up to start+T."""
-        end = start + k.shape[1]
-        if end > self.k.shape[1]:
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k/v (B, T, Hkv, D) of positions ``pos`` (T,) int64 into their slots."""
+        slots = pos % self.capacity  # (T,)
+        self.k.index_copy_(1, slots, k)
+        self.v.index_copy_(1, slots, v)
+
+    def window(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of positions [start, end) in position order: (B, end - start, Hkv, D).
+
+        A view when the positions are contiguous in the buffer, else one gathered copy.
+        """
+        cap = self.capacity
+        if end - start > cap:
             raise ValueError(
-                f"KV cache of length {self.k.shape[1]} is full (need {end}); setup_cache larger"
+                f"KV cache of capacity {cap} cannot hold positions [{start}, {end}); "
+                "setup_cache with a larger capacity"
             )
-        self.k[:, start:end] = k
-        self.v[:, start:end] = v
-        return self.k[:, :end], self.v[:, :end]  # (B, end, Hkv, D)
+        s0 = start % cap
+        if s0 + (end - start) <= cap:
+            return self.k[:, s0 : s0 + end - start], self.v[:, s0 : s0 + end - start]
+        slots = torch.arange(start, end, device=self.k.device) % cap
+        return self.k.index_select(1, slots), self.v.index_select(1, slots)
 
 
 class Attention(nn.Module):
@@ -293,24 +315,58 @@ class Attention(nn.Module):
         magneto_init_(self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.gamma_init)
         self.norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
         """x (B, T, E) holding positions [start_pos, start_pos + T) -> (B, T, E).
 
-        With a KV cache the keys are every cached position [0, start_pos + T) and the queries
-        are the last T of them (bottom-right alignment of ``dilated_attention``). Without one,
-        ``start_pos`` is only the rotary offset (nonzero for a sequence-parallel shard).
+        Without a KV cache ``start_pos`` (an int) is only the rotary offset (nonzero for a
+        sequence-parallel shard). With one, the new keys/values are written to the cache and
+        the queries attend the cached positions (bottom-right alignment):
+        - ``start_pos`` an int (prefill): through :func:`dilated_attention` over the cache window
+          that starts at :attr:`align_start` (a multiple of every segment length, so segments
+          keep their absolute alignment);
+        - ``start_pos`` a 0-dim int64 device tensor (decode, T <= 64): through
+          :func:`dilated_attention_with_kvcache` on the whole cache buffer, with no host
+          synchronisation (the step can be captured in a CUDA graph).
         """
         b, t, e = x.shape
         q = self.q_proj(x).view(b, t, self.n_head, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
-        pos = torch.arange(start_pos, start_pos + t, device=x.device)  # (T,) global positions
+        decoding = isinstance(start_pos, torch.Tensor)
+        if decoding:
+            pos = start_pos + torch.arange(t, device=x.device)  # (T,) global positions
+        else:
+            pos = torch.arange(start_pos, start_pos + t, device=x.device)  # (T,)
         q, k = self.rotary(q, k, pos, pos)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(start_pos, k, v)  # (B, start_pos + T, Hkv, D)
-        y = self.attention(q, k, v, is_causal=self.causal)  # (B, T, H, D)
+        cache = self.kv_cache
+        if cache is None:
+            y = self.attention(q, k, v, is_causal=self.causal)  # (B, T, H, D)
+        elif decoding:
+            cache.write(pos, k, v)
+            seqlens = (pos[-1:] + 1).to(torch.int32).expand(b).contiguous()  # (B,)
+            a = self.attention
+            y = dilated_attention_with_kvcache(
+                q, cache.k, cache.v, seqlens, a.segment_lengths, a.dilation_rates,
+                causal=self.causal, softmax_scale=a.softmax_scale,
+                head_assignment=a.head_assignment, impl=_DECODE_IMPL[a.impl],
+            )  # fmt: skip
+        else:
+            cache.write(pos, k, v)
+            kw, vw = cache.window(self.align_start(start_pos), start_pos + t)
+            y = self.attention(q, kw, vw, is_causal=self.causal)  # (B, T, H, D)
         y = self.norm(y.reshape(b, t, e))
         return self.out_proj(y)
+
+    def align_start(self, start_pos: int) -> int:
+        """First key position a chunk starting at ``start_pos`` needs, rounded down to a multiple
+        of every segment length: a branch never reads a key before its own segment start."""
+        period = math.lcm(*self.attention.segment_lengths)
+        return start_pos // period * period
+
+
+# decode implementations for the model's attention impl ("reference" decodes on the torch path,
+# which is exact and reads the same keys)
+_DECODE_IMPL = {"auto": "auto", "triton": "triton", "torch": "torch", "reference": "torch"}
 
 
 class FeedForward(nn.Module):
@@ -342,7 +398,7 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), start_pos))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
@@ -366,7 +422,7 @@ class _Trunk(nn.Module):
 
         return dist.get_rank(self.sp_group) * local_len
 
-    def run_layers(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, start_pos, use_reentrant=False)
@@ -435,20 +491,41 @@ class LongNetLM(_Trunk):
     def has_cache(self) -> bool:
         return self.layers[0].attn.kv_cache is not None
 
-    def setup_cache(self, batch: int, max_len: int) -> None:
-        """Allocate a KV cache for ``batch`` sequences of up to ``max_len`` tokens.
+    def setup_cache(self, batch: int, capacity: int) -> None:
+        """Allocate a KV cache of ``capacity`` positions per layer for ``batch`` sequences.
 
-        The cache keeps every position: dilated segments are aligned to absolute positions, so
-        a key far back can still share a segment with a new query.
+        Position p is stored in slot ``p % capacity``: a capacity at least the sequence length
+        keeps every position (segments are aligned to absolute positions, so a key far back can
+        still share a segment with a new query); see :meth:`rolling_capacity` for a bounded one.
         """
         p = self.tok_emb.weight
         for layer in self.layers:
             a = layer.attn
-            a.kv_cache = KVCache(batch, max_len, a.n_kv_head, a.head_dim, p.dtype, p.device)
+            a.kv_cache = KVCache(batch, capacity, a.n_kv_head, a.head_dim, p.dtype, p.device)
 
     def clear_cache(self) -> None:
         for layer in self.layers:
             layer.attn.kv_cache = None
+
+    def rolling_capacity(self, prefill_chunk: int) -> int:
+        """Cache capacity that keeps every key a query can still read, for prefill chunks of at
+        most ``prefill_chunk`` tokens and decode steps of one token.
+
+        A query reads, per branch, only keys of its own segment, so nothing older than
+        ``max(w)`` positions is ever read again. A prefill chunk starting at c reads from
+        :meth:`Attention.align_start` (c rounded down to a multiple of ``lcm(w)``, at most
+        ``lcm(w) - 1`` earlier) up to its last token, and writing it must not overwrite any of
+        those: ``lcm(w) - 1 + chunk`` slots. With nested segment lengths (LongNet's powers of
+        two) ``lcm(w) = max(w)``. Exact for any context length.
+        """
+        period = math.lcm(*self.cfg.segment_lengths)
+        return period - 1 + max(prefill_chunk, MAX_DECODE_ROWS)
+
+    def _hidden_last(self, idx: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
+        """Cached forward of idx (B, T) at ``start_pos`` -> logits of the last position (B, V)."""
+        x = self.tok_emb(idx)  # (B, T, E)
+        x = self.run_layers(x, start_pos)  # (B, T, E)
+        return self.lm_head(x[:, -1])  # (B, V)
 
     @torch.no_grad()
     def generate(
@@ -459,40 +536,113 @@ class LongNetLM(_Trunk):
         top_k: int | None = None,
         *,
         return_logits: bool = False,
+        generator: torch.Generator | None = None,
+        rolling: bool = False,
+        prefill_chunk: int | None = None,
+        decode: str = "auto",
     ):
-        """Sample ``max_new_tokens`` after ``idx`` (B, T) using a KV cache.
+        """Sample ``max_new_tokens`` after ``idx`` (B, T) with a static, preallocated KV cache.
 
-        temperature 0 means greedy. Returns (B, T + max_new_tokens); with ``return_logits`` also
-        the list of last-position logits (B, V) used at each step.
+        The prompt is prefilled in chunks of ``prefill_chunk`` tokens (default: all of it, or
+        ``max(w)`` when rolling) through :func:`dilated_attention`; then one token per step
+        through the decode path (:func:`dilated_attention_with_kvcache`: per branch only the
+        keys of the query's segment and residue, whatever the context length).
+
+        Args:
+            temperature: 0 means greedy (argmax); else sampling, optionally from the ``top_k``
+                most likely tokens, with ``generator`` as the random source.
+            rolling: keep only :meth:`rolling_capacity` positions per layer (about ``max(w)``
+                plus a prefill chunk) instead of the whole sequence: exact, and the cache does not
+                grow with the number of generated tokens.
+            decode: ``"eager"``; ``"graph"`` (one CUDA graph of the decode step, replayed per
+                token; CUDA only); ``"compile"`` (``torch.compile(mode="reduce-overhead")``);
+                ``"auto"``: ``"graph"`` on CUDA, else ``"eager"``.
+
+        Returns (B, T + max_new_tokens); with ``return_logits`` also the list of last-position
+        logits (B, V) used at each step.
         """
         if self.sp_group is not None:
             raise ValueError(
                 "generate() runs on one device; call it on a model without sequence parallelism"
             )
+        if decode not in ("auto", "eager", "graph", "compile"):
+            raise ValueError(f"decode must be 'auto', 'eager', 'graph' or 'compile', got {decode!r}")
+        dev = self.tok_emb.weight.device
+        if decode == "auto":
+            decode = "graph" if dev.type == "cuda" else "eager"
+        if decode == "graph" and dev.type != "cuda":
+            raise ValueError(f"decode='graph' needs a CUDA model, this one is on {dev}")
+        b, t = idx.shape
+        if t < 1 or max_new_tokens < 1:
+            raise ValueError(f"need a prompt and max_new_tokens >= 1, got T={t}, {max_new_tokens}")
+        chunk = prefill_chunk or (max(self.cfg.segment_lengths) if rolling else t)
+        if chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        capacity = self.rolling_capacity(chunk) if rolling else t + max_new_tokens
         was_training = self.training
         self.eval()
-        b, t = idx.shape
-        self.setup_cache(b, t + max_new_tokens)
+        self.setup_cache(b, capacity)
         steps = []
         try:
-            logits, _ = self(idx, start_pos=0)  # prefill: (B, T, V)
-            pos = t
-            for _ in range(max_new_tokens):
-                last = logits[:, -1, :]  # (B, V)
-                steps.append(last)
-                nxt = _sample(last, temperature, top_k)  # (B, 1)
-                idx = torch.cat([idx, nxt], dim=1)
-                if len(steps) == max_new_tokens:
-                    break
-                logits, _ = self(nxt, start_pos=pos)  # (B, 1, V)
-                pos += 1
+            for c0 in range(0, t, chunk):  # prefill
+                last = self._hidden_last(idx[:, c0 : c0 + chunk], c0)  # (B, V)
+            step = self._decode_step(b, t, decode)
+            out = [idx]
+            for s in range(max_new_tokens):
+                steps.append(last.clone() if decode != "eager" else last)
+                nxt = _sample(last, temperature, top_k, generator)  # (B, 1)
+                out.append(nxt)
+                if s + 1 < max_new_tokens:
+                    last = step(nxt, t + s)  # (B, V)
         finally:
             self.clear_cache()
             self.train(was_training)
+        idx = torch.cat(out, dim=1)
         return (idx, steps) if return_logits else idx
 
+    def _decode_step(self, batch: int, first_pos: int, mode: str):
+        """A callable (tokens (B, 1), position int) -> logits (B, V) of one decode step."""
+        dev = self.tok_emb.weight.device
+        if mode == "eager":
+            return lambda tok, pos: self._hidden_last(tok, torch.tensor(pos, device=dev))
+        tok_buf = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        pos_buf = torch.full((), first_pos, dtype=torch.long, device=dev)
+        if mode == "compile":
+            fn = torch.compile(self._hidden_last, mode="reduce-overhead", fullgraph=True)
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+            def compiled(tok, pos):
+                tok_buf.copy_(tok)
+                pos_buf.fill_(pos)
+                return fn(tok_buf, pos_buf)
+
+            return compiled
+        # CUDA graph: warm up on a side stream at the first decode position (the warm-up writes
+        # cache slots of that position, which the first real step overwrites), then capture.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._hidden_last(tok_buf, pos_buf)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._hidden_last(tok_buf, pos_buf)
+
+        def replay(tok, pos):
+            tok_buf.copy_(tok)
+            pos_buf.fill_(pos)
+            graph.replay()
+            return logits
+
+        return replay
+
+
+def _sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """logits (B, V) -> next token (B, 1)."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
@@ -500,7 +650,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torc
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 # --------------------------------------------------------------------------------------- encoder

@@ -1,0 +1,321 @@
+"""Benchmark: KV-cache decoding (issue 14): per-call attention latency and generate tokens/s.
+
+Part 1, one attention call of one new token (batch 1, 32 query / 8 kv heads x 128, bf16, LongNet
+branches w = 2048..32768, r = 1..16, causal) against caches of 4K .. 1M positions:
+
+- ``decode``        :func:`dilated_attention_with_kvcache` (Triton split + reduce), eager launch
+- ``decode graph``  the same call captured in a CUDA graph; ``graph x20`` is a graph of 20 calls
+                    per replay divided by 20 (GPU time per call without the replay's launch)
+- ``previous``      what ``dilated_attention(impl="auto")`` ran for seqlen_q = 1 before the
+                    decode path: the fused prefill kernel (``dilated_attention_triton``)
+- ``dense SDPA``    ``scaled_dot_product_attention`` over the whole cache (GQA via enable_gqa)
+
+and the effective bandwidth of the decode path (K/V bytes of the selected keys per call / time).
+A small sweep of the kernel's knobs (keys per split, warps) at two lengths follows.
+
+Part 2, ``LongNetLM.generate`` of the ``small`` preset in bf16 (greedy, CUDA-graph decode step)
+at 32K and 128K prompt tokens, against the same model with dense attention
+(``LongNetConfig.with_attention("dense", ...)``: one branch covering the context, decoded by the
+same machinery): tokens/s of the decode loop alone, from two runs of different lengths (the
+prefill and the graph capture cancel out).
+
+    PYTHONPATH=src python benchmarks/bench_decode.py --out benchmarks/results
+    PYTHONPATH=src python benchmarks/bench_decode.py --tiny --out /tmp   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dilated_attention.decode import dilated_attention_with_kvcache
+from dilated_attention.models import LongNetConfig, LongNetLM
+
+LONGNET = ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
+LENGTHS = (4096, 16384, 32768, 131072, 524288, 1048576)
+
+
+def _previous_path():
+    """The prefill kernel entry point that impl='auto' used for seqlen_q = 1 before the decode
+    path (its module moves in the layering work: try both names)."""
+    try:
+        from dilated_attention.kernels.triton_ops import dilated_attention_triton
+    except ImportError:
+        from dilated_attention.kernels.triton_dilated import dilated_attention_triton
+    return dilated_attention_triton
+
+
+def _time_events(fn, iters: int) -> float:
+    """Median microseconds of ``fn`` bracketed by CUDA events, one call at a time."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def _time_graph(fn, iters: int, calls: int = 1) -> float:
+    """Median microseconds per call of a CUDA graph holding ``calls`` calls of ``fn``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return _time_events(g.replay, iters) / calls
+
+
+def _time_cpu(fn, iters: int) -> float:
+    fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts)
+
+
+def _selected_keys(seg, dil, n: int) -> int:
+    """Keys one query row at the last position of n reads per branch, summed over branches."""
+    i = n - 1
+    total = 0
+    for w, r in zip(seg, dil, strict=True):
+        s0 = i // w * w
+        c = (i - s0) % r
+        total += len(range(s0 + c, i + 1, r))
+    return total
+
+
+def attention_latency(args, dev, dtype) -> tuple[list[dict], list[dict]]:
+    seg, dil = args.seg, args.dil
+    h, hkv, d = args.heads, args.kv_heads, args.headdim
+    lengths = args.lengths
+    cap = max(lengths)
+    torch.manual_seed(0)
+    k = torch.randn(1, cap, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn(1, cap, hkv, d, device=dev, dtype=dtype)
+    q = torch.randn(1, 1, h, d, device=dev, dtype=dtype)
+    seqlens = torch.zeros(1, dtype=torch.int32, device=dev)
+    cuda = dev == "cuda"
+    previous = _previous_path() if cuda else None
+    rows = []
+    for n in lengths:
+        seqlens.fill_(n)
+        dec = lambda: dilated_attention_with_kvcache(q, k, v, seqlens, seg, dil, causal=True)
+        kn, vn = k[:, :n], v[:, :n]
+        row = dict(n=n)
+        with torch.no_grad():
+            if cuda:
+                row["decode"] = _time_events(dec, args.iters)
+                row["graph"] = _time_graph(dec, args.iters)
+                row["graph20"] = _time_graph(dec, args.iters, calls=20)
+                row["previous"] = _time_events(
+                    lambda: previous(q, kn, vn, seg, dil, causal=True, scale=d**-0.5,
+                                     key_padding_mask=None, head_assignment="all"),
+                    max(5, args.iters // 10),
+                )  # fmt: skip
+                qt, kt, vt = q.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2)
+                row["dense"] = _time_events(
+                    lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), args.iters
+                )
+            else:
+                row["decode"] = _time_cpu(dec, args.iters)
+                row["dense"] = _time_cpu(
+                    lambda: F.scaled_dot_product_attention(
+                        q.transpose(1, 2), kn.transpose(1, 2).repeat_interleave(h // hkv, 1),
+                        vn.transpose(1, 2).repeat_interleave(h // hkv, 1),
+                    ),
+                    args.iters,
+                )  # fmt: skip
+        keys = _selected_keys(seg, dil, n)
+        row["keys"] = keys
+        best = row.get("graph20", row["decode"])
+        row["gbs"] = keys * hkv * d * 2 * k.element_size() / (best * 1e-6) / 1e9
+        rows.append(row)
+        print(f"  n={n}: " + ", ".join(f"{a}={b:.1f}" for a, b in row.items() if a != "n"), flush=True)
+    sweep = []
+    if cuda and args.sweep:
+        from dilated_attention.decode import _branch_rows
+        from dilated_attention.kernels.triton_decode import decode_triton
+
+        br = _branch_rows(h, seg, dil, "all")
+        br = [tuple(br[i : i + 4]) for i in range(0, len(br), 4)]
+        for n in (131072, cap):
+            seqlens.fill_(n)
+            for bn in (32, 64, 128, 256):
+                for nw in (2, 4, 8):
+                    fn = lambda bn=bn, nw=nw: decode_triton(
+                        q, k, v, seqlens, br, True, d**-0.5, block_n=bn, num_warps=nw
+                    )
+                    with torch.no_grad():
+                        us = _time_graph(fn, args.iters, calls=20)
+                    sweep.append(dict(n=n, block_n=bn, num_warps=nw, us=us))
+        seqlens.fill_(cap)
+    del k, v
+    return rows, sweep
+
+
+def _tokens_per_s(model, prompt, n_short, n_long, decode) -> float:
+    def run(n):
+        if prompt.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(prompt, n, temperature=0.0, decode=decode)
+        if prompt.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(n_short)  # warm-up: kernel compilation
+    t_short, t_long = run(n_short), run(n_long)
+    return (n_long - n_short) / max(t_long - t_short, 1e-9)
+
+
+def generate_throughput(args, dev, dtype) -> list[dict]:
+    rows = []
+    decode = "graph" if dev == "cuda" else "eager"
+    for ctx in args.contexts:
+        base = LongNetConfig.preset(args.preset)
+        total = ctx + args.new_long
+        torch.manual_seed(0)
+        prompt = torch.randint(0, base.vocab_size, (1, ctx), device=dev)
+        row = dict(ctx=ctx)
+        for kind in ("dilated", "dense"):
+            cfg = base.with_attention(kind, total)
+            torch.manual_seed(0)
+            model = LongNetLM(cfg).to(device=dev, dtype=dtype).eval()
+            row[kind] = _tokens_per_s(model, prompt, args.new_short, args.new_long, decode)
+            del model
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            print(f"  ctx={ctx} {kind}: {row[kind]:.1f} tokens/s", flush=True)
+        row["speedup"] = row["dilated"] / row["dense"]
+        rows.append(row)
+    return rows
+
+
+def _versions(dev) -> str:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "not installed"
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
+    return gpu, f"torch {torch.__version__}, triton {tv}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="directory (or .md file) for the markdown report")
+    p.add_argument("--tiny", action="store_true", help="CPU-sized smoke run (float32)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the knob sweep")
+    args = p.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    if args.tiny:
+        args.seg, args.dil = (64, 128, 256), (1, 2, 4)
+        args.heads, args.kv_heads, args.headdim = 4, 2, 32
+        args.lengths = (256, 1024, 4096)
+        args.contexts, args.preset = (300,), "tiny"
+        args.new_short, args.new_long = 2, 6
+        args.iters = args.iters or 5
+        dtype = torch.float32
+    else:
+        args.seg, args.dil = LONGNET
+        args.heads, args.kv_heads, args.headdim = 32, 8, 128
+        args.lengths = LENGTHS
+        args.contexts, args.preset = (32768, 131072), "small"
+        args.new_short, args.new_long = 32, 160
+        args.iters = args.iters or 100
+        dtype = torch.bfloat16
+    t_start = time.perf_counter()
+    print("attention latency per call (us):", flush=True)
+    lat, sweep = attention_latency(args, dev, dtype)
+    print("generate tokens/s:", flush=True)
+    gen = generate_throughput(args, dev, dtype)
+    gpu, versions = _versions(dev)
+    cmd = "PYTHONPATH=src python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# KV-cache decoding (issue 14)",
+        "",
+        f"- command: `{cmd}`",
+        f"- device: {gpu}; {versions}; date {today}; total run {time.perf_counter() - t_start:.0f} s",
+        f"- attention: batch 1, 1 new token, {args.heads} q / {args.kv_heads} kv heads x "
+        f"{args.headdim}, {str(dtype).removeprefix('torch.')}, causal, branches w = {list(args.seg)}, "
+        f"r = {list(args.dil)}",
+        "",
+        "## One attention call (microseconds, median)",
+        "",
+    ]
+    if dev == "cuda":
+        lines += [
+            "| cache length | decode (eager) | decode (graph) | decode (graph x20, per call) | previous (auto before) | dense SDPA | keys read | decode GB/s | dense / decode |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in lat:
+            lines.append(
+                f"| {r['n']} | {r['decode']:.1f} | {r['graph']:.1f} | {r['graph20']:.1f} | "
+                f"{r['previous']:.1f} | {r['dense']:.1f} | {r['keys']} | {r['gbs']:.0f} | "
+                f"{r['dense'] / r['graph20']:.1f}x |"
+            )
+    else:
+        lines += ["| cache length | decode | dense SDPA | keys read |", "|---|---|---|---|"]
+        for r in lat:
+            lines.append(f"| {r['n']} | {r['decode']:.1f} | {r['dense']:.1f} | {r['keys']} |")
+    if sweep:
+        lines += [
+            "",
+            "## Decode kernel knobs (graph x20, microseconds per call)",
+            "",
+            "| cache length | keys per split | warps | us |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| {s['n']} | {s['block_n']} | {s['num_warps']} | {s['us']:.1f} |" for s in sweep]
+    lines += [
+        "",
+        f"## generate, preset {args.preset!r} ({str(dtype).removeprefix('torch.')}, greedy, "
+        f"decode step {'in a CUDA graph' if dev == 'cuda' else 'eager'})",
+        "",
+        f"tokens/s of the decode loop ({args.new_long} - {args.new_short} tokens, prefill excluded)",
+        "",
+        "| context | dilated tokens/s | dense tokens/s | dilated / dense |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['ctx']} | {r['dilated']:.1f} | {r['dense']:.1f} | {r['speedup']:.2f}x |" for r in gen
+    ]
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        path = args.out
+        if not path.endswith(".md"):
+            os.makedirs(path, exist_ok=True)
+            names = ("h100", "h200", "a100", "l40s")
+            tag = next((t for t in names if t in gpu.lower()), "cpu" if dev == "cpu" else "gpu")
+            path = os.path.join(path, f"decode_{tag}_{today}.md")
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"wrote {path}")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Decode path as two Triton kernels: a split pass over key blocks and an LSE reduction.
+
+What a query reads (``docs/spec.md``; same rule as ``kernels/torch_decode.py``): for branch
+(w, r) the row at position i reads the keys ``j = seg0 + c + r*u`` of its own segment
+(``seg0 = (i // w) * w``, residue ``c = (i % w) % r``), ``u = 0 .. ceil(w / r) - 1``, up to
+``min(seg0 + w, S)`` (``j <= i`` when causal), ``S = cache_seqlens[b]``; query head h takes part
+when it belongs to the branch and ``h % r == c``. At most ``sum_b ceil(w_b / r_b)`` keys per row,
+whatever the cache length.
+
+Split pass (flash-decoding): grid ``(splits, batch * nheads_kv)``. The index space
+``u`` of branch b is cut into ``ceil(ceil(w_b / r_b) / BN)`` blocks; every block of every branch
+is one split, so the grid depends only on the branch configuration, never on the cache length:
+a block past the valid keys stores ``lse = -inf`` and returns without loading (this is what makes
+the launch capturable in a CUDA graph while the cache grows). A program loads its K/V block of
+one kv head once and serves every query head of the GQA group (``BH`` rows of the score tile),
+for each query row in turn; a group with no head of the row's residue skips the loads. It stores
+the block's normalised partial output (float32) and its LSE (log2 domain).
+
+Reduction: one program per (batch, row, head) merges its partials by LSE. Merging all blocks of
+all branches in one softmax is exactly the multiplicity softmax (a key two branches select sits
+in two blocks). A row with no key gets out = 0, lse = -inf.
+
+Cache slots: position p lives in slot ``p % cache_len`` (a ring buffer; a cache at least as long
+as the sequence is the plain cache). Offsets are computed in int64 (a 1M-row cache of one batch
+entry holds 2^30 elements).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # triton is an optional dependency: this module must import without it
+    import triton
+    import triton.language as tl
+
+    TRITON_IMPORT_ERROR: str | None = None
+except ImportError as e:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    TRITON_IMPORT_ERROR = str(e)
+
+SUPPORTED_HEADDIMS = (16, 32, 64, 128, 256)
+_LOG2E = 1.4426950408889634
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, K, V, SEQLENS, BR, OP, LP,
+        sqb, sqt, sqh, skb, skn, skh, svb, svn, svh,
+        sob, sot, soh, sos, slb, slt, slh,
+        T, C, H, REP, NB,
+        qk_scale,
+        D: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, CAUSAL: tl.constexpr,
+        PREC: tl.constexpr,
+    ):  # fmt: skip
+        sp = tl.program_id(0)  # split: (branch, key block)
+        pid = tl.program_id(1)  # batch * nheads_kv + kv head
+        hkv = H // REP
+        b = (pid // hkv).to(tl.int64)
+        g = pid % hkv
+        # branch table rows: (w, r, head start, head stop, first split)
+        bi = 0
+        for i in range(1, NB):
+            bi = tl.where(sp >= tl.load(BR + i * 5 + 4), i, bi)
+        w = tl.load(BR + bi * 5)
+        r = tl.load(BR + bi * 5 + 1)
+        hs = tl.load(BR + bi * 5 + 2)
+        he = tl.load(BR + bi * 5 + 3)
+        blk = sp - tl.load(BR + bi * 5 + 4)
+        seqlen = tl.load(SEQLENS + b)
+
+        offs_h = tl.arange(0, BH)
+        offs_n = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        h = g * REP + offs_h  # query heads of this kv head's group
+        in_group = offs_h < REP
+        for t in range(0, T):
+            i = seqlen - T + t  # absolute position of query row t
+            seg0 = (i // w) * w
+            c = (i - seg0) % r
+            if CAUSAL:
+                end = tl.minimum(seg0 + w, i + 1)
+            else:
+                end = tl.minimum(seg0 + w, seqlen)
+            takes = in_group & (h >= hs) & (h < he) & (h % r == c)  # (BH,)
+            j = seg0 + c + r * (blk * BN + offs_n)  # (BN,) key positions
+            kvalid = j < end
+            lp_ptrs = LP + b * slb + t * slt + h * slh + sp
+            n_take = tl.sum(takes.to(tl.int32), axis=0)
+            # a row at a negative position (cache_seqlens < seqlen_q) has no key
+            if (n_take > 0) & (seg0 + c + r * blk * BN < end) & (i >= 0):
+                slot = (j % C).to(tl.int64)
+                q = tl.load(
+                    Q + b * sqb + t * sqt + h[:, None] * sqh + offs_d[None, :],
+                    mask=takes[:, None], other=0.0,
+                )  # (BH, D)
+                k = tl.load(
+                    K + b * skb + slot[:, None] * skn + g * skh + offs_d[None, :],
+                    mask=kvalid[:, None], other=0.0,
+                )  # (BN, D)
+                v = tl.load(
+                    V + b * svb + slot[:, None] * svn + g * svh + offs_d[None, :],
+                    mask=kvalid[:, None], other=0.0,
+                )  # (BN, D)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BH, BN), log2
+                s = tl.where(takes[:, None] & kvalid[None, :], s, float("-inf"))
+                m = tl.max(s, axis=1)
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                p = tl.exp2(s - m_safe[:, None])
+                l_sum = tl.sum(p, axis=1)
+                acc = tl.dot(p.to(v.dtype), v, input_precision=PREC)  # (BH, D)
+                l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+                tl.store(
+                    OP + b * sob + t * sot + h[:, None] * soh + sp * sos + offs_d[None, :],
+                    acc / l_safe[:, None], mask=takes[:, None],
+                )
+                lse2 = tl.where(l_sum > 0, m_safe + tl.log2(l_safe), float("-inf"))
+                tl.store(lp_ptrs, lse2, mask=in_group)
+            else:
+                tl.store(lp_ptrs, tl.full([BH], float("-inf"), tl.float32), mask=in_group)
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        OP, LP, OUT, LSE,
+        sob, sot, soh, sos, slb, slt, slh,
+        sxb, sxt, sxh, seb, seh,
+        T, H, NS,
+        BD: tl.constexpr, BS: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)  # (batch, row, head)
+        dblk = tl.program_id(1)  # BD columns of headdim: more programs for a short grid
+        h = pid % H
+        t = (pid // H) % T
+        b = (pid // (H * T)).to(tl.int64)
+        offs_s = tl.arange(0, BS)
+        offs_d = dblk * BD + tl.arange(0, BD)
+        lp = LP + b * slb + t * slt + h * slh
+        op = OP + b * sob + t * sot + h * soh
+        # pass 1: the largest partial LSE (lane-wise, then across lanes)
+        mv = tl.full([BS], float("-inf"), tl.float32)
+        for s0 in range(0, NS, BS):
+            ls = tl.load(lp + s0 + offs_s, mask=s0 + offs_s < NS, other=float("-inf"))
+            mv = tl.maximum(mv, ls)
+        m = tl.max(mv, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        # pass 2: weights exp2(lse_k - m) <= 1; empty partials (lse = -inf) weigh 0, unread
+        lv = tl.zeros([BS], tl.float32)
+        acc = tl.zeros([BD], tl.float32)
+        for s0 in range(0, NS, BS):
+            sm = s0 + offs_s < NS
+            ls = tl.load(lp + s0 + offs_s, mask=sm, other=float("-inf"))
+            wt = tl.exp2(ls - m_safe)
+            has = sm & (ls > float("-inf"))
+            o = tl.load(op + (s0 + offs_s)[:, None] * sos + offs_d[None, :], mask=has[:, None], other=0.0)
+            acc += tl.sum(wt[:, None] * o, axis=0)
+            lv += wt
+        l_sum = tl.sum(lv, axis=0)
+        l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+        out = tl.where(l_sum > 0, acc / l_safe, 0.0)
+        tl.store(OUT + b * sxb + t * sxt + h * sxh + offs_d, out.to(OUT.dtype.element_ty))
+        if dblk == 0:
+            ln_lse = (m_safe + tl.log2(l_safe)) * 0.6931471805599453  # log2 -> natural log
+            tl.store(LSE + b * seb + h * seh + t, tl.where(l_sum > 0, ln_lse, float("-inf")))
+
+
+def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
+    """Why the decode kernel cannot run on inputs like ``q`` (None if it can)."""
+    if TRITON_IMPORT_ERROR is not None:
+        return f"the triton package is not importable ({TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
+    if q.device.type == "cuda" and interpret:
+        return "TRITON_INTERPRET=1 is set but the inputs are on CUDA; unset it to run the compiled kernel"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpret):
+        return f"the triton kernel needs a CUDA tensor, got device {q.device} (TRITON_INTERPRET=1 allows the CPU for tests)"
+    if q.shape[-1] not in SUPPORTED_HEADDIMS:
+        return f"headdim {q.shape[-1]} is not supported by the triton decode kernel (supported: {SUPPORTED_HEADDIMS}); use impl='torch'"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} is not supported by the triton decode kernel (fp16, bf16, fp32); use impl='torch'"
+    return None
+
+
+def split_table(branches: tuple, block_n: int) -> tuple[list[list[int]], int]:
+    """Rows (w, r, head start, head stop, first split) and the total number of splits."""
+    rows, first = [], 0
+    for w, r, hs, he in branches:
+        rows.append([w, r, hs, he, first])
+        keys = -(-w // r)  # ceil(w / r): the most keys a row reads in this branch
+        first += -(-keys // block_n)
+    return rows, first
+
+
+@functools.lru_cache(maxsize=64)
+def _table(branches: tuple, block_n: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The split table as an int32 device tensor, built once per (branches, block, device): a
+    host-to-device copy per call would block the host and could not be captured in a graph."""
+    rows, nsplit = split_table(branches, block_n)
+    return torch.tensor(rows, dtype=torch.int32, device=device), nsplit
+
+
+def decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    branches: list[tuple[int, int, int, int]],
+    causal: bool,
+    scale: float,
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    reduce_splits: int = 128,
+    reduce_cols: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated inputs (see ``decode.py``); same contract as :func:`torch_decode.decode_torch`.
+
+    q (B, T, H, D) and the caches (B, C, Hkv, D) need unit stride in the last dim.
+    Tuning knobs for benchmarks: ``block_n`` (keys per split) and ``num_warps`` of the split
+    pass; ``reduce_splits`` (partials per step) and ``reduce_cols`` (headdim columns per
+    program) of the reduction: one step over all partials where they fit (the LongNet branches
+    give 80 splits of 128 keys), and several programs per head so that the short grid of one
+    token still spreads over the SMs.
+    """
+    bsz, nq, nh, d = q.shape
+    cap, hkv = k_cache.shape[1], k_cache.shape[2]
+    rep = nh // hkv
+    interp = q.device.type == "cpu"
+    if block_n is None:
+        block_n = 16 if interp else 128  # small blocks exercise multi-block rows in tests
+    if num_warps is None:
+        num_warps = 4
+    table, nsplit = _table(tuple(branches), block_n, q.device)
+    op = torch.empty(bsz, nq, nh, nsplit, d, dtype=torch.float32, device=q.device)
+    lp = torch.empty(bsz, nq, nh, nsplit, dtype=torch.float32, device=q.device)
+    out = torch.empty(bsz, nq, nh, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
+    launch = {} if interp else dict(num_warps=num_warps, num_stages=1)
+    _decode_split_kernel[(nsplit, bsz * hkv)](
+        q, k_cache, v_cache, cache_seqlens, table, op, lp,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        op.stride(0), op.stride(1), op.stride(2), op.stride(3),
+        lp.stride(0), lp.stride(1), lp.stride(2),
+        nq, cap, nh, rep, len(branches),
+        scale * _LOG2E,
+        D=d, BN=block_n, BH=max(16, triton.next_power_of_2(rep)), CAUSAL=causal,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        **launch,
+    )  # fmt: skip
+    bd = min(d, reduce_cols)
+    _decode_reduce_kernel[(bsz * nq * nh, d // bd)](
+        op, lp, out, lse,
+        op.stride(0), op.stride(1), op.stride(2), op.stride(3),
+        lp.stride(0), lp.stride(1), lp.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        nq, nh, nsplit,
+        BD=bd, BS=min(reduce_splits, triton.next_power_of_2(nsplit)),
+        **({} if interp else dict(num_warps=4, num_stages=1)),
+    )  # fmt: skip
+    return out, lse

@@ -1,0 +1,122 @@
+"""LongNetLM.generate: static KV cache, chunked prefill, decode path, rolling cache, CUDA graphs.
+
+Judged against full forward passes without any cache (the model's own definition), across
+several segment boundaries of every branch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention.models import LongNetConfig, LongNetLM
+from dilated_attention.models import longnet
+
+
+def _model(dtype=torch.float64, device="cpu", **kw) -> LongNetLM:
+    base = dict(
+        vocab_size=50, dim=32, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=48,
+        segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), impl="torch",
+    )  # fmt: skip
+    base.update(kw)
+    return LongNetLM(LongNetConfig(**base)).to(device=device, dtype=dtype).eval()
+
+
+def _manual_greedy(m, prompt, n):
+    """Greedy decoding by full forward passes over the growing sequence (no cache)."""
+    idx, logits = prompt, []
+    for _ in range(n):
+        lg, _ = m(idx)
+        logits.append(lg[:, -1])
+        idx = torch.cat([idx, lg[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx, logits
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 5])
+@pytest.mark.parametrize("kw", [{}, dict(head_assignment="split"), dict(segment_lengths=(6, 16), dilation_rates=(2, 3))])
+def test_generate_equals_manual_loop(seed, prefill_chunk, kw):
+    m = _model(**kw)
+    prompt = torch.randint(0, 50, (2, 11))
+    out, steps = m.generate(prompt, 30, temperature=0.0, return_logits=True, prefill_chunk=prefill_chunk)
+    want, want_logits = _manual_greedy(m, prompt, 30)
+    assert torch.equal(out, want) and not m.has_cache
+    for got, ref in zip(steps, want_logits, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 7])
+@pytest.mark.parametrize("kw", [{}, dict(segment_lengths=(6, 16), dilation_rates=(2, 3))])
+def test_rolling_cache_equals_full_cache(seed, prefill_chunk, kw):
+    # 150 positions: the ring buffer (lcm(w) - 1 + 64 slots) wraps, several segments of each branch
+    m = _model(**kw)
+    prompt = torch.randint(0, 50, (2, 40))
+    full, lf = m.generate(prompt, 110, temperature=0.0, return_logits=True, prefill_chunk=prefill_chunk)
+    roll, lr = m.generate(prompt, 110, temperature=0.0, return_logits=True, prefill_chunk=prefill_chunk, rolling=True)
+    assert m.rolling_capacity(prefill_chunk or max(m.cfg.segment_lengths)) < 150
+    assert torch.equal(full, roll)
+    for a, b in zip(lf, lr, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+def test_rolling_cache_memory_does_not_grow(seed, monkeypatch):
+    sizes = []
+    init = longnet.KVCache.__init__
+
+    def spy(self, batch, capacity, *a, **kw):
+        sizes.append(capacity)
+        init(self, batch, capacity, *a, **kw)
+
+    monkeypatch.setattr(longnet.KVCache, "__init__", spy)
+    m = _model()
+    prompt = torch.randint(0, 50, (1, 9))
+    caps = {}
+    for n in (5, 60, 300):
+        sizes.clear()
+        m.generate(prompt, n, temperature=0.0, rolling=True)
+        caps[n] = set(sizes)
+    assert caps[5] == caps[60] == caps[300] and len(caps[5]) == 1
+    sizes.clear()
+    m.generate(prompt, 300, temperature=0.0)
+    assert sizes[0] == 309  # the full cache holds every position
+
+
+def test_sampling_with_generator_is_reproducible(seed):
+    m = _model()
+    prompt = torch.randint(0, 50, (2, 5))
+    outs = [
+        m.generate(prompt, 12, temperature=0.9, top_k=7, generator=torch.Generator().manual_seed(3))
+        for _ in range(2)
+    ]
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape == (2, 17) and outs[0].max() < 50
+
+
+def test_generate_validates():
+    m = _model()
+    with pytest.raises(ValueError, match="decode must be"):
+        m.generate(torch.zeros(1, 3, dtype=torch.long), 2, decode="fast")
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        m.generate(torch.zeros(1, 3, dtype=torch.long), 2, decode="graph")
+
+
+def test_generate_compiled_step_on_cpu(seed):
+    # decode="compile" traces the decode step (custom op + fake) without graph breaks
+    m = _model(dtype=torch.float32)
+    prompt = torch.randint(0, 50, (1, 6))
+    got = m.generate(prompt, 4, temperature=0.0, decode="compile")
+    want = m.generate(prompt, 4, temperature=0.0, decode="eager")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode", ["graph", "compile"])
+def test_cuda_generate_graph_equals_eager(seed, decode):
+    m = _model(dtype=torch.float32, device="cuda", impl="auto", dim=128, n_head=4, n_kv_head=2)
+    prompt = torch.randint(0, 50, (2, 100), device="cuda")
+    got, lg = m.generate(prompt, 70, temperature=0.0, return_logits=True, decode=decode)
+    want, lw = m.generate(prompt, 70, temperature=0.0, return_logits=True, decode="eager")
+    assert torch.equal(got, want)
+    for a, b in zip(lg, lw, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref, rl = _manual_greedy(m, prompt, 70)
+    for a, b in zip(lg, rl, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
