@@ -98,8 +98,13 @@ def test_generate_validates():
         m.generate(torch.zeros(1, 3, dtype=torch.long), 2, decode="graph")
 
 
-def test_generate_compiled_step_on_cpu(seed):
-    # decode="compile" traces the decode step (custom op + fake) without graph breaks
+def test_generate_compiled_step_on_cpu(seed, monkeypatch):
+    # decode="compile" traces the decode step (custom op + fake) without graph breaks; on the CPU
+    # with the aot_eager backend (inductor's C++ build is slow; the cuda test runs inductor)
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, mode=None, **kw: compile_(fn, backend="aot_eager", **kw)
+    )
     m = _model(dtype=torch.float32)
     prompt = torch.randint(0, 50, (1, 6))
     got = m.generate(prompt, 4, temperature=0.0, decode="compile")
@@ -115,8 +120,8 @@ def test_cuda_generate_graph_equals_eager(seed, decode):
     got, lg = m.generate(prompt, 70, temperature=0.0, return_logits=True, decode=decode)
     want, lw = m.generate(prompt, 70, temperature=0.0, return_logits=True, decode="eager")
     assert torch.equal(got, want)
-    for a, b in zip(lg, lw, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(lg, lw, strict=True):  # inductor may fuse the step's ops differently
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     ref, rl = _manual_greedy(m, prompt, 70)
     for a, b in zip(lg, rl, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -322,7 +322,7 @@ class Attention(nn.Module):
         sequence-parallel shard). With one, the new keys/values are written to the cache and
         the queries attend the cached positions (bottom-right alignment):
         - ``start_pos`` an int (prefill): through :func:`dilated_attention` over the cache window
-          that starts at :attr:`align_start` (a multiple of every segment length, so segments
+          that starts at :meth:`align_start` (a multiple of every segment length, so segments
           keep their absolute alignment);
         - ``start_pos`` a 0-dim int64 device tensor (decode, T <= 64): through
           :func:`dilated_attention_with_kvcache` on the whole cache buffer, with no host
@@ -589,7 +589,8 @@ class LongNetLM(_Trunk):
             step = self._decode_step(b, t, decode)
             out = [idx]
             for s in range(max_new_tokens):
-                steps.append(last.clone() if decode != "eager" else last)
+                if return_logits:  # a graph step returns its static output buffer: copy
+                    steps.append(last.clone() if decode != "eager" else last)
                 nxt = _sample(last, temperature, top_k, generator)  # (B, 1)
                 out.append(nxt)
                 if s + 1 < max_new_tokens:
