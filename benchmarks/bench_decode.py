@@ -128,18 +128,18 @@ def attention_latency(args, dev, dtype) -> tuple[list[dict], list[dict]]:
                 row["graph"] = _time_graph(dec, args.iters)
                 row["graph20"] = _time_graph(dec, args.iters, calls=20)
                 row["previous"] = _time_events(
-                    lambda: previous(q, kn, vn, seg, dil, causal=True, scale=d**-0.5,
-                                     key_padding_mask=None, head_assignment="all"),
+                    lambda kn=kn, vn=vn: previous(q, kn, vn, seg, dil, causal=True, scale=d**-0.5,
+                                                  key_padding_mask=None, head_assignment="all"),
                     max(5, args.iters // 10),
                 )  # fmt: skip
-                qt, kt, vt = q.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2)
+                qkv = q.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2)  # (B, H, N, D)
                 row["dense"] = _time_events(
-                    lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), args.iters
+                    lambda qkv=qkv: F.scaled_dot_product_attention(*qkv, enable_gqa=True), args.iters
                 )
             else:
                 row["decode"] = _time_cpu(dec, args.iters)
                 row["dense"] = _time_cpu(
-                    lambda: F.scaled_dot_product_attention(
+                    lambda kn=kn, vn=vn: F.scaled_dot_product_attention(
                         q.transpose(1, 2), kn.transpose(1, 2).repeat_interleave(h // hkv, 1),
                         vn.transpose(1, 2).repeat_interleave(h // hkv, 1),
                     ),

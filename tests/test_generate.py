@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilated_attention.models import LongNetConfig, LongNetLM
-from dilated_attention.models import longnet
+from dilated_attention.models import LongNetConfig, LongNetLM, longnet
 
 
 def _model(dtype=torch.float64, device="cpu", **kw) -> LongNetLM:
