@@ -190,7 +190,7 @@ def _tokens_per_s(model, prompt, n_short, n_long, decode) -> float:
 
 def generate_throughput(args, dev, dtype) -> list[dict]:
     rows = []
-    decode = "graph" if dev == "cuda" else "eager"
+    decode = args.decode if dev == "cuda" else "eager"
     for ctx in args.contexts:
         base = LongNetConfig.preset(args.preset)
         total = ctx + args.new_long
@@ -228,6 +228,13 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU-sized smoke run (float32)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the knob sweep")
+    p.add_argument(
+        "--decode", choices=("graph", "compile"), default="graph",
+        help="generate's decode step: one CUDA graph (default) or torch.compile(mode="
+        "'reduce-overhead') (fuses the step's small kernels; compiles once per model: slower run)",
+    )  # fmt: skip
+    p.add_argument("--no-latency", dest="latency", action="store_false", help="only part 2")
+    p.add_argument("--no-generate", dest="generate", action="store_false", help="only part 1")
     args = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny:
@@ -247,10 +254,13 @@ def main(argv=None):
         args.iters = args.iters or 100
         dtype = torch.bfloat16
     t_start = time.perf_counter()
-    print("attention latency per call (us):", flush=True)
-    lat, sweep = attention_latency(args, dev, dtype)
-    print("generate tokens/s:", flush=True)
-    gen = generate_throughput(args, dev, dtype)
+    lat, sweep, gen = [], [], []
+    if args.latency:
+        print("attention latency per call (us):", flush=True)
+        lat, sweep = attention_latency(args, dev, dtype)
+    if args.generate:
+        print("generate tokens/s:", flush=True)
+        gen = generate_throughput(args, dev, dtype)
     gpu, versions = _versions(dev)
     cmd = "PYTHONPATH=src python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
     today = datetime.date.today().isoformat()
@@ -263,10 +273,10 @@ def main(argv=None):
         f"{args.headdim}, {str(dtype).removeprefix('torch.')}, causal, branches w = {list(args.seg)}, "
         f"r = {list(args.dil)}",
         "",
-        "## One attention call (microseconds, median)",
-        "",
     ]
-    if dev == "cuda":
+    if lat:
+        lines += ["## One attention call (microseconds, median)", ""]
+    if lat and dev == "cuda":
         lines += [
             "| cache length | decode (eager) | decode (graph) | decode (graph x20, per call) | previous (auto before) | dense SDPA | keys read | decode GB/s | dense / decode |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -277,7 +287,7 @@ def main(argv=None):
                 f"{r['previous']:.1f} | {r['dense']:.1f} | {r['keys']} | {r['gbs']:.0f} | "
                 f"{r['dense'] / r['graph20']:.1f}x |"
             )
-    else:
+    elif lat:
         lines += ["| cache length | decode | dense SDPA | keys read |", "|---|---|---|---|"]
         for r in lat:
             lines.append(f"| {r['n']} | {r['decode']:.1f} | {r['dense']:.1f} | {r['keys']} |")
@@ -290,17 +300,17 @@ def main(argv=None):
             "|---|---|---|---|",
         ]
         lines += [f"| {s['n']} | {s['block_n']} | {s['num_warps']} | {s['us']:.1f} |" for s in sweep]
-    lines += [
+    lines += [] if not gen else [
         "",
         f"## generate, preset {args.preset!r} ({str(dtype).removeprefix('torch.')}, greedy, "
-        f"decode step {'in a CUDA graph' if dev == 'cuda' else 'eager'})",
+        f"decode step {({'graph': 'in a CUDA graph', 'compile': 'torch.compile reduce-overhead'}[args.decode]) if dev == 'cuda' else 'eager'})",
         "",
         f"tokens/s of the decode loop ({args.new_long} - {args.new_short} tokens, prefill excluded)",
         "",
         "| context | dilated tokens/s | dense tokens/s | dilated / dense |",
         "|---|---|---|---|",
     ]
-    lines += [
+    lines += [] if not gen else [
         f"| {r['ctx']} | {r['dilated']:.1f} | {r['dense']:.1f} | {r['speedup']:.2f}x |" for r in gen
     ]
     text = "\n".join(lines) + "\n"
@@ -310,7 +320,9 @@ def main(argv=None):
             os.makedirs(path, exist_ok=True)
             names = ("h100", "h200", "a100", "l40s")
             tag = next((t for t in names if t in gpu.lower()), "cpu" if dev == "cpu" else "gpu")
-            path = os.path.join(path, f"decode_{tag}_{today}.md")
+            parts = ["decode"] + (["compile"] if args.decode == "compile" else [])
+            parts += ([] if args.latency else ["generate-only"]) + ([] if args.generate else ["latency-only"])
+            path = os.path.join(path, f"{'_'.join(parts)}_{tag}_{today}.md")
         with open(path, "w") as f:
             f.write(text)
         print(f"wrote {path}")
