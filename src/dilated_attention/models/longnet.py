@@ -219,9 +219,16 @@ class Rotary(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor):
         """q (B, Nq, H, D), k (B, Nk, Hkv, D), pos_* (N,) int64 -> rotated q, k (same dtypes)."""
+        if pos_k is pos_q and not self.xpos:  # one table serves both (fewer kernels per step)
+            table = self._table(pos_q, +1, q.dtype)
+            return self._rotate_with(q, *table), self._rotate_with(k, *table)
         return self._rotate(q, pos_q, +1), self._rotate(k, pos_k, -1)
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor, sign: int) -> torch.Tensor:
+        return self._rotate_with(x, *self._table(pos, sign, x.dtype))
+
+    def _table(self, pos: torch.Tensor, sign: int, dtype: torch.dtype):
+        """cos, sin (1, N, 1, D) for positions pos (N,) in the compute dtype of ``dtype``."""
         # Angles in float64 then cast: positions up to millions keep full precision.
         ang = pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq  # (N, D/2)
         cos, sin = ang.cos(), ang.sin()
@@ -230,10 +237,14 @@ class Rotary(nn.Module):
                 sign * pos.to(self.zeta.dtype)[:, None] / self.scale_base
             )  # (N, D/2)
             cos, sin = cos * scale, sin * scale
-        dt = x.dtype if x.dtype == torch.float64 else torch.float32
+        dt = dtype if dtype == torch.float64 else torch.float32
         cos = torch.cat([cos, cos], -1).to(dt)[None, :, None, :]  # (1, N, 1, D)
         sin = torch.cat([sin, sin], -1).to(dt)[None, :, None, :]
-        xf = x.to(dt)
+        return cos, sin
+
+    @staticmethod
+    def _rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        xf = x.to(cos.dtype)
         x1, x2 = xf.chunk(2, dim=-1)
         rot = torch.cat([-x2, x1], dim=-1)
         return (xf * cos + rot * sin).to(x.dtype)
