@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from .branches import branch_head_ranges, normalize_branches
-from .kernels import torch_decode, triton_decode
+from .kernels import torch_decode
 
 MAX_DECODE_ROWS = 64  # the kernel walks the query rows one by one: meant for a few new tokens
 DECODE_IMPLS = ("auto", "torch", "triton")
@@ -49,9 +49,18 @@ def _interpret() -> bool:
     return _INTERPRET
 
 
+def _triton_decode():
+    # imported at the first decode call, not with the package: ``triton.jit`` picks the
+    # interpreter or the compiler when the kernels are defined, and test modules set
+    # TRITON_INTERPRET after the package may have been imported by another module
+    from .kernels import triton_decode
+
+    return triton_decode
+
+
 def triton_unavailable_reason(q: torch.Tensor) -> str | None:
     """Why the Triton decode kernel cannot run on inputs like ``q`` (None if it can)."""
-    return triton_decode.unavailable_reason(q, _interpret())
+    return _triton_decode().unavailable_reason(q, _interpret())
 
 
 def _branch_rows(nheads: int, seg, dil, head_assignment: str) -> list[int]:
@@ -77,7 +86,7 @@ def _decode_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [tuple(branches[i : i + 4]) for i in range(0, len(branches), 4)]
     if impl == "triton":
-        return triton_decode.decode_triton(q, k_cache, v_cache, cache_seqlens, rows, causal, scale)
+        return _triton_decode().decode_triton(q, k_cache, v_cache, cache_seqlens, rows, causal, scale)
     return torch_decode.decode_torch(q, k_cache, v_cache, cache_seqlens, rows, causal, scale)
 
 
