@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. triton.jit binds interpreter or
+# compiled mode when a kernel is defined, so the mode is set here, once, before any test module
+# imports a kernel module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture
