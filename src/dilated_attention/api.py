@@ -1,7 +1,7 @@
 """The functional API: validation, semantics and dispatch to an implementation.
 
 Every public entry point checks its inputs here, once, and hands validated tensors to one
-implementation (``reference.py``, ``kernels/torch_dilated.py``, ``kernels/triton_dilated.py``,
+implementation (``reference.py``, ``kernels/torch_dilated.py``, ``kernels/triton_ops.py``,
 ``distributed/``). Implementations never import each other's internals and an explicitly
 requested ``impl`` never silently falls back.
 
@@ -97,10 +97,10 @@ def _check_dropout(dropout_p) -> float:
 def triton_unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | None:
     """Why impl='triton' cannot run for these inputs (None if it can)."""
     try:
-        from .kernels import triton_dilated
+        from .kernels import triton_ops
     except ImportError as e:  # triton not installed
         return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
-    return triton_dilated.unavailable_reason(q, k)
+    return triton_ops.unavailable_reason(q, k)
 
 
 def available_impls(q: torch.Tensor | None = None) -> list[str]:
@@ -205,7 +205,7 @@ def dilated_attention(
             dropout_p=p, head_assignment=head_assignment,
         )
     else:
-        from .kernels.triton_dilated import dilated_attention_triton
+        from .kernels.triton_ops import dilated_attention_triton
 
         out, lse = dilated_attention_triton(
             q, k, v, seg, dil, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
