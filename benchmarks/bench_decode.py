@@ -48,7 +48,7 @@ def _previous_path():
     try:
         from dilated_attention.kernels.triton_ops import dilated_attention_triton
     except ImportError:
-        from dilated_attention.kernels.triton_dilated import dilated_attention_triton
+        from dilated_attention.kernels.triton_ops import dilated_attention_triton
     return dilated_attention_triton
 
 

@@ -2,29 +2,31 @@
 
     PYTHONPATH=src python3 benchmarks/tune_triton.py --n 131072 --max-seconds 240 --out tune.md
 
-For each candidate (BM, BN, num_warps, num_stages) of the forward, dK/dV and dQ kernels (set
-through the private ``DILATED_ATTENTION_TRITON_CONFIG`` override, the others at their
-defaults) it first checks out/dq/dk/dv against the default config on fresh random inputs at
-N = 32768 (relative Frobenius error < 1e-2: same math, different summation order), then times
-the forward (forward configs) or forward+backward (dK/dV, dQ configs) at --n, bf16, batch 1,
-16 heads x 128, LongNet branches, not causal. Configs that fail to compile (shared memory) or
-disagree are reported as such. Last, the best of each kernel combined against the defaults,
-causal and not. Stops starting new candidates after --max-seconds.
+For each candidate (BM, BN, num_warps, num_stages) of the forward, dK/dV and dQ kernels
+(passed as the ``config=`` keyword of the launcher, ``dilated_attention.kernels.triton_launch``;
+the other kernels at their defaults) it first checks out/dq/dk/dv against the default config on
+fresh random inputs at N = 32768 (relative Frobenius error < 1e-2: same math, different
+summation order), then times the forward (forward configs) or forward + backward (dK/dV, dQ
+configs) at --n, bf16, batch 1, 16 heads x 128, LongNet branches, not causal. The launcher is
+called directly (forward, then backward from its out and lse: the kernels of
+``impl="triton"`` without the autograd bookkeeping). Configs that fail to compile (shared
+memory) or disagree are reported as such. Last, the best of each kernel combined against the
+defaults, causal and not, and the defaults with the folded forward off (``fold=False``).
+Stops starting new candidates after --max-seconds.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-from dilated_attention import dilated_attention
+from dilated_attention.branches import branch_head_ranges
 from dilated_attention.flops import dilated_flops
+from dilated_attention.kernels import triton_launch
 
-ENV = "DILATED_ATTENTION_TRITON_CONFIG"
 SEG, DIL = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 CANDIDATES = {
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 4, 3),
@@ -36,46 +38,43 @@ CANDIDATES = {
 }
 
 
-def _run(n, causal, backward, seed=0):
+HEADS = branch_head_ranges(16, len(SEG), "all")
+
+
+def _fwd_bwd(q, k, v, do, causal, backward, config=None, fold=None):
+    """The kernels of impl="triton" through the launcher: [out] or [out, dq, dk, dv]."""
+    args = (SEG, DIL, causal, 128**-0.5, HEADS)
+    out, lse = triton_launch.forward(q, k, v, None, *args, config=config, fold=fold)
+    if not backward:
+        return [out]
+    return [out, *triton_launch.backward(do, q, k, v, None, out, lse, *args, config=config)]
+
+
+def _run(n, causal, backward, config=None, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, do = (torch.randn(1, n, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
                    for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    out = dilated_attention(q, k, v, SEG, DIL, causal=causal, impl="triton")
-    if not backward:
-        return [out.detach()]
-    out.backward(do)
-    return [out.detach(), q.grad, k.grad, v.grad]
+    return _fwd_bwd(q, k, v, do, causal, backward, config)
 
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _time(n, causal, backward):
+def _time(n, causal, backward, config=None, fold=None):
     import triton.testing
 
     q, k, v, do = (torch.randn(1, n, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
 
     def f():
-        out = dilated_attention(q, k, v, SEG, DIL, causal=causal, impl="triton")
-        if backward:
-            out.backward(do)
+        _fwd_bwd(q, k, v, do, causal, backward, config, fold)
 
-    if backward:
-        f()
-        ms = triton.testing.do_bench(f, warmup=10, rep=40, return_mode="median")
-    else:
-        with torch.no_grad():
-            ms = triton.testing.do_bench(f, warmup=10, rep=40, return_mode="median")
-    return ms
+    f()
+    return triton.testing.do_bench(f, warmup=10, rep=40, return_mode="median")
 
 
-def _spec(kernel, cfg):
-    return f"{kernel}={','.join(map(str, cfg))}"
+def _spec(config):
+    return ";".join(f"{kernel}={','.join(map(str, cfg))}" for kernel, cfg in config.items())
 
 
 def main():
@@ -89,9 +88,7 @@ def main():
     a = p.parse_args()
     cands = CANDIDATES
     if a.candidates:
-        from dilated_attention.kernels.triton_dilated import _configs
-
-        default = _configs(128, False)
+        default = triton_launch.default_configs(128)
         cands = {}
         for item in filter(None, (s.strip() for s in a.candidates.split(";"))):
             name, _, vals = item.partition("=")
@@ -99,7 +96,6 @@ def main():
     import triton
 
     t0 = time.time()
-    os.environ.pop(ENV, None)
     ref = _run(32768, False, True)
     fl = dilated_flops(1, a.n, a.n, 16, 128, SEG, DIL, False)
     lines = ["| kernel | BM, BN, warps, stages | check (max rel err vs default) | ms | TFLOP/s |",
@@ -110,15 +106,14 @@ def main():
             if time.time() - t0 > a.max_seconds:
                 lines.append(f"| {kernel} | {cfg} | not run (time) | | |")
                 continue
-            os.environ[ENV] = _spec(kernel, cfg)
             try:
-                got = _run(32768, False, True)
+                got = _run(32768, False, True, {kernel: cfg})
                 err = max(_rel(x, y) for x, y in zip(got, ref, strict=True))
                 if not err < 1e-2:
                     lines.append(f"| {kernel} | {cfg} | MISMATCH {err:.2e} | | |")
                     continue
                 bwd = kernel != "fwd"
-                ms = _time(a.n, False, bwd)
+                ms = _time(a.n, False, bwd, {kernel: cfg})
                 tf = (3.5 if bwd else 1.0) * fl / ms / 1e9
                 lines.append(f"| {kernel} | {cfg} | {err:.1e} | {ms:.2f} | {tf:.0f} |")
                 if kernel not in best or ms < best[kernel][1]:
@@ -126,20 +121,21 @@ def main():
             except Exception as e:  # compile failures (shared memory), keep sweeping
                 lines.append(f"| {kernel} | {cfg} | ERR {type(e).__name__}: {str(e)[:50]} | | |")
             finally:
-                os.environ.pop(ENV, None)
                 torch.cuda.empty_cache()
             print(lines[-1], flush=True)
-    combo = ";".join(_spec(kk, c) for kk, (c, _) in best.items())
-    lines += ["", f"best per kernel: `{ENV}=\"{combo}\"`", "",
+    combo = {kk: c for kk, (c, _) in best.items()}
+    lines += ["", f"best per kernel: `config={combo}` (`--candidates '{_spec(combo)}'`)", "",
               "| causal | config | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s |", "|---|---|---|---|---|"]
     for causal in (False, True):
         flc = dilated_flops(1, a.n, a.n, 16, 128, SEG, DIL, causal)
-        for name, spec in (("default", ""), ("best", combo)):
-            os.environ[ENV] = spec
-            f_ms, b_ms = _time(a.n, causal, False), _time(a.n, causal, True)
+        runs = [("default", None, None), ("best", combo, None)]
+        if not causal:  # the folded forward is the default only for non-causal calls
+            runs.append(("default, fold=False", None, False))
+        for name, cfg, fold in runs:
+            f_ms = _time(a.n, causal, False, cfg, fold)
+            b_ms = _time(a.n, causal, True, cfg, fold)
             lines.append(f"| {causal} | {name} | {f_ms:.2f} | {b_ms:.2f} | {3.5 * flc / b_ms / 1e9:.0f} |")
             print(lines[-1], flush=True)
-    os.environ.pop(ENV, None)
     head = [
         "# Triton block-config sweep",
         "",

@@ -7,8 +7,6 @@ dq/dk/dv with ``impl="reference"`` on the global tensors. One spawn per world si
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -109,8 +107,14 @@ def _errors_worker(rank, world):
         dilated_attention(q, q, q, (4,), (1,), dropout_p=0.1, group=dist.group.WORLD)
     with pytest.raises(ValueError, match="impl='reference' is not available"):
         dilated_attention(q, q, q, (4,), (1,), impl="reference", group=dist.group.WORLD)
-    # the fused kernel cannot run on CPU tensors outside the interpreter (or without triton)
-    os.environ["TRITON_INTERPRET"] = "0"
+    # the fused kernel cannot run on CPU tensors outside the interpreter (or without triton);
+    # the mode is fixed when the kernels are first imported, so set this rank's copy directly
+    try:
+        from dilated_attention.kernels import triton_launch
+
+        triton_launch.INTERPRET = False
+    except ImportError:  # no triton: unavailable anyway
+        pass
     with pytest.raises(ValueError, match="impl='triton' cannot run here with group="):
         dilated_attention(q, q, q, (4,), (1,), impl="triton", group=dist.group.WORLD)
     # still healthy

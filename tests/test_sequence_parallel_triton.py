@@ -1,7 +1,8 @@
 """Sequence-parallel dilated attention with ``impl="triton"`` (fused kernel for the local blocks).
 
 Real gloo process groups of 2 and 3 ranks; the ranks run the Triton kernels in its interpreter
-(``TRITON_INTERPRET=1``, set in each rank before the first kernel is built) at tiny sizes. Every
+(``TRITON_INTERPRET=1``, set in each rank before the kernels module is first imported, which
+fixes the mode for the process) at tiny sizes. Every
 case compares this rank's shard of out, lse and dq/dk/dv with ``impl="reference"`` in float64 on
 the global tensors (``_case`` of test_sequence_parallel.py), and checks from
 ``last_comm_stats()`` which branches ran fused on this rank: fully local branches, branches whose
@@ -32,7 +33,7 @@ def _fused(st):
 
 
 def _worker(rank, world, dtypes):
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are built (lazily, at call time)
+    os.environ["TRITON_INTERPRET"] = "1"  # read once, when the kernels module is first imported
     import torch.distributed as dist
 
     L = {2: 12, 3: 6}[world]
@@ -77,11 +78,14 @@ def test_auto_local_impl_rule(monkeypatch):
     triton cannot run."""
     from dilated_attention.kernels.select import pick_sp_local_impl as _local_impl
 
+    from dilated_attention.kernels import triton_launch
+
     q = torch.randn(1, 8, 2, 16)
     k = torch.randn(1, 8, 2, 16)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU without interpreter: no triton
+    # the interpreter mode is fixed per process when the kernels are imported: set it directly
+    monkeypatch.setattr(triton_launch, "INTERPRET", False)  # CPU without interpreter: no triton
     assert _local_impl("auto", q, k, causal=True) == "torch"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_launch, "INTERPRET", True)
     assert _local_impl("auto", q, k, causal=True) == "triton"
     assert _local_impl("auto", q, k, causal=False) == "triton"  # no gradient needed
     qg = q.clone().requires_grad_()

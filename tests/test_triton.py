@@ -1,13 +1,13 @@
 """impl="triton" against the float64 reference, forward, lse and gradients.
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before triton
-is imported; the kernels are built lazily, so a test module collected earlier does not matter)
-at tiny sizes in float32. The ``cuda`` set runs real sizes in bf16 and judges as SPEC section 6:
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before the
+kernels module is first imported, which fixes the mode for the process) at tiny sizes in float32. The ``cuda`` set runs real sizes in bf16 and judges as SPEC section 6:
 error vs the fp32 reference <= 2x the error of impl="torch" in the same dtype + a small atol.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -20,7 +20,8 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from dilated_attention import dilated_attention  # noqa: E402
-from dilated_attention.kernels import triton_dilated  # noqa: E402
+from dilated_attention.branches import branch_head_ranges  # noqa: E402
+from dilated_attention.kernels import triton_launch, triton_ops  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP = DEV == "cpu"
@@ -111,47 +112,47 @@ def test_triton_decode_single_query_interpreter(seed):
         _close(f"d{n}", g, r, 5e-5)
 
 
-@pytest.mark.skipif(DEV != "cpu" or not INTERP, reason="interpreter tests run on the CPU")
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("nq,h,hkv", [(45, 4, 4), (53, 4, 2)], ids=["mha", "gqa"])
-def test_triton_v3_variant_interpreter(seed, monkeypatch, causal, nq, h, hkv):
-    """The private A/B switch: variant "v3" (old kernels/configs) still matches the reference."""
-    monkeypatch.setenv(triton_dilated._VARIANT_ENV, "v3")
-    seen = []
-    configs = triton_dilated._configs
+def _with_fp32_accumulators(monkeypatch) -> list:
+    """The same kernels, but results that several branches add into accumulate in float32
+    buffers (COMP off) and are cast to the input dtype once at the end. Returns the list of
+    ``several`` flags of the buffers made (filled as the launcher runs)."""
+    real_fwd, real_bwd = triton_launch.forward, triton_launch.backward
+    made = []
 
-    def spy(d, interpret, variant="v4"):
-        seen.append(variant)
-        return configs(d, interpret, variant)
+    def fp32_buffers(shape, dtype, device, several):
+        made.append(several)
+        return torch.zeros(shape, dtype=torch.float32 if several else dtype, device=device), None
 
-    monkeypatch.setattr(triton_dilated, "_configs", spy)
-    q, k, v, do, _ = _inputs(1, nq, nq, h, hkv, 16, torch.float64, "cpu")
-    seg, dil = [8, 16, 32], [1, 2, 4]
-    ref = _run("reference", q, k, v, do, seg, dil, causal=causal)
-    got = _run("triton", q, k, v, do, seg, dil, dtype=torch.float32, causal=causal)
-    assert seen and set(seen) == {"v3"}, seen  # the switch reached the forward and backward
-    _close("out", got[0], ref[0], 2e-5)
-    _close("lse", got[1], ref[1], 2e-5)
-    for n, g, r in zip("qkv", got[2], ref[2], strict=True):
-        _close(f"d{n}", g, r, 5e-5)
+    def fwd(q, *a, **kw):
+        out, lse = real_fwd(q, *a, **kw)
+        return out.to(q.dtype), lse
+
+    def bwd(dout, q, k, v, *a, **kw):
+        dq, dk, dv = real_bwd(dout, q, k, v, *a, **kw)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    monkeypatch.setattr(triton_launch, "_acc_buffers", fp32_buffers)
+    monkeypatch.setattr(triton_launch, "forward", fwd)
+    monkeypatch.setattr(triton_launch, "backward", bwd)
+    return made
 
 
 @pytest.mark.skipif(DEV != "cpu" or not INTERP, reason="interpreter tests run on the CPU")
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_compensated_accumulation_fp16_interpreter(seed, monkeypatch, causal):
-    """v4 accumulates out/dq/dk/dv across branches as (hi, lo) pairs in the input dtype; the
-    result must be the float32-accumulated one rounded once (variant "v4-fp32acc"), up to one
-    ulp in rare near-tie cases. Plain fp16 accumulation (lo lost) differs in many elements.
-    fp16, not bf16: the interpreter's bf16 loads are broken (v3 too), fp16 is exact there."""
+    """out/dq/dk/dv are accumulated across branches as (hi, lo) pairs in the input dtype; the
+    result must be the float32-accumulated one rounded once, up to one ulp in rare near-tie
+    cases. Plain fp16 accumulation (lo lost) differs in many elements. fp16, not bf16: the
+    interpreter's bf16 loads are broken, fp16 is exact there."""
     q, k, v, do, kpm = _inputs(1, 61, 64, 4, 2, 16, torch.float16, "cpu", pad_frac=0.1)
     # 5 branches, some rows in all of them; GQA: dk/dv of a kv head sum several query heads
     seg, dil = [4, 8, 16, 32, 64], [1, 2, 4, 2, 1]
     kw = dict(causal=causal, key_padding_mask=kpm)
-    got = {}
-    for variant in ("v4", "v4-fp32acc"):
-        monkeypatch.setenv(triton_dilated._VARIANT_ENV, variant)
-        got[variant] = _run("triton", q, k, v, do, seg, dil, **kw)
-    a, b = got["v4"], got["v4-fp32acc"]
+    a = _run("triton", q, k, v, do, seg, dil, **kw)  # compensated (hi, lo) pairs
+    with monkeypatch.context() as m:
+        made = _with_fp32_accumulators(m)
+        b = _run("triton", q, k, v, do, seg, dil, **kw)
+    assert any(made), "the float32-accumulated run made no float32 accumulator"
     # exact result of the same fp16 inputs: where the two differ by more than one ulp (the
     # float32-accumulated one is itself not exact, e.g. after cancellation between branches),
     # the compensated result must be at least as close to it. A (hi, lo) pair of fp16 holds ~22
@@ -175,30 +176,49 @@ def test_triton_compensated_accumulation_fp16_interpreter(seed, monkeypatch, cau
         assert frac <= 0.05, f"{name}: {frac:.1%} of the elements differ from fp32 accumulation"
 
 
-def test_variant_and_config_env_checked(monkeypatch):
-    monkeypatch.setenv(triton_dilated._VARIANT_ENV, "v2")
-    with pytest.raises(ValueError, match="v3"):
-        triton_dilated._variant()
-    monkeypatch.setenv(triton_dilated._VARIANT_ENV, "v4")
-    monkeypatch.setenv(triton_dilated._CONFIG_ENV, "dkdv=32,128,8,3")
-    assert triton_dilated._configs(128, False)["dkdv"] == (32, 128, 8, 3)
-    monkeypatch.setenv(triton_dilated._CONFIG_ENV, "dkdv=64,32,8,3")  # dkdv needs BN % BM == 0
-    with pytest.raises(ValueError, match="BN % BM"):
-        triton_dilated._configs(128, False)
+def test_config_overrides_checked():
+    """The launcher's ``config=`` keyword (benchmarks/tune_triton.py): replaces the named
+    kernels' defaults only, and rejects block shapes the kernels' stages cannot take."""
+    base = triton_launch.default_configs(128)
+    cfg = triton_launch.resolve_configs(128, {"dkdv": (32, 128, 8, 3)})
+    assert cfg == {**base, "dkdv": (32, 128, 8, 3)}
+    assert triton_launch.resolve_configs(128) == base
+    with pytest.raises(ValueError, match="BN % BM"):  # dkdv needs BN % BM == 0
+        triton_launch.resolve_configs(128, {"dkdv": (64, 32, 8, 3)})
+    with pytest.raises(ValueError, match="BM % BN"):  # fwd needs BM % BN == 0
+        triton_launch.resolve_configs(128, {"fwd": (32, 64, 8, 3)})
+    with pytest.raises(ValueError, match="bad Triton config"):
+        triton_launch.resolve_configs(128, {"bwd": (32, 64, 8, 3)})
 
 
-def test_unavailable_reason_says_why():
+@pytest.mark.skipif(DEV != "cpu" or not INTERP, reason="interpreter tests run on the CPU")
+def test_triton_config_override_interpreter(seed):
+    """A non-default config reaches the kernels (other block shapes, same results)."""
+    q, k, v, do, _ = _inputs(1, 45, 45, 4, 2, 16, torch.float32, "cpu")
+    seg, dil = [8, 16, 32], [1, 2, 4]
+    hr = branch_head_ranges(4, 3, "all")
+    common = (seg, dil, True, 0.25, hr)
+    out, lse = triton_launch.forward(q, k, v, None, *common)
+    grads = triton_launch.backward(do, q, k, v, None, out, lse, *common)
+    cfg = dict(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(64, 16, 1, 1))
+    out2, lse2 = triton_launch.forward(q, k, v, None, *common, config=cfg)
+    grads2 = triton_launch.backward(do, q, k, v, None, out, lse, *common, config=cfg)
+    torch.testing.assert_close(out2, out)
+    torch.testing.assert_close(lse2, lse)
+    for g2, g in zip(grads2, grads, strict=True):
+        torch.testing.assert_close(g2, g)
+
+
+def test_unavailable_reason_says_why(monkeypatch):
     cpu = torch.empty(1, 4, 2, 64)
-    reason = triton_dilated.unavailable_reason(cpu.to(torch.float64))
+    reason = triton_ops.unavailable_reason(cpu.to(torch.float64))
     assert reason is not None
-    assert triton_dilated.unavailable_reason(torch.empty(1, 4, 2, 48, device=DEV)) is not None
+    assert triton_ops.unavailable_reason(torch.empty(1, 4, 2, 48, device=DEV)) is not None
     if INTERP:
-        assert triton_dilated.unavailable_reason(cpu) is None
-        os.environ["TRITON_INTERPRET"] = "0"
-        try:
-            assert "CUDA" in triton_dilated.unavailable_reason(cpu)
-        finally:
-            os.environ["TRITON_INTERPRET"] = "1"
+        assert triton_ops.unavailable_reason(cpu) is None
+        # the mode is fixed per process when the kernels are imported: as if compiled
+        monkeypatch.setattr(triton_launch, "INTERPRET", False)
+        assert "CUDA" in triton_ops.unavailable_reason(cpu)
     with pytest.raises(ValueError, match="triton"):
         x = torch.randn(1, 8, 2, 24, device=DEV)
         dilated_attention(x, x, x, [4], [1], impl="triton")
@@ -298,12 +318,11 @@ def test_triton_cuda_vs_torch_path(seed, n, h, hkv, seg, dil, causal, kw, dtype)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant,bound", [("v4", 1.2), ("v4-fp32acc", 1.3)])
-def test_triton_cuda_peak_memory(seed, monkeypatch, variant, bound):
+def test_triton_cuda_peak_memory(seed):
     """Peak of one forward+backward / bytes of (q, k, v, out, dout, dq, dk, dv), as in
-    benchmarks/bench_dilated.py. Predicted: v4 ~1.13 (dK/dV phase: inputs, out, dout, dk, dv and
-    their lo parts), v4-fp32acc ~1.25 (4 units of float32 dK/dV + one cast), v3 ~1.76."""
-    monkeypatch.setenv(triton_dilated._VARIANT_ENV, variant)
+    benchmarks/bench_dilated.py. Predicted ~1.13 (dK/dV phase: inputs, out, dout, dk, dv and
+    their lo parts); float32 dK/dV accumulators would need ~1.25."""
+    bound = 1.2
     q, k, v, do, _ = _inputs(1, 16384, 16384, 8, 8, 128, torch.bfloat16, "cuda")
     for t in (q, k, v):
         t.requires_grad_(True)
@@ -321,8 +340,8 @@ def test_triton_cuda_peak_memory(seed, monkeypatch, variant, bound):
     torch.cuda.synchronize()
     unit = q.numel() * q.element_size()
     ratio = (torch.cuda.max_memory_allocated() - before + 4 * unit) / (8 * unit)
-    print(f"{variant}: peak ratio {ratio:.3f}")
-    assert ratio <= bound, f"{variant}: peak {ratio:.3f} x the 8 tensors > {bound}"
+    print(f"peak ratio {ratio:.3f}")
+    assert ratio <= bound, f"peak {ratio:.3f} x the 8 tensors > {bound}"
 
 
 @pytest.mark.cuda
@@ -354,30 +373,28 @@ def test_triton_cuda_matches_dense_reference_fp32(seed):
 def test_triton_folded_forward_interpreter(seed, monkeypatch, n, h, hkv, seg, dil, pad, causal,
                                            head_assignment):
     """The forward that folds all branches into one online softmax per residue-class tile (no
-    merge pass) against the reference, and the per-branch path (fold off) against it too."""
+    merge pass) against the reference, and the per-branch path (fold=False) against it too."""
     calls = []
-    real = triton_dilated._fwd_folded
-    monkeypatch.setattr(triton_dilated, "_fwd_folded", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = triton_launch._fwd_folded
+    monkeypatch.setattr(triton_launch, "_fwd_folded", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_fwd = triton_launch.forward
     q, k, v, do, kpm = _inputs(2, n, n, h, hkv, 16, torch.float64, "cpu", 0.3 if pad else 0.0)
     kw = dict(causal=causal, key_padding_mask=kpm, head_assignment=head_assignment)
     ref = _run("reference", q, k, v, do, seg, dil, **kw)
-    for fold in ("1", "0"):
-        monkeypatch.setenv(triton_dilated._FOLD_ENV, fold)
+    for fold in (None, False):  # the default rule, then per-branch launches + merge
+        monkeypatch.setattr(triton_launch, "forward", functools.partial(real_fwd, fold=fold))
         calls.clear()
         got = _run("triton", q, k, v, do, seg, dil, dtype=torch.float32, **kw)
-        assert len(calls) == (1 if fold == "1" and not causal else 0)  # causal: per-branch
+        assert len(calls) == (1 if fold is None and not causal else 0)  # causal: per-branch
         _close("out", got[0], ref[0], 2e-5)
         _close("lse", got[1], ref[1], 2e-5)
         for nm, g, r in zip("qkv", got[2], ref[2], strict=True):
             _close(f"d{nm}", g, r, 5e-5)
-    if causal:  # the folded kernel's causal mode (measured slower, not dispatched): still exact
-        from dilated_attention.branches import branch_head_ranges
-
-        br = triton_dilated._branches(h, seg, dil, branch_head_ranges(h, len(seg), head_assignment))
-        monkeypatch.setenv(triton_dilated._FOLD_ENV, "1")
-        geo = triton_dilated._fold_geometry(n, n, br)
-        cfg = triton_dilated._configs(16, True)["fwd"]
+    if causal:  # the folded kernel's causal mode (measured slower, not the default): still exact
+        hr = branch_head_ranges(h, len(seg), head_assignment)
+        calls.clear()
         xs = [t.float() for t in (q, k, v)]
-        out, lse = real(*xs, kpm, True, 16**-0.5, br, *geo, cfg, True)
+        out, lse = real_fwd(*xs, kpm, seg, dil, True, 16**-0.5, hr, fold=True)
+        assert len(calls) == 1
         _close("out (folded causal)", out, ref[0], 2e-5)
         _close("lse (folded causal)", lse, ref[1], 2e-5)

@@ -141,7 +141,7 @@ def dilated_attention(
             dropout_p=p, head_assignment=head_assignment,
         )
     else:
-        from .kernels.triton_dilated import dilated_attention_triton
+        from .kernels.triton_ops import dilated_attention_triton
 
         out, lse = dilated_attention_triton(
             q, k, v, seg, dil, causal=causal, scale=scale, key_padding_mask=key_padding_mask,

@@ -565,25 +565,20 @@ class _Fused:
     causal: bool
 
 
-def _contig_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _fused_fwd(fused, q, k, v, mask, scale):
     """-> out (B, L, H, D) in q's dtype, lse (B, H, L) float32, over the fused branches only."""
-    from ..kernels.triton_dilated import _fwd_impl
+    from ..kernels.triton_ops import triton_forward
 
-    return _fwd_impl(_contig_last(q), _contig_last(k), _contig_last(v), mask, fused.seg,
-                     fused.dil, fused.causal, scale, fused.head_ranges)
+    return triton_forward(q, k, v, fused.seg, fused.dil, fused.head_ranges, causal=fused.causal,
+                          scale=scale, key_padding_mask=mask)
 
 
 def _fused_bwd(fused, dout, q, k, v, mask, out, lse_bhl, scale):
     """Fused branches' share of dq, dk, dv, given the FINAL merged out and lse (B, H, L)."""
-    from ..kernels.triton_dilated import _bwd_impl
+    from ..kernels.triton_ops import triton_backward
 
-    return _bwd_impl(dout, _contig_last(q), _contig_last(k), _contig_last(v), mask, out,
-                     lse_bhl.contiguous(), fused.seg, fused.dil, fused.causal, scale,
-                     fused.head_ranges)
+    return triton_backward(dout, q, k, v, out, lse_bhl, fused.seg, fused.dil, fused.head_ranges,
+                           causal=fused.causal, scale=scale, key_padding_mask=mask)
 
 
 class _DilatedSPFunction(torch.autograd.Function):

@@ -18,7 +18,7 @@ IMPLS = ("auto", "reference", "torch", "triton")
 
 # the module of the fused Triton kernel that exposes ``unavailable_reason(q, k)``; imported only
 # when asked, so that importing the package never needs triton
-_TRITON_MODULE = "dilated_attention.kernels.triton_dilated"
+_TRITON_MODULE = "dilated_attention.kernels.triton_ops"
 
 
 def check_impl(impl) -> str:

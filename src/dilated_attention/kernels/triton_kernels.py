@@ -1,0 +1,536 @@
+"""The Triton kernels of ``impl="triton"``: module-level ``@triton.jit`` functions only.
+
+Grids, block configs and buffers live in ``triton_launch.py``; the torch custom ops in
+``triton_ops.py``. This module imports triton unconditionally (callers import it only when
+triton is installed). Whether the kernels run compiled or in Triton's interpreter
+(``TRITON_INTERPRET=1``) is fixed when this module is imported: ``triton.jit`` decides it then.
+
+Geometry. For branch (w, r) the positions split into blocks, one per (segment s, offset o),
+holding the rows ``s*w + o + r*t`` (t = 0..L-1, L = ceil((seglen - o) / r)); query head h
+reads the block of offset ``h % r`` (:func:`_block_geometry`). Inside a block it is plain dense
+attention (causal inside the block: positions grow with t). The kernels read those rows in
+place with pointer arithmetic: no strided copy of q, k or v is made, and K/V are read at kv
+head ``h // (H // Hkv)`` (GQA/MQA without repeating K/V).
+
+Forward (:func:`dilated_fwd_kernel`, one launch per branch): grid (query block x segment,
+batch x head of the branch). Each program runs a flash-attention online softmax over its
+block's keys and merges its (out, lse) into the accumulator ``(acc_out, acc_lse)`` by LSE
+(docs/spec.md, exactly). Within one branch every (row, head) belongs to exactly one program,
+so the in-place merge has no races; branches run one after another.
+Folded forward (:func:`dilated_fwd_folded_kernel`, one launch for all branches, when the
+branches nest: see ``triton_launch.fold_geometry``): a program takes BM rows of one head
+congruent to c mod r_max inside one w_min window, which every branch takes all or none of,
+and runs one online softmax over the concatenated key lists of its branches (exactly the LSE
+merge): one output write, no merge.
+
+Backward (exact, the mixing weights are not detached): with the final merged ``out`` and
+``lse``, ``P_b = exp(S - lse)`` on branch b's pairs, ``delta = rowsum(dout * out)``
+(:func:`dilated_bwd_delta_kernel`), and every branch contributes ``dS = P_b * (dP - delta)``
+independently. Per branch two kernels:
+- :func:`dilated_bwd_dkdv_kernel`: one program per (key block x segment, batch x kv head x
+  offset class). It loops over the query heads that share its kv head *and* its offset
+  (``h = g*rep + i0 + k*r``), so dK/dV of shared kv heads are summed inside the program: no
+  atomics, deterministic. The (head, query block) loop is one flat loop, computed in the
+  transposed form S^T = K Q^T (no register transposes), in two stages: query blocks on the
+  causal diagonal (or all, with a padding mask) with masks, then the rest without any.
+- :func:`dilated_bwd_dq_kernel`: one program per query block, like the forward, with the same
+  mask-free first stage.
+Both add into accumulators with a plain load-add-store (each row owned by one program per
+branch). Constexpr switches: ``MASKED`` (inner loops) picks the masked stage; ``COMP`` the
+compensated (hi, lo) accumulation of a result across branches (:func:`_acc_store`);
+``STORE_LO`` is False for the last branch (its lo part is never read); ``FIRST`` for the
+first branch (nothing to add to).
+
+LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)``; a query with no key gets
+``out = 0`` and ``lse = -inf`` and zero gradients (never NaN).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# log2(e): the kernels work in base 2 (exp2/log2); a constexpr global so that the kernels can
+# read it both compiled and in the interpreter
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+@triton.jit
+def _block_geometry(pid_s, h, W, R, NK):
+    # (segment start s*W, offset o = h % R, block length L) of the rows s*W + o + R*t, t < L,
+    # that head h reads in segment s of branch (W, R); L = 0 if o >= the segment length
+    o = h % R
+    seg_start = pid_s * W
+    L = (tl.minimum(W, NK - seg_start) - o + R - 1) // R
+    return seg_start, o, L
+
+
+@triton.jit
+def _acc_store(ptrs, lo_ptrs, val, mask, FIRST: tl.constexpr, COMP: tl.constexpr,
+               STORE_LO: tl.constexpr):
+    # x = old + val, stored as hi = x rounded to the buffer's dtype and, if COMP, the
+    # rounding residue lo = x - hi in a second buffer of the same dtype: hi + lo carries
+    # ~2x the dtype's mantissa (bf16: error <= 2^-17 |x| per branch), hi is at every step
+    # the correctly rounded partial sum (so rows a later branch never touches are final)
+    if FIRST:
+        x = val
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + val
+        if COMP:
+            x += tl.load(lo_ptrs, mask=mask, other=0.0).to(tl.float32)
+    hi = x.to(ptrs.dtype.element_ty)
+    tl.store(ptrs, hi, mask=mask)
+    if COMP:
+        if STORE_LO:
+            tl.store(lo_ptrs, (x - hi.to(tl.float32)).to(lo_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, kbase, vbase, kpm_base, skn, svn, pos0, R, L, offs_m, lo, hi,
+    qk_scale, D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+):
+    offs_d = tl.arange(0, D)
+    for n_lo in range(lo, hi, BN):
+        offs_n = n_lo + tl.arange(0, BN)
+        pos_n = (pos0 + R * offs_n).to(tl.int64)
+        kp = kbase + pos_n[:, None] * skn + offs_d[None, :]
+        vp = vbase + pos_n[:, None] * svn + offs_d[None, :]
+        if MASKED:
+            valid_n = offs_n < L
+            k = tl.load(kp, mask=valid_n[:, None], other=0.0)
+            v = tl.load(vp, mask=valid_n[:, None], other=0.0)
+            if HAS_KPM:
+                pad = tl.load(kpm_base + pos_n, mask=valid_n, other=1)
+                valid_n = valid_n & (pad == 0)
+        else:
+            k = tl.load(kp)
+            v = tl.load(vp)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BM, BN), log2 units
+        if MASKED:
+            mask = valid_n[None, :]
+            if CAUSAL:
+                mask = mask & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(mask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+    h_start, m_start, j0, nj, nhl, offs_n, valid_k, qk_scale,
+    D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    PREC: tl.constexpr, MASKED: tl.constexpr,
+):
+    # one flat loop over (query head, query block j0..j0+nj): a nested loop under software
+    # pipelining gave a wrong dK on the GPU (benchmarks/NOTES_triton.md), so keep it flat
+    offs_d = tl.arange(0, D)
+    njd = tl.maximum(nj, 1)  # no division by zero in a pipelined prologue of an empty loop
+    for it in range(0, nhl * nj):
+        h = h_start + (it // njd) * R
+        m_lo = m_start + (j0 + it % njd) * BM
+        offs_m = m_lo + tl.arange(0, BM)
+        pos_m = (pos0 + R * offs_m).to(tl.int64)
+        qrow = pos_m - QOFF
+        valid_m = (offs_m < L) & (qrow >= 0)
+        q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
+                    mask=valid_m[:, None], other=0.0)
+        do = tl.load(DOb + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
+                     mask=valid_m[:, None], other=0.0)
+        hq = h * NQ
+        lse = tl.load(LSEb + hq + qrow, mask=valid_m, other=float("inf"))
+        # rows with no key (lse = -inf) get no gradient: treat as +inf => p = 0; so do the
+        # rows that do not exist (other=+inf), which is why no query-row mask is needed
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+        dlt = tl.load(DELTAb + hq + qrow, mask=valid_m, other=0.0)
+        # transposed form (keys on the rows): P^T and dS^T are the left operands in the
+        # layout the MMA produced them in, no register transpose; only loaded tiles (q, do)
+        # are transposed, which is free
+        st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BN, BM)
+        pt = tl.math.exp2(st - lse[None, :])
+        if MASKED:
+            if HAS_KPM:
+                pt = tl.where(valid_k[:, None], pt, 0.0)
+            if CAUSAL:
+                pt = tl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dst = pt * (dpt - dlt[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, lo, hi,
+    qk_scale, D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+):
+    offs_d = tl.arange(0, D)
+    for n_lo in range(lo, hi, BN):
+        offs_n = n_lo + tl.arange(0, BN)
+        pos_n = (pos0 + R * offs_n).to(tl.int64)
+        kp = Kb + pos_n[:, None] * skn + offs_d[None, :]
+        vp = Vb + pos_n[:, None] * svn + offs_d[None, :]
+        if MASKED:
+            valid_n = offs_n < L
+            k = tl.load(kp, mask=valid_n[:, None], other=0.0)
+            v = tl.load(vp, mask=valid_n[:, None], other=0.0)
+            if HAS_KPM:
+                pad = tl.load(KPMb + pos_n, mask=valid_n, other=1)
+                valid_n = valid_n & (pad == 0)
+        else:
+            k = tl.load(kp)
+            v = tl.load(vp)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if MASKED:
+            # (no row mask: rows that do not exist have lse = +inf, hence p = 0)
+            mask = valid_n[None, :]
+            if CAUSAL:
+                mask = mask & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(mask, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - dlt[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def dilated_fwd_kernel(
+    Q, K, V, KPM, ACC_O, ACC_LO, ACC_L,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
+    NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
+    qk_scale,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, FIRST: tl.constexpr, PREC: tl.constexpr,
+    COMP: tl.constexpr, STORE_LO: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_m = pid0 % NM
+    pid_s = pid0 // NM + S0
+    b = pid_bh // NHB
+    h = HS + pid_bh % NHB
+    kvh = h // REP
+    seg_start, o, L = _block_geometry(pid_s, h, W, R, NK)
+    m_lo = pid_m * BM
+    if m_lo >= L:
+        return
+    m_hi = tl.minimum(m_lo + BM, L)
+    if seg_start + o + R * (m_hi - 1) < QOFF:  # every query row of the block is before Nq
+        return
+    offs_m = m_lo + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    pos_m = (seg_start + o + R * offs_m).to(tl.int64)
+    qrow = pos_m - QOFF
+    valid_m = (offs_m < L) & (qrow >= 0)
+    b64 = b.to(tl.int64)
+    q_ptrs = Q + b64 * sqb + qrow[:, None] * sqn + h * sqh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=valid_m[:, None], other=0.0)
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    kbase = K + b64 * skb + kvh * skh
+    vbase = V + b64 * svb + kvh * svh
+    pos0 = seg_start + o
+    # stage 1: key blocks that need no mask (full blocks, all visible); stage 2: the rest
+    hi = L
+    if CAUSAL:
+        hi = m_hi
+    mid = 0
+    if not HAS_KPM:
+        if CAUSAL:
+            mid = m_lo  # keys before the first query row of the block (BM % BN == 0)
+        else:
+            mid = L // BN * BN
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, kbase, vbase, KPM + b64 * skpb, skn, svn, pos0, R, L, offs_m, 0, mid,
+        qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, False,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, kbase, vbase, KPM + b64 * skpb, skn, svn, pos0, R, L, offs_m, mid, hi,
+        qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
+    )
+
+    # this branch's lse (natural log) and normalised output
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    lse_b = tl.where(has, (m_i + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
+    out_b = acc / l_safe[:, None]
+    hq = (b64 * H + h) * NQ
+    lptrs = ACC_L + hq + qrow
+    ooff = b64 * sob + qrow[:, None] * son + h * soh + offs_d[None, :]
+    optrs = ACC_O + ooff
+    if FIRST:
+        new_lse = lse_b
+        new_out = out_b
+    else:
+        lse_a = tl.load(lptrs, mask=valid_m, other=float("-inf"))
+        out_a = tl.load(optrs, mask=valid_m[:, None], other=0.0).to(tl.float32)
+        if COMP:
+            out_a += tl.load(ACC_LO + ooff, mask=valid_m[:, None], other=0.0).to(tl.float32)
+        mx = tl.maximum(lse_a, lse_b)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        wa = tl.exp(lse_a - mx_safe)
+        wb = tl.exp(lse_b - mx_safe)
+        tot = wa + wb
+        tot_safe = tl.where(tot > 0, tot, 1.0)
+        new_lse = tl.where(tot > 0, mx_safe + tl.log(tot_safe), float("-inf"))
+        new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / tot_safe[:, None]
+    tl.store(lptrs, new_lse, mask=valid_m)
+    # (the merge is a weighted mean, not a sum: _acc_store with FIRST=True stores it)
+    _acc_store(optrs, ACC_LO + ooff, new_out, valid_m[:, None], True, COMP, STORE_LO)
+
+
+@triton.jit
+def dilated_fwd_folded_kernel(
+    Q, K, V, KPM, OUT, LSE, BRS,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
+    N, H, REP, NB, WMIN, RMAX, NT,
+    qk_scale,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+):
+    # one program = BM rows of one (batch, head) congruent to c mod RMAX inside one WMIN-aligned
+    # window; every branch takes all of them or none (see triton_launch.fold_geometry), so ONE
+    # online softmax runs over the concatenated key lists of its branches: no merge, one write
+    pid0 = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_t = pid0 % NT
+    rest = pid0 // NT
+    c = rest % RMAX
+    win = rest // RMAX
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = h // REP
+    t0 = pid_t * BM
+    offs_t = t0 + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    pos_m = (win * WMIN + c + RMAX * offs_t).to(tl.int64)
+    valid_m = (offs_t < WMIN // RMAX) & (pos_m < N)
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * sqb + pos_m[:, None] * sqn + h * sqh + offs_d[None, :],
+                mask=valid_m[:, None], other=0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    kbase = K + b64 * skb + kvh * skh
+    vbase = V + b64 * svb + kvh * svh
+    kpm_base = KPM + b64 * skpb
+    first_pos = win * WMIN + c + RMAX * t0  # smallest row of the tile
+    last_pos = tl.minimum(win * WMIN + c + RMAX * tl.minimum(t0 + BM - 1, WMIN // RMAX - 1),
+                          N - 1)
+    if first_pos < N:
+        for bi in range(NB):
+            W = tl.load(BRS + 4 * bi)
+            R = tl.load(BRS + 4 * bi + 1)
+            hs = tl.load(BRS + 4 * bi + 2)
+            he = tl.load(BRS + 4 * bi + 3)
+            o = h % R
+            if (c % R == o) & (h >= hs) & (h < he):
+                seg_start = (first_pos // W) * W
+                L = (tl.minimum(W, N - seg_start) - o + R - 1) // R
+                offs_m = (pos_m - seg_start - o) // R  # this branch's row index of each row
+                hi = L
+                mid = 0
+                if CAUSAL:
+                    hi = (last_pos - seg_start - o) // R + 1
+                if not HAS_KPM:
+                    if CAUSAL:
+                        mid = (first_pos - seg_start - o) // R // BN * BN
+                    else:
+                        mid = L // BN * BN
+                acc, l_i, m_i = _fwd_inner(
+                    acc, l_i, m_i, q, kbase, vbase, kpm_base, skn, svn, seg_start + o, R, L,
+                    offs_m, 0, mid, qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, False,
+                )
+                acc, l_i, m_i = _fwd_inner(
+                    acc, l_i, m_i, q, kbase, vbase, kpm_base, skn, svn, seg_start + o, R, L,
+                    offs_m, mid, hi, qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
+                )
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    lse = tl.where(has, (m_i + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
+    out = acc / l_safe[:, None]
+    tl.store(LSE + (b64 * H + h) * N + pos_m, lse, mask=valid_m)
+    tl.store(OUT + b64 * sob + pos_m[:, None] * son + h * soh + offs_d[None, :],
+             out.to(OUT.dtype.element_ty), mask=valid_m[:, None])
+
+
+@triton.jit
+def dilated_bwd_delta_kernel(O, DO, DELTA, NROWS, NQ, H, D: tl.constexpr, BR: tl.constexpr):
+    # O, DO contiguous (B, NQ, H, D); DELTA (B, H, NQ) float32
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    valid = rows < NROWS
+    offs_d = tl.arange(0, D)
+    o = tl.load(O + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    dl = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    h = rows % H
+    t = (rows // H) % NQ
+    b = rows // (H * NQ)
+    tl.store(DELTA + (b * H + h) * NQ + t, dl, mask=valid)
+
+
+@triton.jit
+def dilated_bwd_dkdv_kernel(
+    Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
+    sdkb, sdkn, sdkh, sdvb, sdvn, sdvh,
+    NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, W, R, S0, NNB,
+    qk_scale, sm_scale,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, PREC: tl.constexpr, COMP: tl.constexpr, STORE_LO: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    pid_x = tl.program_id(1)
+    pid_n = pid0 % NNB
+    pid_s = pid0 // NNB + S0
+    b = pid_x // (HKV * NI)
+    g = (pid_x // NI) % HKV
+    i0 = pid_x % NI
+    h0 = g * REP + i0
+    # query heads of kv head g with the offset of h0, inside the branch's head range [HS, HE)
+    h_start = h0 + (tl.maximum(HS - h0, 0) + R - 1) // R * R
+    h_end = tl.minimum((g + 1) * REP, HE)
+    if h_start >= h_end:
+        return
+    seg_start, o, L = _block_geometry(pid_s, h0, W, R, NK)
+    n_lo = pid_n * BN
+    if n_lo >= L:
+        return
+    offs_n = n_lo + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    valid_n = offs_n < L
+    pos_n = (seg_start + o + R * offs_n).to(tl.int64)
+    b64 = b.to(tl.int64)
+    k = tl.load(K + b64 * skb + pos_n[:, None] * skn + g * skh + offs_d[None, :],
+                mask=valid_n[:, None], other=0.0)
+    v = tl.load(V + b64 * svb + pos_n[:, None] * svn + g * svh + offs_d[None, :],
+                mask=valid_n[:, None], other=0.0)
+    valid_k = valid_n
+    if HAS_KPM:
+        pad = tl.load(KPM + b64 * skpb + pos_n, mask=valid_n, other=1)
+        valid_k = valid_n & (pad == 0)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    # first query row of the block that exists (seqlen_q < seqlen_k) and, if causal, that
+    # can see this key block
+    t_q0 = tl.maximum(QOFF - seg_start - o + R - 1, 0) // R
+    m_start = t_q0 // BM * BM
+    if CAUSAL:
+        m_start = tl.maximum(m_start, n_lo // BM * BM)
+    nmb = tl.maximum(L - m_start + BM - 1, 0) // BM
+    nhl = (h_end - h_start + R - 1) // R
+    Qb = Q + b64 * sqb
+    DOb = DO + b64 * sdob
+    LSEb = LSE + b64 * H * NQ
+    DELTAb = DELTA + b64 * H * NQ
+    pos0 = seg_start + o
+    # masked stage: query blocks that straddle the causal diagonal (all of them with a key
+    # padding mask); then the mask-free stage. Key rows past L (partial key block) need no
+    # mask here: their dK/dV rows are never stored.
+    if HAS_KPM:
+        ndiag = nmb
+    elif CAUSAL:
+        ndiag = tl.minimum(tl.maximum(n_lo + BN - 1 - m_start + BM - 1, 0) // BM, nmb)
+    else:
+        ndiag = nmb * 0
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+        h_start, m_start, 0, ndiag, nhl, offs_n, valid_k, qk_scale,
+        D, BM, CAUSAL, HAS_KPM, PREC, True,
+    )
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+        h_start, m_start, ndiag, nmb - ndiag, nhl, offs_n, valid_k, qk_scale,
+        D, BM, CAUSAL, HAS_KPM, PREC, False,
+    )
+    dk = dk * sm_scale
+    dk_off = b64 * sdkb + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
+    dv_off = b64 * sdvb + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
+    _acc_store(DK + dk_off, DK_LO + dk_off, dk, valid_n[:, None], False, COMP, STORE_LO)
+    _acc_store(DV + dv_off, DV_LO + dv_off, dv, valid_n[:, None], False, COMP, STORE_LO)
+
+
+@triton.jit
+def dilated_bwd_dq_kernel(
+    Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
+    sdqb, sdqn, sdqh,
+    NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
+    qk_scale, sm_scale,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, PREC: tl.constexpr, COMP: tl.constexpr, STORE_LO: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_m = pid0 % NM
+    pid_s = pid0 // NM + S0
+    b = pid_bh // NHB
+    h = HS + pid_bh % NHB
+    kvh = h // REP
+    seg_start, o, L = _block_geometry(pid_s, h, W, R, NK)
+    m_lo = pid_m * BM
+    if m_lo >= L:
+        return
+    m_hi = tl.minimum(m_lo + BM, L)
+    if seg_start + o + R * (m_hi - 1) < QOFF:
+        return
+    offs_m = m_lo + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    pos_m = (seg_start + o + R * offs_m).to(tl.int64)
+    qrow = pos_m - QOFF
+    valid_m = (offs_m < L) & (qrow >= 0)
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * sqb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
+                mask=valid_m[:, None], other=0.0)
+    do = tl.load(DO + b64 * sdob + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
+                 mask=valid_m[:, None], other=0.0)
+    hq = (b64 * H + h) * NQ
+    lse = tl.load(LSE + hq + qrow, mask=valid_m, other=float("inf"))
+    # rows with no key (lse = -inf) and rows that do not exist (other=+inf) get p = 0
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    dlt = tl.load(DELTA + hq + qrow, mask=valid_m, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    hi = L
+    if CAUSAL:
+        hi = m_hi
+    Kb = K + b64 * skb + kvh * skh
+    Vb = V + b64 * svb + kvh * svh
+    KPMb = KPM + b64 * skpb
+    pos0 = seg_start + o
+    # stage 1: full, fully visible key blocks without masks; stage 2: the rest
+    mid = 0
+    if not HAS_KPM:
+        if CAUSAL:
+            mid = m_lo  # BM % BN == 0
+        else:
+            mid = L // BN * BN
+    dq = _dq_inner(
+        dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, 0, mid,
+        qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, False,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, mid, hi,
+        qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
+    )
+    dq = dq * sm_scale
+    dq_off = b64 * sdqb + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
+    _acc_store(DQ + dq_off, DQ_LO + dq_off, dq, valid_m[:, None], False, COMP, STORE_LO)

@@ -1,0 +1,226 @@
+"""``impl="triton"``: the fused Triton kernels as torch custom ops, with autograd.
+
+Layers, as flash-attention's interface: ``triton_kernels.py`` (the ``@triton.jit`` kernels) ->
+``triton_launch.py`` (configs, grids, buffers) -> this module: the custom ops
+``dilated_attention::triton_fwd`` and ``dilated_attention::triton_bwd`` (fake implementations
+for ``torch.compile``, ``register_autograd`` on the forward) -> :func:`triton_forward` /
+:func:`triton_backward` (the one entry point into the kernels for other layers, e.g.
+sequence-parallel's fused local blocks) and :func:`dilated_attention_triton` (``api.py``).
+
+This module imports without triton; :func:`unavailable_reason` then says why it cannot run. On
+the CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` set before this
+module is first imported; the mode is fixed for the process from then on).
+
+LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)``; a query with no key gets
+``out = 0`` and ``lse = -inf`` and zero gradients (never NaN). Math: docs/spec.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..autograd_rules import backward_context, no_double_backward
+from ..branches import branch_head_ranges
+
+try:  # triton is an optional dependency: this module must import without it
+    from . import triton_launch as _launch
+
+    _TRITON_IMPORT_ERROR: str | None = None
+except ImportError as e:  # pragma: no cover - depends on the environment
+    _launch = None
+    _TRITON_IMPORT_ERROR = str(e)
+
+SUPPORTED_HEADDIMS = (16, 32, 64, 128)
+
+
+def interpreting() -> bool:
+    """True when the kernels run in Triton's interpreter (fixed per process at import)."""
+    return _launch is not None and _launch.INTERPRET
+
+
+def unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | None:
+    """Why the Triton kernel cannot run on these inputs, or None if it can."""
+    if _TRITON_IMPORT_ERROR is not None:
+        return f"the triton package is not importable ({_TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
+    interp = interpreting()
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interp):
+        return f"the triton kernel needs a CUDA tensor, got device {q.device} (TRITON_INTERPRET=1 allows the CPU for tests)"
+    if q.device.type == "cuda" and interp:
+        return "TRITON_INTERPRET=1 is set but the inputs are on CUDA; unset it to run the compiled kernel"
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEADDIMS:
+        return f"headdim {d} is not supported by the triton kernel (supported: {SUPPORTED_HEADDIMS}); use impl='torch'"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} is not supported by the triton kernel (fp16, bf16, fp32); use impl='torch' or 'reference'"
+    if k is not None and k.shape[-1] != d:
+        return f"k headdim {k.shape[-1]} differs from q headdim {d}"
+    return None
+
+
+# ---------------------------------------------------------------------------------- torch ops
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # the kernels address rows and heads by stride but assume unit stride along headdim
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _pairs(flat: list[int]) -> list[tuple[int, int]]:
+    return list(zip(flat[::2], flat[1::2], strict=True))
+
+
+@torch.library.custom_op("dilated_attention::triton_fwd", mutates_args=())
+def _triton_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    head_ranges: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch.forward(
+        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
+        key_padding_mask, segment_lengths, dilation_rates, causal, scale, _pairs(head_ranges),
+    )
+
+
+@_triton_fwd_op.register_fake
+def _(q, k, v, key_padding_mask, segment_lengths, dilation_rates, head_ranges, causal, scale):
+    b, nq, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("dilated_attention::triton_bwd", mutates_args=())
+def _triton_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    head_ranges: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch.backward(
+        dout, _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
+        key_padding_mask, out, lse.contiguous(), segment_lengths, dilation_rates, causal, scale,
+        _pairs(head_ranges),
+    )
+
+
+@_triton_bwd_op.register_fake
+def _(dout, q, k, v, key_padding_mask, out, lse, segment_lengths, dilation_rates, head_ranges,
+      causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kpm, seg, dil, hr, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, kpm, out, lse)
+    ctx.args = (seg, dil, hr, causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, kpm, out, lse = ctx.saved_tensors
+    seg, dil, hr, causal, scale = ctx.args
+    with backward_context(q.device.type):
+        grads = _triton_bwd_op(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
+    dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_triton_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ entry points
+def _flat(head_ranges) -> list[int]:
+    return [int(x) for hr in head_ranges for x in hr]
+
+
+def triton_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths,
+    dilation_rates,
+    head_ranges,
+    *,
+    causal: bool,
+    scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.dilated_attention.triton_fwd`` over the branches given (validated inputs).
+
+    q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool, True = pad;
+    head_ranges: [(head start, head stop)] per branch (global head indices, may be empty).
+    Returns out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 of those branches only;
+    differentiable in q, k, v through the registered autograd.
+    """
+    return _triton_fwd_op(
+        q, k, v, key_padding_mask, [int(w) for w in segment_lengths],
+        [int(r) for r in dilation_rates], _flat(head_ranges), bool(causal), float(scale),
+    )
+
+
+def triton_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    segment_lengths,
+    dilation_rates,
+    head_ranges,
+    *,
+    causal: bool,
+    scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.dilated_attention.triton_bwd``: dq, dk, dv (input dtypes) of the branches
+    given, from the FINAL out (B, Nq, H, D) and lse (B, H, Nq) float32, which may include
+    branches not given here (every branch's share of the gradient is independent)."""
+    return _triton_bwd_op(
+        dout, q, k, v, key_padding_mask, out, lse, [int(w) for w in segment_lengths],
+        [int(r) for r in dilation_rates], _flat(head_ranges), bool(causal), float(scale),
+    )
+
+
+def dilated_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    *,
+    causal: bool,
+    scale: float,
+    key_padding_mask: torch.Tensor | None,
+    head_assignment: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated inputs only (see api.py).
+
+    q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool, True = pad.
+    Returns out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 (not differentiable).
+    """
+    reason = unavailable_reason(q, k)
+    if reason is not None:
+        raise ValueError(f"impl='triton' cannot run here: {reason}")
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    ranges = branch_head_ranges(q.shape[2], len(segment_lengths), head_assignment)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    return triton_forward(
+        q, k, v, segment_lengths, dilation_rates, ranges, causal=causal, scale=scale,
+        key_padding_mask=key_padding_mask,
+    )
