@@ -18,7 +18,7 @@ time that attention (forward, its recomputation under checkpointing, backward) a
 profiler's kernel sums would split across many small kernels.
 
     PYTHONPATH=src python benchmarks/bench_train.py --out benchmarks/results/train_throughput_h100
-    PYTHONPATH=src python benchmarks/bench_train.py --tiny --out /tmp/bench_train   # CPU check
+    PYTHONPATH=src python benchmarks/bench_train.py --tiny --threads 1 --out /tmp/bench_train
 
 Writes ``OUT.md`` and ``OUT.json``; prints the table last. About 4 minutes on one H100
 (``--budget-s`` bounds it: configurations after the budget are reported as skipped).
@@ -136,7 +136,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        lines.append(f"| {r['preset']} | {r['N']} | {r['attention']} | " + " | ".join(_fmt(r)) + " |")
+        head = f"| {r['preset']} | {r['N']} | {r['attention']} | "
+        lines.append(head + " | ".join(_fmt(r)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -151,7 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--budget-s", type=float, default=220.0, help="skip what would exceed it")
     p.add_argument("--tiny", action="store_true", help="CPU check: tiny preset, N = 128, 256")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.tiny:
         args.presets, args.lengths = "tiny", "128,256"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -159,7 +163,9 @@ def main(argv=None) -> int:
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     env = {
         "command": "python " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+        "device": (
+            torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+        ),
         "torch": torch.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dtype": str(dtype),
         "impl": args.impl, "warmup": args.warmup, "steps": args.steps,

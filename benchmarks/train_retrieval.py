@@ -30,7 +30,6 @@ length of a capped run is not known in advance.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import platform
@@ -44,7 +43,9 @@ from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
 # Model: the `small` preset's branches (w = 1024, 4096, 16384, 32768; r = 1, 2, 4, 6; 6 heads
 # so every offset of r = 6 has a head), narrower and shallower for speed. Curriculum entries are
-# "N:batch:steps"; the last stage's steps are 0 = until the cap or the target.
+# "N:batch:steps"; the last stage's steps are 0 = until the cap or the target. Each stage is 4x
+# longer than the one before, so the number of keys the answer position's softmax spreads over
+# grows 4x at a time from a state where the lookup is already learned (docs/training.md).
 RECIPES: dict[str, dict] = {
     "h100-32k": dict(
         seq_len=32768,
@@ -54,7 +55,7 @@ RECIPES: dict[str, dict] = {
         n_layer=4,
         n_head=6,
         ffn_dim=768,
-        curriculum="2048:16:600,8192:4:600,32768:1:0",
+        curriculum="512:128:600,2048:32:600,8192:8:600,32768:2:0",
         lr=1e-3,
         warmup=100,
         num_pairs=1,
@@ -77,7 +78,7 @@ RECIPES: dict[str, dict] = {
         n_layer=4,
         n_head=6,
         ffn_dim=192,
-        curriculum="256:16:300,1024:4:200,2048:2:0",
+        curriculum="128:64:300,512:16:300,2048:4:0",
         lr=1e-3,
         warmup=50,
         num_pairs=1,
@@ -223,6 +224,9 @@ def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
             seq_len=n, num_pairs=r["num_pairs"], min_distance=r["min_distance"], max_distance=n
         )
         s_step = 0
+        log(f"  [{attention} seed {seed}] stage N={n} batch {bs} from step {step}, "
+            f"t={time.perf_counter() - t0:.0f}s"
+            + (f", last loss {rec['losses'][-1][2]}" if rec["losses"] else ""))  # fmt: skip
         while n_steps == 0 or s_step < n_steps:
             elapsed = time.perf_counter() - t0
             if elapsed >= cap:

@@ -187,8 +187,8 @@ def main(argv=None) -> int:
     with open(args.out + ".md", "w") as f:
         f.write(md)
     with open(args.out + ".json", "w") as f:
-        json.dump({"settings": {k: (list(v) if isinstance(v, tuple) else v)
-                                for k, v in s.items()}, "env": env, "runs": runs}, f, indent=1)  # fmt: skip
+        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()}
+        json.dump({"settings": settings, "env": env, "runs": runs}, f, indent=1)
     print()
     print(md)
     return 0
