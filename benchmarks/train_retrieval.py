@@ -43,7 +43,9 @@ from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
 # Model: the `small` preset's branches (w = 1024, 4096, 16384, 32768; r = 1, 2, 4, 6; 6 heads
 # so every offset of r = 6 has a head), narrower and shallower for speed. Curriculum entries are
-# "N:batch:steps"; the last stage's steps are 0 = until the cap or the target. Each stage is 4x
+# "N:batch:max_steps"; a stage ends early once the mean training loss of its last 50 steps is
+# below --advance-loss (the lookup is learned at that length); the last stage's steps are 0 =
+# until the cap or the target. Each stage is 4x
 # longer than the one before, so the number of keys the answer position's softmax spreads over
 # grows 4x at a time from a state where the lookup is already learned (docs/training.md).
 RECIPES: dict[str, dict] = {
@@ -55,7 +57,7 @@ RECIPES: dict[str, dict] = {
         n_layer=4,
         n_head=6,
         ffn_dim=768,
-        curriculum="512:128:600,2048:32:600,8192:8:600,32768:2:0",
+        curriculum="512:128:3000,2048:32:3000,8192:8:3000,32768:2:0",
         lr=1e-3,
         warmup=100,
         num_pairs=1,
@@ -78,7 +80,7 @@ RECIPES: dict[str, dict] = {
         n_layer=4,
         n_head=6,
         ffn_dim=192,
-        curriculum="128:64:300,512:16:300,2048:4:0",
+        curriculum="128:64:1000,512:16:1000,2048:4:0",
         lr=1e-3,
         warmup=50,
         num_pairs=1,
@@ -101,7 +103,7 @@ RECIPES: dict[str, dict] = {
         n_layer=3,
         n_head=6,
         ffn_dim=96,
-        curriculum="128:32:150,512:8:0",
+        curriculum="128:32:1000,512:8:0",
         lr=2e-3,
         warmup=30,
         num_pairs=1,
@@ -212,7 +214,7 @@ def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
         )
     cap = r["max_minutes"] * 60.0
     rec = {"attention": attention, "seed": seed, "params": model.num_params(), "evals": [],
-           "losses": [], "branches": [list(model.cfg.segment_lengths),
+           "losses": [], "stage_starts": [], "branches": [list(model.cfg.segment_lengths),
                                       list(model.cfg.dilation_rates)]}  # fmt: skip
     t0 = time.perf_counter()
     eval_s = 0.0
@@ -224,6 +226,9 @@ def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
             seq_len=n, num_pairs=r["num_pairs"], min_distance=r["min_distance"], max_distance=n
         )
         s_step = 0
+        recent: list[float] = []
+        rec["stage_starts"].append({"N": n, "step": step,
+                                    "time_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
         log(f"  [{attention} seed {seed}] stage N={n} batch {bs} from step {step}, "
             f"t={time.perf_counter() - t0:.0f}s"
             + (f", last loss {rec['losses'][-1][2]}" if rec["losses"] else ""))  # fmt: skip
@@ -244,10 +249,13 @@ def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
             opt.step()
             step += 1
             s_step += 1
+            recent = (recent + [loss.item()])[-50:]
             if step % 10 == 0 or step == 1:
-                rec["losses"].append((step, n, round(loss.item(), 4)))
+                rec["losses"].append((step, n, round(recent[-1], 4)))
             now = time.perf_counter() - t0
             last_stage = si == len(stages) - 1
+            if not last_stage and len(recent) == 50 and sum(recent) / 50 < r["advance_loss"]:
+                break  # learned at this length: on to the next stage
             if last_stage and (now - last_eval >= r["eval_every_s"] or s_step == n_steps):
                 te = time.perf_counter()
                 acc = evaluate(model, r, seed, device, autocast)
@@ -289,7 +297,8 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
         f"date {env['date']}",
         f"- recipe: `{r['recipe']}`: N = {r['seq_len']}, branches w = {list(r['segments'])}, "
         f"r = {list(r['rates'])}; dim {r['dim']}, {r['n_layer']} layers, {r['n_head']} heads, "
-        f"ffn {r['ffn_dim']}; curriculum `{r['curriculum']}` (N:batch:steps); lr {r['lr']}, "
+        f"ffn {r['ffn_dim']}; curriculum `{r['curriculum']}` (N:batch:max_steps, a stage ends "
+        f"when its last 50 losses average < {r['advance_loss']}); lr {r['lr']}, "
         f"warmup {r['warmup']}; {r['num_pairs']} pair(s); distances uniform in "
         f"[{r['min_distance']}, stage N]; local window {r['local_window']}; "
         f"{r['dtype']}; cap {r['max_minutes']} min; target {r['target']}",
@@ -315,6 +324,9 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
     for run in runs:
         lines += [
             f"### {run['attention']}, seed {run['seed']}",
+            "",
+            "stages started (N at step, s): "
+            + ", ".join(f"{st['N']} at {st['step']}, {st['time_s']}" for st in run["stage_starts"]),
             "",
             "| step | stage N | time s | " + " | ".join(f"acc@{d}" for d in ds) + " |",
             "| --- | --- | --- | " + " | ".join("---" for _ in ds) + " |",
@@ -362,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="path prefix: OUT.md, OUT.json, OUT.png")
     p.add_argument("--max-minutes", type=float, help="wall-clock cap per run (evals included)")
     p.add_argument("--target", type=float, default=0.95, help="stop when every distance reaches it")
-    p.add_argument("--curriculum", help="N:batch:steps,...; last stage steps 0 = open")
+    p.add_argument("--curriculum", help="N:batch:max_steps,...; last stage steps 0 = open")
+    p.add_argument(
+        "--advance-loss", type=float, default=0.2,
+        help="leave a stage once the mean loss of its last 50 steps is below this (0: never)",
+    )  # fmt: skip
     p.add_argument("--seq-len", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--warmup", type=int)
@@ -380,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device")
     p.add_argument("--threads", type=int)
     args = p.parse_args(argv)
-    r = dict(RECIPES[args.recipe], recipe=args.recipe, target=args.target, impl=args.impl)
+    r = dict(RECIPES[args.recipe], recipe=args.recipe, target=args.target, impl=args.impl,
+             advance_loss=args.advance_loss)  # fmt: skip
     for key in ("max_minutes", "curriculum", "seq_len", "lr", "warmup", "dim", "n_layer",
                 "num_pairs", "min_distance", "local_window", "eval_samples", "eval_every_s",
                 "eval_distances", "device"):  # fmt: skip
