@@ -13,12 +13,18 @@ uniformly from ``[min_distance, max_distance]`` per sequence, or fixed for accur
 evaluation. Batches are a pure function of ``(seed, step)``, so a resumed run sees the same data.
 
 Text (:class:`ByteText`): random crops of a file's bytes (vocab 256), next-byte prediction.
+:class:`StdlibBytes`: the same over the Python standard library's own source files, a corpus
+present on every machine (the file list and the train/validation split are defined by a rule, see
+:func:`stdlib_source_files`).
 
 A batch is ``(x, y)``: x (B, N) int64 inputs, y (B, N) int64 targets with -100 = ignored.
 """
 
 from __future__ import annotations
 
+import os
+import sysconfig
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -145,3 +151,84 @@ class ByteText:
         starts = torch.randint(0, hi, (batch_size,), generator=g)
         chunks = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()])  # (B, N+1)
         return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()
+
+
+# Directories of the standard library left out of the corpus: test suites (large, repetitive
+# data files in .py form) and installed third-party packages.
+STDLIB_SKIP_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+)
+
+
+def stdlib_source_files(root: str | None = None) -> tuple[str, list[str], list[str]]:
+    """(root, train files, validation files) of the standard-library corpus.
+
+    The rule: every ``*.py`` file under ``root`` (default ``sysconfig.get_paths()["stdlib"]``)
+    whose directory path has no component in :data:`STDLIB_SKIP_DIRS`, as POSIX paths relative
+    to ``root``, sorted. A file is in the validation split when ``zlib.crc32(relative path) %
+    20 == 0`` (about 5% of the files), so a file's split depends only on its own name, not on
+    which other files a Python version ships. The files themselves differ between Python
+    versions: record ``platform.python_version()`` next to any result.
+    """
+    root = root or sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        parts = [] if rel_dir == "." else rel_dir.split(os.sep)
+        if STDLIB_SKIP_DIRS.intersection(parts):
+            dirnames[:] = []
+            continue
+        files += ["/".join([*parts, f]) for f in filenames if f.endswith(".py")]
+    files.sort()
+    val = [f for f in files if zlib.crc32(f.encode()) % 20 == 0]
+    train = [f for f in files if zlib.crc32(f.encode()) % 20 != 0]
+    return root, train, val
+
+
+def _read_concat(root: str, files: list[str]) -> torch.Tensor:
+    """The files' bytes in list order, each followed by one newline, as int64 (vocab 256)."""
+    buf = bytearray()
+    for f in files:
+        with open(os.path.join(root, *f.split("/")), "rb") as fh:
+            buf += fh.read()
+        buf += b"\n"
+    return torch.frombuffer(buf, dtype=torch.uint8).long() if buf else torch.zeros(0).long()
+
+
+class StdlibBytes:
+    """Byte-level LM data from the standard library's source (:func:`stdlib_source_files`).
+
+    Train batches: random crops of ``seq_len + 1`` bytes of the concatenated train files, a pure
+    function of ``(seed, step)``. Validation: ``val_batches()`` gives fixed crops at evenly
+    spaced offsets of the concatenated validation files (the same for every model and seed).
+    """
+
+    vocab_size = 256
+
+    def __init__(self, seq_len: int, root: str | None = None):
+        self.root, self.train_files, self.val_files = stdlib_source_files(root)
+        self.train_data = _read_concat(self.root, self.train_files)
+        self.val_data = _read_concat(self.root, self.val_files)
+        for name, d in (("train", self.train_data), ("validation", self.val_data)):
+            if len(d) < seq_len + 1:
+                raise ValueError(
+                    f"the stdlib {name} split has {len(d)} bytes, fewer than seq_len + 1 = "
+                    f"{seq_len + 1}; use a shorter --seq-len"
+                )
+        self.seq_len = seq_len
+
+    def batch(self, batch_size: int, seed: int, step: int):
+        g = torch.Generator().manual_seed(_mix(seed, step, 0))
+        hi = len(self.train_data) - self.seq_len - 1
+        starts = torch.randint(0, hi + 1, (batch_size,), generator=g).tolist()
+        chunks = torch.stack([self.train_data[s : s + self.seq_len + 1] for s in starts])
+        return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()  # (B, N), (B, N)
+
+    def val_batches(self, num_seqs: int):
+        """``num_seqs`` (x, y) pairs of shape (1, N), evenly spaced over the validation bytes
+        (overlapping when the split is shorter than ``num_seqs * (N + 1)``)."""
+        hi = len(self.val_data) - self.seq_len - 1
+        starts = [round(i * hi / max(1, num_seqs - 1)) for i in range(num_seqs)]
+        for s in starts:
+            c = self.val_data[s : s + self.seq_len + 1][None]
+            yield c[:, :-1].contiguous(), c[:, 1:].contiguous()

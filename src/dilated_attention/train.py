@@ -33,7 +33,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from .data import IGNORE, ByteText, RetrievalTask
 from .distributed import shard_sequence
@@ -268,10 +267,8 @@ def _lm_loss(model, x, y, count: int, autocast) -> torch.Tensor:
     """Sum of the token losses of (x, y) (this rank's shard, or all) over ``count``: the global
     number of scored targets. Summed over the ranks this is the single-process mean loss."""
     with autocast:
-        logits, _ = model(x)  # (B, T, V)
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum"
-        )
+        # chunked head + loss: no (B, T, V) logits tensor (LongNetLM.forward)
+        _, loss = model(x, y, return_logits=False, loss_reduction="sum")
     return loss / count
 
 
@@ -319,8 +316,11 @@ def evaluate(model, data, s: dict, seed: int, device, autocast, group=None) -> d
                 x, y = data.batch(bs, seed + 1, 10**9 + i, distance=d)
                 x, y = _shard(x, group).to(device), _shard(y, group).to(device)
                 with autocast:
-                    logits, _ = model(x)
-                c, t = data.accuracy(logits.float(), y)
+                    h = model.hidden_states(x)  # (B, T, E); logits only at the scored rows
+                    mask = y != IGNORE
+                    logits = model.lm_head(h[mask]).float()  # (M, V)
+                c = int((logits.argmax(-1) == y[mask]).sum())
+                t = int(mask.sum())
                 counts += torch.tensor([c, t], dtype=torch.float64, device=device)
             correct, total = _allreduce_sum(counts, group).tolist()
             out["acc" if d is None else f"acc@{d}"] = correct / max(total, 1.0)

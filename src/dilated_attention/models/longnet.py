@@ -445,6 +445,73 @@ class _Trunk(nn.Module):
 # --------------------------------------------------------------------------------------- decoder
 
 
+# ---------------------------------------------------------------------------------- LM loss
+
+# Elements of one chunk of logits (2**26 float32 = 256 MiB): the rows per chunk are this divided
+# by the vocabulary size, so a 256-byte vocabulary takes 262144 rows at once and a 50304-word one
+# 1334 rows.
+CE_CHUNK_ELEMENTS = 2**26
+
+
+def _ce_sum(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of logits h @ weight.T (softmax in float32, or float64) against t."""
+    logits = F.linear(h, weight)  # (rows, V)
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    return F.cross_entropy(logits, t, reduction="sum")
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``logits = hidden @ weight.T`` without materialising all the logits.
+
+    hidden (..., E), weight (V, E), targets (...) int64; rows whose target is ``ignore_index``
+    are dropped first (a retrieval batch scores a handful of rows of 32K). The remaining rows go
+    through the head in chunks of ``chunk_rows`` (default ``CE_CHUNK_ELEMENTS // V``). With more
+    than one chunk each one runs under ``torch.utils.checkpoint``, so only its inputs are kept
+    and its logits are recomputed in backward: the extra memory is one chunk of logits (and its
+    gradient) at any time, at the price of recomputing the head's matmul. Values and gradients
+    equal ``F.cross_entropy(F.linear(hidden, weight).float(), targets)`` (tested in float64).
+    Autocast applies to the matmul as it would in ``lm_head``; the softmax is in float32
+    (float64 for float64 inputs).
+    ``reduction``: "mean" over the scored rows (NaN when there are none, as torch's) or "sum".
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    h = hidden.reshape(-1, hidden.shape[-1])  # (M, E)
+    t = targets.reshape(-1)  # (M,)
+    if t.shape[0] != h.shape[0]:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)}[:-1]"
+        )
+    keep = t != ignore_index
+    if not bool(keep.all()):
+        rows = keep.nonzero().squeeze(1)
+        h, t = h.index_select(0, rows), t.index_select(0, rows)  # (M', E), (M',)
+    m = h.shape[0]
+    step = chunk_rows or max(1, CE_CHUNK_ELEMENTS // weight.shape[0])
+    if m <= step:
+        total = _ce_sum(h, weight, t)  # one chunk: nothing to gain from recomputation
+    else:
+        grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+        parts = []
+        for c in range(0, m, step):
+            hc, tc = h[c : c + step], t[c : c + step]
+            if grad:
+                parts.append(checkpoint(_ce_sum, hc, weight, tc, use_reentrant=False))
+            else:
+                parts.append(_ce_sum(hc, weight, tc))
+        total = torch.stack(parts).sum()
+    return total if reduction == "sum" else total / m
+
+
 class LongNetLM(_Trunk):
     """Decoder-only causal LongNet language model with tied embeddings.
 
@@ -472,13 +539,30 @@ class LongNetLM(_Trunk):
         targets: torch.Tensor | None = None,
         *,
         start_pos: int | None = None,
+        return_logits: bool = True,
+        loss_reduction: str = "mean",
     ):
-        """idx (B, T) -> (logits (B, T, V), loss or None).
+        """idx (B, T) -> (logits (B, T, V) or None, loss or None).
+
+        The loss (over targets != -100; ``loss_reduction`` "mean" or "sum") is computed by
+        :func:`chunked_cross_entropy` from the hidden states, never from a full (B, T, V) logits
+        tensor: with ``return_logits=False`` no (B, T, V) tensor exists at all, so the model's
+        memory is set by its trunk, not by its vocabulary (logits is then None). Training
+        loops should pass ``return_logits=False``.
 
         ``start_pos``: global position of ``idx[:, 0]``. Default: 0, or ``rank * T`` when
         sequence-parallel. With a KV cache (:meth:`setup_cache`) it is where the tokens are
         written and must be given.
         """
+        x = self.hidden_states(idx, start_pos=start_pos)  # (B, T, E)
+        logits = self.lm_head(x) if return_logits or targets is None else None  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = chunked_cross_entropy(x, self.lm_head.weight, targets, reduction=loss_reduction)
+        return logits, loss
+
+    def hidden_states(self, idx: torch.Tensor, *, start_pos: int | None = None) -> torch.Tensor:
+        """idx (B, T) -> final-LayerNorm hidden states (B, T, E), the input of ``lm_head``."""
         b, t = idx.shape
         if start_pos is None:
             if self.has_cache:
@@ -487,14 +571,7 @@ class LongNetLM(_Trunk):
                 )
             start_pos = self.position_offset(t)
         x = self.emb_dropout(self.tok_emb(idx))  # (B, T, E)
-        x = self.run_layers(x, start_pos)  # (B, T, E)
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100
-            )
-        return logits, loss
+        return self.run_layers(x, start_pos)  # (B, T, E)
 
     # ---------------------------------------------------------------- KV cache and generation
 

@@ -1,0 +1,87 @@
+"""Which planted values can the retrieval answer reach, and over how many keys is it spread?
+
+For a branch set (w_b, r_b), H heads (``head_assignment="all"``) and sequence length N, using
+the attention pattern of docs/spec.md (query i and key j meet in branch b for head h iff
+``i // w == j // w`` and ``(i % w) % r == (j % w) % r == h % r``, causal), prints for each
+distance d of the retrieval task (value at position N + 2 - d, answer read at N - 1):
+
+- ``1-hop``: the answer position attends the value directly (some head, some branch);
+- ``2-hop``: the number of positions p that attend the value and are attended by the answer
+  (a two-layer path: p copies the value, the answer reads p);
+
+and, per head, the number of keys (counted with multiplicity) in the answer position's softmax:
+at initialisation attention is near uniform, so the value's weight is about 1 / that number.
+
+    python benchmarks/retrieval_reach.py                      # `small` at N = 32768
+    python benchmarks/retrieval_reach.py --n 256 --w 32,128,256 --r 1,2,4 --heads 4 \\
+        --distances 16,64,128,256                             # `tiny`
+
+CPU only, no torch needed; takes a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def attends(i: int, j: np.ndarray, ws, rs, heads: int) -> np.ndarray:
+    """Bool mask over key positions ``j``: query ``i`` attends them in some branch and head."""
+    j = np.asarray(j)
+    ok = np.zeros(j.shape, dtype=bool)
+    for w, r in zip(ws, rs, strict=True):
+        qi = (i % w) % r
+        if qi >= heads:  # no head h with h % r == qi (only when H < r)
+            continue
+        ok |= (j // w == i // w) & ((j % w) % r == qi)
+    return ok & (j <= i)
+
+
+def reach(n: int, ws, rs, heads: int, distances) -> list[dict]:
+    i = n - 1
+    rows = []
+    for d in distances:
+        v = n + 2 - d  # value position (RetrievalTask with one pair)
+        one = bool(attends(i, np.array([v]), ws, rs, heads)[0])
+        ps = np.arange(v, n)
+        mid = np.array([attends(int(p), np.array([v]), ws, rs, heads)[0] for p in ps])
+        two = int((mid & attends(i, ps, ws, rs, heads)).sum())
+        rows.append({"distance": d, "value_pos": v, "one_hop": one, "two_hop": two})
+    return rows
+
+
+def keys_per_head(n: int, ws, rs, heads: int) -> list[int]:
+    i = n - 1
+    out = []
+    for h in range(heads):
+        tot = 0
+        for w, r in zip(ws, rs, strict=True):
+            if (i % w) % r != h % r:
+                continue
+            js = np.arange((i // w) * w, i + 1)
+            tot += int(((js % w) % r == h % r).sum())
+        out.append(tot)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    p.add_argument("--n", type=int, default=32768)
+    p.add_argument("--w", type=ints, default=[1024, 4096, 16384, 32768])
+    p.add_argument("--r", type=ints, default=[1, 2, 4, 6])
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--distances", type=ints, default=[512, 2048, 8192, 16384, 32768])
+    a = p.parse_args(argv)
+    print(f"N = {a.n}, w = {a.w}, r = {a.r}, H = {a.heads}")
+    print("distance | value pos | 1-hop | 2-hop intermediates")
+    for row in reach(a.n, a.w, a.r, a.heads, a.distances):
+        print(f"{row['distance']} | {row['value_pos']} | {row['one_hop']} | {row['two_hop']}")
+    print("keys in the answer position's softmax, per head:", keys_per_head(a.n, a.w, a.r, a.heads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""Long-range retrieval with a length curriculum, under a wall-clock cap: accuracy vs distance.
+
+The recipe that makes a LongNet learn the retrieval task of ``dilated_attention.data`` at
+N = 32768 (see docs/training.md, "Why the 32K preset stayed at chance"): train first on short
+sequences, where the answer position's softmax spans a few hundred keys instead of ~8500 and
+every step carries many answers, then lengthen the sequences; the last stage trains at the full
+length until the cap or until every eval distance reaches ``--target``. Every stage draws
+distances uniformly from ``[--min-distance, stage length]`` and every step holds about the
+same number of tokens (the batch shrinks as the sequences grow).
+
+Runs every (attention, seed) pair given, one after the other, each with its own cap, and writes
+``OUT.md`` (settings, per-run table of accuracy by distance at every eval, steps, time, seed),
+``OUT.json`` (everything, incl. the loss curve) and ``OUT.png`` (accuracy vs distance at the
+last eval of each run; needs matplotlib)::
+
+    # one H100, the recipe (about 10 minutes per run at most; stops at the target)
+    PYTHONPATH=src python benchmarks/train_retrieval.py --recipe h100-32k --seeds 0,1,2 \\
+        --attention dilated,local,dense --max-minutes 10 --out benchmarks/results/retrieval_32k
+    # CPU, the same structure at N = 2048 or 512 (tens of minutes / minutes on 2 cores)
+    PYTHONPATH=src python benchmarks/train_retrieval.py --recipe cpu-2k --out /tmp/retrieval_2k
+    PYTHONPATH=src python benchmarks/train_retrieval.py --recipe cpu-512 --out /tmp/retrieval_512
+    # CPU, seconds: a smoke run of the script itself
+    PYTHONPATH=src python benchmarks/train_retrieval.py --recipe tiny-check --out /tmp/rt
+
+Schedule: AdamW (betas 0.9/0.95, weight decay 0.01 on matrices), linear warmup then constant
+learning rate, gradient clipping at 1.0, bf16 autocast on GPU. A constant rate, because the
+length of a capped run is not known in advance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+
+import torch
+
+from dilated_attention.data import IGNORE, RetrievalTask
+from dilated_attention.models.longnet import LongNetConfig, LongNetLM
+
+# Model: the `small` preset's branches (w = 1024, 4096, 16384, 32768; r = 1, 2, 4, 6; 6 heads
+# so every offset of r = 6 has a head), narrower and shallower for speed. Curriculum entries are
+# "N:batch:max_steps"; a stage ends early once the mean training loss of its last 50 steps is
+# below --advance-loss (the lookup is learned at that length); the last stage's steps are 0 =
+# until the cap or the target. Each stage is 4x
+# longer than the one before, so the number of keys the answer position's softmax spreads over
+# grows 4x at a time from a state where the lookup is already learned (docs/training.md).
+RECIPES: dict[str, dict] = {
+    "h100-32k": dict(
+        seq_len=32768,
+        segments=(1024, 4096, 16384, 32768),
+        rates=(1, 2, 4, 6),
+        dim=192,
+        n_layer=4,
+        n_head=6,
+        ffn_dim=768,
+        curriculum="512:128:3000,2048:32:3000,8192:8:3000,32768:2:0",
+        lr=1e-3,
+        warmup=100,
+        num_pairs=1,
+        min_distance=16,
+        local_window=1024,
+        eval_distances=(512, 2048, 8192, 16384, 32768),
+        eval_samples=64,
+        eval_batch=4,
+        eval_every_s=45.0,
+        max_minutes=10.0,
+        device="cuda",
+        dtype="bfloat16",
+    ),
+    # The same structure scaled down 16x in length (branch lengths / N kept), for CPU.
+    "cpu-2k": dict(
+        seq_len=2048,
+        segments=(64, 256, 1024, 2048),
+        rates=(1, 2, 4, 6),
+        dim=96,
+        n_layer=4,
+        n_head=6,
+        ffn_dim=192,
+        curriculum="128:64:1000,512:16:1000,2048:4:0",
+        lr=1e-3,
+        warmup=50,
+        num_pairs=1,
+        min_distance=16,
+        local_window=64,
+        eval_distances=(32, 128, 512, 1024, 2048),
+        eval_samples=64,
+        eval_batch=16,
+        eval_every_s=60.0,
+        max_minutes=15.0,
+        device="cpu",
+        dtype="float32",
+    ),
+    # 64x shorter, small model: what a loaded 2-core box can run in ~10 minutes.
+    "cpu-512": dict(
+        seq_len=512,
+        segments=(16, 64, 256, 512),
+        rates=(1, 2, 4, 6),
+        dim=48,
+        n_layer=3,
+        n_head=6,
+        ffn_dim=96,
+        curriculum="128:32:1000,512:8:0",
+        lr=2e-3,
+        warmup=30,
+        num_pairs=1,
+        min_distance=8,
+        local_window=16,
+        eval_distances=(16, 64, 256, 512),
+        eval_samples=32,
+        eval_batch=32,
+        eval_every_s=45.0,
+        max_minutes=10.0,
+        device="cpu",
+        dtype="float32",
+    ),
+    # seconds: checks the script end to end
+    "tiny-check": dict(
+        seq_len=128,
+        segments=(16, 64, 128),
+        rates=(1, 2, 4),
+        dim=32,
+        n_layer=2,
+        n_head=4,
+        ffn_dim=64,
+        curriculum="64:4:6,128:2:0",
+        lr=1e-3,
+        warmup=2,
+        num_pairs=1,
+        min_distance=8,
+        local_window=16,
+        eval_distances=(16, 128),
+        eval_samples=8,
+        eval_batch=8,
+        eval_every_s=0.5,
+        max_minutes=0.05,
+        device="cpu",
+        dtype="float32",
+    ),
+}
+
+
+def parse_curriculum(text: str) -> list[tuple[int, int, int]]:
+    """'N:batch:steps,...' -> [(N, batch, steps)]; steps 0 only in the last stage."""
+    stages = []
+    for part in text.split(","):
+        try:
+            n, b, s = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise ValueError(f"curriculum stage {part!r} must be N:batch:steps, e.g. 2048:16:600")
+        stages.append((n, b, s))
+    if any(s <= 0 for _, _, s in stages[:-1]):
+        raise ValueError(f"curriculum {text!r}: only the last stage may have 0 steps (= open)")
+    return stages
+
+
+def build_model(r: dict, attention: str, device) -> LongNetLM:
+    cfg = LongNetConfig(
+        vocab_size=128, dim=r["dim"], n_layer=r["n_layer"], n_head=r["n_head"],
+        ffn_dim=r["ffn_dim"], segment_lengths=r["segments"], dilation_rates=r["rates"],
+        max_seq_len=r["seq_len"], impl=r["impl"],
+    )  # fmt: skip
+    cfg = cfg.with_attention(attention, r["seq_len"], r["local_window"])
+    return LongNetLM(cfg).to(device)
+
+
+@torch.no_grad()
+def evaluate(model, r: dict, seed: int, device, autocast) -> dict[str, float]:
+    """Accuracy at each eval distance at the full length; the same sequences at every distance."""
+    model.eval()
+    task = RetrievalTask(
+        seq_len=r["seq_len"], num_pairs=r["num_pairs"],
+        min_distance=r["min_distance"], max_distance=r["seq_len"],
+    )  # fmt: skip
+    out = {}
+    nb = max(1, math.ceil(r["eval_samples"] / r["eval_batch"]))
+    for d in r["eval_distances"]:
+        correct = total = 0
+        for i in range(nb):
+            x, y = task.batch(r["eval_batch"], seed + 1, 10**9 + i, distance=d)
+            x, y = x.to(device), y.to(device)
+            with autocast:
+                h = model.hidden_states(x)  # (B, N, E)
+                mask = y != IGNORE
+                pred = model.lm_head(h[mask]).argmax(-1)  # (M,)
+            correct += int((pred == y[mask]).sum())
+            total += int(mask.sum())
+        out[f"acc@{d}"] = correct / max(total, 1)
+    model.train()
+    return out
+
+
+def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
+    """One capped run; returns its record (evals, losses, steps, times)."""
+    device = torch.device(r["device"])
+    torch.manual_seed(seed)
+    model = build_model(r, attention, device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=r["lr"], betas=(0.9, 0.95), fused=device.type == "cuda",
+    )  # fmt: skip
+    amp = getattr(torch, r["dtype"])
+    autocast = torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32)
+    stages = parse_curriculum(r["curriculum"])
+    if stages[-1][0] != r["seq_len"]:
+        raise ValueError(
+            f"the last curriculum stage has N = {stages[-1][0]}; it must be --seq-len "
+            f"{r['seq_len']} (the eval length)"
+        )
+    cap = r["max_minutes"] * 60.0
+    rec = {"attention": attention, "seed": seed, "params": model.num_params(), "evals": [],
+           "losses": [], "stage_starts": [], "branches": [list(model.cfg.segment_lengths),
+                                      list(model.cfg.dilation_rates)]}  # fmt: skip
+    t0 = time.perf_counter()
+    eval_s = 0.0
+    last_eval = 0.0
+    step = 0
+    reached = None
+    for si, (n, bs, n_steps) in enumerate(stages):
+        task = RetrievalTask(
+            seq_len=n, num_pairs=r["num_pairs"], min_distance=r["min_distance"], max_distance=n
+        )
+        s_step = 0
+        recent: list[float] = []
+        rec["stage_starts"].append({"N": n, "step": step,
+                                    "time_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+        log(f"  [{attention} seed {seed}] stage N={n} batch {bs} from step {step}, "
+            f"t={time.perf_counter() - t0:.0f}s"
+            + (f", last loss {rec['losses'][-1][2]}" if rec["losses"] else ""))  # fmt: skip
+        while n_steps == 0 or s_step < n_steps:
+            elapsed = time.perf_counter() - t0
+            if elapsed >= cap:
+                break
+            lr = r["lr"] * min(1.0, (step + 1) / r["warmup"])
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x, y = task.batch(bs, seed, step)
+            x, y = x.to(device), y.to(device)
+            with autocast:
+                _, loss = model(x, y, return_logits=False)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            s_step += 1
+            recent = (recent + [loss.item()])[-50:]
+            if step % 10 == 0 or step == 1:
+                rec["losses"].append((step, n, round(recent[-1], 4)))
+            now = time.perf_counter() - t0
+            last_stage = si == len(stages) - 1
+            if not last_stage and len(recent) == 50 and sum(recent) / 50 < r["advance_loss"]:
+                break  # learned at this length: on to the next stage
+            if last_stage and (now - last_eval >= r["eval_every_s"] or s_step == n_steps):
+                te = time.perf_counter()
+                acc = evaluate(model, r, seed, device, autocast)
+                eval_s += time.perf_counter() - te
+                last_eval = time.perf_counter() - t0
+                ev = {"step": step, "stage_n": n, "time_s": round(last_eval, 1),
+                      "loss": round(loss.item(), 4), **acc}  # fmt: skip
+                rec["evals"].append(ev)
+                log(f"  [{attention} seed {seed}] step {step} N={n} t={last_eval:.0f}s "
+                    + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))  # fmt: skip
+                if min(acc.values()) >= r["target"]:
+                    reached = ev
+                    break
+        if reached or time.perf_counter() - t0 >= cap:
+            break
+    if not rec["evals"] or rec["evals"][-1]["step"] != step:  # a final eval at the cap
+        te = time.perf_counter()
+        acc = evaluate(model, r, seed, device, autocast)
+        eval_s += time.perf_counter() - te
+        stage_n = stages[min(si, len(stages) - 1)][0]
+        rec["evals"].append({"step": step, "stage_n": stage_n,
+                             "time_s": round(time.perf_counter() - t0, 1), **acc})  # fmt: skip
+        if min(acc.values()) >= r["target"]:
+            reached = rec["evals"][-1]
+    rec.update(steps=step, wall_s=round(time.perf_counter() - t0, 1), eval_s=round(eval_s, 1),
+               reached_target=reached is not None,
+               target_step=reached["step"] if reached else None,
+               target_time_s=reached["time_s"] if reached else None)  # fmt: skip
+    return rec
+
+
+def _markdown(r: dict, runs: list[dict], env: dict) -> str:
+    ds = r["eval_distances"]
+    lines = [
+        "# Long-range retrieval with a length curriculum",
+        "",
+        f"- command: `{env['command']}`",
+        f"- device: {env['device']}; torch {env['torch']}; python {env['python']}; "
+        f"date {env['date']}",
+        f"- recipe: `{r['recipe']}`: N = {r['seq_len']}, branches w = {list(r['segments'])}, "
+        f"r = {list(r['rates'])}; dim {r['dim']}, {r['n_layer']} layers, {r['n_head']} heads, "
+        f"ffn {r['ffn_dim']}; curriculum `{r['curriculum']}` (N:batch:max_steps, a stage ends "
+        f"when its last 50 losses average < {r['advance_loss']}); lr {r['lr']}, "
+        f"warmup {r['warmup']}; {r['num_pairs']} pair(s); distances uniform in "
+        f"[{r['min_distance']}, stage N]; local window {r['local_window']}; "
+        f"{r['dtype']}; cap {r['max_minutes']} min; target {r['target']}",
+        f"- eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']} (the same "
+        f"sequences at every distance, only the planted block moves); chance = "
+        f"{1 / 16:.4f}",
+        "",
+        "## Final accuracy by distance",
+        "",
+        "| attention | seed | params | steps | wall s | reached target at (step, s) | "
+        + " | ".join(f"acc@{d}" for d in ds)
+        + " |",
+        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ds) + " |",
+    ]
+    for run in runs:
+        last = run["evals"][-1]
+        hit = f"{run['target_step']}, {run['target_time_s']}" if run["reached_target"] else "no"
+        lines.append(
+            f"| {run['attention']} | {run['seed']} | {run['params'] / 1e6:.2f}M | {run['steps']} | "
+            f"{run['wall_s']} | {hit} | " + " | ".join(f"{last[f'acc@{d}']:.3f}" for d in ds) + " |"
+        )
+    lines += ["", "## Every eval", ""]
+    for run in runs:
+        lines += [
+            f"### {run['attention']}, seed {run['seed']}",
+            "",
+            "stages started (N at step, s): "
+            + ", ".join(f"{st['N']} at {st['step']}, {st['time_s']}" for st in run["stage_starts"]),
+            "",
+            "| step | stage N | time s | " + " | ".join(f"acc@{d}" for d in ds) + " |",
+            "| --- | --- | --- | " + " | ".join("---" for _ in ds) + " |",
+        ]
+        for ev in run["evals"]:
+            lines.append(
+                f"| {ev['step']} | {ev['stage_n']} | {ev['time_s']} | "
+                + " | ".join(f"{ev[f'acc@{d}']:.3f}" for d in ds)
+                + " |"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(r: dict, runs: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ds = r["eval_distances"]
+    for run in runs:
+        last = run["evals"][-1]
+        ax.plot(ds, [last[f"acc@{d}"] for d in ds], marker="o",
+                label=f"{run['attention']} seed {run['seed']} ({run['steps']} steps)")  # fmt: skip
+    ax.axhline(1 / 16, color="gray", ls=":", label="chance")
+    ax.axhline(r["target"], color="gray", ls="--", lw=0.8)
+    ax.set(xscale="log", xlabel="distance (tokens)", ylabel="accuracy", ylim=(0, 1.02),
+           title=f"retrieval at N = {r['seq_len']} ({r['recipe']})")  # fmt: skip
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="h100-32k", choices=sorted(RECIPES))
+    p.add_argument("--attention", default="dilated", help="comma list of dilated,local,dense")
+    p.add_argument("--seeds", default="0", help="comma list")
+    p.add_argument("--out", required=True, help="path prefix: OUT.md, OUT.json, OUT.png")
+    p.add_argument("--max-minutes", type=float, help="wall-clock cap per run (evals included)")
+    p.add_argument("--target", type=float, default=0.95, help="stop when every distance reaches it")
+    p.add_argument("--curriculum", help="N:batch:max_steps,...; last stage steps 0 = open")
+    p.add_argument(
+        "--advance-loss", type=float, default=0.2,
+        help="leave a stage once the mean loss of its last 50 steps is below this (0: never)",
+    )  # fmt: skip
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--dim", type=int)
+    p.add_argument("--n-layer", type=int)
+    p.add_argument("--num-pairs", type=int)
+    p.add_argument("--min-distance", type=int)
+    p.add_argument("--local-window", type=int)
+    p.add_argument("--eval-samples", type=int)
+    p.add_argument("--eval-every-s", type=float)
+    p.add_argument(
+        "--eval-distances", type=lambda s: tuple(int(v) for v in s.split(",")), default=None
+    )
+    p.add_argument("--impl", default="auto")
+    p.add_argument("--device")
+    p.add_argument("--threads", type=int)
+    args = p.parse_args(argv)
+    r = dict(RECIPES[args.recipe], recipe=args.recipe, target=args.target, impl=args.impl,
+             advance_loss=args.advance_loss)  # fmt: skip
+    for key in ("max_minutes", "curriculum", "seq_len", "lr", "warmup", "dim", "n_layer",
+                "num_pairs", "min_distance", "local_window", "eval_samples", "eval_every_s",
+                "eval_distances", "device"):  # fmt: skip
+        if getattr(args, key) is not None:
+            r[key] = getattr(args, key)
+    if r["device"] == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: running on cpu in float32", file=sys.stderr)
+        r["device"], r["dtype"] = "cpu", "float32"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = torch.device(r["device"])
+    env = {
+        "command": "python " + " ".join(sys.argv),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    runs = []
+    for attention in args.attention.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            print(f"run: {attention}, seed {seed}", flush=True)
+            try:
+                runs.append(train_one(r, attention, seed, log=lambda m: print(m, flush=True)))
+            except torch.OutOfMemoryError as e:  # dense at 32K may not fit a big batch
+                print(f"  OOM: {e}", flush=True)
+                torch.cuda.empty_cache()
+    with open(args.out + ".json", "w") as f:
+        json.dump({"recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items()},
+                   "env": env, "runs": runs}, f, indent=1)  # fmt: skip
+    with open(args.out + ".md", "w") as f:
+        f.write(_markdown(r, runs, env))
+    plotted = _plot(r, runs, args.out + ".png")
+    ds = r["eval_distances"]
+    print(f"\nwrote {args.out}.md, .json" + (", .png" if plotted else ""))
+    print("attention seed steps wall_s target | " + " ".join(f"@{d}" for d in ds))
+    for run in runs:
+        last = run["evals"][-1]
+        print(f"{run['attention']} {run['seed']} {run['steps']} {run['wall_s']} "
+              f"{'yes' if run['reached_target'] else 'no'} | "
+              + " ".join(f"{last[f'acc@{d}']:.2f}" for d in ds))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
