@@ -64,3 +64,18 @@ def rows_in(lo: int, hi: int, first: int, r: int) -> tuple[int, int]:
 def first_query_row(seg_start: int, o: int, r: int, qoff: int) -> int:
     """Index of the first row of a block that is a query (position ``>= qoff``)."""
     return first_row_at_or_after(qoff, seg_start + o, r)
+
+
+def query_segments(nq: int, nk: int, w: int) -> tuple[int, int]:
+    """``(first, count)``: the segments of length ``w`` that hold at least one query row.
+
+    Queries are the last ``nq`` of ``nk`` positions (bottom-right aligned), so segments before
+    ``(nk - nq) // w`` hold keys only.
+    """
+    first = (nk - nq) // w
+    return first, ceil_div(nk, w) - first
+
+
+def max_block_length(n: int, w: int, r: int) -> int:
+    """The longest block (rows of one residue class in one segment) over ``n`` positions."""
+    return ceil_div(min(w, n), r)

@@ -21,6 +21,7 @@ import functools
 import torch
 import triton
 
+from ..geometry import max_block_length, query_segments
 from . import triton_kernels as kern
 
 # Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton_kernels was
@@ -188,9 +189,8 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     kp, skp, has_kpm = _kpm_arg(kpm, q)
     qoff = nk - nq
     for bi, (w, r, hs, he) in enumerate(branches):
-        s0 = qoff // w
-        nseg = -(-nk // w) - s0
-        nm = triton.cdiv(triton.cdiv(min(w, nk), r), bm)
+        s0, nseg = query_segments(nq, nk, w)
+        nm = triton.cdiv(max_block_length(nk, w, r), bm)
         grid = (nm * nseg, bsz * (he - hs))
         kern.dilated_fwd_kernel[grid](
             q, k, v, kp, acc_o, acc_o if acc_lo is None else acc_lo, acc_l,
@@ -235,9 +235,8 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     )
     branches = branch_list(seg, dil, head_ranges)
 
-    def geom(w, r):
-        s0 = qoff // w
-        return s0, -(-nk // w) - s0, -(-min(w, nk) // r)  # first segment, segments, max L
+    def geom(w, r):  # first segment with a query, number of such segments, longest block
+        return (*query_segments(nq, nk, w), max_block_length(nk, w, r))
 
     # all dK/dV first, then all dQ, so that at most one phase's lo buffers are alive (peak: the
     # inputs, out, dout, lse, delta, the results and 2 lo buffers, each the size of a result)
