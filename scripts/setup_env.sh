@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Create ./.venv (once) and install the package with its test/plot/progress extras.
+# Create ./.venv (once) and install the package into it with the extras in SETUP_EXTRAS
+# (default "plot,progress", plus "triton" where a CUDA GPU is visible: the CPU needs triton only
+# for the interpreter tests, which scripts/test.sh installs through the "test" extra).
 # torch is installed FIRST and pinned (torch==2.13.0, CPU wheel on the dev/CI machines) so that
 # pip never resolves a bare `torch` to a multi-GB CUDA build. A python that already has torch
 # (e.g. a GPU image) is reused through --system-site-packages.
+# Quiet on success; prints pip's output (minus the environment's configuration warnings) on
+# failure. The install is skipped when pyproject.toml and the extras are what the last
+# successful install used (stamp file .venv/.setup-stamp) and the package still imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,9 +15,33 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv --system-site-packages .venv
 fi
 VPY=.venv/bin/python
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+quiet() {  # run "$@" with its output held back; show it only if the command fails
+  if ! "$@" >"$log" 2>&1; then
+    grep -v -e '^WARNING: Location' -e 'is ignored' -e '^WARNING: Ignoring invalid distribution' \
+      -e '^\[notice\]' "$log" >&2 || true
+    echo "setup_env.sh: failed: $*" >&2
+    return 1
+  fi
+}
+
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
-  "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+  quiet "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-# extras: triton (kernels, interpreter tests on CPU), matplotlib (plots), tqdm (progress), pytest
-"$VPY" -m pip install -q -e ".[test,plot,progress]" 2>&1 | grep -v -e "^WARNING: Location" -e "is ignored" || true
-"$VPY" -c "import torch, dilated_attention; print('setup ok: torch', torch.__version__, '| dilated_attention', dilated_attention.__version__)"
+if [ -z "${SETUP_EXTRAS:-}" ]; then
+  SETUP_EXTRAS="plot,progress"
+  if "$VPY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
+    SETUP_EXTRAS="triton,$SETUP_EXTRAS"
+  fi
+fi
+stamp=.venv/.setup-stamp
+key="$("$VPY" -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest())") [$SETUP_EXTRAS]"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] \
+  && "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('dilated_attention') is None)" 2>/dev/null; then
+  exit 0
+fi
+quiet "$VPY" -m pip install -q -e ".[$SETUP_EXTRAS]"
+printf '%s\n' "$key" >"$stamp"
+echo "setup: installed dilated-attention[$SETUP_EXTRAS] into .venv"

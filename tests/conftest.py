@@ -24,10 +24,13 @@ def seed() -> int:
     return s
 
 
+CUDA_SKIP_REASON = "needs a CUDA GPU"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

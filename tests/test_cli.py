@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 
-from dilated_attention.cli import main
+import pytest
+import torch
+
+from dilated_attention.cli import build_parser, main
 
 
 def test_info(capsys):
@@ -25,16 +30,106 @@ def test_verify_passes_on_cpu(tmp_path, capsys):
 
 def test_bench_small(tmp_path, capsys):
     md, js = tmp_path / "b.md", tmp_path / "b.json"
+    # --impls torch: under TRITON_INTERPRET=1 (tests/conftest.py) triton would also run, slowly
     rc = main(["bench", "--seqlens", "256", "--causal", "false", "true", "--iters", "1", "--warmup", "0",
-               "--markdown", str(md), "--json", str(js)])
+               "--impls", "torch", "--markdown", str(md), "--json", str(js)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "dense SDPA" in out and "torch" in out
     res = json.loads(js.read_text())["results"]
     assert {r["impl"] for r in res} >= {"dense SDPA", "torch"} and all(r["fwd_tflops"] > 0 for r in res)
     assert "command" in md.read_text()
+    # CPU rows: GFLOP/s with significant digits (not 0.0 TFLOP/s), memory said to be n/a
+    assert "GFLOP/s" in out and "TFLOP/s" not in out and "peak memory: n/a on the CPU" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("256 ")]
+    assert len(rows) == len(res) == 4 and all(float(r[-1]) > 0 for r in rows)
 
 
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "dilated_attention", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "verify" in r.stdout
+
+
+def test_verify_dtype_short_names(capsys):
+    assert main(["verify", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "float32" in out and "all passed" in out
+    ns = build_parser().parse_args(["verify", "--dtype", "BF16"])
+    assert ns.dtype is torch.bfloat16
+
+
+def test_bench_bool_and_branch_parsing():
+    ns = build_parser().parse_args(["bench", "--causal", "False", "1", "yes", "--segments", "8", "16",
+                                    "--dilations", "1", "2"])
+    assert ns.causal == [False, True, True] and ns.segments == [8, 16] and ns.dilations == [1, 2]
+
+
+BAD = [
+    (["bench", "--causal", "maybe"], "argument --causal: 'maybe' is not a bool"),
+    (["bench", "--headdim", "0"], "argument --headdim: '0' must be a positive integer"),
+    (["bench", "--heads", "-2"], "argument --heads: '-2' must be a positive integer"),
+    (["bench", "--seqlens", "0"], "argument --seqlens: '0' must be a positive integer"),
+    (["bench", "--batch", "two"], "argument --batch: 'two' is not an integer"),
+    (["bench", "--iters", "0"], "argument --iters"),
+    (["bench", "--warmup", "-1"], "argument --warmup: '-1' must be 0 or more"),
+    (["bench", "--segments", "8", "16", "--dilations", "1"], "--segments has 2 values but --dilations has 1"),
+    (["bench", "--segments", "8", "16"], "--segments given without --dilations"),
+    (["bench", "--segments", "8", "--dilations", "16"], "dilation rate 16 > segment length 8"),
+    (["bench", "--impls", "fast"], "argument --impls: invalid choice: 'fast'"),
+    (["bench", "--dtype", "fp33"], "argument --dtype: 'fp33' is not a dtype"),
+    (["verify", "--dtype", "int8"], "argument --dtype: 'int8' is not a dtype"),
+    (["info", "--device", "gpu0"], "argument --device: 'gpu0' is not a device"),
+    (["train", "--steps", "0"], "argument --steps: '0' must be a positive integer"),
+    (["train", "--resume", "--overwrite"], "--resume and --overwrite contradict"),
+]
+if not torch.cuda.is_available():
+    BAD.append((["bench", "--device", "cuda"], "argument --device: 'cuda': no CUDA GPU is available here"))
+    BAD.append((["verify", "--device", "cuda:0"], "no CUDA GPU is available here"))
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # argparse: usage lines, then the one-line error
+    assert last.startswith(f"dilated-attention {argv[0]}: error: ") and message in last, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_device_without_cuda_through_the_console():
+    """A real process: status 2, one error line, no traceback (the case a user hits first)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-m", "dilated_attention", "bench", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("dilated-attention bench: error: argument --device")
+
+
+def _subparsers(parser):
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+@pytest.mark.parametrize("cmd", ["info", "verify", "bench", "train"])
+def test_every_option_has_help_and_its_default(cmd):
+    sub = _subparsers(build_parser())[cmd]
+    text = sub.format_help()
+    assert "``" not in text and "SPEC" not in text
+    for action in sub._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{cmd} {action.option_strings} has no help"
+        shown = action.default is not None and not isinstance(action, argparse._StoreTrueAction)
+        if shown:
+            assert "default" in sub._get_formatter()._get_help_string(action), action.option_strings
+    assert "default" in text
+
+
+def test_top_level_help_is_plain_text():
+    r = subprocess.run([sys.executable, "-m", "dilated_attention", "--help"], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0 and "``" not in r.stdout and "docs/spec.md" in r.stdout

@@ -85,3 +85,81 @@ def test_torch_compile_forward_backward(seed):
     (gx_c,) = torch.autograd.grad(out_c.square().sum(), x)
     torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx_c, gx, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------ nn.MultiheadAttention's forward signature
+def _mha(**kw):
+    return MultiheadDilatedAttention(32, 4, SEG, DIL, dtype=torch.float64, impl="torch", **kw)
+
+
+def test_forward_takes_multihead_attention_order(seed):
+    """mha(x, x, x, key_padding_mask) works as with nn.MultiheadAttention; is_causal is last."""
+    m = _mha(num_kv_heads=2)
+    x = torch.randn(2, 29, 32, dtype=torch.float64)
+    kpm = torch.rand(2, 29) < 0.3
+    kpm[:, 0] = False
+    pos, _ = m(x, x, x, kpm)
+    kw, _ = m(x, x, x, key_padding_mask=kpm)
+    torch.testing.assert_close(pos, kw)
+    assert not torch.allclose(pos, m(x, x, x)[0])  # the mask is used, not ignored
+    causal, none = m(x, x, x, kpm, False, None, True, True)  # all eight, positionally
+    assert none is None
+    torch.testing.assert_close(causal, m(x, x, x, key_padding_mask=kpm, is_causal=True)[0])
+    b, n, e = x.shape
+    q = m.q_proj(x).view(b, n, 4, 8)
+    k = m.k_proj(x).view(b, n, 2, 8)
+    v = m.v_proj(x).view(b, n, 2, 8)
+    a = dilated_attention(q, k, v, SEG, DIL, causal=True, key_padding_mask=kpm, impl="reference")
+    torch.testing.assert_close(causal, m.out_proj(m.norm(a.reshape(b, n, e))))
+
+
+def test_batch_first_false_takes_sequence_first(seed):
+    torch.manual_seed(seed)
+    bf = _mha()
+    sf = _mha(batch_first=False)
+    sf.load_state_dict(bf.state_dict())
+    x = torch.randn(3, 21, 32, dtype=torch.float64)  # (B, N, E)
+    mem = torch.randn(3, 40, 32, dtype=torch.float64)  # cross-attention keys, longer than queries
+    kpm = torch.rand(3, 40) < 0.2
+    for causal in (False, True):
+        ref, _ = bf(x, mem, mem, kpm, is_causal=causal)
+        out, _ = sf(x.transpose(0, 1), mem.transpose(0, 1), mem.transpose(0, 1), kpm, is_causal=causal)
+        assert out.shape == (21, 3, 32)
+        torch.testing.assert_close(out.transpose(0, 1), ref)
+    assert "batch_first=False" in repr(sf)
+
+
+def test_causal_attn_mask_means_is_causal(seed):
+    m = _mha()
+    x = torch.randn(2, 19, 32, dtype=torch.float64)
+    ref, _ = m(x, x, x, is_causal=True)
+    bool_mask = torch.nn.Transformer.generate_square_subsequent_mask(19).isinf()
+    float_mask = torch.nn.Transformer.generate_square_subsequent_mask(19, dtype=torch.float64)
+    for mask in (bool_mask, float_mask):
+        torch.testing.assert_close(m(x, x, x, attn_mask=mask)[0], ref)
+        torch.testing.assert_close(m(x, x, x, attn_mask=mask, is_causal=True)[0], ref)
+
+
+@pytest.mark.parametrize(
+    "call, err, match",
+    [
+        (lambda m, x: m(x, x, x, need_weights=True), ValueError, "need_weights"),
+        (lambda m, x: m(x, x, x, attn_mask=torch.zeros(19, 19, dtype=torch.bool)), ValueError, "attn_mask"),
+        (lambda m, x: m(x, x, x, attn_mask=torch.ones(19, 19).tril().bool()), ValueError, "attn_mask"),
+        (lambda m, x: m(x, x, x, is_causal=torch.tensor(True)), TypeError, "is_causal must be a bool"),
+        (lambda m, x: m(x, x, x, is_causal=1), TypeError, "is_causal must be a bool"),
+        (lambda m, x: m(x, x, x, True), TypeError, "key_padding_mask must be a bool tensor.*is_causal by keyword"),
+        (lambda m, x: m(x, x, x, torch.zeros(2, 19)), TypeError, "key_padding_mask must be a bool tensor"),
+        (lambda m, x: m(x, x, x, torch.zeros(19, 2, dtype=torch.bool)), ValueError, r"\(batch, seqlen_k\) = \(2, 19\)"),
+        (lambda m, x: m(x, x[:1], x[:1]), ValueError, "batch 2 but key/value have batch 1"),
+        (lambda m, x: m(x, x, x[:, :5]), ValueError, "key and value must have the same"),
+        (lambda m, x: m(x, x[:, :5], x[:, :5]), ValueError, "query length 19 > key length 5"),
+        (lambda m, x: m(x[..., :16], x, x), ValueError, "query's last dimension is 16.*embed_dim=32"),
+        (lambda m, x: m(x, x, x[0]), ValueError, "value must be 3-D"),
+    ],
+)
+def test_forward_errors_are_clear(call, err, match):
+    m = _mha()
+    x = torch.randn(2, 19, 32, dtype=torch.float64)
+    with pytest.raises(err, match=match):
+        call(m, x)

@@ -62,10 +62,15 @@ def backward_context(device_type: str):
 class _SecondOrderError(torch.autograd.Function):
     """Passes gradients through; differentiating them raises the error of :func:`no_double_backward`."""
 
+    generate_vmap_rule = True  # forward is plain tensor code; torch.func transforms run it
+
     @staticmethod
-    def forward(ctx, what, n, *tensors):
-        ctx.what = what
+    def forward(what, n, *tensors):
         return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.what = inputs[0]
 
     @staticmethod
     def backward(ctx, *_grads):

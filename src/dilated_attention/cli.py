@@ -1,9 +1,7 @@
 """The ``dilated-attention`` command line: info, verify, bench, train.
 
-    dilated-attention info              versions, devices, which impls can run here
-    dilated-attention verify            every available impl vs impl="reference", fwd + bwd
-    dilated-attention bench             time / TFLOP/s / peak memory vs dense SDPA
-    dilated-attention train             train a LongNet LM on a shipped long-range task
+Every option is checked by argparse (types, choices, positive sizes, consistent branch lists, a
+device that exists here); a bad value exits with status 2 and a one-line error, not a traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +24,97 @@ from .kernels.select import triton_unavailable_reason
 # models.LongNetConfig's default; pass --dilations 1 2 4 6 12 to bench it.
 BENCH_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
 BENCH_DILATIONS = (1, 2, 4, 8, 16)
+
+DESCRIPTION = """\
+Exact LongNet dilated attention: check, measure and train.
+
+  dilated-attention info      versions, devices, which impls can run here
+  dilated-attention verify    every available impl vs impl="reference", forward + backward
+  dilated-attention bench     time, useful FLOP/s and peak memory vs dense SDPA
+  dilated-attention train     train a LongNet LM on a shipped long-range task
+
+Semantics and FLOP counting: docs/spec.md. Run "dilated-attention COMMAND --help" for options.
+"""
+
+# names accepted by --dtype (the torch name or its short form)
+DTYPES = {
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows "(default: X)" after every option that has a default; options whose default depends
+    on the device (None here) say so in their help text instead of "(default: None)"."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action, argparse._StoreTrueAction) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _bool_arg(s: str) -> bool:
+    low = s.lower()
+    if low in ("1", "true", "yes", "on", "y", "t"):
+        return True
+    if low in ("0", "false", "no", "off", "n", "f"):
+        return False
+    raise argparse.ArgumentTypeError(f"{s!r} is not a bool: use true or false")
+
+
+def _positive_int(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{s!r} must be a positive integer")
+    return n
+
+
+def _nonnegative_int(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{s!r} must be 0 or more")
+    return n
+
+
+def _dtype_arg(s: str) -> torch.dtype:
+    try:
+        return DTYPES[s.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not a dtype; use one of {', '.join(DTYPES)}"
+        ) from None
+
+
+def _device_arg(s: str) -> str:
+    """A device string that exists on this machine (checked now, not at the first tensor)."""
+    try:
+        dev = torch.device(s)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{s!r}: no CUDA GPU is available here (torch {torch.__version__}, CUDA build: "
+                f"{torch.version.cuda or 'none'}); use --device cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{s!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0..cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif dev.type != "cpu":
+        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise argparse.ArgumentTypeError(f"{s!r}: the {dev.type} backend is not available here; use cpu")
+    return s
 
 
 def _device(arg: str | None) -> torch.device:
@@ -100,7 +189,7 @@ def cmd_verify(args) -> int:
     dev = _device(args.device)
     dtypes = [torch.bfloat16, torch.float16] if dev.type == "cuda" else [torch.float32]
     if args.dtype:
-        dtypes = [getattr(torch, args.dtype)]
+        dtypes = [args.dtype]
     ref_dtype = torch.float64
     impls = [i for i in available_impls(torch.empty(1, 1, 1, 64, device=dev, dtype=dtypes[0])) if i != "reference"]
     rows, failed = [], False
@@ -191,15 +280,16 @@ def _bench_one(name, attn, q, k, v, do, device, warmup, iters, flops_f, flops_fb
         row["error"] = "OOM"
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    except ValueError as e:  # an impl that cannot run these inputs says why (api.py's errors)
+        row["error"] = f"not run: {e}"
     return row
 
 
 def cmd_bench(args) -> int:
     dev = _device(args.device)
     on_gpu = dev.type == "cuda"
-    dt = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
-    seg = tuple(args.segments) if args.segments else (BENCH_SEGMENTS if on_gpu else (64, 128, 256))
-    dil = tuple(args.dilations) if args.dilations else (BENCH_DILATIONS if on_gpu else (1, 2, 4))
+    dt = args.dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    seg, dil = _bench_branches(args, on_gpu)
     seqlens = args.seqlens or ([32768, 65536, 131072] if on_gpu else [512, 1024, 2048])
     heads, hd = args.heads or (16 if on_gpu else 4), args.headdim or (128 if on_gpu else 64)
     impls = args.impls or [i for i in available_impls(torch.empty(1, 1, 1, hd, device=dev, dtype=dt)) if i != "reference"]
@@ -233,26 +323,37 @@ def cmd_bench(args) -> int:
             r.update(seqlen=n, causal=causal)
             results.append(r)
         del q, k, v, do
-    hdr = ["N", "causal", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "peak GiB", "peak / 8 tensors"]
-    table = []
+    # useful FLOP/s in units that show digits: TFLOP/s on a GPU, GFLOP/s on a CPU
+    unit, scale = ("TFLOP/s", 1.0) if on_gpu else ("GFLOP/s", 1e3)  # the results hold TFLOP/s
+    hdr = ["N", "causal", "impl", "fwd ms", f"fwd {unit}", "fwd+bwd ms", f"fwd+bwd {unit}"]
+    if on_gpu:  # CPU tensors have no allocator statistics to read a peak from
+        hdr += ["peak GiB", "peak / 8 tensors"]
+    table, errors = [], []
     for r in results:
         if "error" in r:
-            table.append([r["seqlen"], r["causal"], r["impl"], r["error"], "", "", "", "", ""])
+            table.append([r["seqlen"], r["causal"], r["impl"], r["error"].split(":")[0]] + [""] * (len(hdr) - 4))
+            errors.append(f"N={r['seqlen']} causal={r['causal']} {r['impl']}: {r['error']}")
             continue
-        table.append([
-            r["seqlen"], r["causal"], r["impl"], f"{r['fwd_ms']:.2f}", f"{r['fwd_tflops']:.1f}",
-            f"{r['fwdbwd_ms']:.2f}", f"{r['fwdbwd_tflops']:.1f}",
-            f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-",
-            f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-",
-        ])
+        row = [
+            r["seqlen"], r["causal"], r["impl"], f"{r['fwd_ms']:.2f}", _rate(r["fwd_tflops"] * scale),
+            f"{r['fwdbwd_ms']:.2f}", _rate(r["fwdbwd_tflops"] * scale),
+        ]
+        if on_gpu:
+            row += [f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a",
+                    f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "n/a"]
+        table.append(row)
     meta = {
         "device": _gpu_name(dev), "dtype": str(dt), "batch": args.batch, "heads": heads, "headdim": hd,
         "segment_lengths": list(seg), "dilation_rates": list(dil), **_versions(),
         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
     }
     print(f"\nbench on {meta['device']} | {dt} | batch {args.batch} | {heads} heads x {hd} | "
-          f"w={list(seg)} r={list(dil)} | useful TFLOP/s as docs/spec.md defines them (dense: its own FLOPs)")
+          f"w={list(seg)} r={list(dil)} | useful {unit} as in docs/spec.md (dense: its own FLOPs)")
     _print_table(hdr, table)
+    for e in errors:
+        print(e)
+    if not on_gpu:
+        print("peak memory: n/a on the CPU (measured from CUDA allocator statistics on a GPU)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
@@ -262,9 +363,50 @@ def cmd_bench(args) -> int:
             for key, val in meta.items():
                 f.write(f"- {key}: `{val}`\n")
             f.write("\n" + _md_table(hdr, table) + "\n")
+            for e in errors:
+                f.write(f"\n- {e}")
     if args.plot:
         _plot(results, args.plot, meta)
     return 0
+
+
+def _rate(x: float) -> str:
+    """Three significant digits, so that small rates (tiny CPU runs) do not print as 0.0."""
+    return f"{x:.1f}" if x >= 100 else f"{x:.3g}"
+
+
+def _bench_branches(args, on_gpu: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    seg = tuple(args.segments) if args.segments else (BENCH_SEGMENTS if on_gpu else (64, 128, 256))
+    dil = tuple(args.dilations) if args.dilations else (BENCH_DILATIONS if on_gpu else (1, 2, 4))
+    return seg, dil
+
+
+def _check_bench(args, parser: argparse.ArgumentParser) -> None:
+    """Cross-option checks argparse cannot express; parser.error exits 2 with one line."""
+    if (args.segments is None) != (args.dilations is None):
+        given, missing = ("--segments", "--dilations") if args.segments else ("--dilations", "--segments")
+        parser.error(f"{given} given without {missing}: give one dilation rate per segment length")
+    if args.segments is not None:
+        if len(args.segments) != len(args.dilations):
+            parser.error(
+                f"--segments has {len(args.segments)} values but --dilations has "
+                f"{len(args.dilations)}: give one dilation rate per segment length"
+            )
+        for w, r in zip(args.segments, args.dilations, strict=True):
+            if r > w:
+                parser.error(
+                    f"dilation rate {r} > segment length {w}: each r must be <= its w "
+                    "(the order is --segments W... --dilations R...)"
+                )
+
+
+def _check_train(args, parser: argparse.ArgumentParser) -> None:
+    from .train import check_out_dir
+
+    try:
+        check_out_dir(args.out_dir, args.resume, args.overwrite)
+    except (FileExistsError, ValueError) as e:
+        parser.error(str(e))
 
 
 def _plot(results, path, meta) -> None:
@@ -312,54 +454,104 @@ def _md_table(hdr, rows) -> str:
 
 # ---------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dilated-attention", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    fmt = {"formatter_class": _HelpFormatter}
+    p = argparse.ArgumentParser(prog="dilated-attention", description=DESCRIPTION, **fmt)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    device_help = "cpu, cuda or cuda:N (default: cuda if available, else cpu)"
 
-    pi = sub.add_parser("info", help="versions, devices, available impls")
-    pi.add_argument("--device", default=None)
+    pi = sub.add_parser("info", help="versions, devices, available impls", **fmt)
+    pi.add_argument("--device", type=_device_arg, default=None, help=device_help)
     pi.set_defaults(fn=cmd_info)
 
-    pv = sub.add_parser("verify", help="check every available impl against the reference")
-    pv.add_argument("--device", default=None)
-    pv.add_argument("--dtype", default=None, help="e.g. bfloat16, float16, float32 (default: per device)")
-    pv.add_argument("--seed", type=int, default=0)
-    pv.add_argument("--json", default=None, help="also write the table as JSON here")
+    pv = sub.add_parser("verify", help="check every available impl against the reference", **fmt)
+    pv.add_argument("--device", type=_device_arg, default=None, help=device_help)
+    pv.add_argument(
+        "--dtype", type=_dtype_arg, default=None, metavar="DTYPE",
+        help="fp32/float32, bf16/bfloat16, fp16/float16 or fp64/float64 "
+        "(default: bf16 and fp16 on a GPU, fp32 on the CPU)",
+    )
+    pv.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    pv.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON to FILE")
     pv.set_defaults(fn=cmd_verify)
 
-    pb = sub.add_parser("bench", help="time dilated attention against dense SDPA")
-    pb.add_argument("--device", default=None)
-    pb.add_argument("--dtype", default=None)
-    pb.add_argument("--batch", type=int, default=1)
-    pb.add_argument("--heads", type=int, default=None)
-    pb.add_argument("--headdim", type=int, default=None)
-    pb.add_argument("--seqlens", type=int, nargs="+", default=None)
-    pb.add_argument("--segments", type=int, nargs="+", default=None,
-                    help=f"segment lengths (default on a GPU: {' '.join(map(str, BENCH_SEGMENTS))})")
-    pb.add_argument("--dilations", type=int, nargs="+", default=None,
-                    help=f"dilation rates (default on a GPU: {' '.join(map(str, BENCH_DILATIONS))}; "
-                    "the LongNet paper's preset is 1 2 4 6 12)")
-    pb.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=[False])
-    pb.add_argument("--impls", nargs="+", default=None, choices=["torch", "triton", "reference"])
-    pb.add_argument("--warmup", type=int, default=3)
-    pb.add_argument("--iters", type=int, default=None)
-    pb.add_argument("--json", default=None)
-    pb.add_argument("--markdown", default=None, help="write a results file (command, versions, table)")
-    pb.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
-    pb.set_defaults(fn=cmd_bench)
+    pb = sub.add_parser("bench", help="time dilated attention against dense SDPA", **fmt)
+    pb.add_argument("--device", type=_device_arg, default=None, help=device_help)
+    pb.add_argument(
+        "--dtype", type=_dtype_arg, default=None, metavar="DTYPE",
+        help="as in verify (default: bf16 on a GPU, fp32 on the CPU)",
+    )
+    pb.add_argument("--batch", type=_positive_int, default=1, help="batch size")
+    pb.add_argument("--heads", type=_positive_int, default=None, help="query heads (default: 16 on a GPU, 4 on the CPU)")
+    pb.add_argument("--headdim", type=_positive_int, default=None, help="head dim (default: 128 on a GPU, 64 on the CPU)")
+    pb.add_argument(
+        "--seqlens", type=_positive_int, nargs="+", default=None, metavar="N",
+        help="sequence lengths (default: 32768 65536 131072 on a GPU, 512 1024 2048 on the CPU)",
+    )
+    pb.add_argument(
+        "--segments", type=_positive_int, nargs="+", default=None, metavar="W",
+        help=f"segment lengths, one per branch (default: {' '.join(map(str, BENCH_SEGMENTS))} on a GPU, "
+        "64 128 256 on the CPU)",
+    )
+    pb.add_argument(
+        "--dilations", type=_positive_int, nargs="+", default=None, metavar="R",
+        help="dilation rates, one per --segments value, each <= its segment (default: "
+        f"{' '.join(map(str, BENCH_DILATIONS))} on a GPU, 1 2 4 on the CPU; the LongNet paper's "
+        "preset is 1 2 4 6 12)",
+    )
+    pb.add_argument(
+        "--causal", type=_bool_arg, nargs="+", default=[False], metavar="BOOL",
+        help="causal settings to run, e.g. --causal false true (default: false)",
+    )
+    pb.add_argument(
+        "--impls", nargs="+", default=None, choices=["torch", "triton", "reference"],
+        help="impls to time besides dense SDPA (default: every one that can run here, but reference)",
+    )
+    pb.add_argument("--warmup", type=_nonnegative_int, default=3, help="untimed calls first (used with --iters)")
+    pb.add_argument(
+        "--iters", type=_positive_int, default=None,
+        help="timed calls, median reported (default: 10 after 3 warmup on a GPU, 3 after 1 on the CPU)",
+    )
+    pb.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON to FILE")
+    pb.add_argument("--markdown", default=None, metavar="FILE", help="write a results file (command, versions, table)")
+    pb.add_argument("--plot", default=None, metavar="PNG", help="plot useful FLOP/s to this PNG (needs matplotlib)")
+    pb.set_defaults(fn=cmd_bench, check=lambda a: _check_bench(a, pb))
 
     try:
         from .train import add_train_arguments, run_train
     except ImportError:
         pass
     else:
-        pt = sub.add_parser("train", help="train a LongNet LM on a shipped long-range task")
+        pt = sub.add_parser("train", help="train a LongNet LM on a shipped long-range task", **fmt)
         add_train_arguments(pt)
-        pt.set_defaults(fn=run_train)
+        _tighten_train_arguments(pt)
+        pt.set_defaults(fn=run_train, check=lambda a: _check_train(a, pt))
     return p
 
 
+# train.py declares its flags with plain int types; sizes and counts must be positive
+_TRAIN_POSITIVE = {
+    "local_window", "seq_len", "num_pairs", "min_distance", "max_distance", "batch_size", "steps",
+    "eval_every", "eval_samples", "threads", "stop_at",
+}
+
+
+def _tighten_train_arguments(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.dest in _TRAIN_POSITIVE and action.type is int:
+            action.type = _positive_int
+        elif action.dest in ("warmup", "save_every") and action.type is int:
+            action.type = _nonnegative_int
+        elif action.dest == "device":
+            action.type = _device_arg
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check = getattr(args, "check", None)
+    if check is not None:  # cross-option checks; they exit 2 through the subcommand's parser.error
+        check(args)
     return int(args.fn(args) or 0)
 
 

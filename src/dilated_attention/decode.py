@@ -196,4 +196,6 @@ def decode_applies(q, k, v, key_padding_mask, dropout_p: float) -> bool:
     against more keys, no padding mask, no dropout, no gradient needed."""
     nq, nk = q.shape[1], k.shape[1]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return nq <= MAX_DECODE_ROWS and nk > nq and key_padding_mask is None and dropout_p == 0 and not needs_grad
+    # nk > nq first: for self-attention under torch.compile(dynamic=True) it is decided without a
+    # guard (same symbol), so nq's size never guards (no recompile at MAX_DECODE_ROWS)
+    return nk > nq and nq <= MAX_DECODE_ROWS and key_padding_mask is None and dropout_p == 0 and not needs_grad

@@ -3,7 +3,7 @@
 ``DilatedAttention`` owns no parameters: it stores the branch configuration and calls
 :func:`dilated_attention.dilated_attention`. ``MultiheadDilatedAttention`` adds the q/k/v/out
 projections, MAGNETO's sub-LayerNorm before the output projection and its gamma initialisation,
-and returns ``(out, None)`` like ``nn.MultiheadAttention(batch_first=True)``.
+takes ``nn.MultiheadAttention.forward``'s arguments in its order and returns ``(out, None)``.
 """
 
 from __future__ import annotations
@@ -129,10 +129,20 @@ class DilatedAttention(nn.Module):
 
 
 class MultiheadDilatedAttention(nn.Module):
-    """Multi-head dilated attention with MAGNETO sub-LayerNorm, batch_first.
+    """Multi-head dilated attention with MAGNETO sub-LayerNorm, a drop-in for
+    ``nn.MultiheadAttention``'s self- and cross-attention calls.
 
-    ``forward(query, key, value)`` takes (batch, seqlen, embed_dim) tensors and returns
-    ``(out, None)`` (no attention weights are ever materialised).
+    ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+    average_attn_weights=True, is_causal=False)`` takes the arguments of
+    ``nn.MultiheadAttention.forward`` in the same order and with the same meaning, and returns
+    ``(out, None)``: no attention weights are ever materialised, so ``need_weights=True`` raises.
+    Tensors are ``(batch, seqlen, embed_dim)`` with ``batch_first=True`` (the default) and
+    ``(seqlen, batch, embed_dim)`` with ``batch_first=False``. ``key_padding_mask`` is a
+    ``(batch, seqlen_k)`` bool tensor, True = padding. Causality is ``is_causal=True``; the only
+    ``attn_mask`` accepted is the causal one ``nn.Transformer`` passes along with it (True or
+    ``-inf`` strictly above the diagonal, nothing else masked), which means the same; any other
+    ``attn_mask`` raises. The semantics of the dilated branches are in ``docs/spec.md``.
+
     ``num_kv_heads`` < ``num_heads`` gives GQA/MQA (k/v projections to num_kv_heads * head_dim).
     ``gamma_init`` is MAGNETO's gain for the value and output projections (xavier_normal_);
     the query and key projections use gain 1.
@@ -158,6 +168,7 @@ class MultiheadDilatedAttention(nn.Module):
         head_assignment: str = "all",
         ordering: str | None = None,
         grid: tuple[int, int] | None = None,
+        batch_first: bool = True,
     ):
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
@@ -167,11 +178,14 @@ class MultiheadDilatedAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first must be a bool, got {batch_first!r}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.gamma_init = gamma_init
+        self.batch_first = batch_first
         kv_dim = num_kv_heads * self.head_dim
         fk = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **fk)
@@ -196,28 +210,113 @@ class MultiheadDilatedAttention(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
 
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, batch_first={self.batch_first}"
+        )
+
     def forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
-        """query (B, Nq, E), key/value (B, Nk, E) -> ((B, Nq, E), None)."""
+        """query (B, Nq, E), key/value (B, Nk, E) -> ((B, Nq, E), None) with ``batch_first``;
+        (Nq, B, E), (Nk, B, E) -> ((Nq, B, E), None) without. ``key_padding_mask``: (B, Nk)
+        bool, True = padding. Nq < Nk is allowed (queries are the last Nq positions)."""
+        if not isinstance(is_causal, bool):
+            raise TypeError(
+                f"is_causal must be a bool, got {type(is_causal).__name__}; forward takes "
+                "(query, key, value, key_padding_mask, need_weights, attn_mask, "
+                "average_attn_weights, is_causal) in nn.MultiheadAttention's order, so pass "
+                "is_causal by keyword"
+            )
+        if need_weights:
+            raise ValueError(
+                "need_weights=True: dilated attention never materialises the attention weights "
+                "(that is what makes long sequences fit); call with need_weights=False, the default"
+            )
+        if not isinstance(average_attn_weights, bool):
+            raise TypeError(f"average_attn_weights must be a bool, got {average_attn_weights!r}")
+        layout = "(batch, seqlen, embed_dim)" if self.batch_first else "(seqlen, batch, embed_dim)"
         for name, t in (("query", query), ("key", key), ("value", value)):
-            if t.dim() != 3 or t.shape[-1] != self.embed_dim:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3:
                 raise ValueError(
-                    f"{name} must be (batch, seqlen, embed_dim={self.embed_dim}) (batch_first), "
-                    f"got shape {tuple(t.shape)}"
+                    f"{name} must be 3-D {layout} (batch_first={self.batch_first}), got shape "
+                    f"{tuple(t.shape)}; for a single sequence add the batch dimension"
                 )
+            if t.shape[-1] != self.embed_dim:
+                raise ValueError(
+                    f"{name}'s last dimension is {t.shape[-1]}, but this module has "
+                    f"embed_dim={self.embed_dim}; got {name} shape {tuple(t.shape)} {layout}"
+                )
+        if not self.batch_first:  # (N, B, E) -> (B, N, E); transposed views, no copy here
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        if key.shape[:2] != value.shape[:2]:
+            raise ValueError(
+                f"key and value must have the same batch and length, got key {tuple(key.shape)} "
+                f"and value {tuple(value.shape)} {layout}"
+            )
         b, nq, _ = query.shape
         nk = key.shape[1]
-        q = self.q_proj(query).view(b, nq, self.num_heads, self.head_dim)  # (B, Nq, H, D)
-        k = self.k_proj(key).view(b, nk, self.num_kv_heads, self.head_dim)  # (B, Nk, Hkv, D)
-        v = self.v_proj(value).view(b, nk, self.num_kv_heads, self.head_dim)
+        if key.shape[0] != b:
+            raise ValueError(f"query has batch {b} but key/value have batch {key.shape[0]}; they must match")
+        if nq > nk:
+            raise ValueError(
+                f"query length {nq} > key length {nk}: queries may be shorter than keys (the last "
+                "positions, for KV-cache decoding) but not longer"
+            )
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
+                raise TypeError(
+                    f"key_padding_mask must be a bool tensor of shape (batch, seqlen_k) = ({b}, {nk}) "
+                    f"with True = padding, got {got}; for a float mask with -inf at padding use "
+                    "mask.isinf(), for 1 = padding use mask.bool() (the 4th positional argument is "
+                    "key_padding_mask, as in nn.MultiheadAttention: pass is_causal by keyword)"
+                )
+            if tuple(key_padding_mask.shape) != (b, nk):
+                raise ValueError(
+                    f"key_padding_mask must have shape (batch, seqlen_k) = ({b}, {nk}), got "
+                    f"{tuple(key_padding_mask.shape)}"
+                )
+        if attn_mask is not None:
+            if not _is_causal_mask(attn_mask, nq, nk):
+                raise ValueError(
+                    "attn_mask: dilated attention has a fixed sparsity pattern; only "
+                    "key_padding_mask (batch, seqlen_k) and is_causal=True are supported. A causal "
+                    "attn_mask (True or -inf strictly above the diagonal) is accepted and means "
+                    f"is_causal=True; got a {tuple(attn_mask.shape)} {attn_mask.dtype} mask that is not one"
+                )
+            is_causal = True
+        q = self.q_proj(query).reshape(b, nq, self.num_heads, self.head_dim)  # (B, Nq, H, D)
+        k = self.k_proj(key).reshape(b, nk, self.num_kv_heads, self.head_dim)  # (B, Nk, Hkv, D)
+        v = self.v_proj(value).reshape(b, nk, self.num_kv_heads, self.head_dim)
         x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
         x = x.reshape(b, nq, self.embed_dim)
         if self.norm is not None:
             x = self.norm(x)
-        return self.out_proj(x), None
+        out = self.out_proj(x)  # (B, Nq, E)
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+
+def _is_causal_mask(mask, nq: int, nk: int) -> bool:
+    """True iff ``mask`` is the (nq, nk) causal mask of ``nn.MultiheadAttention``: bool with True
+    (masked) exactly strictly above the bottom-right-aligned diagonal, or float with -inf
+    exactly there and 0 elsewhere."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (nq, nk):
+        return False
+    future = torch.ones(nq, nk, dtype=torch.bool, device=mask.device).triu(nk - nq + 1)
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, future))
+    if mask.is_floating_point():
+        return bool(torch.equal(mask.isneginf(), future) and (mask[~future] == 0).all())
+    return False

@@ -112,7 +112,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="dilated (the preset's branches) or a same-size baseline",
     )
     p.add_argument("--local-window", type=int, help="window w of --attention local")
-    p.add_argument("--impl", default="auto", choices=("auto", "reference", "torch", "triton"))
+    p.add_argument(
+        "--impl", default="auto", choices=("auto", "reference", "torch", "triton"),
+        help="dilated attention implementation",
+    )
     p.add_argument("--text-file", help="train a byte-level LM on this file instead of retrieval")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--num-pairs", type=int, help="retrieval: key-value pairs per sequence")
@@ -123,14 +126,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         type=lambda s: tuple(int(x) for x in s.split(",")),
         help="retrieval: comma-separated distances for accuracy-vs-distance",
     )
-    p.add_argument("--batch-size", type=int)
+    p.add_argument("--batch-size", type=int, help="sequences per optimizer step")
     p.add_argument("--steps", type=int, help="optimizer steps in total")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, times --lr")
     p.add_argument("--warmup", type=int, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--eval-every", type=int)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
+    p.add_argument("--eval-every", type=int, help="optimizer steps between evaluations")
     p.add_argument("--eval-samples", type=int, help="sequences per eval point")
     p.add_argument(
         "--save-every", type=int, default=0, help="checkpoint period (0: eval points and end)"
@@ -138,12 +141,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default="runs/train", help="where logs, checkpoint and plot go")
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an OUT_DIR that holds an earlier run, deleting its checkpoint and logs",
+    )
+    p.add_argument(
         "--stop-at",
         type=int,
         help="save and stop after this step (the schedule still "
         "runs to --steps): for time-limited jobs, continue with --resume",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of data and initialisation")
     p.add_argument("--device", help="cpu / cuda (default: the preset's, cpu if no GPU)")
     p.add_argument(
         "--dtype",
@@ -151,9 +159,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="autocast dtype on GPU (parameters stay float32)",
     )
     p.add_argument("--threads", type=int, help="torch.set_num_threads on CPU")
-    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument(
+        "--checkpoint-activations", action="store_true", help="recompute activations in the backward"
+    )
     p.add_argument("--no-progress", action="store_true", help="plain prints instead of tqdm")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="do not write loss.png")
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -390,6 +400,27 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+# What a run writes into --out-dir; a directory holding any of them holds an earlier run.
+RUN_FILES = ("ckpt.pt", "log.jsonl", "log.csv", "config.json", "summary.json", "loss.png")
+
+
+def check_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
+    """Refuse to train into a directory that holds an earlier run unless told what to do with it.
+
+    Raises ``FileExistsError`` (a run is there, neither flag given) or ``ValueError`` (both flags).
+    """
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite contradict each other; give one of them")
+    if resume or overwrite:
+        return
+    found = [n for n in RUN_FILES if os.path.exists(os.path.join(out_dir, n))]
+    if found:
+        raise FileExistsError(
+            f"--out-dir {out_dir} already holds a run ({', '.join(found)}); pass --resume to "
+            "continue it, --overwrite to replace it, or choose another --out-dir"
+        )
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Train as the flags say; returns 0 on success.
 
@@ -397,8 +428,14 @@ def run_train(args: argparse.Namespace) -> int:
     one model sequence-parallel (see the module docstring); ``--seq-len`` must be divisible by
     the number of ranks.
     """
+    check_out_dir(args.out_dir, args.resume, getattr(args, "overwrite", False))
     s = _settings(args)
     world, rank, local_rank = _dist_env()
+    if getattr(args, "overwrite", False) and rank == 0:
+        for name in RUN_FILES:
+            path = os.path.join(args.out_dir, name)
+            if os.path.exists(path):
+                os.remove(path)
     if world > 1 and s["seq_len"] % world != 0:
         raise ValueError(
             f"sequence-parallel training over {world} ranks: --seq-len {s['seq_len']} is not "

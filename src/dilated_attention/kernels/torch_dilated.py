@@ -315,8 +315,9 @@ def make_plan(nq, nk, nheads, nheads_kv, segment_lengths, dilation_rates, head_a
 
 
 class _DilatedTorchFunction(torch.autograd.Function):
+    # forward / setup_context split (no ctx in forward) so that torch.func transforms can run it
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed):
+    def forward(q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed):
         b, nq, h, _ = q.shape
         dv = v.shape[-1]
         adt = acc_dtype(q.dtype)
@@ -337,21 +338,39 @@ class _DilatedTorchFunction(torch.autograd.Function):
             out = out.contiguous()
         del acc_out
         acc_lse[:, nq] = float("inf")  # dummy rows contribute nothing in the backward
+        lse = acc_lse[:, :nq].permute(0, 2, 1).to(torch.float32, copy=True)  # (B, H, Nq)
+        return out, lse, acc_lse  # acc_lse: for the backward only (dropped by the caller)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed = inputs
+        out, lse, acc_lse = output
         ctx.save_for_backward(q, k, v, key_padding_mask, out, acc_lse)
         ctx.plan, ctx.scale, ctx.causal, ctx.dropout_p, ctx.seed = plan, scale, causal, dropout_p, seed
-        lse = acc_lse[:, :nq].permute(0, 2, 1).to(torch.float32)  # (B, H, Nq)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(lse, acc_lse)
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def vmap(info, in_dims, *args):
+        return _vmap_by_folding(_DilatedTorchFunction, info, in_dims, args, ntensors=4)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dacc_lse):
         q, k, v, kpm, out, lse_pad = ctx.saved_tensors
         with backward_context(q.device.type):
-            grads = _DilatedTorchFunction._grads(ctx, dout, q, k, v, kpm, out, lse_pad)
+            dq, dk, dv = _DilatedTorchBackward.apply(
+                dout, q, k, v, kpm, out, lse_pad, ctx.plan, ctx.scale, ctx.causal, ctx.dropout_p, ctx.seed
+            )
+        grads = (dq, dk, dv, None, None, None, None, None, None)
         return no_double_backward("impl='torch'", grads, (dout, q, k, v))
 
+
+class _DilatedTorchBackward(torch.autograd.Function):
+    """The backward pass as a Function of its own, so that it has a vmap rule too
+    (``vmap(grad(f))``, per-sample gradients) instead of in-place accumulation on batched
+    tensors. Runs under :func:`..autograd_rules.backward_context` (no graph of its own)."""
+
     @staticmethod
-    def _grads(ctx, dout, q, k, v, kpm, out, lse_pad):
+    def forward(dout, q, k, v, kpm, out, lse_pad, plan, scale, causal, dropout_p, seed):
         b, nq, h, d = q.shape
         adt = acc_dtype(q.dtype)
         dq = torch.zeros(b, nq + 1, h, d, dtype=adt, device=q.device)
@@ -359,11 +378,11 @@ class _DilatedTorchFunction(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=adt, device=q.device)
         dout = dout.contiguous()
         lse_pad = lse_pad.to(adt)
-        for gid, grp in enumerate(ctx.plan):
+        for gid, grp in enumerate(plan):
             dq_g, dk_g, dv_g = attn_bwd(
                 grp.take(dout, "q"), grp.take(q, "q"), grp.take(k, "k"), grp.take(v, "k"),
-                grp.take(out, "q"), grp.take_rows_q_dst(lse_pad), ctx.scale, ctx.causal,
-                grp.take_mask(kpm), ctx.dropout_p, ctx.seed + gid,
+                grp.take(out, "q"), grp.take_rows_q_dst(lse_pad), scale, causal,
+                grp.take_mask(kpm), dropout_p, seed + gid,
             )
             grp.add_into(dq, dq_g, "q")
             grp.add_into(dk, dk_g, "k")
@@ -373,9 +392,37 @@ class _DilatedTorchFunction(torch.autograd.Function):
         dq = dq[:, :nq].to(q.dtype)
         dk = dk.to(k.dtype)
         dv = dv.to(v.dtype)
-        return (dq, dk, dv, None, None, None, None, None, None)
+        return dq, dk, dv
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_by_folding(_DilatedTorchBackward, info, in_dims, args, ntensors=7)
 
 
+def _vmap_by_folding(fn, info, in_dims, args, ntensors: int):
+    """torch.func.vmap rule: fold the vmapped dimension into the batch dimension (dim 0 of the
+    first ``ntensors`` arguments; the plan does not depend on the batch size), apply ``fn``
+    once, unfold its outputs."""
+    n = info.batch_size
+
+    def fold(x, d):
+        if x is None:
+            return None
+        x = x.unsqueeze(0).expand(n, *x.shape) if d is None else x.movedim(d, 0)
+        return x.reshape(n * x.shape[1], *x.shape[2:])
+
+    folded = [fold(x, d) for x, d in zip(args[:ntensors], in_dims[:ntensors], strict=True)]
+    outs = fn.apply(*folded, *args[ntensors:])
+    return tuple(o.reshape(n, o.shape[0] // n, *o.shape[1:]) for o in outs), (0,) * len(outs)
+
+
+# Dynamo runs this eagerly (one graph break): the plan is a Python structure built from the
+# concrete sequence lengths, so tracing into it would recompile for every new length.
+@torch.compiler.disable
 def dilated_attention_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -399,6 +446,7 @@ def dilated_attention_torch(
         key_padding_mask = key_padding_mask.to(torch.bool)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {scale}")
-    return _DilatedTorchFunction.apply(
+    out, lse, _ = _DilatedTorchFunction.apply(
         q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed
     )
+    return out, lse
