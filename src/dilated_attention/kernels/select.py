@@ -10,15 +10,9 @@ runs or raises an error that gives the reason.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 IMPLS = ("auto", "reference", "torch", "triton")
-
-# the module of the fused Triton kernel that exposes ``unavailable_reason(q, k)``; imported only
-# when asked, so that importing the package never needs triton
-_TRITON_MODULE = "dilated_attention.kernels.triton_ops"
 
 
 def check_impl(impl) -> str:
@@ -30,11 +24,13 @@ def check_impl(impl) -> str:
 
 def triton_unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | None:
     """Why impl='triton' cannot run for these inputs (None if it can)."""
+    # imported when asked (a plain import statement, which torch.compile can trace), so that
+    # importing the package never needs triton
     try:
-        triton_module = importlib.import_module(_TRITON_MODULE)
+        from . import triton_ops
     except ImportError as e:  # triton not installed
         return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
-    return triton_module.unavailable_reason(q, k)
+    return triton_ops.unavailable_reason(q, k)
 
 
 def available_impls(q: torch.Tensor | None = None) -> list[str]:
@@ -51,8 +47,8 @@ def available_impls(q: torch.Tensor | None = None) -> list[str]:
 def pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
     """The implementation of a single-device call: ``"reference"``, ``"torch"`` or ``"triton"``.
 
-    ``"auto"``: the fused Triton kernel wherever it can run and there is no dropout (it has
-    none), else the torch path. ``"triton"`` raises ``ValueError`` with the reason when the
+    ``"auto"``: the fused Triton kernel on CUDA wherever it can run and there is no dropout (it
+    has none), else the torch path. ``"triton"`` raises ``ValueError`` with the reason when the
     kernel cannot run or ``dropout_p > 0``.
     """
     check_impl(impl)
@@ -64,7 +60,9 @@ def pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> 
             raise ValueError(f"impl='triton' cannot run here: {reason}")
         return "triton"
     if impl == "auto":
-        if dropout_p == 0 and triton_unavailable_reason(q, k) is None:
+        # never the Triton interpreter (TRITON_INTERPRET=1 on the CPU): it is for tests, and far
+        # slower than the torch path
+        if dropout_p == 0 and q.is_cuda and triton_unavailable_reason(q, k) is None:
             return "triton"
         return "torch"
     return impl
