@@ -31,6 +31,8 @@ import functools
 
 import torch
 
+from .constants import int32_table
+
 try:  # triton is an optional dependency: this module must import without it
     import triton
     import triton.language as tl
@@ -193,10 +195,11 @@ def split_table(branches: tuple, block_n: int) -> tuple[list[list[int]], int]:
 
 @functools.lru_cache(maxsize=64)
 def _table(branches: tuple, block_n: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """The split table as an int32 device tensor, built once per (branches, block, device): a
-    host-to-device copy per call would block the host and could not be captured in a graph."""
+    """The split table as an int32 device tensor, built once per (branches, block, device) and
+    outside any CUDA-graph pool (``constants.py``): a host-to-device copy per call would block
+    the host and could not be captured in a graph."""
     rows, nsplit = split_table(branches, block_n)
-    return torch.tensor(rows, dtype=torch.int32, device=device), nsplit
+    return int32_table(rows, device), nsplit
 
 
 def decode_triton(

@@ -22,6 +22,7 @@ import torch
 import triton
 
 from ..geometry import max_block_length, query_segments
+from .constants import int32_table
 from . import triton_kernels as kern
 
 # Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton_kernels was
@@ -138,8 +139,8 @@ def fold_geometry(nq: int, nk: int, branches) -> tuple[int, int] | None:
 @functools.lru_cache(maxsize=64)
 def _branch_table(branches: tuple, device: torch.device) -> torch.Tensor:
     """(w, r, head start, head stop) per branch as an int32 device tensor, built once per
-    (branches, device): a fresh host-to-device copy per call would block the host."""
-    return torch.tensor([list(b) for b in branches], dtype=torch.int32, device=device)
+    (branches, device) outside any CUDA-graph pool (see ``constants.py``)."""
+    return int32_table([list(b) for b in branches], device)
 
 
 def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg):
