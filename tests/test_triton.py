@@ -151,7 +151,17 @@ def test_triton_compensated_accumulation_fp16_interpreter(seed, monkeypatch, cau
     a = _run("triton", q, k, v, do, seg, dil, **kw)  # compensated (hi, lo) pairs
     with monkeypatch.context() as m:
         made = _with_fp32_accumulators(m)
-        b = _run("triton", q, k, v, do, seg, dil, **kw)
+        out_b, lse_b = dilated_attention(q, k, v, seg, dil, return_lse=True, impl="triton", **kw)
+        # the backward of both runs gets the SAME out and lse (the compensated run's, as the
+        # public path passes them): out_b may differ from a's out by an ulp, and through
+        # delta = rowsum(dout * out) that ulp moves every gradient of its row by far more than
+        # the accumulation does (seen: dq 2 ulps off in the row of a 1-ulp out difference), so
+        # comparing each run's own gradients would not compare the accumulation alone
+        hr = branch_head_ranges(q.shape[2], len(seg), "all")
+        grads_b = triton_launch.backward(
+            do, q, k, v, kpm, a[0].detach(), a[1], seg, dil, causal, q.shape[-1] ** -0.5, hr
+        )
+    b = (out_b, lse_b, grads_b)
     assert any(made), "the float32-accumulated run made no float32 accumulator"
     # exact result of the same fp16 inputs: where the two differ by more than one ulp (the
     # float32-accumulated one is itself not exact, e.g. after cancellation between branches),
