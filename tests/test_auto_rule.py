@@ -137,7 +137,8 @@ def test_headdims_auto_falls_back_triton_raises():
         r = res[str(d)]
         assert r["auto_err"] < 1e-5 and r["grad_finite"], (d, r)
         if d == 64:
-            assert r["reason"] is None and r["auto"] == "triton" and r["triton_error"] is None, (d, r)
+            # the kernel can run (interpreter), but auto never picks the interpreter on the CPU
+            assert r["reason"] is None and r["auto"] == "torch" and r["triton_error"] is None, (d, r)
         else:
             assert r["auto"] == "torch", (d, r)
             assert f"headdim {d}" in r["reason"] and "impl='torch'" in r["reason"], (d, r)

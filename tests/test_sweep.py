@@ -30,7 +30,7 @@ def test_rows_cover_the_issue_axes():
 
 
 def test_tiny_sweep_writes_results(tmp_path, capsys):
-    names = ["headline", "w%r-r64-n65536", "n100000-causal"]
+    names = ["n100000-causal"]  # one row (N not a multiple of any w, causal): CI time
     sweep.main(["--tiny", "--rows", ",".join(names), "--out", str(tmp_path), "--no-peers"])
     data = json.loads((tmp_path / "sweep.json").read_text())
     names = [r.name for r in sweep.ROWS if r.name in names]  # the sweep's priority order
@@ -44,7 +44,7 @@ def test_tiny_sweep_writes_results(tmp_path, capsys):
         assert res["auto_library"] in ("torch", "triton")
         assert res["auto_rule_fb"] in ("torch", "triton")
     md = (tmp_path / "sweep.md").read_text()
-    assert "| headline |" in md and "rule within 5%" in md
+    assert "| n100000-causal |" in md and "rule within 5%" in md
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith(names[-1])  # summary table last
 

@@ -115,7 +115,10 @@ def dilated_attention(
         )
         out = q * 0 + (k.sum() + v.sum()) * 0
         return (out, lse) if return_lse else out
-    chosen = pick_impl(impl, q, k, p)
+    chosen = pick_impl(
+        impl, q, k, p, causal=causal, segment_lengths=seg, dilation_rates=dil,
+        requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+    )
     if chosen != "reference":
         from .decode import decode_applies, dilated_attention_with_kvcache
 

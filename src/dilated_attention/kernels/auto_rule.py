@@ -61,9 +61,28 @@ class Measured(NamedTuple):
 
 # ----------------------------------------------------------------------------------------
 # MEASURED: filled from a benchmarks/sweep.py results JSON (``--emit-table``); every entry is
-# one row of one committed results file, timed on one GPU in one run. Empty: rule 3 applies.
+# one row of one committed results file, timed on one GPU in one run. Source:
+# benchmarks/results/sweep_h100_2026-11-23.json (H100, torch 2.11, triton 3.6; the 8 rows the
+# run's time budget allowed, each forward-only and forward+backward).
 # ----------------------------------------------------------------------------------------
-MEASURED: tuple[Measured, ...] = ()
+MEASURED: tuple[Measured, ...] = (
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, False, 0.0), (('torch', 14.163), ('triton', 10.748))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, True, 0.0), (('torch', 50.816), ('triton', 48.457))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, False, 0.0), (('torch', 14.358), ('triton', 7.321))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, True, 0.0), (('torch', 43.426), ('triton', 31.486))),
+    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, False, 0.0), (('torch', 29.325), ('triton', 14.132))),
+    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, True, 0.0), (('torch', 97.885), ('triton', 58.316))),
+    Measured(CallShape(8, 16384, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, False, 0.0), (('torch', 10.63), ('triton', 7.033))),
+    Measured(CallShape(8, 16384, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, True, 0.0), (('torch', 37.937), ('triton', 30.428))),
+    Measured(CallShape(2, 65536, 16, 16, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64)), False, False, 0.0), (('torch', 14.193), ('triton', 44.752))),
+    Measured(CallShape(2, 65536, 16, 16, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64)), False, True, 0.0), (('torch', 47.777), ('triton', 66.872))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((4096, 1), (16384, 4), (65536, 16)), False, False, 0.0), (('torch', 12.596), ('triton', 14.504))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((4096, 1), (16384, 4), (65536, 16)), False, True, 0.0), (('torch', 49.541), ('triton', 60.519))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), False, False, 0.0), (('torch', 31.406), ('triton', 12.238))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), False, True, 0.0), (('torch', 71.822), ('triton', 53.491))),
+    Measured(CallShape(2, 65536, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), True, False, 0.0), (('torch', 33.24), ('triton', 14.926))),
+    Measured(CallShape(2, 65536, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), True, True, 0.0), (('torch', 112.831), ('triton', 63.831))),
+)
 
 # distance weight per feature of :func:`features` (same order); a difference of 1 in a
 # weighted feature counts as much as a doubling of the largest dilation rate

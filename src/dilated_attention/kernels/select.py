@@ -44,11 +44,24 @@ def available_impls(q: torch.Tensor | None = None) -> list[str]:
     return out
 
 
-def pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
+def pick_impl(
+    impl: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    dropout_p: float,
+    *,
+    causal: bool = False,
+    segment_lengths=None,
+    dilation_rates=None,
+    requires_grad: bool | None = None,
+) -> str:
     """The implementation of a single-device call: ``"reference"``, ``"torch"`` or ``"triton"``.
 
-    ``"auto"``: the fused Triton kernel on CUDA wherever it can run and there is no dropout (it
-    has none), else the torch path. ``"triton"`` raises ``ValueError`` with the reason when the
+    ``"auto"``: the torch path with dropout (the kernel has none), off CUDA, or where the kernel
+    cannot run; otherwise :func:`auto_rule.choose_impl`, the rule measured by
+    benchmarks/sweep.py (the impl that was fastest on the nearest measured configuration, judged
+    by forward time for calls without gradients and forward+backward time for training calls).
+    Without the branches (``segment_lengths``/``dilation_rates`` None) the kernel is chosen. ``"triton"`` raises ``ValueError`` with the reason when the
     kernel cannot run or ``dropout_p > 0``.
     """
     check_impl(impl)
@@ -62,9 +75,19 @@ def pick_impl(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> 
     if impl == "auto":
         # never the Triton interpreter (TRITON_INTERPRET=1 on the CPU): it is for tests, and far
         # slower than the torch path
-        if dropout_p == 0 and q.is_cuda and triton_unavailable_reason(q, k) is None:
+        if dropout_p > 0 or not q.is_cuda or triton_unavailable_reason(q, k) is not None:
+            return "torch"
+        if segment_lengths is None or dilation_rates is None:
             return "triton"
-        return "torch"
+        from .auto_rule import CallShape, choose_impl, dtype_name
+
+        if requires_grad is None:
+            requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        shape = CallShape(
+            q.shape[0], k.shape[1], q.shape[2], k.shape[2], q.shape[3], dtype_name(q.dtype),
+            tuple(zip(segment_lengths, dilation_rates)), bool(causal), bool(requires_grad),
+        )
+        return choose_impl(shape)
     return impl
 
 
