@@ -159,7 +159,7 @@ def dilated_attention_with_kvcache(
         segment_lengths, dilation_rates, causal, softmax_scale, head_assignment: as in
             :func:`dilated_attention.dilated_attention`.
         return_lse: also return lse (batch, nheads, seqlen_q) float32.
-        impl: ``"auto"`` (the Triton kernel where it can run, else the torch path),
+        impl: ``"auto"`` (the Triton kernel on CUDA where it can run, else the torch path),
             ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -183,7 +183,9 @@ def dilated_attention_with_kvcache(
     reason = triton_unavailable_reason(q)
     if impl == "triton" and reason is not None:
         raise ValueError(f"impl='triton' cannot run here: {reason}")
-    chosen = "triton" if impl == "triton" or (impl == "auto" and reason is None) else "torch"
+    # auto: the kernel on CUDA; never the Triton interpreter (TRITON_INTERPRET=1), which is for tests
+    auto_triton = impl == "auto" and reason is None and q.is_cuda
+    chosen = "triton" if impl == "triton" or auto_triton else "torch"
     if chosen == "triton":  # the kernel reads rows with unit stride in the last dim
         q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
     branches = _branch_rows(q.shape[2], seg, dil, head_assignment)
