@@ -61,7 +61,8 @@ def pick_impl(
     cannot run; otherwise :func:`auto_rule.choose_impl`, the rule measured by
     benchmarks/sweep.py (the impl that was fastest on the nearest measured configuration, judged
     by forward time for calls without gradients and forward+backward time for training calls).
-    Without the branches (``segment_lengths``/``dilation_rates`` None) the kernel is chosen. ``"triton"`` raises ``ValueError`` with the reason when the
+    Without the branches (``segment_lengths``/``dilation_rates`` None) and inside
+    ``torch.compile`` (shapes may be symbolic) the kernel is chosen. ``"triton"`` raises ``ValueError`` with the reason when the
     kernel cannot run or ``dropout_p > 0``.
     """
     check_impl(impl)
@@ -77,7 +78,9 @@ def pick_impl(
         # slower than the torch path
         if dropout_p > 0 or not q.is_cuda or triton_unavailable_reason(q, k) is not None:
             return "torch"
-        if segment_lengths is None or dilation_rates is None:
+        if segment_lengths is None or dilation_rates is None or torch.compiler.is_compiling():
+            # under torch.compile the shapes may be symbolic: evaluating the measured rule on
+            # them would specialise (recompile) per length, so the fused kernel is taken
             return "triton"
         from .auto_rule import CallShape, choose_impl, dtype_name
 
