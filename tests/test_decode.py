@@ -269,3 +269,15 @@ def test_cuda_compile_reduce_overhead(seed):
                 got = step(q, k, v, sl).clone()
             want = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True)
             torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_decode_checks_are_the_shared_strict_ones():
+    # the decode entry point uses checks.py like dilated_attention: a nan scale or a non-bool
+    # causal is an error, never a silently wrong (or NaN) output
+    q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 40, 2, 16)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        dilated_attention_with_kvcache(q, k, k, 40, [8, 16], [1, 2], softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        dilated_attention_with_kvcache(q, k, k, 40, [8, 16], [1, 2], causal="no")
+    with pytest.raises(ValueError, match="head_assignment"):
+        dilated_attention_with_kvcache(q, k, k, 40, [8, 16], [1, 2], head_assignment="some")

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from .branches import branch_head_ranges, normalize_branches
+from .checks import check_bool, check_head_assignment, resolve_scale
 from .kernels import torch_decode
 
 MAX_DECODE_ROWS = 64  # the kernel walks the query rows one by one: meant for a few new tokens
@@ -170,8 +171,8 @@ def dilated_attention_with_kvcache(
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     _check(q, k_cache, v_cache, cache_seqlens)
     seg, dil = normalize_branches(segment_lengths, dilation_rates)
-    if head_assignment not in ("all", "split"):
-        raise ValueError(f"head_assignment must be 'all' or 'split', got {head_assignment!r}")
+    check_head_assignment(head_assignment)
+    causal = check_bool("causal", causal)
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl must be one of {DECODE_IMPLS}, got {impl!r}")
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
@@ -179,7 +180,7 @@ def dilated_attention_with_kvcache(
             "dilated_attention_with_kvcache is inference only (no autograd); call it under "
             "torch.no_grad() or use dilated_attention for training"
         )
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
     reason = triton_unavailable_reason(q)
     if impl == "triton" and reason is not None:
         raise ValueError(f"impl='triton' cannot run here: {reason}")
