@@ -44,11 +44,9 @@ LENGTHS = (4096, 16384, 32768, 131072, 524288, 1048576)
 
 def _previous_path():
     """The prefill kernel entry point that impl='auto' used for seqlen_q = 1 before the decode
-    path (its module moves in the layering work: try both names)."""
-    try:
-        from dilated_attention.kernels.triton_ops import dilated_attention_triton
-    except ImportError:
-        from dilated_attention.kernels.triton_ops import dilated_attention_triton
+    path."""
+    from dilated_attention.kernels.triton_ops import dilated_attention_triton
+
     return dilated_attention_triton
 
 

@@ -11,7 +11,7 @@ forward+backward and the memory ratio = peak / bytes of (q, k, v, out, dout, dq,
 from __future__ import annotations
 
 import argparse
-import datetime
+import os
 import sys
 
 import torch
@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 from dilated_attention import dilated_attention
 from dilated_attention.flops import dense_flops, dilated_flops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import command_line, results_header  # noqa: E402
 
 
 def _bench(fn, warmup=25, rep=100) -> float:
@@ -175,12 +178,7 @@ def main(argv=None):
             f"{r['fb_ms']:.2f} | {r['tf_fb']:.0f} | {pct_f} | {pct_b} | {speed} | "
             f"{r['peak'] / 2**30:.2f} | {r['ratio']:.2f} |"
         )
-    head = [
-        "# Dilated attention benchmark (issue 3)",
-        "",
-        f"- command: `{' '.join(['python3'] + sys.argv)}`",
-        f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    head = results_header("Dilated attention benchmark (issue 3)", "cuda", command_line("python3")) + [
         f"- shape: bf16, batch {b}, {h} heads x {d}; branches w={seg}, r={dil}, head_assignment=all",
         "- TFLOP/s are useful FLOPs (docs/spec.md); fwd+bwd = 3.5 x forward FLOPs; `*` = dense measured "
         "at a smaller N (dense TFLOP/s is flat in N); mem ratio = peak fwd+bwd allocated / bytes "

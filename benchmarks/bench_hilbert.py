@@ -21,7 +21,7 @@ median taken, so that clock drift does not show up as overhead.
 from __future__ import annotations
 
 import argparse
-import datetime
+import os
 import statistics
 import sys
 import time
@@ -32,9 +32,13 @@ import torch.nn.functional as F
 from dilated_attention import DilatedAttention, hilbert_permutation
 from dilated_attention.ordering import permute_sequence
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_ms, results_header  # noqa: E402
+
 
 def _timer(device: str, warmup_ms: int, rep_ms: int):
-    """Returns bench(fn) -> median milliseconds."""
+    """Returns bench(fn) -> median milliseconds: triton.testing.do_bench on a GPU with Triton
+    (warmup and repetitions in ms), else the shared timer (common.median_ms)."""
     if device == "cuda":
         try:
             import triton.testing
@@ -43,33 +47,8 @@ def _timer(device: str, warmup_ms: int, rep_ms: int):
                 fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"
             )
         except ImportError:
-            pass
-
-        def bench_events(fn, iters=20):
-            fn()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b))
-            return statistics.median(ts)
-
-        return bench_events
-
-    def bench_cpu(fn, iters=5):
-        fn()
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            ts.append(1e3 * (time.perf_counter() - t))
-        return statistics.median(ts)
-
-    return bench_cpu
+            return lambda fn: median_ms(fn, device, 1, 20)
+    return lambda fn: median_ms(fn, device, 1, 5)
 
 
 def locality(
@@ -198,13 +177,7 @@ def main(argv=None):
         c = locality(hh, ww, w_, r_, perm)
         loc.append(f"| {w_} | {r_} | {a:.2f} | {c:.2f} | {c / a:.3f} |")
 
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (no GPU)"
-    lines = [
-        "# Hilbert ordering overhead (issue 6)",
-        "",
-        f"- command: `{' '.join(['python'] + sys.argv)}`",
-        f"- device: {gpu}; torch {torch.__version__}",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    lines = results_header("Hilbert ordering overhead (issue 6)", device) + [
         f"- shape: {dtype}, batch {b}, grid {hh}x{ww} (N = {n}), {h} heads x {d}, causal={args.causal}; "
         f"branches w={seg}, r={dil}; impl={args.impl!r}",
         f"- building the permutation (once per grid, cached): {perm_build_ms:.0f} ms on the CPU",

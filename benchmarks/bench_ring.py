@@ -34,15 +34,12 @@ import os
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
 from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from dist_bench_utils import peak_gib, reset_peak, setup, time_fn  # noqa: E402
+from common import peak_gib, reset_peak, setup, time_fn, torchrun_header  # noqa: E402
 
 from dilated_attention.distributed import ring_attention, shard_sequence  # noqa: E402
 
@@ -248,17 +245,7 @@ def main():
 
 
 def render(a, rows, errs, dev, world) -> str:
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dev.type == "cuda" else "-"
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
-    lines = [
-        "# ring_attention strong scaling",
-        "",
-        f"- command: `torchrun --nproc_per_node={world} {' '.join(sys.argv)}`",
-        f"- device: {world} x {gpu}; backend {dist.get_backend()}",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, python {platform.python_version()}",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"- NCCL env: {env}",
+    lines = torchrun_header("ring_attention strong scaling", dev, world) + [
         f"- shape: batch {a.batch}, heads {a.heads} (kv {a.kv_heads or a.heads}) x {a.headdim}, {a.dtype}; "
         f"warmup {a.warmup}, iters {a.iters}",
         f"- correctness vs SDPA, max abs error of out/dq/dk: {errs}",

@@ -31,15 +31,12 @@ import os
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
 from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from dist_bench_utils import peak_gib, reset_peak, setup, time_fn  # noqa: E402
+from common import peak_gib, reset_peak, setup, time_fn, torchrun_header  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.distributed import sequence_parallel as sp  # noqa: E402
@@ -211,17 +208,7 @@ def run_case(a, dev, dtype, hkv, rank, world, solo, kind, n, mode):
 
 
 def render(a, rows, errs, dev, world):
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dev.type == "cuda" else "-"
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
-    lines = [
-        "# dilated_attention sequence-parallel scaling",
-        "",
-        f"- command: `torchrun --nproc_per_node={world} {' '.join(sys.argv)}`",
-        f"- device: {world} x {gpu}; backend {dist.get_backend()}",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, python {platform.python_version()}",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"- NCCL env: {env}",
+    lines = torchrun_header("dilated_attention sequence-parallel scaling", dev, world) + [
         f"- shape: batch {a.batch}, heads {a.heads} (kv {a.kv_heads or a.heads}) x {a.headdim}, {a.dtype}; "
         f"exchange {a.exchange}; warmup {a.warmup}, iters {a.iters}",
         f"- sequence-parallel impl: {a.impl!r} (column local: the kernels that ran rank 0's local "

@@ -27,11 +27,9 @@ elapsed time plus its estimated time passes ``--budget-s``; results are written 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import NamedTuple
@@ -46,6 +44,7 @@ from dilated_attention.kernels import auto_rule
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+from common import command_line, device_name, median_ms, utc_now, versions  # noqa: E402
 
 
 class Row(NamedTuple):
@@ -140,29 +139,19 @@ def estimate_s(r: Row, iters: int = 3) -> float:
 
 # ------------------------------------------------------------------------------------ timing
 class Timer:
+    """The shared timer (common.median_ms: CUDA events on a GPU, perf_counter on the CPU) bound
+    to this run's device; no warmup here (measure() warms up once itself)."""
+
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
+        self.device = device
 
     def sync(self):
-        if self.cuda:
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def time(self, fn, iters: int) -> float:
-        """Median ms of ``iters`` calls (no warmup here)."""
-        ts = []
-        for _ in range(iters):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
+        """Median ms of ``iters`` calls."""
+        return median_ms(fn, self.device, 0, iters)
 
 
 def _empty_cache(dev):
@@ -224,18 +213,14 @@ def measure(fn_fwd, inputs, do, timer, dev, iters, fwd_only=False, warm=None):
 
 def library_auto(q, k, dropout_p=0.0) -> str:
     """What the library's single-device selection picks for impl='auto' on these inputs."""
-    try:
-        from dilated_attention.kernels.select import pick_impl
-    except ImportError:
-        from dilated_attention.kernels.select import pick_impl
+    from dilated_attention.kernels.select import pick_impl
+
     return pick_impl("auto", q, k, dropout_p)
 
 
 def triton_reason(q, k):
-    try:
-        from dilated_attention.kernels.select import triton_unavailable_reason
-    except ImportError:
-        from dilated_attention.api import triton_unavailable_reason
+    from dilated_attention.kernels.select import triton_unavailable_reason
+
     return triton_unavailable_reason(q, k)
 
 
@@ -664,17 +649,11 @@ def main(argv=None):
         if not torch.cuda.is_available():
             sys.exit("sweep.py needs a CUDA GPU (or --tiny on the CPU)")
         dev = torch.device("cuda")
-    try:
-        import triton
-
-        tver = triton.__version__
-    except ImportError:
-        tver = "not installed"
+    vers = versions()
     meta = dict(
-        command=" ".join(["python3"] + sys.argv),
-        device=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (--tiny)",
-        torch=torch.__version__, triton=tver,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=command_line("python3"),
+        device=device_name(dev) if dev.type == "cuda" else "CPU (--tiny)",
+        torch=vers["torch"], triton=vers["triton"] or "not installed", date=utc_now(),
     )
     if args.out:
         os.makedirs(args.out, exist_ok=True)

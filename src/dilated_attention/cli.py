@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 
 import torch
 
@@ -18,6 +16,7 @@ from . import __version__
 from .api import available_impls, dilated_attention
 from .flops import dense_flops, dilated_flops
 from .kernels.select import triton_unavailable_reason
+from .timing import device_name, median_ms, utc_now, versions
 
 # `bench` default branches on a GPU: w = 2048 * 2^i, r = 2^i (the geometric series the README's
 # tables use). Not the LongNet paper's preset, whose rates are (1, 2, 4, 6, 12): that one is
@@ -123,31 +122,9 @@ def _device(arg: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _versions() -> dict:
-    info = {
-        "dilated_attention": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    return info
-
-
-def _gpu_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
 # ---------------------------------------------------------------------------------------- info
 def cmd_info(args) -> int:
-    for k, v in _versions().items():
+    for k, v in versions().items():
         print(f"{k:>18}: {v}")
     print(f"{'cuda available':>18}: {torch.cuda.is_available()}")
     for i in range(torch.cuda.device_count()):
@@ -223,44 +200,21 @@ def cmd_verify(args) -> int:
                          *[f"{e:.2e}" for e in errs], "ok" if ok else "FAIL"]
                     )
     hdr = ["impl", "dtype", "B x Nq/Nk x H/Hkv x D", "branches", "causal", "out", "dq", "dk", "dv", "result"]
-    print(f"verify on {dev} ({_gpu_name(dev)}), relative L2 error vs impl='reference' in float64")
+    print(f"verify on {dev} ({device_name(dev)}), relative L2 error vs impl='reference' in float64")
     _print_table(hdr, rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": hdr, "rows": rows, "versions": _versions()}, f, indent=1)
+            json.dump({"header": hdr, "rows": rows, "versions": versions()}, f, indent=1)
     print("verify:", "FAILED" if failed else "all passed")
     return 1 if failed else 0
 
 
 # --------------------------------------------------------------------------------------- bench
-def _timeit(fn, device, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn() (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def _bench_one(name, attn, q, k, v, do, device, warmup, iters, flops_f, flops_fb, io_bytes):
     row = {"impl": name}
     try:
         with torch.no_grad():
-            t_f = _timeit(lambda: attn(q, k, v), device, warmup, iters)
+            t_f = median_ms(lambda: attn(q, k, v), device, warmup, iters)
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
 
         def fb():
@@ -271,7 +225,7 @@ def _bench_one(name, attn, q, k, v, do, device, warmup, iters, flops_f, flops_fb
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        t_fb = _timeit(fb, device, warmup, iters)
+        t_fb = median_ms(fb, device, warmup, iters)
         row.update(fwd_ms=t_f, fwdbwd_ms=t_fb, fwd_tflops=flops_f / t_f / 1e9, fwdbwd_tflops=flops_fb / t_fb / 1e9)
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device) - base + io_bytes * 3 / 8  # q, k, v live
@@ -343,9 +297,9 @@ def cmd_bench(args) -> int:
                     f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "n/a"]
         table.append(row)
     meta = {
-        "device": _gpu_name(dev), "dtype": str(dt), "batch": args.batch, "heads": heads, "headdim": hd,
-        "segment_lengths": list(seg), "dilation_rates": list(dil), **_versions(),
-        "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+        "device": device_name(dev), "dtype": str(dt), "batch": args.batch, "heads": heads, "headdim": hd,
+        "segment_lengths": list(seg), "dilation_rates": list(dil), **versions(),
+        "date": utc_now(), "command": " ".join(sys.argv),
     }
     print(f"\nbench on {meta['device']} | {dt} | batch {args.batch} | {heads} heads x {hd} | "
           f"w={list(seg)} r={list(dil)} | useful {unit} as in docs/spec.md (dense: its own FLOPs)")
