@@ -14,6 +14,11 @@ import torch
 
 from . import __version__
 from .api import available_impls, dilated_attention
+from .argtypes import HelpFormatter
+from .argtypes import bool_arg as _bool_arg
+from .argtypes import device_arg as _device_arg
+from .argtypes import nonnegative_int as _nonnegative_int
+from .argtypes import positive_int as _positive_int
 from .flops import dense_flops, dilated_flops
 from .kernels.select import triton_unavailable_reason
 from .timing import device_name, median_ms, utc_now, versions
@@ -44,45 +49,6 @@ DTYPES = {
 }
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows "(default: X)" after every option that has a default; options whose default depends
-    on the device (None here) say so in their help text instead of "(default: None)"."""
-
-    def _get_help_string(self, action):
-        if action.default is None or isinstance(action, argparse._StoreTrueAction) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _bool_arg(s: str) -> bool:
-    low = s.lower()
-    if low in ("1", "true", "yes", "on", "y", "t"):
-        return True
-    if low in ("0", "false", "no", "off", "n", "f"):
-        return False
-    raise argparse.ArgumentTypeError(f"{s!r} is not a bool: use true or false")
-
-
-def _positive_int(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{s!r} must be a positive integer")
-    return n
-
-
-def _nonnegative_int(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{s!r} must be 0 or more")
-    return n
-
-
 def _dtype_arg(s: str) -> torch.dtype:
     try:
         return DTYPES[s.lower()]
@@ -90,30 +56,6 @@ def _dtype_arg(s: str) -> torch.dtype:
         raise argparse.ArgumentTypeError(
             f"{s!r} is not a dtype; use one of {', '.join(DTYPES)}"
         ) from None
-
-
-def _device_arg(s: str) -> str:
-    """A device string that exists on this machine (checked now, not at the first tensor)."""
-    try:
-        dev = torch.device(s)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a device; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(
-                f"{s!r}: no CUDA GPU is available here (torch {torch.__version__}, CUDA build: "
-                f"{torch.version.cuda or 'none'}); use --device cpu"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(
-                f"{s!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                f"cuda:0..cuda:{torch.cuda.device_count() - 1}"
-            )
-    elif dev.type != "cpu":
-        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
-        if backend is None or not getattr(backend, "is_available", lambda: False)():
-            raise argparse.ArgumentTypeError(f"{s!r}: the {dev.type} backend is not available here; use cpu")
-    return s
 
 
 def _device(arg: str | None) -> torch.device:
@@ -354,15 +296,6 @@ def _check_bench(args, parser: argparse.ArgumentParser) -> None:
                 )
 
 
-def _check_train(args, parser: argparse.ArgumentParser) -> None:
-    from .train import check_out_dir
-
-    try:
-        check_out_dir(args.out_dir, args.resume, args.overwrite)
-    except (FileExistsError, ValueError) as e:
-        parser.error(str(e))
-
-
 def _plot(results, path, meta) -> None:
     try:
         import matplotlib
@@ -408,7 +341,7 @@ def _md_table(hdr, rows) -> str:
 
 # ---------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    fmt = {"formatter_class": _HelpFormatter}
+    fmt = {"formatter_class": HelpFormatter}
     p = argparse.ArgumentParser(prog="dilated-attention", description=DESCRIPTION, **fmt)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -472,32 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
     pb.set_defaults(fn=cmd_bench, check=lambda a: _check_bench(a, pb))
 
     try:
-        from .train import add_train_arguments, run_train
+        from .train import add_train_arguments, check_or_exit, run_train
     except ImportError:
         pass
     else:
         pt = sub.add_parser("train", help="train a LongNet LM on a shipped long-range task", **fmt)
-        add_train_arguments(pt)
-        _tighten_train_arguments(pt)
-        pt.set_defaults(fn=run_train, check=lambda a: _check_train(a, pt))
+        add_train_arguments(pt)  # the flags and checks of python -m dilated_attention.train
+        pt.set_defaults(fn=run_train, check=lambda a: check_or_exit(a, pt))
     return p
-
-
-# train.py declares its flags with plain int types; sizes and counts must be positive
-_TRAIN_POSITIVE = {
-    "local_window", "seq_len", "num_pairs", "min_distance", "max_distance", "batch_size", "steps",
-    "eval_every", "eval_samples", "threads", "stop_at",
-}
-
-
-def _tighten_train_arguments(parser: argparse.ArgumentParser) -> None:
-    for action in parser._actions:
-        if action.dest in _TRAIN_POSITIVE and action.type is int:
-            action.type = _positive_int
-        elif action.dest in ("warmup", "save_every") and action.type is int:
-            action.type = _nonnegative_int
-        elif action.dest == "device":
-            action.type = _device_arg
 
 
 def main(argv=None) -> int:

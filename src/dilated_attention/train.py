@@ -34,10 +34,20 @@ import time
 
 import torch
 
+from .argtypes import (
+    device_arg,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    positive_int_list,
+    unit_float,
+)
 from .data import IGNORE, ByteText, RetrievalTask
 from .distributed import shard_sequence
 from .models.longnet import LongNetConfig, LongNetLM
 from .models.parallelize import parallelize
+from .timing import device_name
 
 # A training preset = a model preset + the task and optimisation settings that go with it.
 # "tiny": CPU, a few minutes on 2 cores. "small"/"base": one GPU, 32K-token sequences.
@@ -96,8 +106,25 @@ TRAIN_PRESETS: dict[str, dict] = {
 }
 
 
+# flags whose default comes from the preset (the help text lists each preset's value)
+_PRESET_KEYS = (
+    "local_window", "seq_len", "num_pairs", "min_distance", "max_distance", "eval_distances",
+    "batch_size", "steps", "lr", "warmup", "eval_every", "eval_samples", "device", "dtype",
+)
+
+
+def _preset_help(text: str, key: str) -> str:
+    def show(v):
+        return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+    vals = ", ".join(f"{name} {show(p[key])}" for name, p in sorted(TRAIN_PRESETS.items()))
+    return f"{text} (default: the preset's: {vals})"
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of ``dilated-attention train``; unset flags take the preset's value."""
+    """Add the flags of ``dilated-attention train`` (and ``python -m dilated_attention.train``);
+    unset flags take the preset's value. Types reject bad single values; :func:`check_train_args`
+    checks what depends on several flags."""
     p = parser
     p.add_argument(
         "--preset",
@@ -111,32 +138,33 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("dilated", "dense", "local"),
         help="dilated (the preset's branches) or a same-size baseline",
     )
-    p.add_argument("--local-window", type=int, help="window w of --attention local")
+    p.add_argument("--local-window", type=positive_int, help=_preset_help("window w of --attention local", "local_window"))
     p.add_argument(
         "--impl", default="auto", choices=("auto", "reference", "torch", "triton"),
         help="dilated attention implementation",
     )
     p.add_argument("--text-file", help="train a byte-level LM on this file instead of retrieval")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
-    p.add_argument("--num-pairs", type=int, help="retrieval: key-value pairs per sequence")
-    p.add_argument("--min-distance", type=int, help="retrieval: shortest planted distance (train)")
-    p.add_argument("--max-distance", type=int, help="retrieval: longest planted distance (train)")
+    p.add_argument("--seq-len", type=positive_int, help=_preset_help("tokens per sequence", "seq_len"))
+    p.add_argument("--num-pairs", type=positive_int, help=_preset_help("retrieval: key-value pairs per sequence", "num_pairs"))
+    p.add_argument("--min-distance", type=positive_int,
+                   help=_preset_help("retrieval: shortest planted distance (train)", "min_distance"))
+    p.add_argument("--max-distance", type=positive_int,
+                   help=_preset_help("retrieval: longest planted distance (train; at most --seq-len)", "max_distance"))
     p.add_argument(
-        "--eval-distances",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        help="retrieval: comma-separated distances for accuracy-vs-distance",
+        "--eval-distances", type=positive_int_list,
+        help=_preset_help("retrieval: comma-separated distances for accuracy-vs-distance", "eval_distances"),
     )
-    p.add_argument("--batch-size", type=int, help="sequences per optimizer step")
-    p.add_argument("--steps", type=int, help="optimizer steps in total")
-    p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, times --lr")
-    p.add_argument("--warmup", type=int, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
-    p.add_argument("--eval-every", type=int, help="optimizer steps between evaluations")
-    p.add_argument("--eval-samples", type=int, help="sequences per eval point")
+    p.add_argument("--batch-size", type=positive_int, help=_preset_help("sequences per optimizer step", "batch_size"))
+    p.add_argument("--steps", type=positive_int, help=_preset_help("optimizer steps in total", "steps"))
+    p.add_argument("--lr", type=positive_float, help=_preset_help("peak learning rate", "lr"))
+    p.add_argument("--min-lr-ratio", type=unit_float, default=0.1, help="cosine floor, times --lr (0 to 1)")
+    p.add_argument("--warmup", type=nonnegative_int, help=_preset_help("linear warmup steps", "warmup"))
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=positive_float, default=1.0, help="gradient-norm clip")
+    p.add_argument("--eval-every", type=positive_int, help=_preset_help("optimizer steps between evaluations", "eval_every"))
+    p.add_argument("--eval-samples", type=positive_int, help=_preset_help("sequences per eval point", "eval_samples"))
     p.add_argument(
-        "--save-every", type=int, default=0, help="checkpoint period (0: eval points and end)"
+        "--save-every", type=nonnegative_int, default=0, help="checkpoint period (0: eval points and end)"
     )
     p.add_argument("--out-dir", default="runs/train", help="where logs, checkpoint and plot go")
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt")
@@ -147,52 +175,121 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stop-at",
-        type=int,
+        type=positive_int,
         help="save and stop after this step (the schedule still "
         "runs to --steps): for time-limited jobs, continue with --resume",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of data and initialisation")
-    p.add_argument("--device", help="cpu / cuda (default: the preset's, cpu if no GPU)")
+    p.add_argument("--device", type=device_arg,
+                   help=_preset_help("cpu / cuda; cpu when the preset's is cuda and there is no GPU", "device"))
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
-        help="autocast dtype on GPU (parameters stay float32)",
+        help=_preset_help("autocast dtype on GPU (parameters stay float32)", "dtype"),
     )
-    p.add_argument("--threads", type=int, help="torch.set_num_threads on CPU")
+    p.add_argument("--threads", type=positive_int, help="torch.set_num_threads on CPU (default: torch's)")
     p.add_argument(
         "--checkpoint-activations", action="store_true", help="recompute activations in the backward"
+    )
+    p.add_argument(
+        "--nccl-nvls", choices=("on", "off"), default=None,
+        help="sequence-parallel on GPUs: set NCCL_NVLS_ENABLE (NVLink SHARP) for this process before "
+        "the process group starts (default: leave the environment as it is; pass off on machines "
+        "without NVLink multicast)",
     )
     p.add_argument("--no-progress", action="store_true", help="plain prints instead of tqdm")
     p.add_argument("--no-plot", action="store_true", help="do not write loss.png")
 
 
-def _settings(args: argparse.Namespace) -> dict:
+def _given(args: argparse.Namespace, key: str, s: dict) -> str:
+    """How a value is named in an error: the flag the user gave, or the preset that chose it."""
+    flag = "--" + key.replace("_", "-")
+    if getattr(args, key, None) is not None:
+        return f"{flag} {s[key]}"
+    return f"{s[key]} (the {args.preset} preset's {flag})"
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """Every check that needs more than one flag, before anything runs or is written.
+
+    Raises ``ValueError`` (or ``FileExistsError`` / ``FileNotFoundError``) with one line naming
+    the flags and the fix; the command line turns it into exit status 2."""
+    check_out_dir(args.out_dir, args.resume, getattr(args, "overwrite", False))
+    if args.resume and not os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
+        raise FileNotFoundError(
+            f"--resume: no checkpoint at {os.path.join(args.out_dir, 'ckpt.pt')}; start without "
+            "--resume or point --out-dir at an earlier run"
+        )
+    s = _settings(args, quiet=True)
+    if args.impl == "triton" and s["device"] == "cpu":
+        raise ValueError("--impl triton needs a CUDA GPU (the device is cpu); use --impl auto or torch")
+    if args.text_file:
+        _check_text_file(args.text_file, s["seq_len"])
+    else:
+        _check_retrieval(args, s)
+    world = _dist_env()[0]
+    if world > 1 and s["seq_len"] % world != 0:
+        raise ValueError(
+            f"sequence-parallel training over {world} ranks: --seq-len {s['seq_len']} is not "
+            f"divisible by the world size {world}; use a multiple of {world} "
+            f"(e.g. {s['seq_len'] - s['seq_len'] % world or world})"
+        )
+
+
+def _check_text_file(path: str, seq_len: int) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--text-file {path}: no such file")
+    need = 2 * (seq_len + 1)  # one training and one validation crop (data.ByteText)
+    size = os.path.getsize(path)
+    if size < need:
+        raise ValueError(
+            f"--text-file {path} has {size} bytes; --seq-len {seq_len} needs at least {need} "
+            "(a training and a validation crop): use a longer file or a smaller --seq-len"
+        )
+
+
+def _check_retrieval(args: argparse.Namespace, s: dict) -> None:
+    pairs, keys = s["num_pairs"], RetrievalTask.num_keys
+    if pairs > keys:
+        raise ValueError(f"--num-pairs {pairs} > {keys}: the task has {keys} distinct keys")
+    need = 5 * pairs  # planted block (2P) + question tail (3P)
+    if s["min_distance"] < need:
+        raise ValueError(
+            f"min distance {_given(args, 'min_distance', s)} < 5 x num pairs = {need}: "
+            "use a larger --min-distance or fewer --num-pairs"
+        )
+    if s["seq_len"] < s["min_distance"]:
+        raise ValueError(
+            f"--seq-len {s['seq_len']} is shorter than the min distance "
+            f"{_given(args, 'min_distance', s)}: use --seq-len >= {s['min_distance']} "
+            "or a smaller --min-distance"
+        )
+    if args.max_distance is not None and args.max_distance > s["seq_len"]:
+        raise ValueError(f"--max-distance {args.max_distance} > --seq-len {s['seq_len']}: a distance fits in a sequence")
+    if s["min_distance"] > s["max_distance"]:
+        raise ValueError(
+            f"min distance {_given(args, 'min_distance', s)} > max distance "
+            f"{_given(args, 'max_distance', s)}: give --min-distance <= --max-distance"
+        )
+    bad = [d for d in s["eval_distances"] if d < need]
+    if bad:
+        raise ValueError(f"--eval-distances {bad} < 5 x num pairs = {need}: the planted block must fit")
+
+
+def _settings(args: argparse.Namespace, quiet: bool = False) -> dict:
     """The preset's values overridden by every flag that was given."""
     s = dict(TRAIN_PRESETS[args.preset])
     s["model"] = dict(s["model"])
-    for key in (
-        "local_window",
-        "seq_len",
-        "num_pairs",
-        "min_distance",
-        "max_distance",
-        "eval_distances",
-        "batch_size",
-        "steps",
-        "lr",
-        "warmup",
-        "eval_every",
-        "eval_samples",
-        "device",
-        "dtype",
-    ):
+    for key in _PRESET_KEYS:
         val = getattr(args, key, None)
         if val is not None:
             s[key] = val
     if s["device"] == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: running on cpu", file=sys.stderr)
+        if not quiet:
+            print("no CUDA device: running on cpu", file=sys.stderr)
         s["device"], s["dtype"] = "cpu", "float32"
-    s["max_distance"] = min(s["max_distance"], s["seq_len"])
+    if getattr(args, "max_distance", None) is None:  # the preset's, cut to the sequence
+        s["max_distance"] = min(s["max_distance"], s["seq_len"])
     s["eval_distances"] = tuple(d for d in s["eval_distances"] if d <= s["seq_len"])
     return s
 
@@ -254,8 +351,11 @@ def _dist_env() -> tuple[int, int, int]:
     return world, rank, int(os.environ.get("LOCAL_RANK", rank))
 
 
-def _init_sp(device: torch.device, local_rank: int):
-    """Join (or reuse) the default process group; returns (group, device, owns_group)."""
+def _init_sp(device: torch.device, local_rank: int, nccl_nvls: str | None = None):
+    """Join (or reuse) the default process group; returns (group, device, owns_group).
+
+    ``nccl_nvls`` ("on" / "off", from ``--nccl-nvls``) sets ``NCCL_NVLS_ENABLE`` before the
+    group starts; None leaves the environment alone."""
     import torch.distributed as dist
 
     if device.type == "cuda":
@@ -263,8 +363,8 @@ def _init_sp(device: torch.device, local_rank: int):
         torch.cuda.set_device(device)
     owns = False
     if not dist.is_initialized():
-        # NVLink SHARP (multicast) is off unless asked for: not every machine supports it.
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        if nccl_nvls is not None:  # the user asked (--nccl-nvls): NCCL reads it at group start
+            os.environ["NCCL_NVLS_ENABLE"] = "1" if nccl_nvls == "on" else "0"
         if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)
         else:
@@ -392,14 +492,6 @@ def _plot(history: list, path: str, title: str) -> bool:
     return True
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-
-    return platform.processor() or platform.machine() or "cpu"
-
-
 # What a run writes into --out-dir; a directory holding any of them holds an earlier run.
 RUN_FILES = ("ckpt.pt", "log.jsonl", "log.csv", "config.json", "summary.json", "loss.png")
 
@@ -426,9 +518,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     Under ``torchrun`` (``WORLD_SIZE > 1``) or in an initialised process group, all ranks train
     one model sequence-parallel (see the module docstring); ``--seq-len`` must be divisible by
-    the number of ranks.
+    the number of ranks. Bad flag combinations raise before anything is written
+    (:func:`check_train_args`).
     """
-    check_out_dir(args.out_dir, args.resume, getattr(args, "overwrite", False))
+    check_train_args(args)
     s = _settings(args)
     world, rank, local_rank = _dist_env()
     if getattr(args, "overwrite", False) and rank == 0:
@@ -436,18 +529,12 @@ def run_train(args: argparse.Namespace) -> int:
             path = os.path.join(args.out_dir, name)
             if os.path.exists(path):
                 os.remove(path)
-    if world > 1 and s["seq_len"] % world != 0:
-        raise ValueError(
-            f"sequence-parallel training over {world} ranks: --seq-len {s['seq_len']} is not "
-            f"divisible by the world size {world}; use a multiple of {world} "
-            f"(e.g. {s['seq_len'] - s['seq_len'] % world or world})"
-        )
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(s["device"])
     group, owns_group = None, False
     if world > 1:
-        group, device, owns_group = _init_sp(device, local_rank)
+        group, device, owns_group = _init_sp(device, local_rank, getattr(args, "nccl_nvls", None))
     try:
         return _train(args, s, device, group, rank, world)
     finally:
@@ -457,166 +544,220 @@ def run_train(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the steps of one training run share."""
+
+    args: argparse.Namespace
+    s: dict
+    device: torch.device
+    group: object
+    rank: int
+    world: int
+    data: object = None
+    cfg: LongNetConfig | None = None
+    model: LongNetLM | None = None
+    params: list = dataclasses.field(default_factory=list)
+    opt: torch.optim.Optimizer | None = None
+    autocast: object = None
+    start: int = 0
+    history: list = dataclasses.field(default_factory=list)
+    step_times: list = dataclasses.field(default_factory=list)  # seconds per step (no eval, no save)
+    last_eval: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def main_rank(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ckpt_path(self) -> str:
+        return os.path.join(self.args.out_dir, "ckpt.pt")
+
+
 def _train(args, s: dict, device: torch.device, group, rank: int, world: int) -> int:
-    main_rank = rank == 0
-    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
-    if main_rank:
-        os.makedirs(args.out_dir, exist_ok=True)
-
-    if args.text_file:
-        data = ByteText(args.text_file, s["seq_len"])
-        vocab = 256
-    else:
-        data = RetrievalTask(
-            seq_len=s["seq_len"],
-            num_pairs=s["num_pairs"],
-            min_distance=s["min_distance"],
-            max_distance=s["max_distance"],
-        )
-        vocab = s["model"].get("vocab_size", LongNetConfig.preset(args.preset).vocab_size)
-        if vocab < data.vocab_size:
-            raise ValueError(f"model vocab {vocab} < task vocab {data.vocab_size}")
-    cfg = LongNetConfig.preset(args.preset, **{**s["model"], "vocab_size": vocab})
-    cfg = dataclasses.replace(
-        cfg.with_attention(args.attention, s["seq_len"], s["local_window"]),
-        impl=args.impl,
-        checkpoint_activations=args.checkpoint_activations or cfg.checkpoint_activations,
-    )
-
-    torch.manual_seed(args.seed)
-    model = LongNetLM(cfg).to(device)
-    params = list(model.parameters())  # shared (tied) parameters once
-    if group is not None:
-        import torch.distributed as dist
-
-        parallelize(model, group)
-        for p in params:  # the same seed gives the same init; make sure of it
-            dist.broadcast(p.data, src=0, group=group)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": args.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=s["lr"],
-        betas=(0.9, 0.95),
-        fused=device.type == "cuda",
-    )
-    start, history = 0, []
-    if args.resume:
-        if not os.path.exists(ckpt_path):
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ck["config"] != dataclasses.asdict(cfg):
-            raise ValueError(
-                f"--resume: {ckpt_path} was written with another model config; use another --out-dir"
-            )
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        start, history = ck["step"], ck["history"]
-        torch.set_rng_state(ck["rng"])
-        if main_rank:
-            print(f"resumed from {ckpt_path} at step {start}")
-
-    amp_dtype = getattr(torch, s["dtype"])
-    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32)
-    tokens_per_step = s["batch_size"] * s["seq_len"]  # global, over all ranks
-    if main_rank:
-        with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-            json.dump(
-                {
-                    "model": dataclasses.asdict(cfg),
-                    "settings": s,
-                    "args": vars(args),
-                    "params": model.num_params(),
-                    "torch": torch.__version__,
-                    "world_size": world,
-                    "device": str(device),
-                    "device_name": _device_name(device),
-                },
-                f,
-                indent=1,
-                default=str,
-            )
-        task = "text" if args.text_file else "retrieval"
-        sp = f", sequence-parallel over {world} ranks" if world > 1 else ""
-        print(
-            f"{args.attention} LongNet ({args.preset}): {model.num_params() / 1e6:.2f}M params, "
-            f"branches w={list(cfg.segment_lengths)} r={list(cfg.dilation_rates)}, task={task}, "
-            f"N={s['seq_len']}, batch={s['batch_size']}, steps={s['steps']}, device={device}{sp}",
-            flush=True,
-        )
-
-    log_jsonl = None
-    if main_rank:
-        log_jsonl = open(os.path.join(args.out_dir, "log.jsonl"), "a" if args.resume else "w")
-    bar = _Progress(s["steps"], start, args.no_progress, enabled=main_rank)
-    model.train()
+    """setup -> (step, eval, checkpoint, log) per step -> summary."""
+    run = _Run(args, s, device, group, rank, world)
+    _setup(run)
     t0 = time.perf_counter()
-    last = {}
-    step_times = []  # seconds per optimizer step of this process (no eval, no checkpoint)
+    log = open(os.path.join(args.out_dir, "log.jsonl"), "a" if args.resume else "w") if run.main_rank else None
+    bar = _Progress(s["steps"], run.start, args.no_progress, enabled=run.main_rank)
+    run.model.train()
     try:
-        for step in range(start, s["steps"]):
-            ts = time.perf_counter()
-            lr = _lr_at(step, s, args.min_lr_ratio)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            x, y = data.batch(s["batch_size"], args.seed, step)  # the global batch, every rank
-            count = max(1, int((y != IGNORE).sum()))  # scored targets in the global batch
-            x, y = _shard(x, group), _shard(y, group)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = _lm_loss(model, x, y, count, autocast)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if group is not None:
-                _allreduce_grads(params, group)
-            gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-            opt.step()
-            loss_val = _allreduce_sum(loss.detach().clone(), group).item()  # syncs the step
-            step_times.append(time.perf_counter() - ts)
-            rec = {
-                "step": step + 1,
-                "loss": loss_val,
-                "lr": lr,
-                "grad_norm": float(gnorm),
-                "step_s": step_times[-1],
-                "time_s": time.perf_counter() - t0,
-            }
+        for step in range(run.start, s["steps"]):
+            rec = _train_step(run, step)
+            rec["time_s"] = time.perf_counter() - t0
             done = step + 1
             if done % s["eval_every"] == 0 or done == s["steps"]:
-                rec.update(evaluate(model, data, s, args.seed, device, autocast, group))
-                last = {k: v for k, v in rec.items() if k.startswith(("acc", "val_"))}
-                bar.write(
-                    f"step {done}: loss {rec['loss']:.4f} "
-                    + " ".join(f"{k} {v:.3f}" for k, v in last.items())
-                )
-            history.append(rec)
-            if main_rank:
-                log_jsonl.write(json.dumps(rec) + "\n")
-                log_jsonl.flush()
-                if (
-                    (args.save_every and done % args.save_every == 0)
-                    or done % s["eval_every"] == 0
-                    or done == s["steps"]
-                ):
-                    _save(ckpt_path, model, opt, done, cfg, s, history)
-            bar.update(step, f"loss {rec['loss']:.3f} lr {lr:.2e}")
-            if args.stop_at is not None and done >= args.stop_at:
-                if main_rank:
-                    _save(ckpt_path, model, opt, done, cfg, s, history)
+                _eval_step(run, rec, bar)
+            run.history.append(rec)
+            _log_step(run, rec, log)
+            stop = args.stop_at is not None and done >= args.stop_at
+            if stop or (args.save_every and done % args.save_every == 0) or done % s["eval_every"] == 0 or done == s["steps"]:
+                _checkpoint(run, done)
+            bar.update(step, f"loss {rec['loss']:.3f} lr {rec['lr']:.2e}")
+            if stop:
                 break
     finally:
         bar.close()
-        if log_jsonl is not None:
-            log_jsonl.close()
+        if log is not None:
+            log.close()
     if group is not None:
         import torch.distributed as dist
 
         dist.barrier(group=group)  # every rank finished its steps (rank 0 wrote the checkpoint)
-    if not main_rank:
-        return 0
+    if run.main_rank:
+        _write_summary(run, time.perf_counter() - t0)
+    return 0
 
+
+def _setup(run: _Run) -> None:
+    """Data, model (the same initialisation on every rank), optimizer, the resumed state, and
+    config.json."""
+    args, s = run.args, run.s
+    if run.main_rank:
+        os.makedirs(args.out_dir, exist_ok=True)
+    run.data, vocab = _make_data(args, s)
+    cfg = LongNetConfig.preset(args.preset, **{**s["model"], "vocab_size": vocab})
+    run.cfg = dataclasses.replace(
+        cfg.with_attention(args.attention, s["seq_len"], s["local_window"]),
+        impl=args.impl,
+        checkpoint_activations=args.checkpoint_activations or cfg.checkpoint_activations,
+    )
+    torch.manual_seed(args.seed)
+    run.model = LongNetLM(run.cfg).to(run.device)
+    run.params = list(run.model.parameters())  # shared (tied) parameters once
+    if run.group is not None:
+        import torch.distributed as dist
+
+        parallelize(run.model, run.group)
+        for p in run.params:  # the same seed gives the same init; make sure of it
+            dist.broadcast(p.data, src=0, group=run.group)
+    run.opt = _make_optimizer(run.model, args.weight_decay, s["lr"], run.device)
+    if args.resume:
+        _resume(run)
+    amp_dtype = getattr(torch, s["dtype"])
+    run.autocast = torch.autocast(run.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32)
+    if run.main_rank:
+        _write_config(run)
+
+
+def _make_data(args, s: dict):
+    """(task, vocabulary size): bytes of --text-file, else synthetic retrieval."""
+    if args.text_file:
+        return ByteText(args.text_file, s["seq_len"]), 256
+    data = RetrievalTask(
+        seq_len=s["seq_len"],
+        num_pairs=s["num_pairs"],
+        min_distance=s["min_distance"],
+        max_distance=s["max_distance"],
+    )
+    vocab = s["model"].get("vocab_size", LongNetConfig.preset(args.preset).vocab_size)
+    if vocab < data.vocab_size:
+        raise ValueError(f"model vocab {vocab} < task vocab {data.vocab_size}")
+    return data, vocab
+
+
+def _make_optimizer(model, weight_decay: float, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on the matrices only."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
+
+
+def _resume(run: _Run) -> None:
+    ck = torch.load(run.ckpt_path, map_location=run.device, weights_only=False)
+    if ck["config"] != dataclasses.asdict(run.cfg):
+        raise ValueError(
+            f"--resume: {run.ckpt_path} was written with another model config; use another --out-dir"
+        )
+    run.model.load_state_dict(ck["model"])
+    run.opt.load_state_dict(ck["optimizer"])
+    run.start, run.history = ck["step"], ck["history"]
+    torch.set_rng_state(ck["rng"])
+    if run.main_rank:
+        print(f"resumed from {run.ckpt_path} at step {run.start}")
+
+
+def _write_config(run: _Run) -> None:
+    args, s, cfg, model = run.args, run.s, run.cfg, run.model
+    with open(os.path.join(args.out_dir, "config.json"), "w") as f:
+        json.dump(
+            {
+                "model": dataclasses.asdict(cfg),
+                "settings": s,
+                "args": vars(args),
+                "params": model.num_params(),
+                "torch": torch.__version__,
+                "world_size": run.world,
+                "device": str(run.device),
+                "device_name": device_name(run.device),
+            },
+            f,
+            indent=1,
+            default=str,
+        )
+    task = "text" if args.text_file else "retrieval"
+    sp = f", sequence-parallel over {run.world} ranks" if run.world > 1 else ""
+    print(
+        f"{args.attention} LongNet ({args.preset}): {model.num_params() / 1e6:.2f}M params, "
+        f"branches w={list(cfg.segment_lengths)} r={list(cfg.dilation_rates)}, task={task}, "
+        f"N={s['seq_len']}, batch={s['batch_size']}, steps={s['steps']}, device={run.device}{sp}",
+        flush=True,
+    )
+
+
+def _train_step(run: _Run, step: int) -> dict:
+    """One optimizer step on the global batch of ``step`` (this rank's shard); its log record."""
+    s, args, group = run.s, run.args, run.group
+    ts = time.perf_counter()
+    lr = _lr_at(step, s, args.min_lr_ratio)
+    for g in run.opt.param_groups:
+        g["lr"] = lr
+    x, y = run.data.batch(s["batch_size"], args.seed, step)  # the global batch, every rank
+    count = max(1, int((y != IGNORE).sum()))  # scored targets in the global batch
+    x, y = _shard(x, group), _shard(y, group)
+    x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+    loss = _lm_loss(run.model, x, y, count, run.autocast)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if group is not None:
+        _allreduce_grads(run.params, group)
+    gnorm = torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
+    run.opt.step()
+    loss_val = _allreduce_sum(loss.detach().clone(), group).item()  # syncs the step
+    run.step_times.append(time.perf_counter() - ts)
+    return {"step": step + 1, "loss": loss_val, "lr": lr, "grad_norm": float(gnorm), "step_s": run.step_times[-1]}
+
+
+def _eval_step(run: _Run, rec: dict, bar: _Progress) -> None:
+    """Evaluate into ``rec`` and print the eval line."""
+    rec.update(evaluate(run.model, run.data, run.s, run.args.seed, run.device, run.autocast, run.group))
+    run.last_eval = {k: v for k, v in rec.items() if k.startswith(("acc", "val_"))}
+    bar.write(f"step {rec['step']}: loss {rec['loss']:.4f} " + " ".join(f"{k} {v:.3f}" for k, v in run.last_eval.items()))
+
+
+def _log_step(run: _Run, rec: dict, log) -> None:
+    if run.main_rank:
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+
+
+def _checkpoint(run: _Run, done: int) -> None:
+    if run.main_rank:
+        _save(run.ckpt_path, run.model, run.opt, done, run.cfg, run.s, run.history)
+
+
+def _write_summary(run: _Run, train_time_s: float) -> None:
+    """log.csv, summary.json (throughput, final loss, last eval) and the plot."""
+    args, s, history = run.args, run.s, run.history
     keys = sorted({k for h in history for k in h}, key=lambda k: (k != "step", k))
     with open(os.path.join(args.out_dir, "log.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
@@ -624,43 +765,62 @@ def _train(args, s: dict, device: torch.device, group, rank: int, world: int) ->
         w.writerows(history)
     # Throughput over this process's steps, leaving out the first ones (allocator warm-up, kernel
     # autotuning and compilation): tokens of the global batch per second of step time.
-    skip = min(5, len(step_times) // 4)
-    timed = step_times[skip:]
+    tokens_per_step = s["batch_size"] * s["seq_len"]  # global, over all ranks
+    skip = min(5, len(run.step_times) // 4)
+    timed = run.step_times[skip:]
     tok_s = tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else None
     summary = {
         "attention": args.attention,
         "preset": args.preset,
         "steps": s["steps"],
-        "train_time_s": time.perf_counter() - t0,
+        "train_time_s": train_time_s,
         "final_loss": history[-1]["loss"] if history else None,
-        "params": model.num_params(),
-        "world_size": world,
+        "params": run.model.num_params(),
+        "world_size": run.world,
         "tokens_per_step": tokens_per_step,
         "step_s": sum(timed) / len(timed) if timed else None,
         "tokens_per_s": tok_s,
-        "tokens_per_s_per_gpu": tok_s / world if tok_s is not None else None,
+        "tokens_per_s_per_gpu": tok_s / run.world if tok_s is not None else None,
         "throughput_steps_skipped": skip,
-        **last,
+        **run.last_eval,
     }
-    if isinstance(data, RetrievalTask):
-        summary["chance"] = data.chance
+    if isinstance(run.data, RetrievalTask):
+        summary["chance"] = run.data.chance
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    if not args.no_plot and _plot(
-        history, os.path.join(args.out_dir, "loss.png"), f"{args.attention} ({args.preset})"
-    ):
-        print(f"plot: {os.path.join(args.out_dir, 'loss.png')}")
+    png = os.path.join(args.out_dir, "loss.png")
+    if not args.no_plot and _plot(history, png, f"{args.attention} ({args.preset})"):
+        print(f"plot: {png}")
     print(json.dumps(summary))
-    return 0
+
+
+def build_parser(prog: str = "dilated-attention train") -> argparse.ArgumentParser:
+    """The one parser of ``python -m dilated_attention.train`` (``dilated-attention train`` adds
+    the same flags to its subcommand)."""
+    from .argtypes import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    add_train_arguments(parser)
+    return parser
+
+
+def parse_and_check(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse, then :func:`check_train_args`; a bad value exits 2 with one line (parser.error)."""
+    args = parser.parse_args(argv)
+    check_or_exit(args, parser)
+    return args
+
+
+def check_or_exit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        check_train_args(args)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dilated_attention.train`` (the same flags as ``dilated-attention train``)."""
-    parser = argparse.ArgumentParser(
-        prog="dilated-attention train", description=__doc__.split("\n\n")[0]
-    )
-    add_train_arguments(parser)
-    return run_train(parser.parse_args(argv))
+    """``python -m dilated_attention.train``: the same flags and checks as ``dilated-attention train``."""
+    return run_train(parse_and_check(build_parser(), argv))
 
 
 if __name__ == "__main__":

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
+from ..flags import cudnn_attention_enabled
 from ..merge import acc_dtype
 
 _MATH_BLOCK_BYTES = 64 * 1024 * 1024  # fp32 score bytes per block in the math path
 _CUDNN_MIN_ROWS = 128
-# read once per process, at import: the backend never changes between calls of one process
-_CUDNN_ENABLED = os.environ.get("DILATED_ATTENTION_CUDNN", "1") != "0"
 
 
 def _flash_ok(q: torch.Tensor, k: torch.Tensor, key_mask, dropout_p: float, causal: bool) -> bool:
@@ -57,6 +55,7 @@ def pick_backend(q, k, key_mask=None, dropout_p: float = 0.0, causal: bool = Fal
             q.shape[1] == k.shape[1]
             and q.shape[-1] in (64, 128)
             and min(q.shape[2], k.shape[2]) >= _CUDNN_MIN_ROWS
+            and cudnn_attention_enabled()  # read now: flags.set_cudnn_attention / the environment
             and _cudnn_usable(q.device.index or 0)
         ):
             return "cudnn"
@@ -80,24 +79,20 @@ def _cudnn_fwd(q, k, v, scale, causal):
 
 
 def _cudnn_bwd(do, q, k, v, out, lse, scale, causal):
-    lse_in = lse.reshape(*lse.shape, 1) if _CUDNN_LSE_4D.get(q.device.index or 0) else lse
+    aux, lse_4d = _cudnn_aux(q.device.index or 0)
+    lse_in = lse.reshape(*lse.shape, 1) if lse_4d else lse
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        do, q, k, v, out, lse_in.contiguous(), *_cudnn_aux(q.device.index or 0), q.shape[2], k.shape[2],
-        0.0, causal, scale=scale,
+        do, q, k, v, out, lse_in.contiguous(), *aux, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
     )
 
 
-_CUDNN_LSE_4D: dict[int, bool] = {}
-
-
 @functools.cache
-def _cudnn_aux(device_index: int):
-    """(philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k) as the dropout-free cuDNN
-    forward returns them (the backward op wants them back)."""
+def _cudnn_aux(device_index: int) -> tuple[tuple, bool]:
+    """What the backward op wants back from the dropout-free cuDNN forward on this device:
+    ((philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k), whether its LSE is 4-D)."""
     q = torch.randn(1, 1, 16, 64, device=torch.device("cuda", device_index), dtype=torch.float16)
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, False, False)
-    _CUDNN_LSE_4D[device_index] = res[1].dim() == 4
-    return res[6], res[7], None, res[2], res[3]
+    return (res[6], res[7], None, res[2], res[3]), res[1].dim() == 4
 
 
 @functools.cache
@@ -108,10 +103,8 @@ def _cudnn_usable(device_index: int) -> bool:
 
     Only on compute capability >= 9 and only if a probe on this device reproduces the
     FlashAttention-2 forward, LSE and backward on strided (B, L, H, D)-transposed inputs like ours.
-    ``DILATED_ATTENTION_CUDNN=0`` in the environment at import turns it off (for comparisons).
+    Cached per device: the caller checks the switch (flags.cudnn_attention_enabled) first.
     """
-    if not _CUDNN_ENABLED:
-        return False
     dev = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(dev)[0] < 9:
         return False

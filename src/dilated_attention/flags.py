@@ -1,0 +1,43 @@
+"""The library's process-level switches, in one place.
+
+There is one: whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
+capability >= 9 (see docs/spec.md, "Choices the library makes"). It is read when a block is
+dispatched, not at import, so a change takes effect on the next call:
+
+- ``set_cudnn_attention(False)`` turns it off for this process (``True`` turns it back on,
+  ``None`` returns to the environment's choice);
+- without a call, the environment decides: ``DILATED_ATTENTION_CUDNN=0`` turns it off, any other
+  value or no value leaves it on.
+
+cuDNN is used only where a probe on the device reproduces FlashAttention-2's forward, LSE and
+backward; the switch exists for comparisons.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_CUDNN = "DILATED_ATTENTION_CUDNN"
+
+# the value set by set_cudnn_attention; None: the environment decides (the xformers-style setter)
+_cudnn_override: bool | None = None
+
+
+def set_cudnn_attention(enabled: bool | None) -> None:
+    """Allow (True) or forbid (False) cuDNN attention for the torch path's dense blocks in this
+    process; None returns to the environment's choice (``DILATED_ATTENTION_CUDNN``)."""
+    global _cudnn_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"set_cudnn_attention(enabled={enabled!r}): pass True, False or None (None: the "
+            f"{ENV_CUDNN} environment variable decides)"
+        )
+    _cudnn_override = enabled
+
+
+def cudnn_attention_enabled() -> bool:
+    """Whether cuDNN attention may be used now: the value set by :func:`set_cudnn_attention`, else
+    the environment read at this call (``DILATED_ATTENTION_CUDNN=0`` turns it off)."""
+    if _cudnn_override is not None:
+        return _cudnn_override
+    return os.environ.get(ENV_CUDNN, "1").strip() != "0"
