@@ -359,3 +359,23 @@ def _sp_worker(rank: int, world: int, init_file: str, grid: tuple[int, int]):
 def test_sequence_parallel_exchange_gloo(tmp_path, grid):
     init_file = os.path.join(str(tmp_path), "rendezvous")
     mp.spawn(_sp_worker, args=(2, init_file, grid), nprocs=2, join=True)
+
+
+def test_hilbert_attention_takes_a_callable(seed):
+    """The ordering leaf calls the attention it is given (no module, no private method): the
+    callable sees q, k, v in Hilbert order and its output is put back in row-major order."""
+    from dilated_attention.ordering import hilbert_attention
+
+    h, w = 4, 6
+    q, k, v = (torch.randn(2, h * w, 2, 8, dtype=torch.float64) for _ in range(3))
+    seen = {}
+
+    def attend(q_, k_, v_, is_causal, key_padding_mask):
+        seen.update(q=q_, causal=is_causal, mask=key_padding_mask)
+        return v_ * 2
+
+    out = hilbert_attention(attend, (h, w), q, k, v, is_causal=True)
+    perm, _ = hilbert_permutation(h, w)
+    torch.testing.assert_close(seen["q"], q[:, perm])
+    assert seen["causal"] is True and seen["mask"] is None
+    torch.testing.assert_close(out, v * 2)

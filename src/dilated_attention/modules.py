@@ -108,7 +108,9 @@ class DilatedAttention(nn.Module):
         if self.ordering == "hilbert":
             from .ordering import hilbert_attention
 
-            return hilbert_attention(self, query, key, value, is_causal, key_padding_mask)
+            return hilbert_attention(
+                self._attend, self.grid, query, key, value, is_causal, key_padding_mask, self.process_group
+            )
         return self._attend(query, key, value, is_causal, key_padding_mask)
 
     def _attend(self, query, key, value, is_causal, key_padding_mask):

@@ -290,11 +290,17 @@ def permute_sequence(
     return _ExchangeFunction.apply(x, (h, w), group, not inverse)
 
 
-def hilbert_attention(module, query, key, value, is_causal=False, key_padding_mask=None):
-    """``module._attend`` on q, k, v reordered along the Hilbert curve of ``module.grid``.
+def hilbert_attention(
+    attend, grid, query, key, value, is_causal=False, key_padding_mask=None, process_group=None
+):
+    """``attend`` on q, k, v reordered along the Hilbert curve of ``grid``, the output put back in
+    row-major order.
 
     Args:
-        module: a ``DilatedAttention`` with ``grid=(height, width)`` (and maybe ``process_group``).
+        attend: ``attend(q, k, v, is_causal, key_padding_mask) -> out``, the attention to run on the
+            reordered tensors (e.g. a ``DilatedAttention``'s forward without an ordering).
+        grid: (height, width) of the image the sequence was flattened from (row-major).
+        process_group: the sequence-parallel group the shards belong to, or None.
         query: (batch, seqlen, nheads, headdim); key, value: (batch, seqlen, nheads_kv, headdim).
             seqlen = height * width (or height * width / P per rank with a process group of P
             ranks, contiguous layout: rank r holds row-major positions [r*N/P, (r+1)*N/P)).
@@ -305,9 +311,9 @@ def hilbert_attention(module, query, key, value, is_causal=False, key_padding_ma
     Returns:
         (batch, seqlen, nheads, headdim) in row-major order (this rank's shard with a group).
     """
-    h, w = module.grid
+    h, w = grid
     n = h * w
-    group = module.process_group
+    group = process_group
     world = 1
     if group is not None:
         import torch.distributed as dist
@@ -335,5 +341,5 @@ def hilbert_attention(module, query, key, value, is_causal=False, key_padding_ma
         if key_padding_mask is None
         else permute_sequence(key_padding_mask, (h, w), group=group)
     )
-    out = module._attend(q, k, v, is_causal, mask)
+    out = attend(q, k, v, is_causal, mask)
     return permute_sequence(out, (h, w), inverse=True, group=group)
