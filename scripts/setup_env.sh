@@ -6,8 +6,9 @@
 # pip never resolves a bare `torch` to a multi-GB CUDA build. A python that already has torch
 # (e.g. a GPU image) is reused through --system-site-packages.
 # Quiet on success; prints pip's output (minus the environment's configuration warnings) on
-# failure. The install is skipped when pyproject.toml and the extras are what the last
-# successful install used (stamp file .venv/.setup-stamp) and the package still imports.
+# failure. The install is skipped when pyproject.toml is what the last successful install used,
+# the extras asked for are among those installed (stamp file .venv/.setup-stamp) and the package
+# still imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -37,11 +38,20 @@ if [ -z "${SETUP_EXTRAS:-}" ]; then
   fi
 fi
 stamp=.venv/.setup-stamp
-key="$("$VPY" -c "import hashlib, sys; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest())") [$SETUP_EXTRAS]"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] \
+hash="$("$VPY" -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest())")"
+# The stamp holds the pyproject hash and the extras installed so far. A request for extras that
+# are all installed already (bench.sh's "plot,progress" after test.sh's "test,plot,progress")
+# installs nothing; otherwise the union is installed, so that alternating scripts do not
+# reinstall each time.
+installed=""
+if [ -f "$stamp" ] && [ "$(cut -d' ' -f1 "$stamp")" = "$hash" ]; then
+  installed="$(sed -n 's/^[^ ]* \[\(.*\)\]$/\1/p' "$stamp")"
+fi
+union="$(printf '%s\n' "${installed//,/$'\n'}" "${SETUP_EXTRAS//,/$'\n'}" | sed '/^$/d' | sort -u | paste -sd, -)"
+if [ -n "$installed" ] && [ "$union" = "$(printf '%s\n' "${installed//,/$'\n'}" | sed '/^$/d' | sort -u | paste -sd, -)" ] \
   && "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('dilated_attention') is None)" 2>/dev/null; then
   exit 0
 fi
-quiet "$VPY" -m pip install -q -e ".[$SETUP_EXTRAS]"
-printf '%s\n' "$key" >"$stamp"
-echo "setup: installed dilated-attention[$SETUP_EXTRAS] into .venv"
+quiet "$VPY" -m pip install -q -e ".[$union]"
+printf '%s [%s]\n' "$hash" "$union" >"$stamp"
+echo "setup: installed dilated-attention[$union] into .venv"

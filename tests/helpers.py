@@ -43,3 +43,27 @@ def train_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_train_arguments(p)
     return p.parse_args(list(argv))
+
+
+# Which implementations the impl-parametrised tests run here (Triton: compiled on a GPU, its
+# interpreter on the CPU; conftest.py sets TRITON_INTERPRET=1 before this module is imported).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _has_triton() -> bool:
+    from dilated_attention.api import triton_unavailable_reason
+
+    return triton_unavailable_reason(torch.empty(1, 1, 1, 16, device=DEV, dtype=torch.float32)) is None
+
+
+HAS_TRITON = _has_triton()
+FAST_IMPLS = ["torch"] + (["triton"] if HAS_TRITON else [])
+ALL_IMPLS = ["reference", *FAST_IMPLS]
+
+
+def qkv(b, nq, nk, h, hkv, d, dtype=torch.float64, device="cpu", requires_grad=False):
+    """Random q (b, nq, h, d) and k, v (b, nk, hkv, d)."""
+    q = torch.randn(b, nq, h, d, dtype=dtype, device=device, requires_grad=requires_grad)
+    k = torch.randn(b, nk, hkv, d, dtype=dtype, device=device, requires_grad=requires_grad)
+    v = torch.randn(b, nk, hkv, d, dtype=dtype, device=device, requires_grad=requires_grad)
+    return q, k, v

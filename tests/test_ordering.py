@@ -379,3 +379,15 @@ def test_hilbert_attention_takes_a_callable(seed):
     torch.testing.assert_close(seen["q"], q[:, perm])
     assert seen["causal"] is True and seen["mask"] is None
     torch.testing.assert_close(out, v * 2)
+
+
+def test_hilbert_permutation_returns_copies():
+    perm, inv = hilbert_permutation(4, 4)
+    x = torch.arange(16.0).view(1, 16, 1)
+    before = permute_sequence(x, (4, 4))
+    perm.zero_()
+    inv.zero_()
+    perm2, inv2 = hilbert_permutation(4, 4)
+    assert sorted(perm2.tolist()) == list(range(16))
+    assert torch.equal(inv2[perm2], torch.arange(16))
+    assert torch.equal(permute_sequence(x, (4, 4)), before)
