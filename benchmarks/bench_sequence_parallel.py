@@ -175,10 +175,10 @@ def run_case(a, dev, dtype, hkv, rank, world, solo, kind, n, mode):
     reset_peak(dev)
     q, k, v = make(b, n // world, h, hkv, d, dtype, dev, 1 + rank)
     fp = partial(fn, group=dist.group.WORLD, impl=a.impl)
-    with sp.exchange_mode(a.exchange):
+    with sp.exchange_mode(a.exchange) as calls:
         tf = time_fn(partial(fp, q, k, v), dev, a.warmup, a.iters, dist.group.WORLD)
         tfb = time_fn(partial(fwd_bwd, fp, q, k, v), dev, a.warmup, a.iters, dist.group.WORLD)
-    st = sp.last_comm_stats()
+    st = calls.stats
     stats = torch.tensor([peak_gib(dev) or 0.0, st["fwd_bytes_sent"], st["bwd_bytes_sent"]],
                          dtype=torch.float64, device=dev)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)

@@ -11,7 +11,7 @@ float64 tensors, runs its shard through
   ``impl="reference"`` on the global tensors,
 
 and records the max abs error of out, dq, dk, dv (max over ranks), bytes sent per rank
-(``last_comm_stats`` / ``last_ring_stats``, max and min over ranks) and the ring's peak bytes in
+(``exchange_mode``'s ``calls.stats`` / ``ring_attention(stats=)``, max and min over ranks) and the ring's peak bytes in
 flight. A last case keeps w/r and N/P fixed (``--traffic-l`` tokens per rank) so that N grows
 with P: bytes sent per rank should not change with P.
 
@@ -105,7 +105,7 @@ def _sp_cases(L, n):
 
 def _worker(rank, world, cfg, out_file):
     from dilated_attention import dilated_attention
-    from dilated_attention.distributed import last_ring_stats, ring_attention
+    from dilated_attention.distributed import ring_attention
     from dilated_attention.distributed import sequence_parallel as sp
     from dilated_attention.distributed.layout import shard_local
 
@@ -120,11 +120,11 @@ def _worker(rank, world, cfg, out_file):
         for causal in (False, True):
             seed += 1
             q, k, v, do = _inputs(seed, b, n, h, hkv, d)
+            st = {}
             errs = _errors(lambda q_, k_, v_, c=causal: _dense(q_, k_, v_, c),
                            lambda q_, k_, v_, c=causal, lay=layout: ring_attention(
-                               q_, k_, v_, group=grp, causal=c, layout=lay),
+                               q_, k_, v_, group=grp, causal=c, layout=lay, stats=st),
                            q, k, v, do, lambda x, lay=layout: shard_local(x, world, rank, lay, 1))
-            st = last_ring_stats()
             rows.append(dict(kind="ring", case=layout, causal=causal, n=n, errs=errs,
                              fwd=st["fwd_bytes_sent"], bwd=st["bwd_bytes_sent"],
                              peak=st["fwd_peak_ring_bytes"], bpeak=st["bwd_peak_ring_bytes"],
@@ -135,10 +135,11 @@ def _worker(rank, world, cfg, out_file):
 
     def sp_case(name, seg, dil, causal, nn, ll, seed_):
         q, k, v, do = _inputs(seed_, b, nn, h, hkv, d)
-        errs = _errors(lambda q_, k_, v_: dilated_attention(q_, k_, v_, seg, dil, causal=causal, impl="reference"),
-                       lambda q_, k_, v_: dilated_attention(q_, k_, v_, seg, dil, causal=causal, group=grp),
-                       q, k, v, do, lambda x: shard_local(x, world, rank, "contiguous", 1))
-        st = sp.last_comm_stats()
+        with sp.exchange_mode() as calls:
+            errs = _errors(lambda q_, k_, v_: dilated_attention(q_, k_, v_, seg, dil, causal=causal, impl="reference"),
+                           lambda q_, k_, v_: dilated_attention(q_, k_, v_, seg, dil, causal=causal, group=grp),
+                           q, k, v, do, lambda x: shard_local(x, world, rank, "contiguous", 1))
+        st = calls.stats
         return dict(kind="sp", case=f"{name}: w={list(seg)} r={list(dil)}", causal=causal, n=nn, errs=errs,
                     fwd=st["fwd_bytes_sent"], bwd=st["bwd_bytes_sent"], peak=None, bpeak=None, block=None)
 

@@ -250,7 +250,7 @@ def run_row(r: Row, dev, timer, args) -> dict:
     res["triton_unavailable"] = reason
     res["auto_rule_fwd"] = auto_rule.choose_impl(call_shape(r, False), triton_ok)
     res["auto_rule_fb"] = auto_rule.choose_impl(call_shape(r, True), triton_ok)
-    impls = ["torch"] + (["triton"] if triton_ok else [])
+    impls = [i for i in ["torch"] + (["triton"] if triton_ok else []) if i in args.impls]
     eight = eight_tensor_bytes(r)
     for impl in impls:
         xs = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -612,6 +612,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=None,
                    help="timed calls per measurement (default 3, 2 for big calls; --tiny: 1)")
     p.add_argument("--budget-s", type=float, default=250.0, help="start no row after this many seconds")
+    p.add_argument("--impls", type=lambda x: x.split(","), default=["torch", "triton"],
+                   help="comma-separated library impls to time (default torch,triton; dense SDPA always)")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--plan", action="store_true", help="print rows and estimated GPU seconds; run nothing")
     p.add_argument("--rule-report", metavar="JSON", help="print the rule evaluation of a sweep's JSON")

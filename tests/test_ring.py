@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_leaves
 
 from dilated_attention.distributed import (
     gather_sequence,
-    last_ring_stats,
     ring_attention,
     shard_sequence,
 )
@@ -40,7 +39,9 @@ def _inputs(seed, b, n, h, hkv, d, dtype=torch.float64):
 
 
 def _check_case(name, group, world, rank, layout, causal, b, n, h, hkv, d, seed, dtype=torch.float64,
-                atol=1e-10):
+                atol=1e-10) -> dict:
+    """Compare with dense attention; returns the call's communication stats (ring_attention's
+    ``stats=``)."""
     q, k, v, do = _inputs(seed, b, n, h, hkv, d)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     ref_out, ref_lse = dense_reference(qg, kg, vg, causal)
@@ -50,7 +51,9 @@ def _check_case(name, group, world, rank, layout, causal, b, n, h, hkv, d, seed,
         return shard_local(x, world, rank, layout, 1)
 
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
-    out, lse = ring_attention(ql, kl, vl, group=group, causal=causal, layout=layout, return_lse=True)
+    stats = {}
+    out, lse = ring_attention(ql, kl, vl, group=group, causal=causal, layout=layout, return_lse=True,
+                              stats=stats)
     assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == ql.shape
     grads = torch.autograd.grad(out, (ql, kl, vl), shard(do).to(dtype))
     check_close(f"{name} out", out, shard(ref_out), atol)
@@ -58,6 +61,7 @@ def _check_case(name, group, world, rank, layout, causal, b, n, h, hkv, d, seed,
     for gname, got, want in zip("qkv", grads, ref_grads, strict=True):
         assert got.dtype == dtype, f"{name}: d{gname} dtype {got.dtype}"
         check_close(f"{name} d{gname}", got, shard(want), atol)
+    return stats
 
 
 def fp32_accumulated_ring(q, k, v, do, world, layout, causal):
@@ -269,9 +273,9 @@ def _memory_worker(rank, world, nl):
     b, h, hkv, d = 1, 4, 2, 8
     q, k, v, do = _inputs(5, b, nl * world, h, hkv, d)
     ql, kl, vl = (shard_local(x, world, rank, "zigzag", 1).requires_grad_() for x in (q, k, v))
-    out = ring_attention(ql, kl, vl, causal=True, layout="zigzag")
+    st = {}
+    out = ring_attention(ql, kl, vl, causal=True, layout="zigzag", stats=st)
     out.backward(shard_local(do, world, rank, "zigzag", 1))
-    st = last_ring_stats()
     block = 2 * b * hkv * nl * d * 8  # one K/V block (k and v) in float64
     assert st["kv_block_bytes"] == block
     assert st["fwd_bytes_sent"] == (world - 1) * block
@@ -316,13 +320,14 @@ class _LiveBytes(TorchDispatchMode):
         self.cur -= n
 
 
-def _footprint(ql, kl, vl, dol, group, causal, layout):
+def _footprint(ql, kl, vl, dol, group, causal, layout, stats=None):
     """Peak bytes of one forward+backward in the accounting of a training step: the inputs, the
     output gradient, the output (saved for the backward) and every tensor created on the way
     (:class:`_LiveBytes`; kernel workspaces are not seen). Returns (fwd peak, bwd peak, grads)."""
     nbytes = sum(x.numel() * x.element_size() for x in (ql, kl, vl))
     with _LiveBytes() as fwd:
-        out = ring_attention(ql, kl, vl, group=group, causal=causal, layout=layout, validate=False)
+        out = ring_attention(ql, kl, vl, group=group, causal=causal, layout=layout, validate=False,
+                             stats=stats)
     resident = nbytes + dol.numel() * dol.element_size() + out.numel() * out.element_size()
     with _LiveBytes() as bwd:
         grads = torch.autograd.grad(out, (ql, kl, vl), dol)
@@ -352,8 +357,8 @@ def _live_bytes_worker(rank, world):
         q, k, v, do = (x.to(torch.float32) for x in _inputs(8, b, nl * world, h, h, d))
         ql, kl, vl, dol = (shard_local(x, world, rank, layout, 1) for x in (q, k, v, do))
         ql, kl, vl = (x.requires_grad_() for x in (ql, kl, vl))
-        fwd, bwd, grads = _footprint(ql, kl, vl, dol, None, causal, layout)
-        st = last_ring_stats()
+        st = {}
+        fwd, bwd, grads = _footprint(ql, kl, vl, dol, None, causal, layout, st)
         assert st["kv_block_bytes"] == 2 * t, st
         one_fwd, one_bwd, one_grads = _footprint(*(x.detach().requires_grad_() for x in (q, k, v)), do,
                                                  solos[rank], causal, layout)
@@ -405,8 +410,8 @@ def _extras_worker(rank, world):
 
     # a one-rank group with torch.distributed initialised: plain attention, no communication
     solos = [dist.new_group([x]) for x in range(world)]
-    _check_case("one-rank group", solos[rank], 1, 0, "zigzag", True, 1, 8, 2, 1, 8, seed=40 + rank)
-    assert last_ring_stats()["fwd_bytes_sent"] == 0
+    st = _check_case("one-rank group", solos[rank], 1, 0, "zigzag", True, 1, 8, 2, 1, 8, seed=40 + rank)
+    assert st["fwd_bytes_sent"] == 0 and st["bwd_bytes_sent"] == 0
 
     # gather_sequence: forward is the global tensor, backward sums the ranks' gradients
     x = torch.arange(4.0 * world, dtype=torch.float64).reshape(1, 4 * world, 1)

@@ -15,7 +15,7 @@ from dist_utils import run_distributed
 from helpers import check_close, dense_reference
 
 from dilated_attention import dilated_attention
-from dilated_attention.distributed import last_ring_stats, ring_attention
+from dilated_attention.distributed import ring_attention
 from dilated_attention.distributed import sequence_parallel as sp
 from dilated_attention.distributed.layout import shard_local
 
@@ -47,9 +47,9 @@ def _compare(name, rank, seed, ref_fn, dist_fn, layout="contiguous"):
 def _worker(rank, world):
     assert world == P
     for i, layout in enumerate(("contiguous", "zigzag")):
+        st = {}
         _compare(f"ring {layout}", rank, i, lambda q, k, v: dense_reference(q, k, v, True)[0],
-                 lambda q, k, v, lay=layout: ring_attention(q, k, v, causal=True, layout=lay), layout)
-        st = last_ring_stats()
+                 lambda q, k, v, lay=layout: ring_attention(q, k, v, causal=True, layout=lay, stats=st), layout)
         assert st["fwd_bytes_sent"] == (P - 1) * st["kv_block_bytes"], st
         assert st["fwd_peak_ring_bytes"] == 2 * st["kv_block_bytes"], st
     cases = [
@@ -60,10 +60,12 @@ def _worker(rank, world):
         ("w % r != 0 + mix", (5, 2 * L + 3, N), (2, 4, 8)),
     ]
     for i, (cname, seg, dil) in enumerate(cases):
-        _compare(f"sp {cname} w={seg} r={dil}", rank, 10 + i,
-                 lambda q, k, v, s=seg, r=dil: dilated_attention(q, k, v, s, r, causal=True, impl="reference"),
-                 lambda q, k, v, s=seg, r=dil: dilated_attention(q, k, v, s, r, causal=True, group=dist.group.WORLD))
-        st = sp.last_comm_stats()
+        with sp.exchange_mode() as calls:
+            _compare(f"sp {cname} w={seg} r={dil}", rank, 10 + i,
+                     lambda q, k, v, s=seg, r=dil: dilated_attention(q, k, v, s, r, causal=True, impl="reference"),
+                     lambda q, k, v, s=seg, r=dil: dilated_attention(q, k, v, s, r, causal=True,
+                                                                     group=dist.group.WORLD))
+        st = calls.stats
         if cname == "local":
             assert st["fwd_bytes_sent"] == 0 and st["bwd_bytes_sent"] == 0, st
 

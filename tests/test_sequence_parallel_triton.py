@@ -5,7 +5,7 @@ Real gloo process groups of 2 and 3 ranks; the ranks run the Triton kernels in i
 fixes the mode for the process) at tiny sizes. Every
 case compares this rank's shard of out, lse and dq/dk/dv with ``impl="reference"`` in float64 on
 the global tensors (``_case`` of test_sequence_parallel.py), and checks from
-``last_comm_stats()`` which branches ran fused on this rank: fully local branches, branches whose
+the statistics of ``exchange_mode`` which branches ran fused on this rank: fully local branches, branches whose
 own rows are fused while received rows take the torch path, and unaligned branches (torch only)
 all occur.
 """

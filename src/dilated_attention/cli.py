@@ -277,8 +277,27 @@ def _bench_branches(args, on_gpu: bool) -> tuple[tuple[int, ...], tuple[int, ...
     return seg, dil
 
 
+def _check_outputs(args, parser: argparse.ArgumentParser, options=("json", "markdown", "plot")) -> None:
+    """Every output file's folder exists and is writable, checked before anything runs (a
+    benchmark's results are not lost at the end)."""
+    import os
+
+    for name in options:
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            parser.error(f"--{name} {path} is a folder; give a file name")
+        if not os.path.isdir(folder):
+            parser.error(f"--{name} {path}: the folder {folder} does not exist; create it or choose another path")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"--{name} {path}: the folder {folder} is not writable")
+
+
 def _check_bench(args, parser: argparse.ArgumentParser) -> None:
     """Cross-option checks argparse cannot express; parser.error exits 2 with one line."""
+    _check_outputs(args, parser)
     if (args.segments is None) != (args.dilations is None):
         given, missing = ("--segments", "--dilations") if args.segments else ("--dilations", "--segments")
         parser.error(f"{given} given without {missing}: give one dilation rate per segment length")
@@ -360,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pv.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     pv.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON to FILE")
-    pv.set_defaults(fn=cmd_verify)
+    pv.set_defaults(fn=cmd_verify, check=lambda a: _check_outputs(a, pv, ("json",)))
 
     pb = sub.add_parser("bench", help="time dilated attention against dense SDPA", **fmt)
     pb.add_argument("--device", type=_device_arg, default=None, help=device_help)

@@ -7,6 +7,6 @@
 """
 
 from .layout import gather_sequence, shard_sequence
-from .ring import last_ring_stats, ring_attention
+from .ring import ring_attention
 
-__all__ = ["gather_sequence", "last_ring_stats", "ring_attention", "shard_sequence"]
+__all__ = ["gather_sequence", "ring_attention", "shard_sequence"]

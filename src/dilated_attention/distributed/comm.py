@@ -249,3 +249,32 @@ class RingComm:
         # drop references to the sent / received tensors so that they can be freed
         self._reqs = None
         self._ops = []
+
+
+class PeerExchange:
+    """One round of batched point-to-point sends/receives of packed flat buffers, to and from any
+    peers of a group (the sequence-parallel exchange; :class:`RingComm` is its ring-neighbour
+    sibling). ``bytes_sent`` counts what :meth:`add` posted; the caller adds it to its own
+    statistics."""
+
+    def __init__(self, group, tag):
+        self.group, self.tag = group, tag
+        self.ops, self.reqs, self.bytes_sent = [], None, 0
+
+    def add(self, send: dict, recv: dict):
+        # one message per peer and direction; receives first (order kept the same on all ranks)
+        for peer in sorted(recv):
+            self.ops.append(dist.P2POp(dist.irecv, recv[peer], global_rank(self.group, peer),
+                                       self.group, self.tag))
+        for peer in sorted(send):
+            buf = send[peer]
+            self.ops.append(dist.P2POp(dist.isend, buf, global_rank(self.group, peer),
+                                       self.group, self.tag))
+            self.bytes_sent += buf.numel() * buf.element_size()
+        if self.ops:
+            self.reqs = dist.batch_isend_irecv(self.ops)
+
+    def wait(self):
+        for req in self.reqs or []:
+            req.wait()
+        self.ops, self.reqs = [], None

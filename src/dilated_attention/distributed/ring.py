@@ -63,20 +63,6 @@ from .comm import (
 )
 from .layout import LAYOUTS, check_layout
 
-_LAST_STATS: dict = {}
-
-
-def last_ring_stats() -> dict:
-    """Communication / memory counters of the last ring forward and backward on this rank.
-
-    Keys: ``fwd_bytes_sent``, ``fwd_peak_ring_bytes`` (peak bytes of received blocks alive at
-    once), ``bwd_bytes_sent``, ``bwd_peak_ring_bytes`` (received K/V blocks and dK/dV partials,
-    and at P >= 3 this rank's fp32 dK/dV accumulators), ``kv_block_bytes`` (one local k plus v, in bytes),
-    ``world``. Tests use it to check that ring memory does not grow with P.
-    """
-    return dict(_LAST_STATS)
-
-
 def _step_plan(rank: int, src: int, causal: bool, layout: str, n_local: int):
     """Which local query rows meet which rows of the block from rank ``src`` at this step.
 
@@ -346,18 +332,20 @@ def _owner_backward(do, q, k, v, out, lse, group, world, rank, scale, causal, la
 
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, world, rank, scale, causal, layout):
-        # q: (B, Nl, H, D); k, v: (B, Nl, Hkv, D)
+    def forward(ctx, q, k, v, group, world, rank, scale, causal, layout, stats):
+        # q: (B, Nl, H, D); k, v: (B, Nl, Hkv, D); stats: the caller's dict or None
         tracker = BufferTracker()
         kc, vc = k.contiguous(), v.contiguous()  # no copy when already contiguous
         acc, acc_lse, sent = _ring_forward(
             q, kc, vc, group, world, rank, scale, causal, layout, tracker
         )
-        _LAST_STATS.update(
-            fwd_bytes_sent=sent, fwd_peak_ring_bytes=tracker.peak_live_bytes,
-            kv_block_bytes=kc.numel() * kc.element_size() + vc.numel() * vc.element_size(),
-            world=world,
-        )
+        if stats is not None:
+            stats.clear()
+            stats.update(
+                fwd_bytes_sent=sent, fwd_peak_ring_bytes=tracker.peak_live_bytes,
+                kv_block_bytes=kc.numel() * kc.element_size() + vc.numel() * vc.element_size(),
+                world=world,
+            )
         del kc, vc
         out = acc.to(q.dtype)  # (B, Nl, H, D) contiguous; the accumulator itself for fp32 inputs
         del acc
@@ -366,7 +354,7 @@ class _RingAttentionFunction(torch.autograd.Function):
             # returned output itself (no second copy in another layout)
             ctx.save_for_backward(q, k, v, out, acc_lse)
         ctx.group, ctx.world, ctx.rank = group, world, rank
-        ctx.scale, ctx.causal, ctx.layout = scale, causal, layout
+        ctx.scale, ctx.causal, ctx.layout, ctx.stats = scale, causal, layout, stats
         lse = acc_lse.to(torch.float32)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -383,9 +371,10 @@ class _RingAttentionFunction(torch.autograd.Function):
                 dout, q, k.contiguous(), v.contiguous(), out, lse, ctx.group, ctx.world, ctx.rank,
                 ctx.scale, ctx.causal, ctx.layout, tracker,
             )
-        _LAST_STATS.update(bwd_bytes_sent=sent, bwd_peak_ring_bytes=tracker.peak_live_bytes)
+        if ctx.stats is not None:
+            ctx.stats.update(bwd_bytes_sent=sent, bwd_peak_ring_bytes=tracker.peak_live_bytes)
         dq, dk, dv = no_double_backward("ring_attention", (dq, dk, dv), (dout_in, q, k, v))
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _validate(q, k, v, causal, scale, layout, group, validate: bool):
@@ -428,6 +417,7 @@ def ring_attention(
     layout: str = "contiguous",
     return_lse: bool = False,
     validate: bool = True,
+    stats: dict | None = None,
 ):
     """Exact dense attention over a sequence sharded along dim 1 across the ranks of ``group``.
 
@@ -448,6 +438,12 @@ def ring_attention(
         validate: all-gather a 12-int descriptor of the inputs once per call, so that mismatched
             shapes / dtypes / options raise the same clear ``ValueError`` on every rank instead of
             hanging. Costs one tiny collective and one host sync per call; pass False to skip it.
+        stats: a dict to receive this rank's communication and memory counters: the forward
+            fills ``fwd_bytes_sent``, ``fwd_peak_ring_bytes`` (peak bytes of received blocks alive
+            at once), ``kv_block_bytes`` (one local k plus v) and ``world``; the backward adds
+            ``bwd_bytes_sent`` and ``bwd_peak_ring_bytes`` (received K/V blocks and dK/dV
+            partials, and at P >= 3 this rank's fp32 dK/dV accumulators). Nothing is kept in the
+            module.
 
     Returns:
         out (batch, N/P, nheads, headdim) in q's dtype, this rank's shard of the global output;
@@ -460,7 +456,7 @@ def ring_attention(
         with torch.autocast(amp_device, enabled=False):
             return ring_attention(
                 q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                return_lse=return_lse, validate=validate,
+                return_lse=return_lse, validate=validate, stats=stats,
             )
     group = resolve_group(group)
     world, rank = world_and_rank(group)
@@ -468,5 +464,7 @@ def ring_attention(
     causal = check_bool("causal", causal)
     _validate(q, k, v, causal, scale, layout, group, validate)
     # world and rank travel explicitly: group=None would mean the default group inside
-    out, lse = _RingAttentionFunction.apply(q, k, v, group, world, rank, scale, causal, layout)
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"ring_attention: stats must be a dict to fill or None, got {type(stats).__name__}")
+    out, lse = _RingAttentionFunction.apply(q, k, v, group, world, rank, scale, causal, layout, stats)
     return (out, lse) if return_lse else out

@@ -34,7 +34,7 @@ weights are not detached); the dK/dV of received rows are sent back to their own
 of each branch and added there.
 
 Per rank, per branch: traffic O(w/r) rows (x kv heads of an offset), independent of N; memory
-O(L + w/r). :func:`last_comm_stats` reports the bytes this rank sent.
+O(L + w/r). :func:`exchange_mode` reports the bytes this rank sent (``calls.stats``).
 
 Local work (:func:`..kernels.select.pick_sp_local_impl`): with ``impl="torch"`` every block runs
 :mod:`..kernels.block_attention` on gathered or strided rows. With ``impl="triton"`` the blocks of this rank's own rows
@@ -61,307 +61,76 @@ triton, not CUDA, headdim or dtype unsupported: the error gives the reason).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import contextvars
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
-from ..geometry import block_offsets, block_row, rows_in
 from ..kernels.block_attention import attn_bwd, attn_fwd
 from ..kernels.select import pick_sp_local_impl
 from ..merge import acc_dtype, merge_partial, merge_partial_
-from ..plan_cache import cached_plan
 from .comm import (
+    PeerExchange,
     dtype_code,
     float_bits,
-    global_rank,
     resolve_group,
     validate_across_ranks,
     world_and_rank,
 )
+from .sp_plan import EXCHANGE_MODES, Jobs, kv_sizes, pack_kv, plan_branch, unpack_kv
 
-EXCHANGE_MODES = ("auto", "allgather", "ring")
-_MODE = ["auto"]
-_LAST_STATS: dict = {}
 _TAG_KV, _TAG_RET = 20, 21
 
 
-@contextlib.contextmanager
-def exchange_mode(mode: str):
-    """Force the K/V exchange schedule inside the ``with`` block: "auto", "allgather" or "ring".
+@dataclass
+class SPCalls:
+    """The options and the statistics of the sequence-parallel calls made inside one
+    :func:`exchange_mode` block.
 
-    Every rank must use the same mode.
+    ``exchange``: the K/V exchange schedule ("auto", "allgather" or "ring"; every rank must use
+    the same). ``stats``: the bytes this rank sent in the last forward / backward:
+    ``fwd_bytes_sent``, ``bwd_bytes_sent`` (K/V rows again + dK/dV returned), ``branches`` (one
+    dict per branch: ``w``, ``r``, ``mode``, ``peers``, ``fwd_bytes_sent``, ``local_impl``:
+    ``"triton"`` when this rank's own-row blocks ran in the fused kernel, else ``"torch"``),
+    ``world``. A backward run after the block still reports into the object of its forward.
+    """
+
+    exchange: str = "auto"
+    stats: dict = field(default_factory=dict)
+
+
+# the SPCalls of the innermost exchange_mode block of this thread / task (None: defaults, no stats)
+_CALLS: contextvars.ContextVar[SPCalls | None] = contextvars.ContextVar("dilated_attention_sp_calls", default=None)
+
+
+@contextlib.contextmanager
+def exchange_mode(mode: str = "auto"):
+    """``with exchange_mode("ring") as calls: ...``: the sequence-parallel calls inside the block
+    use this K/V exchange schedule and report their communication into ``calls.stats``
+    (:class:`SPCalls`). Every rank must use the same mode. Outside a block: "auto", no stats.
     """
     if mode not in EXCHANGE_MODES:
         raise ValueError(f"exchange mode must be one of {EXCHANGE_MODES}, got {mode!r}")
-    old = _MODE[0]
-    _MODE[0] = mode
+    calls = SPCalls(mode)
+    token = _CALLS.set(calls)
     try:
-        yield
+        yield calls
     finally:
-        _MODE[0] = old
-
-
-def last_comm_stats() -> dict:
-    """Bytes this rank sent in the last sequence-parallel forward / backward.
-
-    Keys: ``fwd_bytes_sent``, ``bwd_bytes_sent`` (K/V rows again + dK/dV returned), ``branches``
-    (one dict per branch: ``w``, ``r``, ``mode``, ``peers``, ``fwd_bytes_sent``, ``local_impl``:
-    ``"triton"`` when this rank's own-row blocks ran in the fused kernel, else ``"torch"``),
-    ``world``.
-    """
-    return {k: (list(v) if isinstance(v, list) else v) for k, v in _LAST_STATS.items()}
-
-
-# --------------------------------------------------------------------------------------- geometry
-
-
-@dataclass
-class _Jobs:
-    """Equally shaped (segment) blocks of one (source, offset): one attention call."""
-
-    qidx: torch.Tensor  # (S, nq) local query rows
-    kidx: torch.Tensor  # (S, nk) rows of the source K/V tensor
-    causal: bool
-    # qidx[s, t] == a + s*b + t*c: rows read and written through strided views, no gather
-    qaff: tuple[int, int, int] | None = None
-    kaff: tuple[int, int, int] | None = None  # same for kidx
-
-
-@dataclass
-class _Offset:
-    o: int
-    hq: torch.Tensor  # (Gh,) query heads of this offset
-    hk: torch.Tensor  # (Gk,) distinct kv heads they read
-    kexp: torch.Tensor | None  # (Gh,) index into hk per query head when the sharing is uneven
-    hq_aff: tuple[int, int] | None = None  # hq == h0 + step * arange(Gh): (h0, step)
-    hk_aff: tuple[int, int] | None = None
-
-
-@dataclass
-class _BranchPlan:
-    w: int
-    r: int
-    offsets: list  # [_Offset]
-    jobs: dict  # (src, offset index) -> [_Jobs]
-    send_rows: dict  # dst -> [LongTensor local rows per offset index]
-    recv_counts: dict  # src -> [rows per offset index]
-    rounds: list  # [[peer, ...]] peers exchanged with in each round
-    mode: str
-    peers: int
-
-
-def _rank_segments(x: int, L: int, w: int) -> range:
-    return range(x * L // w, ((x + 1) * L - 1) // w + 1)
-
-
-def _peers(x: int, P: int, L: int, w: int, causal: bool) -> tuple[list[int], list[int]]:
-    """(ranks x sends to, ranks x receives from) in a branch of segment length w."""
-    segs = _rank_segments(x, L, w)
-    lo_rank = segs[0] * w // L
-    hi_rank = min(P - 1, (min((segs[-1] + 1) * w, P * L) - 1) // L)
-    near = [y for y in range(lo_rank, hi_rank + 1) if y != x]
-    send = [y for y in near if not causal or y > x]
-    recv = [y for y in near if not causal or y < x]
-    return send, recv
-
-
-def _affine1(t: torch.Tensor) -> tuple[int, int] | None:
-    """(t0, step) if the 1-D int tensor is t0 + step * arange(n), else None."""
-    if t.numel() == 0:
-        return None
-    step = int(t[1] - t[0]) if t.numel() > 1 else 1
-    if step < 1 or not torch.equal(t, t[0] + step * torch.arange(t.numel())):
-        return None
-    return int(t[0]), step
-
-
-def _affine2(idx: torch.Tensor) -> tuple[int, int, int] | None:
-    """(a, b, c) if idx (S, n) == a + b * s + c * t, with b, c >= 1, else None."""
-    rows = _affine1(idx[0])
-    cols = _affine1(idx[:, 0])
-    if rows is None or cols is None:
-        return None
-    a, c = rows
-    b = cols[1]
-    if not torch.equal(idx, a + b * torch.arange(idx.shape[0])[:, None] + c * torch.arange(idx.shape[1])):
-        return None
-    return a, b, c
-
-
-def _plan_cpu(P, me, L, H, Hkv, w, r, hs, he, causal, mode):
-    N = P * L
-    rep = H // Hkv
-    offsets = []
-    for o in block_offsets(r, w):
-        hq = [h for h in range(hs, he) if h % r == o]
-        if not hq:
-            continue
-        kv = [h // rep for h in hq]
-        uniq = sorted(set(kv))
-        even = len({kv.count(u) for u in uniq}) == 1
-        kexp = None if even else torch.tensor([uniq.index(x) for x in kv])
-        offsets.append(_Offset(o, torch.tensor(hq), torch.tensor(uniq), kexp,
-                               _affine1(torch.tensor(hq)), _affine1(torch.tensor(uniq))))
-
-    def rows(x, s, o, upto=None):
-        """Global positions of rank x in segment s with offset o (below ``upto`` if given)."""
-        seg_start = s * w
-        seg_end = seg_start + min(w, N - seg_start)
-        lo, hi = max(seg_start, x * L), min(seg_end, (x + 1) * L)
-        if upto is not None:
-            hi = min(hi, upto)
-        t0, t1 = rows_in(lo, hi, block_row(seg_start, o, r, 0), r)
-        return block_row(seg_start, o, r, t0), t1 - t0
-
-    send_to, recv_from = _peers(me, P, L, w, causal)
-    my_segs = _rank_segments(me, L, w)
-    send_rows = {}
-    for dst in send_to:
-        shared = [s for s in _rank_segments(dst, L, w) if s in my_segs]
-        per_o = []
-        for off in offsets:
-            parts = []
-            for s in shared:
-                p0, n = rows(me, s, off.o)
-                parts.append(torch.arange(n) * r + (p0 - me * L))
-            per_o.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
-        send_rows[dst] = per_o
-    jobs: dict = {}
-    recv_counts = {}
-    for src in [me, *recv_from]:
-        src_segs = _rank_segments(src, L, w)
-        shared = [s for s in my_segs if s in src_segs]
-        counts = []
-        for oi, off in enumerate(offsets):
-            by_shape: dict = {}
-            kbase = 0
-            for s in shared:
-                q0, nq = rows(me, s, off.o)
-                k0, nk = rows(src, s, off.o)
-                if nq and nk:
-                    qi = torch.arange(nq) * r + (q0 - me * L)
-                    if src == me:
-                        ki = qi
-                    else:
-                        ki = torch.arange(kbase, kbase + nk)
-                    by_shape.setdefault((nq, nk), []).append((qi, ki))
-                kbase += nk
-            counts.append(kbase)
-            jobs[(src, oi)] = []
-            for lst in by_shape.values():
-                qi, ki = torch.stack([a for a, _ in lst]), torch.stack([b for _, b in lst])
-                jobs[(src, oi)].append(_Jobs(qi, ki, causal and src == me, _affine2(qi), _affine2(ki)))
-        if src != me:
-            recv_counts[src] = counts
-    # the schedule depends only on global shapes, so every rank picks the same one
-    max_peers = max(len(set(sum(_peers(x, P, L, w, causal), []))) for x in range(P))
-    if mode == "auto":
-        mode = "allgather" if max_peers <= 2 else "ring"
-    peers = sorted(set(send_to) | set(recv_from))
-    if mode == "allgather":
-        rounds = [peers] if peers else []
-    else:
-        rounds = []
-        for d in range(1, P):
-            rd = [y for y in (me - d, me + d) if y in peers]
-            if rd:
-                rounds.append(rd)
-    return _BranchPlan(w, r, offsets, jobs, send_rows, recv_counts, rounds, mode, len(peers))
-
-
-def _plan(P, me, L, H, Hkv, w, r, hs, he, causal, mode, device) -> _BranchPlan:
-    """One branch's plan on ``device`` (cached in :mod:`..plan_cache`)."""
-    args = (P, me, L, H, Hkv, w, r, hs, he, causal, mode)
-
-    def build():
-        cpu = _plan_cpu(*args)
-
-        def mv(t):
-            return None if t is None else t.to(device)
-
-        return _BranchPlan(
-            cpu.w, cpu.r,
-            [_Offset(o.o, mv(o.hq), mv(o.hk), mv(o.kexp), o.hq_aff, o.hk_aff) for o in cpu.offsets],
-            {k: [_Jobs(mv(j.qidx), mv(j.kidx), j.causal, j.qaff, j.kaff) for j in v]
-             for k, v in cpu.jobs.items()},
-            {k: [mv(t) for t in v] for k, v in cpu.send_rows.items()},
-            dict(cpu.recv_counts), cpu.rounds, cpu.mode, cpu.peers,
-        )
-
-    return cached_plan((__name__, *args, str(device)), build)
+        _CALLS.reset(token)
 
 
 # ------------------------------------------------------------------------------------- exchange
 
 
-class _Exchange:
-    """One round of batched point-to-point sends/receives of packed flat buffers."""
-
-    def __init__(self, group, tag):
-        self.group, self.tag = group, tag
-        self.ops, self.reqs, self.bytes_sent = [], None, 0
-
-    def add(self, send: dict, recv: dict):
-        # one message per peer and direction; receives first (order kept the same on all ranks)
-        for peer in sorted(recv):
-            self.ops.append(dist.P2POp(dist.irecv, recv[peer], global_rank(self.group, peer),
-                                       self.group, self.tag))
-        for peer in sorted(send):
-            buf = send[peer]
-            self.ops.append(dist.P2POp(dist.isend, buf, global_rank(self.group, peer),
-                                       self.group, self.tag))
-            self.bytes_sent += buf.numel() * buf.element_size()
-        if self.ops:
-            self.reqs = dist.batch_isend_irecv(self.ops)
-
-    def wait(self):
-        for req in self.reqs or []:
-            req.wait()
-        self.ops, self.reqs = [], None
-
-
-def _kv_sizes(plan, counts, b, d, with_mask):
-    """Flat sizes of (k, v[, mask]) per offset in a K/V message."""
-    out = []
-    for off, n in zip(plan.offsets, counts, strict=True):
-        gk = off.hk.numel()
-        out += [b * n * gk * d, b * n * gk * d] + ([b * n] if with_mask else [])
-    return out
-
-
-def _pack_kv(plan, rows_per_o, k, v, mask):
-    parts = []
-    for off, rows in zip(plan.offsets, rows_per_o, strict=True):
-        sel = (slice(None), rows[:, None], off.hk[None, :])
-        parts += [k[sel].reshape(-1), v[sel].reshape(-1)]
-        if mask is not None:
-            parts.append(mask[:, rows].to(k.dtype).reshape(-1))
-    return torch.cat(parts) if parts else k.new_zeros(0)
-
-
-def _unpack_kv(plan, counts, buf, b, d, with_mask):
-    """-> [(k (B, n, Gk, D), v, mask (B, n) | None)] per offset."""
-    sizes = _kv_sizes(plan, counts, b, d, with_mask)
-    pieces = list(torch.split(buf, sizes)) if sizes else []
-    res = []
-    for off, n in zip(plan.offsets, counts, strict=True):
-        gk = off.hk.numel()
-        kk = pieces.pop(0).view(b, n, gk, d)
-        vv = pieces.pop(0).view(b, n, gk, d)
-        mm = pieces.pop(0).view(b, n) > 0.5 if with_mask else None
-        res.append((kk, vv, mm))
-    return res
-
-
 def _post_kv_round(ex, plan, rnd, k, v, mask):
     """Post one round of K/V row exchange; returns {src: flat receive buffer}."""
     b, d = k.shape[0], k.shape[-1]
-    send = {p: _pack_kv(plan, plan.send_rows[p], k, v, mask) for p in rnd if p in plan.send_rows}
+    send = {p: pack_kv(plan, plan.send_rows[p], k, v, mask) for p in rnd if p in plan.send_rows}
     recv = {
-        p: k.new_empty(sum(_kv_sizes(plan, plan.recv_counts[p], b, d, mask is not None)))
+        p: k.new_empty(sum(kv_sizes(plan, plan.recv_counts[p], b, d, mask is not None)))
         for p in rnd if p in plan.recv_counts
     }
     ex.add(send, recv)
@@ -436,7 +205,7 @@ def _k_add(job, off, acc, val, heads):
         acc[:, job.kidx[..., None], heads[None, None, :]] += val
 
 
-def _bundles(plan, src) -> list[list[tuple[int, _Jobs]]]:
+def _bundles(plan, src) -> list[list[tuple[int, Jobs]]]:
     """(offset index, job) pairs of one source grouped by shape: one attention call per group.
 
     Blocks of different offsets (different heads) with equal shapes are stacked along the batch
@@ -583,10 +352,10 @@ def _fused_bwd(fused, dout, q, k, v, mask, out, lse_bhl, scale):
 
 class _DilatedSPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, work, fused, stats, group, me, world, scale):
+    def forward(ctx, q, k, v, mask, work, fused, stats, report, group, me, world, scale):
         """work: [(branch index, plan, own)] branches with blocks on the torch path (``own``:
         this rank's own rows too, else only received rows); fused: :class:`_Fused` or None;
-        stats: one dict per branch for :func:`last_comm_stats`."""
+        stats: one dict per branch; report: the dict of :class:`SPCalls` to fill, or None."""
         b, L, h, _ = q.shape
         adt = acc_dtype(q.dtype)
         if fused is not None:  # exchanging branches first: the fused call overlaps their 1st round
@@ -621,9 +390,11 @@ class _DilatedSPFunction(torch.autograd.Function):
             out = acc_out.to(q.dtype)
             del acc_out
         per_branch = [dict(st, fwd_bytes_sent=sent_by.get(bi, 0)) for bi, st in enumerate(stats)]
-        _LAST_STATS.clear()
-        _LAST_STATS.update(fwd_bytes_sent=sum(sent_by.values()), bwd_bytes_sent=0,
-                           branches=per_branch, world=world)
+        if report is not None:
+            report.clear()
+            report.update(fwd_bytes_sent=sum(sent_by.values()), bwd_bytes_sent=0,
+                          branches=per_branch, world=world)
+        ctx.report = report
         ctx.save_for_backward(q, k, v, mask, out, acc_lse)
         ctx.work, ctx.fused, ctx.group, ctx.me, ctx.scale = work, fused, group, me, scale
         lse = acc_lse.permute(0, 2, 1).to(torch.float32)  # (B, H, L)
@@ -641,11 +412,12 @@ class _DilatedSPFunction(torch.autograd.Function):
     @staticmethod
     def _grads(ctx, dout, q, k, v, mask, out, lse):
         fused, work = ctx.fused, ctx.work
-        nones = (None,) * 8
+        nones = (None,) * 9
         if not work:
             if fused is None:
                 return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), *nones
-            _LAST_STATS["bwd_bytes_sent"] = 0
+            if ctx.report is not None:
+                ctx.report["bwd_bytes_sent"] = 0
             return (*_fused_bwd(fused, dout, q, k, v, mask, out, lse.permute(0, 2, 1), ctx.scale),
                     *nones)
         adt = lse.dtype
@@ -670,7 +442,8 @@ class _DilatedSPFunction(torch.autograd.Function):
         for _, plan, own in work:
             total += _branch_backward(plan, ctx.group, ctx.me, saved, dq, dk, dv, ctx.scale,
                                       own=own, overlap=pending.pop() if pending else None)
-        _LAST_STATS["bwd_bytes_sent"] = total
+        if ctx.report is not None:
+            ctx.report["bwd_bytes_sent"] = total
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *nones
 
 
@@ -679,7 +452,7 @@ def _branch_forward(plan, group, me, q, k, v, mask, acc_out, acc_lse, scale, own
     """One branch's blocks on the torch path. own: run this rank's own-row blocks (False when
     the fused kernel does them); overlap: work to run while the first exchange round flies."""
     sent = 0
-    ex = _Exchange(group, _TAG_KV)
+    ex = PeerExchange(group, _TAG_KV)
     recv = _post_kv_round(ex, plan, plan.rounds[0], k, v, mask) if plan.rounds else {}
     if overlap is not None:
         overlap()
@@ -690,8 +463,8 @@ def _branch_forward(plan, group, me, q, k, v, mask, acc_out, acc_lse, scale, own
     for i in range(len(plan.rounds)):
         ex.wait()
         sent += ex.bytes_sent
-        cur = {p: _unpack_kv(plan, plan.recv_counts[p], buf, b, d, mask is not None) for p, buf in recv.items()}
-        ex = _Exchange(group, _TAG_KV)
+        cur = {p: unpack_kv(plan, plan.recv_counts[p], buf, b, d, mask is not None) for p, buf in recv.items()}
+        ex = PeerExchange(group, _TAG_KV)
         recv = _post_kv_round(ex, plan, plan.rounds[i + 1], k, v, mask) if i + 1 < len(plan.rounds) else {}
         for src in sorted(cur):
             _fwd_source(plan, src, me, q, k, v, mask, cur, acc_out, acc_lse, scale)
@@ -704,7 +477,7 @@ def _branch_backward(plan, group, me, saved, dq, dk, dv, scale, own=True, overla
     b, d = k.shape[0], k.shape[-1]
     adt = dq.dtype
     sent = 0
-    ex = _Exchange(group, _TAG_KV)
+    ex = PeerExchange(group, _TAG_KV)
     recv = _post_kv_round(ex, plan, plan.rounds[0], k, v, mask) if plan.rounds else {}
     if overlap is not None:
         overlap()
@@ -714,8 +487,8 @@ def _branch_backward(plan, group, me, saved, dq, dk, dv, scale, own=True, overla
     for i in range(len(plan.rounds)):
         ex.wait()
         sent += ex.bytes_sent
-        cur = {p: _unpack_kv(plan, plan.recv_counts[p], buf, b, d, mask is not None) for p, buf in recv.items()}
-        ex = _Exchange(group, _TAG_KV)
+        cur = {p: unpack_kv(plan, plan.recv_counts[p], buf, b, d, mask is not None) for p, buf in recv.items()}
+        ex = PeerExchange(group, _TAG_KV)
         recv = _post_kv_round(ex, plan, plan.rounds[i + 1], k, v, mask) if i + 1 < len(plan.rounds) else {}
         for src in sorted(cur):
             acc = [[torch.zeros(kk.shape, dtype=adt, device=kk.device), torch.zeros(vv.shape, dtype=adt, device=vv.device)]
@@ -725,7 +498,7 @@ def _branch_backward(plan, group, me, saved, dq, dk, dv, scale, own=True, overla
         del cur
     # return the dK/dV of received rows to their owners, one round for the whole branch
     if plan.send_rows or plan.recv_counts:
-        ret = _Exchange(group, _TAG_RET)
+        ret = PeerExchange(group, _TAG_RET)
         incoming = {}
         for dst, rows in plan.send_rows.items():
             n = sum(2 * b * r_.numel() * off.hk.numel() * d for r_, off in zip(rows, plan.offsets, strict=True))
@@ -805,13 +578,15 @@ def dilated_attention_sp(
     local = _validate(q, k, v, seg, dil, causal, scale, key_padding_mask, dropout_p,
                       head_assignment, impl, group)
     b, L, h, _ = q.shape
+    calls = _CALLS.get()  # the innermost exchange_mode block, if any
+    mode = calls.exchange if calls is not None else "auto"
     ranges = branch_head_ranges(h, len(seg), head_assignment)
     work, stats = [], []
     fused = _Fused([], [], [], bool(causal))
     for (w, r), (hs, he) in zip(zip(seg, dil, strict=True), ranges, strict=True):
         if he <= hs:
             continue
-        plan = _plan(world, me, L, h, k.shape[2], w, r, hs, he, bool(causal), _MODE[0], q.device)
+        plan = plan_branch(world, me, L, h, k.shape[2], w, r, hs, he, bool(causal), mode, q.device)
         fuse = local == "triton" and _fusable(me, L, w)
         if fuse:
             fused.seg.append(w)
@@ -823,7 +598,8 @@ def dilated_attention_sp(
                           local_impl="triton" if fuse else "torch"))
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
     out, lse = _DilatedSPFunction.apply(
-        q, k, v, mask, work, fused if fused.seg else None, stats, group if world > 1 else None,
+        q, k, v, mask, work, fused if fused.seg else None, stats,
+        calls.stats if calls is not None else None, group if world > 1 else None,
         me, world, scale,
     )
     return (out, lse) if return_lse else out
