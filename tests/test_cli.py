@@ -20,6 +20,7 @@ def test_info(capsys):
     assert "torch" in out and "reference, torch" in out
 
 
+@pytest.mark.slow  # every impl x dtype x case vs the reference (~45 s on 2 cores)
 def test_verify_passes_on_cpu(tmp_path, capsys):
     assert main(["verify", "--json", str(tmp_path / "v.json")]) == 0
     out = capsys.readouterr().out

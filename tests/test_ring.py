@@ -465,7 +465,7 @@ class _raises:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_exact(world):
     run_distributed(_exact_worker, world)
 
@@ -477,12 +477,12 @@ def test_ring_memory_does_not_grow_with_world():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_live_tensor_bytes(world):
     run_distributed(_live_bytes_worker, world)
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_groups_meshes_and_errors(world):
     run_distributed(_extras_worker, world)

@@ -70,6 +70,7 @@ def _worker(rank, world):
             assert st["fwd_bytes_sent"] == 0 and st["bwd_bytes_sent"] == 0, st
 
 
+@pytest.mark.slow  # 8 spawned ranks
 @pytest.mark.timeout(60)
 def test_ring_and_sequence_parallel_8_ranks():
     run_distributed(_worker, P)

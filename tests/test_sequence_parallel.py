@@ -137,7 +137,7 @@ def _groups_worker(rank, world):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_sp_exact(world):
     run_distributed(_exact_worker, world)
 

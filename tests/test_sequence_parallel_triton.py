@@ -62,11 +62,13 @@ def _worker(rank, world, dtypes):
         dilated_attention(q, q, q, (4,), (1,), impl="triton", group=dist.group.WORLD)
 
 
+@pytest.mark.slow  # spawned ranks running the Triton interpreter
 @pytest.mark.timeout(120)
 def test_sp_triton_p2():
     run_distributed(_worker, 2, [(torch.float32, 2e-5), (torch.float16, 4e-3)])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sp_triton_p3():
     run_distributed(_worker, 3, [(torch.float32, 2e-5), (torch.float16, 4e-3)])

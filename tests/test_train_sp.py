@@ -47,6 +47,7 @@ def _log(path) -> list[dict]:
     return [json.loads(line) for line in (path / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 2 spawned ranks x 4 training runs
 @pytest.mark.timeout(120)
 def test_sequence_parallel_training_matches_single_process(tmp_path):
     text_file = tmp_path / "t.txt"
@@ -98,6 +99,7 @@ def test_sequence_length_not_divisible_by_world_size(tmp_path, monkeypatch):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # a real torchrun launch
 @pytest.mark.timeout(120)
 def test_torchrun_recipe_cpu_smoke(tmp_path):
     """The recipe end to end on CPU: ``torchrun --standalone --nproc_per_node=2 -m

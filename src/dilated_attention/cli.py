@@ -182,7 +182,15 @@ def _bench_one(name, attn, q, k, v, do, device, warmup, iters, flops_f, flops_fb
 
 
 def cmd_bench(args) -> int:
+    """Time every impl next to dense SDPA, then print (and write) the table."""
     dev = _device(args.device)
+    meta, results = _bench_run(args, dev)
+    _bench_report(args, dev, meta, results)
+    return 0
+
+
+def _bench_run(args, dev) -> tuple[dict, list]:
+    """(the run's settings and versions, one result row per (N, causal, impl))."""
     on_gpu = dev.type == "cuda"
     dt = args.dtype or (torch.bfloat16 if on_gpu else torch.float32)
     seg, dil = _bench_branches(args, on_gpu)
@@ -219,6 +227,18 @@ def cmd_bench(args) -> int:
             r.update(seqlen=n, causal=causal)
             results.append(r)
         del q, k, v, do
+    meta = {
+        "device": device_name(dev), "dtype": str(dt), "batch": args.batch, "heads": heads, "headdim": hd,
+        "segment_lengths": list(seg), "dilation_rates": list(dil), **versions(),
+        "date": utc_now(), "command": " ".join(sys.argv),
+    }
+    return meta, results
+
+
+def _bench_report(args, dev, meta: dict, results: list) -> None:
+    """The table on stdout; --json, --markdown and --plot files."""
+    on_gpu = dev.type == "cuda"
+    dt, seg, dil, heads, hd = meta["dtype"], meta["segment_lengths"], meta["dilation_rates"], meta["heads"], meta["headdim"]
     # useful FLOP/s in units that show digits: TFLOP/s on a GPU, GFLOP/s on a CPU
     unit, scale = ("TFLOP/s", 1.0) if on_gpu else ("GFLOP/s", 1e3)  # the results hold TFLOP/s
     hdr = ["N", "causal", "impl", "fwd ms", f"fwd {unit}", "fwd+bwd ms", f"fwd+bwd {unit}"]
@@ -238,11 +258,6 @@ def cmd_bench(args) -> int:
             row += [f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a",
                     f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "n/a"]
         table.append(row)
-    meta = {
-        "device": device_name(dev), "dtype": str(dt), "batch": args.batch, "heads": heads, "headdim": hd,
-        "segment_lengths": list(seg), "dilation_rates": list(dil), **versions(),
-        "date": utc_now(), "command": " ".join(sys.argv),
-    }
     print(f"\nbench on {meta['device']} | {dt} | batch {args.batch} | {heads} heads x {hd} | "
           f"w={list(seg)} r={list(dil)} | useful {unit} as in docs/spec.md (dense: its own FLOPs)")
     _print_table(hdr, table)
@@ -263,7 +278,6 @@ def cmd_bench(args) -> int:
                 f.write(f"\n- {e}")
     if args.plot:
         _plot(results, args.plot, meta)
-    return 0
 
 
 def _rate(x: float) -> str:
@@ -381,6 +395,20 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON to FILE")
     pv.set_defaults(fn=cmd_verify, check=lambda a: _check_outputs(a, pv, ("json",)))
 
+    _add_bench_parser(sub, fmt, device_help)
+
+    try:
+        from .train import add_train_arguments, check_or_exit, run_train
+    except ImportError:
+        pass
+    else:
+        pt = sub.add_parser("train", help="train a LongNet LM on a shipped long-range task", **fmt)
+        add_train_arguments(pt)  # the flags and checks of python -m dilated_attention.train
+        pt.set_defaults(fn=run_train, check=lambda a: check_or_exit(a, pt))
+    return p
+
+
+def _add_bench_parser(sub, fmt: dict, device_help: str) -> None:
     pb = sub.add_parser("bench", help="time dilated attention against dense SDPA", **fmt)
     pb.add_argument("--device", type=_device_arg, default=None, help=device_help)
     pb.add_argument(
@@ -422,16 +450,6 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--markdown", default=None, metavar="FILE", help="write a results file (command, versions, table)")
     pb.add_argument("--plot", default=None, metavar="PNG", help="plot useful FLOP/s to this PNG (needs matplotlib)")
     pb.set_defaults(fn=cmd_bench, check=lambda a: _check_bench(a, pb))
-
-    try:
-        from .train import add_train_arguments, check_or_exit, run_train
-    except ImportError:
-        pass
-    else:
-        pt = sub.add_parser("train", help="train a LongNet LM on a shipped long-range task", **fmt)
-        add_train_arguments(pt)  # the flags and checks of python -m dilated_attention.train
-        pt.set_defaults(fn=run_train, check=lambda a: check_or_exit(a, pt))
-    return p
 
 
 def main(argv=None) -> int:

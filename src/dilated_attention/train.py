@@ -143,6 +143,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--impl", default="auto", choices=("auto", "reference", "torch", "triton"),
         help="dilated attention implementation",
     )
+    _add_task_arguments(p)
+    _add_optimizer_arguments(p)
+    _add_run_arguments(p)
+
+
+def _add_task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-file", help="train a byte-level LM on this file instead of retrieval")
     p.add_argument("--seq-len", type=positive_int, help=_preset_help("tokens per sequence", "seq_len"))
     p.add_argument("--num-pairs", type=positive_int, help=_preset_help("retrieval: key-value pairs per sequence", "num_pairs"))
@@ -154,6 +160,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--eval-distances", type=positive_int_list,
         help=_preset_help("retrieval: comma-separated distances for accuracy-vs-distance", "eval_distances"),
     )
+
+
+def _add_optimizer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, help=_preset_help("sequences per optimizer step", "batch_size"))
     p.add_argument("--steps", type=positive_int, help=_preset_help("optimizer steps in total", "steps"))
     p.add_argument("--lr", type=positive_float, help=_preset_help("peak learning rate", "lr"))
@@ -163,6 +172,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=positive_float, default=1.0, help="gradient-norm clip")
     p.add_argument("--eval-every", type=positive_int, help=_preset_help("optimizer steps between evaluations", "eval_every"))
     p.add_argument("--eval-samples", type=positive_int, help=_preset_help("sequences per eval point", "eval_samples"))
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-every", type=nonnegative_int, default=0, help="checkpoint period (0: eval points and end)"
     )
