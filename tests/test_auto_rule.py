@@ -113,6 +113,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.slow  # a fresh process in interpreter mode
 def test_headdims_auto_falls_back_triton_raises():
     """Triton runs (interpreter) for its head dims; for every other one ``auto`` picks torch
     and is exact, and ``impl='triton'`` raises a ValueError naming the head dim and the fix."""
