@@ -65,7 +65,6 @@ import contextvars
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
