@@ -3,7 +3,8 @@
 - no import cycle between the package's modules, lazy imports inside functions included;
 - ``api.py`` imports the implementations and only the front ends import it back (the package
   ``__init__``, ``modules.py``, ``models/``, ``integrations/``, ``cli.py``, ``train.py``);
-- the leaf modules (input checks, block geometry, plan cache, branch bookkeeping, LSE merge)
+- the leaf modules (input checks, block geometry, plan cache, branch bookkeeping, LSE merge,
+  the process switch, the argparse value types)
   import nothing from the package beyond each other.
 """
 
@@ -18,7 +19,7 @@ PKG = "dilated_attention"
 ROOT = pathlib.Path(dilated_attention.__file__).parent
 API_IMPORTERS = {"", "modules", "cli", "train"}  # "" is the package __init__
 API_IMPORTER_PACKAGES = ("models", "integrations")
-LEAVES = {"checks", "geometry", "plan_cache", "branches", "merge"}
+LEAVES = {"checks", "geometry", "plan_cache", "branches", "merge", "flags", "argtypes"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
