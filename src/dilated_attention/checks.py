@@ -87,14 +87,19 @@ def check_key_padding_mask(key_padding_mask, q: torch.Tensor, k: torch.Tensor) -
     """``None`` or a bool (batch, seqlen_k) tensor on k's device, True = padding."""
     if key_padding_mask is None:
         return
+    want = (k.shape[0], k.shape[1])
     if not isinstance(key_padding_mask, torch.Tensor):
-        raise TypeError(f"key_padding_mask must be a bool tensor, got {type(key_padding_mask).__name__}")
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor of shape (batch, seqlen_k) = {want} with True = "
+            f"padding, got {type(key_padding_mask).__name__} (MultiheadDilatedAttention.forward takes "
+            "nn.MultiheadAttention's order, key_padding_mask 4th: pass is_causal by keyword)"
+        )
     if key_padding_mask.dtype != torch.bool:
         raise TypeError(
-            f"key_padding_mask must be torch.bool (True = padding, as nn.MultiheadAttention), got "
-            f"{key_padding_mask.dtype}; use mask.bool() if 1 marks padding"
+            f"key_padding_mask must be a bool tensor (True = padding, as nn.MultiheadAttention), got "
+            f"{key_padding_mask.dtype}; for a float mask with -inf at padding use mask.isinf(), for "
+            "1 = padding use mask.bool()"
         )
-    want = (k.shape[0], k.shape[1])
     if tuple(key_padding_mask.shape) != want:
         raise ValueError(
             f"key_padding_mask must have shape (batch, seqlen_k) = {want}, got {tuple(key_padding_mask.shape)}"
