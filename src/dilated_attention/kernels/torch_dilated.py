@@ -356,7 +356,7 @@ class _DilatedTorchFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dacc_lse):
         q, k, v, kpm, out, lse_pad = ctx.saved_tensors
         with backward_context(q.device.type):
-            dq, dk, dv = _apply(
+            dq, dk, dv = _apply_backward(
                 _DilatedTorchBackward, dout, q, k, v, kpm, out, lse_pad, ctx.plan, ctx.scale, ctx.causal, ctx.dropout_p, ctx.seed
             )
         grads = (dq, dk, dv, None, None, None, None, None, None)
@@ -528,7 +528,7 @@ class _DenseFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dlse_raw):
         q, k, v, out, lse = ctx.saved_tensors
         with backward_context(q.device.type):
-            dq, dk, dv = _apply(_DenseBackward, dout, q, k, v, out, lse, ctx.plan, ctx.scale)
+            dq, dk, dv = _apply_backward(_DenseBackward, dout, q, k, v, out, lse, ctx.plan, ctx.scale)
         return no_double_backward("impl='torch'", (dq, dk, dv, None, None), (dout, q, k, v))
 
 
@@ -567,6 +567,14 @@ def _apply(fn, *args):
     if torch._C._are_functorch_transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*args)
+
+
+def _apply_backward(fn, *args):
+    """A backward Function (which exists for its vmap rule) under ``backward_context``: outside
+    torch.func transforms its forward runs directly (grad mode is off: no node to record)."""
+    if torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return fn.forward(*args)
 
 
 def dilated_attention_torch_eager(
