@@ -96,7 +96,7 @@ def check_key_padding_mask(key_padding_mask, q: torch.Tensor, k: torch.Tensor) -
         )
     if key_padding_mask.dtype != torch.bool:
         raise TypeError(
-            f"key_padding_mask must be a bool tensor (True = padding, as nn.MultiheadAttention), got "
+            f"key_padding_mask must be a bool tensor (torch.bool, True = padding, as nn.MultiheadAttention), got "
             f"{key_padding_mask.dtype}; for a float mask with -inf at padding use mask.isinf(), for "
             "1 = padding use mask.bool()"
         )
