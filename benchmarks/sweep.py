@@ -210,11 +210,14 @@ def measure(fn_fwd, inputs, do, timer, dev, iters, fwd_only=False, warm=None):
     return res
 
 
-def library_auto(q, k, dropout_p=0.0) -> str:
-    """What the library's single-device selection picks for impl='auto' on these inputs."""
+def library_auto(q, k, r: Row, requires_grad: bool, dropout_p=0.0) -> str:
+    """What the library's single-device selection picks for impl='auto' on a call of row ``r``
+    (its branches, causal flag and whether gradients are needed: the measured rule needs them;
+    without the branches the selection always answers "triton")."""
     from dilated_attention.kernels.select import pick_impl
 
-    return pick_impl("auto", q, k, dropout_p)
+    return pick_impl("auto", q, k, dropout_p, causal=r.causal, segment_lengths=tuple(r.seg),
+                     dilation_rates=tuple(r.dil), requires_grad=requires_grad)
 
 
 def triton_reason(q, k):
@@ -243,7 +246,8 @@ def run_row(r: Row, dev, timer, args) -> dict:
     k = torch.randn(r.batch, r.seqlen, r.nheads_kv, r.headdim, device=dev, dtype=dt)
     v = torch.randn_like(k)
     do = torch.randn_like(q)
-    res["auto_library"] = library_auto(q, k)
+    res["auto_library"] = library_auto(q, k, r, True)  # a training call (judged by fwd+bwd)
+    res["auto_library_fwd"] = library_auto(q, k, r, False)
     reason = triton_reason(q, k)
     triton_ok = reason is None
     res["triton_unavailable"] = reason
@@ -438,7 +442,8 @@ def rule_report(results: list[dict]) -> tuple[str, int, int]:
         ok += within(pick)
         ok_loo += within(loo)
         name = next((n for n, res in res_by.items() if call_shape(Row(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in res["row"].items()}), m.shape.requires_grad) == m.shape), "?")
-        lib = res_by.get(name, {}).get("auto_library", "?")
+        got = res_by.get(name, {})
+        lib = got.get("auto_library", "?") if m.shape.requires_grad else got.get("auto_library_fwd", got.get("auto_library", "?"))
         fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         lines.append(
             f"| {name} | {'fwd+bwd' if m.shape.requires_grad else 'fwd'} | {fmt(times.get('torch'))} | "

@@ -1,8 +1,19 @@
 """The functional API: validation, semantics and dispatch to an implementation.
 
-:func:`dilated_attention` checks its inputs once (with the checks of ``checks.py``), picks an
-implementation (``kernels/select.py``) and hands validated tensors to it (``reference.py``,
-``kernels/torch_dilated.py``, the fused Triton kernel, ``distributed/sequence_parallel.py``).
+Call path (decide once, then run):
+
+1. front door, :func:`dilated_attention`: applies the autocast rule and validates every argument
+   once, into one call description (:func:`checks.describe_call` -> :class:`checks.Call`);
+2. select (``kernels/select.py``): picks the implementation once (:func:`select.pick_impl`; a
+   short query against a longer cache goes to the decode path, :func:`select.decode_applies` and
+   :func:`select.pick_decode_impl`), with backend availability cached per (device type, dtype,
+   head dim);
+3. core: a validated core (``reference.py``, ``kernels/torch_dilated.py``, the fused Triton op,
+   the decode op through :func:`_run_decode`, ``distributed/sequence_parallel.py``) that checks
+   nothing again.
+
+No public function calls another public function: autocast and head dim 0 are handled by the
+private :func:`_run` / :func:`_core`.
 Dependencies flow one way: this module imports the implementations and nothing inside them
 imports it back; implementations never import each other's internals, and an explicitly
 requested ``impl`` never silently falls back.
@@ -19,16 +30,16 @@ from collections.abc import Sequence
 import torch
 
 from .autograd_rules import autocast_inputs
-from .branches import normalize_branches
-from .checks import (
-    check_bool,
-    check_dropout,
-    check_head_assignment,
-    check_key_padding_mask,
-    check_qkv,
-    resolve_scale,
+from .branches import branch_head_ranges
+from .checks import Call, describe_call
+from .kernels.select import (
+    IMPLS,
+    available_impls,
+    decode_applies,
+    pick_decode_impl,
+    pick_impl,
+    triton_unavailable_reason,
 )
-from .kernels.select import IMPLS, available_impls, check_impl, pick_impl, triton_unavailable_reason
 
 __all__ = ["IMPLS", "available_impls", "dilated_attention", "triton_unavailable_reason"]
 
@@ -75,28 +86,27 @@ def dilated_attention(
         A query with no key (all masked) gets out = 0 and lse = -inf.
     """
     q, k, v, amp_device = autocast_inputs(q, k, v)
-    if amp_device is not None:  # the SDPA rule (docs/autocast.md): cast once, run with autocast off
-        with torch.autocast(amp_device, enabled=False):
-            return dilated_attention(
-                q, k, v, segment_lengths, dilation_rates, causal=causal, softmax_scale=softmax_scale,
-                key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-                head_assignment=head_assignment, return_lse=return_lse, impl=impl, group=group,
-            )
-    check_qkv(q, k, v, "dilated_attention")
-    seg, dil = normalize_branches(segment_lengths, dilation_rates)
-    check_head_assignment(head_assignment)
-    check_key_padding_mask(key_padding_mask, q, k)
-    p = check_dropout(dropout_p)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
-    causal = check_bool("causal", causal)
-    check_bool("return_lse", return_lse)
-    check_impl(impl)
+    call = describe_call(
+        q, k, v, segment_lengths, dilation_rates, causal=causal, softmax_scale=softmax_scale,
+        key_padding_mask=key_padding_mask, dropout_p=dropout_p, head_assignment=head_assignment,
+        return_lse=return_lse, impl=impl,
+    )
+    if amp_device is None:
+        return _run(q, k, v, key_padding_mask, call, group)
+    # the SDPA rule (docs/autocast.md): cast once (above), run with autocast off
+    with torch.autocast(amp_device, enabled=False):
+        return _run(q, k, v, key_padding_mask, call, group)
+
+
+def _run(q, k, v, key_padding_mask, call: Call, group):
+    """The validated call: sequence-parallel, the empty and headdim-0 edge cases, or the core."""
     if group is not None:
         from .distributed import sequence_parallel
 
         return sequence_parallel.dilated_attention_sp(
-            q, k, v, seg, dil, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
-            dropout_p=p, head_assignment=head_assignment, return_lse=return_lse, impl=impl,
+            q, k, v, call.segment_lengths, call.dilation_rates, causal=call.causal, scale=call.scale,
+            key_padding_mask=key_padding_mask, dropout_p=call.dropout_p,
+            head_assignment=call.head_assignment, return_lse=call.return_lse, impl=call.impl,
             group=group,
         )
     if q.shape[0] == 0 or q.shape[1] == 0:
@@ -104,50 +114,83 @@ def dilated_attention(
         # so that backward gives (empty or zero) gradients, as SDPA does
         out = q * 0 + (k.sum() + v.sum()) * 0
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
-        return (out, lse) if return_lse else out
+        return (out, lse) if call.return_lse else out
     if q.shape[3] == 0:
         # headdim 0: every logit is 0, so out is empty and lse = log(number of keys); run the
         # chosen impl on one zero feature (the same multiplicities) and drop it
         zq, zk = q.new_zeros(*q.shape[:3], 1), k.new_zeros(*k.shape[:3], 1)
-        _, lse = dilated_attention(
-            zq, zk, zk, seg, dil, causal=causal, softmax_scale=1.0, key_padding_mask=key_padding_mask,
-            head_assignment=head_assignment, return_lse=True, impl=impl,
-        )
+        _, lse = _core(zq, zk, zk, key_padding_mask, call._replace(scale=1.0, dropout_p=0.0))
         out = q * 0 + (k.sum() + v.sum()) * 0
-        return (out, lse) if return_lse else out
-    chosen = pick_impl(
-        impl, q, k, p, causal=causal, segment_lengths=seg, dilation_rates=dil,
-        requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-    )
-    if chosen != "reference":
-        from .decode import decode_applies, dilated_attention_with_kvcache
+        return (out, lse) if call.return_lse else out
+    out, lse = _core(q, k, v, key_padding_mask, call)
+    return (out, lse) if call.return_lse else out
 
-        if decode_applies(q, k, v, key_padding_mask, p):  # a few rows against a longer cache
-            out, lse = dilated_attention_with_kvcache(
-                q, k, v, k.shape[1], seg, dil, causal=causal, softmax_scale=scale,
-                head_assignment=head_assignment, return_lse=True, impl=chosen,
-            )  # fmt: skip
-            return (out, lse) if return_lse else out
+
+def _core(q, k, v, key_padding_mask, call: Call):
+    """Pick the implementation once and run it: (out, lse float32)."""
+    seg, dil = call.segment_lengths, call.dilation_rates
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    chosen = pick_impl(
+        call.impl, q, k, call.dropout_p, causal=call.causal, segment_lengths=seg,
+        dilation_rates=dil, requires_grad=needs_grad,
+    )
+    if chosen != "reference" and decode_applies(
+        q.shape[1], k.shape[1], key_padding_mask is not None, call.dropout_p, needs_grad
+    ):  # a few rows against a longer cache
+        return _run_decode(q, k, v, call, chosen)
+    if chosen == "torch":
+        from .kernels import torch_dilated
+
+        # inside torch.compile: the Dynamo-disabled entry (one graph break); eager: the plain one
+        fn = torch_dilated.dilated_attention_torch if torch.compiler.is_compiling() else torch_dilated.dilated_attention_torch_eager
+        return fn(
+            q, k, v, seg, dil, causal=call.causal, scale=call.scale,
+            key_padding_mask=key_padding_mask, dropout_p=call.dropout_p,
+            head_assignment=call.head_assignment,
+        )
     if chosen == "reference":
         from .reference import dilated_attention_reference
 
         out, lse = dilated_attention_reference(
-            q, k, v, seg, dil, causal=causal, softmax_scale=scale,
-            key_padding_mask=key_padding_mask, dropout_p=p, head_assignment=head_assignment,
+            q, k, v, seg, dil, causal=call.causal, softmax_scale=call.scale,
+            key_padding_mask=key_padding_mask, dropout_p=call.dropout_p,
+            head_assignment=call.head_assignment,
         )
-        lse = lse.to(torch.float32)
-    elif chosen == "torch":
-        from .kernels.torch_dilated import dilated_attention_torch
+        return out, lse.to(torch.float32)
+    from .kernels.triton_ops import triton_forward
 
-        out, lse = dilated_attention_torch(
-            q, k, v, seg, dil, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
-            dropout_p=p, head_assignment=head_assignment,
-        )
-    else:
-        from .kernels.triton_ops import dilated_attention_triton
+    return triton_forward(
+        q, k, v, seg, dil, _head_ranges(q.shape[2], len(seg), call.head_assignment),
+        causal=call.causal, scale=call.scale, key_padding_mask=key_padding_mask,
+    )
 
-        out, lse = dilated_attention_triton(
-            q, k, v, seg, dil, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
-            head_assignment=head_assignment,
-        )
-    return (out, lse) if return_lse else out
+
+_RANGES: dict = {}
+
+
+def _head_ranges(nheads: int, nbranches: int, head_assignment: str):
+    key = (nheads, nbranches, head_assignment)
+    r = _RANGES.get(key)
+    if r is None:
+        r = _RANGES[key] = branch_head_ranges(nheads, nbranches, head_assignment)
+    return r
+
+
+_DECODE_BRANCHES: dict = {}
+
+
+def _run_decode(q, k, v, call: Call, chosen: str):
+    """The decode path for a short query against a longer cache (validated inputs; the whole
+    cache is valid: ``cache_seqlens = seqlen_k``). The one place ``dilated_attention`` reaches the
+    decode kernels (the decode module's validated core)."""
+    from . import decode
+
+    impl = pick_decode_impl(chosen, q)
+    if impl == "triton":  # the kernel reads rows with unit stride in the last dim
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+    key = (q.shape[2], call.segment_lengths, call.dilation_rates, call.head_assignment)
+    branches = _DECODE_BRANCHES.get(key)
+    if branches is None:
+        branches = _DECODE_BRANCHES[key] = decode._branch_rows(*key)
+    return decode._decode_op(q, k, v, cache_seqlens, branches, call.causal, call.scale, impl)

@@ -1,4 +1,5 @@
-"""Input checks shared by every public entry point (a leaf module: imports only torch).
+"""Input checks shared by every public entry point (a leaf module: imports only torch and
+``branches.py``).
 
 Each check raises a ``TypeError`` / ``ValueError`` that names the bad value and the fix. The
 functional API (``api.py``), ring attention and sequence-parallel attention all check their
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
+
+from .branches import normalize_branches
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -83,14 +87,19 @@ def check_key_padding_mask(key_padding_mask, q: torch.Tensor, k: torch.Tensor) -
     """``None`` or a bool (batch, seqlen_k) tensor on k's device, True = padding."""
     if key_padding_mask is None:
         return
+    want = (k.shape[0], k.shape[1])
     if not isinstance(key_padding_mask, torch.Tensor):
-        raise TypeError(f"key_padding_mask must be a bool tensor, got {type(key_padding_mask).__name__}")
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor of shape (batch, seqlen_k) = {want} with True = "
+            f"padding, got {type(key_padding_mask).__name__} (MultiheadDilatedAttention.forward takes "
+            "nn.MultiheadAttention's order, key_padding_mask 4th: pass is_causal by keyword)"
+        )
     if key_padding_mask.dtype != torch.bool:
         raise TypeError(
-            f"key_padding_mask must be torch.bool (True = padding, as nn.MultiheadAttention), got "
-            f"{key_padding_mask.dtype}; use mask.bool() if 1 marks padding"
+            f"key_padding_mask must be a bool tensor (torch.bool, True = padding, as nn.MultiheadAttention), got "
+            f"{key_padding_mask.dtype}; for a float mask with -inf at padding use mask.isinf(), for "
+            "1 = padding use mask.bool()"
         )
-    want = (k.shape[0], k.shape[1])
     if tuple(key_padding_mask.shape) != want:
         raise ValueError(
             f"key_padding_mask must have shape (batch, seqlen_k) = {want}, got {tuple(key_padding_mask.shape)}"
@@ -113,3 +122,60 @@ def check_head_assignment(head_assignment) -> str:
         raise ValueError(f"head_assignment must be 'all' or 'split', got {head_assignment!r}")
     return head_assignment
 
+
+
+class Call(NamedTuple):
+    """One validated call of :func:`dilated_attention.dilated_attention` (built by
+    :func:`describe_call`): everything below the front door reads its options from here and
+    checks nothing again."""
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    causal: bool
+    scale: float
+    dropout_p: float
+    head_assignment: str
+    return_lse: bool
+    impl: str
+
+
+_IMPLS = ("auto", "reference", "torch", "triton")
+
+# the branch lists, validated once per distinct (lists of exact ints) value
+_BRANCHES: dict = {}
+
+
+def _branches(segment_lengths, dilation_rates):
+    if type(segment_lengths) in (list, tuple) and type(dilation_rates) in (list, tuple):
+        key = (tuple(segment_lengths), tuple(dilation_rates))
+        hit = _BRANCHES.get(key)
+        # only lists of exact ints are cached (a bool or numpy int equal to a cached int misses)
+        if hit is not None and all(type(x) is int for x in key[0]) and all(type(x) is int for x in key[1]):
+            return hit
+        res = normalize_branches(segment_lengths, dilation_rates)
+        if len(_BRANCHES) >= 1024:
+            _BRANCHES.clear()
+        _BRANCHES[key] = res
+        return res
+    return normalize_branches(segment_lengths, dilation_rates)
+
+
+def describe_call(
+    q, k, v, segment_lengths, dilation_rates, *, causal, softmax_scale, key_padding_mask,
+    dropout_p, head_assignment, return_lse, impl, name: str = "dilated_attention",
+) -> Call:
+    """Check every argument of a ``dilated_attention`` call once and describe it (:class:`Call`).
+
+    Raises ``TypeError`` / ``ValueError`` naming the bad value and the fix.
+    """
+    check_qkv(q, k, v, name)
+    seg, dil = _branches(segment_lengths, dilation_rates)
+    check_head_assignment(head_assignment)
+    check_key_padding_mask(key_padding_mask, q, k)
+    p = check_dropout(dropout_p) if type(dropout_p) is not float or dropout_p != 0.0 else 0.0
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    if impl not in _IMPLS:  # the names of kernels/select.py's IMPLS (a leaf does not import it)
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    return Call(seg, dil, causal, scale, p, head_assignment, return_lse, impl)

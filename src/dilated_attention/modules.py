@@ -276,20 +276,7 @@ class MultiheadDilatedAttention(nn.Module):
                 f"query length {nq} > key length {nk}: queries may be shorter than keys (the last "
                 "positions, for KV-cache decoding) but not longer"
             )
-        if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-                got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
-                raise TypeError(
-                    f"key_padding_mask must be a bool tensor of shape (batch, seqlen_k) = ({b}, {nk}) "
-                    f"with True = padding, got {got}; for a float mask with -inf at padding use "
-                    "mask.isinf(), for 1 = padding use mask.bool() (the 4th positional argument is "
-                    "key_padding_mask, as in nn.MultiheadAttention: pass is_causal by keyword)"
-                )
-            if tuple(key_padding_mask.shape) != (b, nk):
-                raise ValueError(
-                    f"key_padding_mask must have shape (batch, seqlen_k) = ({b}, {nk}), got "
-                    f"{tuple(key_padding_mask.shape)}"
-                )
+        # key_padding_mask is checked once, by the functional front door (checks.py)
         if attn_mask is not None:
             if not _is_causal_mask(attn_mask, nq, nk):
                 raise ValueError(

@@ -1,18 +1,35 @@
-"""Which implementation runs a call: the names, their availability, and the ``auto`` rules.
+"""Which implementation runs a call: the names, their availability, and every ``auto`` rule.
 
 The one place that knows the implementation names (:data:`IMPLS`), validates an ``impl``
-argument (:func:`check_impl`), says why the fused Triton kernel cannot run
-(:func:`triton_unavailable_reason`), and picks an implementation for ``impl="auto"``: on one
-device (:func:`pick_impl`) and for the local blocks of sequence-parallel attention
-(:func:`pick_sp_local_impl`). An explicitly requested ``impl`` never silently falls back: it
-runs or raises an error that gives the reason.
+argument (:func:`check_impl`), answers whether a backend can run (:func:`backend_reason`: one
+answer per backend, device type, dtype and head dim, with its reason, computed once per process)
+and picks the implementation of a call: dense single-device calls (:func:`pick_impl`), the
+decode path (:func:`pick_decode_impl`, and :func:`decode_applies` for the short queries that
+``dilated_attention`` routes to it) and the local blocks of sequence-parallel attention
+(:func:`pick_sp_local_impl`). Whether Triton runs in its interpreter is asked once
+(:func:`interpreting`). An explicitly requested ``impl`` never silently falls back: it runs or
+raises an error that gives the reason.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 IMPLS = ("auto", "reference", "torch", "triton")
+DECODE_IMPLS = ("auto", "torch", "triton")
+MAX_DECODE_ROWS = 64  # the decode kernel walks the query rows one by one: a few new tokens
+
+_INTERPRET: list[bool] = []
+
+
+def interpreting() -> bool:
+    """Triton's interpreter mode (``TRITON_INTERPRET=1``), read once per process at the first
+    question (not at import: test modules set it before their first call)."""
+    if not _INTERPRET:
+        _INTERPRET.append(os.environ.get("TRITON_INTERPRET", "0") == "1")
+    return _INTERPRET[0]
 
 
 def check_impl(impl) -> str:
@@ -22,15 +39,46 @@ def check_impl(impl) -> str:
     return impl
 
 
+# (backend, device type, dtype, headdim) -> None (it can run) or the reason it cannot
+_REASONS: dict[tuple, str | None] = {}
+
+
+def _compute_reason(backend: str, device_type: str, dtype: torch.dtype, headdim: int) -> str | None:
+    probe = torch.empty(0, 0, 0, headdim, dtype=dtype, device=device_type)
+    if backend == "triton":
+        # imported when asked (a plain import statement, which torch.compile can trace), so that
+        # importing the package never needs triton
+        try:
+            from . import triton_ops
+        except ImportError as e:  # triton not installed
+            return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
+        return triton_ops.unavailable_reason(probe)
+    if backend == "triton_decode":
+        try:
+            from . import triton_decode
+        except ImportError as e:
+            return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
+        return triton_decode.unavailable_reason(probe, interpreting())
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def backend_reason(backend: str, device_type: str, dtype: torch.dtype, headdim: int) -> str | None:
+    """Why ``backend`` (``"triton"``: the fused kernel; ``"triton_decode"``: the decode kernel)
+    cannot run on inputs of this device type, dtype and head dim (None if it can). Decided once
+    per process for each key."""
+    key = (backend, device_type, dtype, headdim)
+    if key in _REASONS:
+        return _REASONS[key]
+    reason = _compute_reason(backend, device_type, dtype, headdim)
+    _REASONS[key] = reason
+    return reason
+
+
 def triton_unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | None:
     """Why impl='triton' cannot run for these inputs (None if it can)."""
-    # imported when asked (a plain import statement, which torch.compile can trace), so that
-    # importing the package never needs triton
-    try:
-        from . import triton_ops
-    except ImportError as e:  # triton not installed
-        return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
-    return triton_ops.unavailable_reason(q, k)
+    if k is not None and k.shape[-1] != q.shape[-1]:
+        return f"k headdim {k.shape[-1]} differs from q headdim {q.shape[-1]}"
+    return backend_reason("triton", q.device.type, q.dtype, q.shape[-1])
 
 
 def available_impls(q: torch.Tensor | None = None) -> list[str]:
@@ -42,6 +90,10 @@ def available_impls(q: torch.Tensor | None = None) -> list[str]:
     if triton_unavailable_reason(q) is None:
         out.append("triton")
     return out
+
+
+# CallShape -> "torch" / "triton": the measured rule, evaluated once per distinct call shape
+_AUTO_CHOICES: dict = {}
 
 
 def pick_impl(
@@ -60,12 +112,14 @@ def pick_impl(
     ``"auto"``: the torch path with dropout (the kernel has none), off CUDA, or where the kernel
     cannot run; otherwise :func:`auto_rule.choose_impl`, the rule measured by
     benchmarks/sweep.py (the impl that was fastest on the nearest measured configuration, judged
-    by forward time for calls without gradients and forward+backward time for training calls).
-    Without the branches (``segment_lengths``/``dilation_rates`` None) and inside
-    ``torch.compile`` (shapes may be symbolic) the kernel is chosen. ``"triton"`` raises ``ValueError`` with the reason when the
-    kernel cannot run or ``dropout_p > 0``.
+    by forward time for calls without gradients and forward+backward time for training calls),
+    evaluated once per distinct call shape. Without the branches (``segment_lengths`` /
+    ``dilation_rates`` None) and inside ``torch.compile`` (shapes may be symbolic) the kernel is
+    chosen. ``"triton"`` raises ``ValueError`` with the reason when the kernel cannot run or
+    ``dropout_p > 0``.
     """
-    check_impl(impl)
+    if impl == "reference" or impl == "torch":
+        return impl
     if impl == "triton":
         reason = triton_unavailable_reason(q, k)
         if reason is None and dropout_p > 0:
@@ -73,25 +127,56 @@ def pick_impl(
         if reason is not None:
             raise ValueError(f"impl='triton' cannot run here: {reason}")
         return "triton"
-    if impl == "auto":
-        # never the Triton interpreter (TRITON_INTERPRET=1 on the CPU): it is for tests, and far
-        # slower than the torch path
-        if dropout_p > 0 or not q.is_cuda or triton_unavailable_reason(q, k) is not None:
-            return "torch"
-        if segment_lengths is None or dilation_rates is None or torch.compiler.is_compiling():
-            # under torch.compile the shapes may be symbolic: evaluating the measured rule on
-            # them would specialise (recompile) per length, so the fused kernel is taken
-            return "triton"
-        from .auto_rule import CallShape, choose_impl, dtype_name
+    check_impl(impl)
+    # auto: never the Triton interpreter (TRITON_INTERPRET=1 on the CPU): it is for tests, and far
+    # slower than the torch path
+    if dropout_p > 0 or not q.is_cuda or triton_unavailable_reason(q, k) is not None:
+        return "torch"
+    if segment_lengths is None or dilation_rates is None or torch.compiler.is_compiling():
+        # under torch.compile the shapes may be symbolic: evaluating the measured rule on
+        # them would specialise (recompile) per length, so the fused kernel is taken
+        return "triton"
+    from .auto_rule import CallShape, choose_impl, dtype_name
 
-        if requires_grad is None:
-            requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        shape = CallShape(
-            q.shape[0], k.shape[1], q.shape[2], k.shape[2], q.shape[3], dtype_name(q.dtype),
-            tuple(zip(segment_lengths, dilation_rates)), bool(causal), bool(requires_grad),
-        )
-        return choose_impl(shape)
-    return impl
+    if requires_grad is None:
+        requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    shape = CallShape(
+        q.shape[0], k.shape[1], q.shape[2], k.shape[2], q.shape[3], dtype_name(q.dtype),
+        tuple(zip(segment_lengths, dilation_rates)), bool(causal), bool(requires_grad),
+    )
+    choice = _AUTO_CHOICES.get(shape)
+    if choice is None:
+        choice = choose_impl(shape)
+        if len(_AUTO_CHOICES) >= 4096:
+            _AUTO_CHOICES.clear()
+        _AUTO_CHOICES[shape] = choice
+    return choice
+
+
+def decode_applies(nq: int, nk: int, has_key_padding_mask: bool, dropout_p: float, needs_grad: bool) -> bool:
+    """Whether ``dilated_attention(q, k, v, ...)`` takes the decode path: a few query rows
+    against more keys, no padding mask, no dropout, no gradient needed."""
+    # nk > nq first: for self-attention under torch.compile(dynamic=True) it is decided without a
+    # guard (same symbol), so nq's size never guards (no recompile at MAX_DECODE_ROWS)
+    return nk > nq and nq <= MAX_DECODE_ROWS and not has_key_padding_mask and dropout_p == 0 and not needs_grad
+
+
+def pick_decode_impl(impl: str, q: torch.Tensor) -> str:
+    """The decode implementation, ``"torch"`` or ``"triton"``, for ``impl`` in :data:`DECODE_IMPLS`.
+
+    ``"auto"``: the Triton decode kernel on CUDA where it can run (never the interpreter), else
+    the torch path. ``"triton"`` raises ``ValueError`` with the reason when the kernel cannot run.
+    """
+    if impl == "torch":
+        return "torch"
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"impl must be one of {DECODE_IMPLS}, got {impl!r}")
+    reason = backend_reason("triton_decode", q.device.type, q.dtype, q.shape[-1])
+    if impl == "triton":
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run here: {reason}")
+        return "triton"
+    return "triton" if reason is None and q.is_cuda else "torch"
 
 
 def pick_sp_local_impl(impl: str, q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> str:

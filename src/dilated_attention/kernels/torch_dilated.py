@@ -25,14 +25,13 @@ computed as dummies and routed to a scratch row ("trash row" ``Nq``), and their 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
-from ..geometry import block_length, block_offsets, block_row
+from ..geometry import block_length, block_offsets, block_row, segments
 from ..merge import acc_dtype, merge_partial, merge_partial_
 from ..plan_cache import cached_plan
 from .block_attention import attn_bwd, attn_fwd
@@ -357,8 +356,8 @@ class _DilatedTorchFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dacc_lse):
         q, k, v, kpm, out, lse_pad = ctx.saved_tensors
         with backward_context(q.device.type):
-            dq, dk, dv = _DilatedTorchBackward.apply(
-                dout, q, k, v, kpm, out, lse_pad, ctx.plan, ctx.scale, ctx.causal, ctx.dropout_p, ctx.seed
+            dq, dk, dv = _apply_backward(
+                _DilatedTorchBackward, dout, q, k, v, kpm, out, lse_pad, ctx.plan, ctx.scale, ctx.causal, ctx.dropout_p, ctx.seed
             )
         grads = (dq, dk, dv, None, None, None, None, None, None)
         return no_double_backward("impl='torch'", grads, (dout, q, k, v))
@@ -420,10 +419,165 @@ def _vmap_by_folding(fn, info, in_dims, args, ntensors: int):
     return tuple(o.reshape(n, o.shape[0] // n, *o.shape[1:]) for o in outs), (0,) * len(outs)
 
 
-# Dynamo runs this eagerly (one graph break): the plan is a Python structure built from the
-# concrete sequence lengths, so tracing into it would recompile for every new length.
-@torch.compiler.disable
-def dilated_attention_torch(
+# ------------------------------------------------------------------ small calls on the CPU
+# A call whose whole score matrix is small (H * Nq * Nk <= _DENSE_MAX_SCORES, float32/float64,
+# CPU, no key padding, no dropout) runs as ONE fused attention call over all keys with an
+# additive bias log m(i, j, h) (-inf where m = 0): softmax(s + log m) is exactly the definition's
+# softmax counted with multiplicity. The bias is built once per call shape from the block
+# geometry and cached; rows with no key get a zero bias row and are zeroed after (out = 0,
+# lse = -inf, zero gradients). Per call this costs a few tensor ops instead of a few per group:
+# the host overhead of tiny calls (benchmarks/bench_overhead.py).
+_DENSE_MAX_SCORES = 1 << 18  # measured crossover on the CPU (fwd+bwd, causal): between 2^18 and 2^19
+_DENSE_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class _DensePlan:
+    bias: torch.Tensor  # (1, H, Nq, Nk): log m, -inf where m = 0, 0 on rows with no key
+    keep: torch.Tensor | None  # (1, Nq, H, 1): 1 where the row has a key, 0 where not; None if all
+    empty: torch.Tensor | None  # (1, H, Nq) bool: rows with no key; None if none
+
+
+def _multiplicity_from_blocks(nq, nk, nheads, segment_lengths, dilation_rates, head_assignment, causal):
+    """m(i, j, h) (H, Nq, Nk) int32 from the block geometry (the blocks every path computes)."""
+    qoff = nk - nq
+    m = torch.zeros(nheads, nq, nk, dtype=torch.int32)
+    ranges = branch_head_ranges(nheads, len(segment_lengths), head_assignment)
+    for (w, r), (hs, he) in zip(zip(segment_lengths, dilation_rates, strict=True), ranges, strict=True):
+        for start, length in segments(nk, w):
+            for off in block_offsets(r, length):
+                heads = [h for h in range(hs, he) if h % r == off]
+                if not heads:
+                    continue
+                rows = block_row(start, off, r, torch.arange(block_length(length, off, r)))
+                qrows = rows[rows >= qoff] - qoff
+                if qrows.numel() == 0:
+                    continue
+                for h in heads:
+                    m[h, qrows[:, None], rows[None, :]] += 1
+    if causal:
+        i = torch.arange(qoff, nk)[:, None]
+        j = torch.arange(nk)[None, :]
+        m = m * (j <= i)
+    return m
+
+
+def _dense_plan(nq, nk, nheads, segment_lengths, dilation_rates, head_assignment, causal, dtype, device):
+    args = (nq, nk, nheads, segment_lengths, dilation_rates, head_assignment, causal)
+
+    def build():
+        m = _multiplicity_from_blocks(*args)
+        empty = (m == 0).all(-1)  # (H, Nq)
+        bias = torch.where(m > 0, m.to(torch.float64).log(), torch.full((), float("-inf"), dtype=torch.float64))
+        bias = torch.where(empty[..., None], torch.zeros((), dtype=torch.float64), bias)
+        has_empty = bool(empty.any())
+        return _DensePlan(
+            bias=bias[None].to(dtype=dtype, device=device),
+            keep=(~empty).T[None, :, :, None].to(dtype=dtype, device=device) if has_empty else None,
+            empty=empty[None].to(device) if has_empty else None,
+        )
+
+    return cached_plan((__name__, "dense", *args, dtype, str(device)), build)
+
+
+def _dense_applies(q, k, key_padding_mask, dropout_p) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DENSE_DTYPES
+        and key_padding_mask is None
+        and dropout_p == 0.0
+        and q.shape[2] * q.shape[1] * k.shape[1] <= _DENSE_MAX_SCORES
+    )
+
+
+def _heads_first(q, k, v):
+    rep = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if rep > 1:
+        kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    return qh, kh, vh
+
+
+class _DenseFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, plan, scale):
+        qh, kh, vh = _heads_first(q, k, v)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kh, vh, 0.0, False, attn_mask=plan.bias, scale=scale
+        )
+        out = out.transpose(1, 2)  # (B, Nq, H, D)
+        out = out * plan.keep if plan.keep is not None else out.contiguous()
+        lse_out = lse.to(torch.float32)
+        if plan.empty is not None:
+            lse_out = lse_out.masked_fill(plan.empty, float("-inf"))
+        return out, lse_out, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, plan, scale = inputs
+        out, _, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        ctx.mark_non_differentiable(output[1], lse)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_by_folding(_DenseFunction, info, in_dims, args, ntensors=3)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dlse_raw):
+        q, k, v, out, lse = ctx.saved_tensors
+        with backward_context(q.device.type):
+            dq, dk, dv = _apply_backward(_DenseBackward, dout, q, k, v, out, lse, ctx.plan, ctx.scale)
+        return no_double_backward("impl='torch'", (dq, dk, dv, None, None), (dout, q, k, v))
+
+
+class _DenseBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(dout, q, k, v, out, lse, plan, scale):
+        # rows with no key have out = 0 (zeroed) and must get no gradient: their dout is zeroed,
+        # so every gradient term of those rows is 0 (their zero-bias softmax stays finite)
+        if plan.keep is not None:
+            dout = dout * plan.keep
+        qh, kh, vh = _heads_first(q, k, v)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.transpose(1, 2), qh, kh, vh, out.transpose(1, 2), lse, 0.0, False,
+            attn_mask=plan.bias, scale=scale,
+        )
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            b, h, n, d = dk.shape
+            dk = dk.view(b, h // rep, rep, n, d).sum(2)
+            dv = dv.view(b, h // rep, rep, n, dv.shape[-1]).sum(2)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_by_folding(_DenseBackward, info, in_dims, args, ntensors=6)
+
+
+def _apply(fn, *args):
+    """``fn.apply(*args)`` without ``Function.apply``'s per-call ``inspect.signature`` binding of
+    default arguments (tens of microseconds; every argument here is passed positionally, so the
+    binding changes nothing). Under torch.func transforms the full ``apply`` runs."""
+    if torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return super(torch.autograd.Function, fn).apply(*args)
+
+
+def _apply_backward(fn, *args):
+    """A backward Function (which exists for its vmap rule) under ``backward_context``: outside
+    torch.func transforms its forward runs directly (grad mode is off: no node to record)."""
+    if torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return fn.forward(*args)
+
+
+def dilated_attention_torch_eager(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -436,17 +590,27 @@ def dilated_attention_torch(
     dropout_p: float,
     head_assignment: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated inputs only (see api.py). Returns out (B, Nq, H, D) and lse (B, H, Nq) float32."""
+    """Validated inputs only (see api.py: nothing is checked here again).
+
+    Returns out (B, Nq, H, D) and lse (B, H, Nq) float32.
+    """
+    if _dense_applies(q, k, key_padding_mask, dropout_p):
+        plan = _dense_plan(
+            q.shape[1], k.shape[1], q.shape[2], segment_lengths, dilation_rates, head_assignment,
+            causal, q.dtype, q.device,
+        )
+        out, lse, _ = _apply(_DenseFunction, q, k, v, plan, scale)
+        return out, lse
     plan = make_plan(
         q.shape[1], k.shape[1], q.shape[2], k.shape[2], segment_lengths, dilation_rates,
         head_assignment, q.device,
     )
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
-    if key_padding_mask is not None:
-        key_padding_mask = key_padding_mask.to(torch.bool)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite, got {scale}")
-    out, lse, _ = _DilatedTorchFunction.apply(
-        q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed
-    )
+    out, lse, _ = _apply(_DilatedTorchFunction, q, k, v, key_padding_mask, plan, scale, causal, dropout_p, seed)
     return out, lse
+
+
+# Dynamo runs this eagerly (one graph break): the plan is a Python structure built from the
+# concrete sequence lengths, so tracing into it would recompile for every new length. Eager
+# callers call :func:`dilated_attention_torch_eager` (no Dynamo wrapper to pass through).
+dilated_attention_torch = torch.compiler.disable(dilated_attention_torch_eager)

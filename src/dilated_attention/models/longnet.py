@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -453,12 +454,12 @@ class _Trunk(nn.Module):
 CE_CHUNK_ELEMENTS = 2**26
 
 
-def _ce_sum(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def _ce_sum(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Summed cross-entropy of logits h @ weight.T (softmax in float32, or float64) against t."""
     logits = F.linear(h, weight)  # (rows, V)
     if logits.dtype != torch.float64:
         logits = logits.float()
-    return F.cross_entropy(logits, t, reduction="sum")
+    return F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
 
 
 def chunked_cross_entropy(
@@ -491,25 +492,32 @@ def chunked_cross_entropy(
         raise ValueError(
             f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)}[:-1]"
         )
-    keep = t != ignore_index
-    if not bool(keep.all()):
-        rows = keep.nonzero().squeeze(1)
-        h, t = h.index_select(0, rows), t.index_select(0, rows)  # (M', E), (M',)
+    if torch.compiler.is_compiling():
+        # inside torch.compile: no data-dependent row count (that would be a host sync and a
+        # graph break); ignored rows stay in and F.cross_entropy skips them (ignore_index)
+        count = (t != ignore_index).sum()
+    else:
+        # eager: drop the ignored rows first (a retrieval batch scores a handful of rows of 32K);
+        # nonzero() needs their number on the host, one synchronisation per call
+        rows = (t != ignore_index).nonzero().squeeze(1)
+        if rows.shape[0] != t.shape[0]:
+            h, t = h.index_select(0, rows), t.index_select(0, rows)  # (M', E), (M',)
+        count = h.shape[0]
     m = h.shape[0]
     step = chunk_rows or max(1, CE_CHUNK_ELEMENTS // weight.shape[0])
     if m <= step:
-        total = _ce_sum(h, weight, t)  # one chunk: nothing to gain from recomputation
+        total = _ce_sum(h, weight, t, ignore_index)  # one chunk: nothing to gain from recomputation
     else:
         grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         parts = []
         for c in range(0, m, step):
             hc, tc = h[c : c + step], t[c : c + step]
             if grad:
-                parts.append(checkpoint(_ce_sum, hc, weight, tc, use_reentrant=False))
+                parts.append(checkpoint(_ce_sum, hc, weight, tc, ignore_index, use_reentrant=False))
             else:
-                parts.append(_ce_sum(hc, weight, tc))
+                parts.append(_ce_sum(hc, weight, tc, ignore_index))
         total = torch.stack(parts).sum()
-    return total if reduction == "sum" else total / m
+    return total if reduction == "sum" else total / count
 
 
 class LongNetLM(_Trunk):
@@ -638,7 +646,9 @@ class LongNetLM(_Trunk):
 
         Args:
             temperature: 0 means greedy (argmax); else sampling, optionally from the ``top_k``
-                most likely tokens, with ``generator`` as the random source.
+                most likely tokens, with ``generator`` as the random source. A finite number
+                >= 0; ``top_k`` None or an int >= 1; ``prefill_chunk`` None (the default) or an
+                int >= 1 (anything else raises ``ValueError`` / ``TypeError`` naming it).
             rolling: keep only :meth:`rolling_capacity` positions per layer (about ``max(w)``
                 plus a prefill chunk) instead of the whole sequence: exact, and the cache does not
                 grow with the number of generated tokens.
@@ -663,9 +673,8 @@ class LongNetLM(_Trunk):
         b, t = idx.shape
         if t < 1 or max_new_tokens < 1:
             raise ValueError(f"need a prompt and max_new_tokens >= 1, got T={t}, {max_new_tokens}")
-        chunk = prefill_chunk or (max(self.cfg.segment_lengths) if rolling else t)
-        if chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        temperature, top_k, prefill_chunk = _check_generate_args(temperature, top_k, prefill_chunk)
+        chunk = prefill_chunk if prefill_chunk is not None else (max(self.cfg.segment_lengths) if rolling else t)
         capacity = self.rolling_capacity(chunk) if rolling else t + max_new_tokens
         was_training = self.training
         self.eval()
@@ -724,6 +733,29 @@ class LongNetLM(_Trunk):
             return logits
 
         return replay
+
+
+def _check_generate_args(temperature, top_k, prefill_chunk):
+    """``generate``'s sampling and prefill arguments, one rule each (``ValueError`` / ``TypeError``
+    naming the value): ``temperature`` a finite number >= 0 (0 = greedy); ``top_k`` None or an
+    int >= 1; ``prefill_chunk`` None (the default chunk) or an int >= 1."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number >= 0, got {temperature!r}")
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(
+            f"temperature must be a finite number >= 0 (0 = greedy, 1 = the model's distribution), "
+            f"got {temperature!r}"
+        )
+    for name, val in (("top_k", top_k), ("prefill_chunk", prefill_chunk)):
+        if val is None:
+            continue
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+            raise TypeError(f"{name} must be None or an int >= 1, got {val!r} ({type(val).__name__})")
+        if val < 1:
+            what = "keep the top_k most likely tokens" if name == "top_k" else "tokens per prefill call"
+            raise ValueError(f"{name} must be None or an int >= 1 ({what}), got {val!r}")
+    return temperature, (None if top_k is None else int(top_k)), (None if prefill_chunk is None else int(prefill_chunk))
 
 
 def _sample(

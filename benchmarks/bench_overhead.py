@@ -1,0 +1,292 @@
+"""Fixed cost per call (issue 23): every row of the issue's table, with dense SDPA in the same run.
+
+Rows (GPU sizes; ``--tiny`` shrinks every one of them so that the script runs on the CPU):
+
+- decode: 1 new token, 32 q / 8 kv heads x 128, bf16, LongNet branches w 2048..32768 r 1..16,
+  cache 4K / 32K / 128K, through ``dilated_attention_with_kvcache`` and through
+  ``dilated_attention(q_one_row, k, v, ...)``, eager, against SDPA of the row over the cache;
+- training: N = 4096 and 16384, batch 1, 8 heads x 64, branches (512, 1024, 2048; 1, 2, 4),
+  causal, ``impl="auto"``: forward and forward+backward against causal SDPA;
+- host: per call, the profiler's CPU self time (all host-side work) next to its device time,
+  for the decode and training calls above (``torch.profiler``);
+- end to end: LongNet ``base`` training steps (bf16 autocast, fwd+bwd) at 8K x 4 and 16K x 2,
+  eager and ``torch.compile``, dilated (branches 2048,4096,8192 / 1,2,4 and 2048..16384 / 1..8)
+  against the same model with dense attention, tokens/s.
+
+Wall time per call is the median of back-to-back calls (CUDA events around each call on the
+GPU, ``time.perf_counter`` on the CPU). Writes a markdown results file (command, device,
+torch/triton versions, date) and prints a short table::
+
+    python benchmarks/bench_overhead.py                       # GPU, writes results/overhead_<gpu>_<date>.md
+    python benchmarks/bench_overhead.py --tiny --out /tmp/o.md  # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import dilated_attention as da
+from dilated_attention.models.longnet import LongNetConfig, LongNetLM
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+# ------------------------------------------------------------------------------------ timing
+def time_call(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Median microseconds of one call of ``fn`` (back to back, host and device together)."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()  # host time included: the next call starts after this one's end
+            times.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def host_device_us(fn, iters: int, device: torch.device) -> tuple[float, float | None]:
+    """(CPU self time, device time) per call in microseconds, from ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    cpu = sum(e.self_cpu_time_total for e in events) / iters
+    dev = None
+    if device.type == "cuda":
+        dev = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events) / iters
+    return cpu, dev
+
+
+# ------------------------------------------------------------------------------------ rows
+def decode_rows(cfg, device, iters, warmup):
+    h, hkv, d, dt = cfg["decode_heads"] + (cfg["dtype"],)
+    seg, dil = cfg["decode_seg"], cfg["decode_dil"]
+    rows = []
+    for n in cfg["decode_caches"]:
+        q = torch.randn(1, 1, h, d, device=device, dtype=dt)
+        k, v = (torch.randn(1, n, hkv, d, device=device, dtype=dt) for _ in range(2))
+        lens = torch.full((1,), n, dtype=torch.int32, device=device)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        kx, vx = (x.repeat_interleave(h // hkv, 1) for x in (kt, vt))
+
+        def kv():
+            return da.dilated_attention_with_kvcache(q, k, v, lens, seg, dil, causal=True)
+
+        def front():
+            return da.dilated_attention(q, k, v, seg, dil, causal=True)
+
+        def dense():
+            return F.scaled_dot_product_attention(qt, kx, vx)
+
+        with torch.no_grad():
+            r = {"cache": n, "kvcache_us": time_call(kv, iters, warmup, device),
+                 "dilated_attention_us": time_call(front, iters, warmup, device),
+                 "dense_us": time_call(dense, iters, warmup, device)}
+            r["host_us"], r["device_us"] = host_device_us(kv, max(3, iters // 4), device)
+        rows.append(r)
+    return rows
+
+
+def training_rows(cfg, device, iters, warmup):
+    h, d, dt = cfg["train_heads"], cfg["train_headdim"], cfg["dtype"]
+    seg, dil = cfg["train_seg"], cfg["train_dil"]
+    rows = []
+    for n in cfg["train_lengths"]:
+        q, k, v = (torch.randn(1, n, h, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+        do = torch.randn(1, n, h, d, device=device, dtype=dt)
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        dot = do.transpose(1, 2)
+
+        def fwd():
+            with torch.no_grad():
+                return da.dilated_attention(q, k, v, seg, dil, causal=True, impl="auto")
+
+        def fb():
+            out = da.dilated_attention(q, k, v, seg, dil, causal=True, impl="auto")
+            torch.autograd.grad(out, (q, k, v), do)
+
+        def dfwd():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+        def dfb():
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            torch.autograd.grad(out, (qt, kt, vt), dot)
+
+        r = {"N": n, "fwd_us": time_call(fwd, iters, warmup, device),
+             "fb_us": time_call(fb, iters, warmup, device),
+             "dense_fwd_us": time_call(dfwd, iters, warmup, device),
+             "dense_fb_us": time_call(dfb, iters, warmup, device)}
+        r["fwd_host_us"], r["fwd_device_us"] = host_device_us(fwd, max(3, iters // 4), device)
+        r["fb_host_us"], r["fb_device_us"] = host_device_us(fb, max(3, iters // 4), device)
+        rows.append(r)
+    return rows
+
+
+def e2e_rows(cfg, device, steps, warmup, compile_backend):
+    rows = []
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    for n, batch, seg, dil in cfg["e2e"]:
+        for attention in ("dilated", "dense"):
+            for mode in ("eager", "compile"):
+                base = LongNetConfig.preset(cfg["e2e_preset"], max_seq_len=n)
+                base = dataclasses.replace(base, segment_lengths=seg, dilation_rates=dil)
+                mcfg = base.with_attention(attention, n)
+                row = {"N": n, "batch": batch, "attention": attention, "mode": mode}
+                model = opt = None
+                try:
+                    torch.manual_seed(0)
+                    model = LongNetLM(mcfg).to(device).train()
+                    run = torch.compile(model, backend=compile_backend) if mode == "compile" else model
+                    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                    x = torch.randint(0, mcfg.vocab_size, (batch, n + 1), device=device)
+                    inp, tgt = x[:, :-1], x[:, 1:]
+
+                    def step(run=run, opt=opt, inp=inp, tgt=tgt):
+                        with amp:
+                            _, loss = run(inp, tgt)
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+
+                    us = time_call(step, steps, warmup, device)
+                    row["step_ms"] = us / 1e3
+                    row["tokens_per_s"] = batch * n / (us / 1e6)
+                except torch.OutOfMemoryError:
+                    row["status"] = "OOM"
+                finally:
+                    del model, opt
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------ report
+def _f(x, nd=1):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(env, dec, tr, e2e) -> str:
+    lines = [f"# Fixed cost per call: {env['device']}", "",
+             f"- command: `{env['command']}`", f"- device: {env['device']}",
+             f"- torch {env['torch']}, triton {env['triton']}, python {env['python']}",
+             f"- date: {env['date']}", "- wall time per call: median of back-to-back calls (us)", "",
+             "## decode (1 new token, eager)", "",
+             "| cache | dilated_attention_with_kvcache | dilated_attention | dense SDPA | host (profiler CPU self) | device |",
+             "|---|---|---|---|---|---|"]
+    for r in dec:
+        lines.append(f"| {r['cache']} | {_f(r['kvcache_us'])} | {_f(r['dilated_attention_us'])} | "
+                     f"{_f(r['dense_us'])} | {_f(r['host_us'])} | {_f(r['device_us'])} |")
+    lines += ["", "## training call (causal, impl=auto)", "",
+              "| N | fwd | dense fwd | fwd+bwd | dense fwd+bwd | fwd host / device | fwd+bwd host / device |",
+              "|---|---|---|---|---|---|---|"]
+    for r in tr:
+        lines.append(f"| {r['N']} | {_f(r['fwd_us'])} | {_f(r['dense_fwd_us'])} | {_f(r['fb_us'])} | "
+                     f"{_f(r['dense_fb_us'])} | {_f(r['fwd_host_us'])} / {_f(r['fwd_device_us'])} | "
+                     f"{_f(r['fb_host_us'])} / {_f(r['fb_device_us'])} |")
+    lines += ["", "(host = the profiler's CPU self time per call, all host-side work; device = "
+              "kernel time per call)", "", "## end to end (training step, bf16 autocast)", "",
+              "| N x batch | attention | mode | step ms | tokens/s |", "|---|---|---|---|---|"]
+    for r in e2e:
+        lines.append(f"| {r['N']} x {r['batch']} | {r['attention']} | {r['mode']} | "
+                     f"{_f(r.get('step_ms'), 2)} | {r.get('status') or _f(r.get('tokens_per_s'), 0)} |")
+    return "\n".join(lines) + "\n"
+
+
+def configs(tiny: bool) -> dict:
+    if tiny:
+        return dict(dtype=torch.float32, decode_heads=(4, 2, 16), decode_seg=(16, 32, 64),
+                    decode_dil=(1, 2, 4), decode_caches=(64, 256), train_heads=2, train_headdim=16,
+                    train_seg=(16, 32, 64), train_dil=(1, 2, 4), train_lengths=(64, 256),
+                    e2e_preset="tiny", e2e=[(128, 2, (32, 64), (1, 2))])
+    return dict(dtype=torch.bfloat16, decode_heads=(32, 8, 128),
+                decode_seg=(2048, 4096, 8192, 16384, 32768), decode_dil=(1, 2, 4, 8, 16),
+                decode_caches=(4096, 32768, 131072), train_heads=8, train_headdim=64,
+                train_seg=(512, 1024, 2048), train_dil=(1, 2, 4), train_lengths=(4096, 16384),
+                e2e_preset="base",
+                e2e=[(8192, 4, (2048, 4096, 8192), (1, 2, 4)),
+                     (16384, 2, (2048, 4096, 8192, 16384), (1, 2, 4, 8))])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (runs on the CPU)")
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--e2e-steps", type=int, default=10)
+    p.add_argument("--no-e2e", action="store_true")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend (default inductor; aot_eager with --tiny)")
+    p.add_argument("--out", default=None, help="markdown file (default results/overhead_<gpu>_<date>.md)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # per-call host cost; no thread-pool wake-ups on a shared CPU
+    cfg = configs(args.tiny)
+    backend = args.compile_backend or ("aot_eager" if args.tiny else "inductor")
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'}, {os.cpu_count()} cores)"
+    env = dict(device=name, torch=torch.__version__, triton=triton_version, python=platform.python_version(),
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               command="python " + " ".join([pathlib.Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])))
+    dec = decode_rows(cfg, device, args.iters, args.warmup)
+    tr = training_rows(cfg, device, args.iters, args.warmup)
+    e2e = [] if args.no_e2e else e2e_rows(cfg, device, args.e2e_steps, 2, backend)
+    text = markdown(env, dec, tr, e2e)
+    if args.out:
+        out = pathlib.Path(args.out)
+    else:
+        tag = "cpu" if device.type == "cpu" else name.split()[-1].lower().replace("-", "")
+        out = HERE / "results" / f"overhead_{tag}_{datetime.date.today().isoformat()}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print("decode        cache  kvcache_us  dilated_attention_us  dense_us")
+    for r in dec:
+        print(f"| decode | {r['cache']:>7} | {_f(r['kvcache_us']):>9} | {_f(r['dilated_attention_us']):>9} | {_f(r['dense_us']):>9} |")
+    for r in tr:
+        print(f"| training | N={r['N']:>6} | fwd {_f(r['fwd_us'])} (dense {_f(r['dense_fwd_us'])}) | "
+              f"fwd+bwd {_f(r['fb_us'])} (dense {_f(r['dense_fb_us'])}) |")
+    for r in e2e:
+        print(f"| e2e | {r['N']}x{r['batch']} {r['attention']} {r['mode']} | {r.get('status') or _f(r.get('tokens_per_s'), 0)} tok/s |")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
