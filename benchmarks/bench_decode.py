@@ -163,7 +163,7 @@ def attention_latency(args, dev, dtype) -> tuple[list[dict], list[dict]]:
             for bn in (32, 64, 128, 256):
                 for nw in (2, 4, 8):
                     fn = lambda bn=bn, nw=nw: decode_triton(
-                        q, k, v, seqlens, br, True, d**-0.5, block_n=bn, num_warps=nw
+                        q, k, v, seqlens, None, br, True, d**-0.5, block_n=bn, num_warps=nw
                     )
                     with torch.no_grad():
                         us = _time_graph(fn, args.iters, calls=20)
