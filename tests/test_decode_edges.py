@@ -308,3 +308,18 @@ def test_leftpad_under_compile(seed):
     for b in range(2):
         ref = _ref(q[b : b + 1], ks[b], vs[b], seg, dil, causal=True)[0]
         torch.testing.assert_close(got[b : b + 1].double(), ref, atol=2e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------ import cost
+
+
+def test_import_pulls_in_nothing_from_dynamo():
+    # torch._dynamo costs ~1.2 s at import; the decode module must not load it until it is used
+    import subprocess
+    import sys
+
+    code = "import sys, dilated_attention; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
