@@ -323,3 +323,25 @@ def test_import_pulls_in_nothing_from_dynamo():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]", res.stdout
+
+
+@pytest.mark.cuda
+def test_cuda_decode_never_syncs_the_host(seed):
+    # the eager call with device cache_seqlens and cache_leftpad: no host synchronisation
+    reason = triton_unavailable_reason(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16))
+    if reason is not None:
+        pytest.skip(reason)
+    seg, dil = [2048, 4096, 8192], [1, 2, 4]
+    q, k, v, sl, lp, ks, vs = _padded_batch([5000, 300], [0, 4000], 1, 32, 8, 128, 9000, torch.bfloat16)
+    with torch.no_grad():
+        want = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, cache_leftpad=lp)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, cache_leftpad=lp)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+    for b in range(2):
+        ref = _ref(q[b : b + 1], ks[b], vs[b], seg, dil, causal=True)[0]
+        torch.testing.assert_close(got[b : b + 1].double(), ref, atol=2e-2, rtol=0)
