@@ -345,3 +345,16 @@ def test_cuda_decode_never_syncs_the_host(seed):
     for b in range(2):
         ref = _ref(q[b : b + 1], ks[b], vs[b], seg, dil, causal=True)[0]
         torch.testing.assert_close(got[b : b + 1].double(), ref, atol=2e-2, rtol=0)
+
+
+def test_eager_calls_the_implementation_directly(seed, monkeypatch):
+    # eager: no custom-op dispatch (its Python cost dominated the host time); compile keeps the op
+    import dilated_attention.decode as decode
+
+    calls = []
+    monkeypatch.setattr(decode, "_decode_op", lambda *a: calls.append(1))
+    q, k = torch.randn(1, 1, 4, 16, dtype=torch.float64), torch.randn(1, 30, 2, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out = dilated_attention_with_kvcache(q, k, k, 20, [4, 8], [1, 2], impl="torch")
+    assert not calls
+    _close((out, torch.zeros(1, 4, 1)), (_ref(q, k[:, :20], k[:, :20], [4, 8], [1, 2])[0], torch.zeros(1, 4, 1)), 1e-12)
