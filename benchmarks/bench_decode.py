@@ -4,6 +4,12 @@ Part 1, one attention call of one new token (batch 1, 32 query / 8 kv heads x 12
 branches w = 2048..32768, r = 1..16, causal) against caches of 4K .. 1M positions:
 
 - ``decode``        :func:`dilated_attention_with_kvcache` (Triton split + reduce), eager launch
+                    (CUDA events around one call)
+- ``eager b2b``     wall time per call of 200 back-to-back eager calls (host included, one
+                    synchronisation at the end, no CUDA graph), through
+                    :func:`dilated_attention_with_kvcache` and through ``dilated_attention(q, k[:, :n],
+                    v[:, :n])``, with ``dense b2b`` (SDPA over the cache) in the same run: the
+                    issue 23 item 2 row (target <= 35 us and no slower than dense at >= 4K)
 - ``decode graph``  the same call captured in a CUDA graph; ``graph x20`` is a graph of 20 calls
                     per replay divided by 20 (GPU time per call without the replay's launch)
 - ``previous``      what ``dilated_attention(impl="auto")`` ran for seqlen_q = 1 before the
@@ -35,6 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from dilated_attention import dilated_attention
 from dilated_attention.decode import dilated_attention_with_kvcache
 from dilated_attention.models import LongNetConfig, LongNetLM
 
@@ -79,6 +86,24 @@ def _time_graph(fn, iters: int, calls: int = 1) -> float:
         for _ in range(calls):
             fn()
     return _time_events(g.replay, iters) / calls
+
+
+def _time_wall(fn, iters: int, calls: int = 200) -> float:
+    """Median over ``iters // 10`` (at least 5) runs of the wall microseconds per call of
+    ``calls`` back-to-back calls of ``fn`` (host time included: no graph, one synchronisation
+    at the end of each run)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(3):
+        fn()
+    sync()
+    ts = []
+    for _ in range(max(5, iters // 10)):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        ts.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(ts)
 
 
 def _time_cpu(fn, iters: int) -> float:
@@ -131,9 +156,13 @@ def attention_latency(args, dev, dtype) -> tuple[list[dict], list[dict]]:
                     max(5, args.iters // 10),
                 )  # fmt: skip
                 qkv = q.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2)  # (B, H, N, D)
-                row["dense"] = _time_events(
-                    lambda qkv=qkv: F.scaled_dot_product_attention(*qkv, enable_gqa=True), args.iters
+                dense = lambda qkv=qkv: F.scaled_dot_product_attention(*qkv, enable_gqa=True)
+                row["dense"] = _time_events(dense, args.iters)
+                row["eager_b2b"] = _time_wall(dec, args.iters)
+                row["api_b2b"] = _time_wall(
+                    lambda kn=kn, vn=vn: dilated_attention(q, kn, vn, seg, dil, causal=True), args.iters
                 )
+                row["dense_b2b"] = _time_wall(dense, args.iters)
             else:
                 row["decode"] = _time_cpu(dec, args.iters)
                 row["dense"] = _time_cpu(
@@ -161,7 +190,7 @@ def attention_latency(args, dev, dtype) -> tuple[list[dict], list[dict]]:
             for bn in (32, 64, 128, 256):
                 for nw in (2, 4, 8):
                     fn = lambda bn=bn, nw=nw: decode_triton(
-                        q, k, v, seqlens, br, True, d**-0.5, block_n=bn, num_warps=nw
+                        q, k, v, seqlens, None, br, True, d**-0.5, block_n=bn, num_warps=nw
                     )
                     with torch.no_grad():
                         us = _time_graph(fn, args.iters, calls=20)
@@ -284,6 +313,18 @@ def main(argv=None):
                 f"| {r['n']} | {r['decode']:.1f} | {r['graph']:.1f} | {r['graph20']:.1f} | "
                 f"{r['previous']:.1f} | {r['dense']:.1f} | {r['keys']} | {r['gbs']:.0f} | "
                 f"{r['dense'] / r['graph20']:.1f}x |"
+            )
+        lines += [
+            "",
+            "## Eager back-to-back calls, wall time per call including the host (microseconds, no CUDA graph)",
+            "",
+            "| cache length | dilated_attention_with_kvcache | dilated_attention (1 row) | dense SDPA | dense / with_kvcache |",
+            "|---|---|---|---|---|",
+        ]
+        for r in lat:
+            lines.append(
+                f"| {r['n']} | {r['eager_b2b']:.1f} | {r['api_b2b']:.1f} | {r['dense_b2b']:.1f} | "
+                f"{r['dense_b2b'] / r['eager_b2b']:.2f}x |"
             )
     elif lat:
         lines += ["| cache length | decode | dense SDPA | keys read |", "|---|---|---|---|"]

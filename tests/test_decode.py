@@ -154,7 +154,7 @@ def test_triton_decode_long_branch_blocks(seed):
 
     branches = [(96, 2, 0, 4), (32, 1, 0, 4)]
     for kw in (dict(block_n=32), dict(reduce_splits=2, reduce_cols=8)):
-        got = decode_triton(q, k, v, sl, branches, True, 32**-0.5, **kw)
+        got = decode_triton(q, k, v, sl, None, branches, True, 32**-0.5, **kw)
         _check(got, ref, atol=2e-5)
 
 

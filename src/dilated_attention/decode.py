@@ -2,21 +2,30 @@
 
 :func:`dilated_attention_with_kvcache` is the decode entry point (``flash_attn_with_kvcache``
 style): the cache buffers have a fixed shape, ``cache_seqlens`` (an int32 device tensor, one
-entry per batch) says how many positions are valid, and query row t of batch b is position
-``cache_seqlens[b] - seqlen_q + t`` (bottom-right aligned, causal within the new rows when
-``causal``). Per branch a row reads only the keys of its own segment with its residue, at most
-``sum_b ceil(w_b / r_b)`` keys whatever the cache length (``docs/spec.md`` gives the math).
+entry per batch) says where each row's valid slots end, ``cache_leftpad`` (optional, int32, one
+entry per batch) where they start, and query row t of batch b is position
+``cache_seqlens[b] - cache_leftpad[b] - seqlen_q + t`` of its sequence (bottom-right aligned,
+causal within the new rows when ``causal``). Per branch a row reads only the keys of its own
+segment with its residue, at most ``sum_b ceil(w_b / r_b)`` keys whatever the cache length
+(``docs/spec.md`` gives the math).
 
 No host synchronisation and no planning that depends on tensor values: the launch grid depends
 only on the branch configuration, so one call can be captured in a CUDA graph and replayed as the
 cache grows (``cache_seqlens`` updated in place), and it runs under
-``torch.compile(mode="reduce-overhead")``: the work is the custom op ``dilated_attention::decode``
-with a fake implementation.
+``torch.compile(mode="reduce-overhead")``: under compilation the work is the custom op
+``dilated_attention::decode`` with a fake implementation; in eager mode the implementation is
+called directly (the custom op's Python dispatch costs more than the torch decode path's host work).
 
-Cache slots: position p lives in slot ``p % cache_len``. A cache at least as long as the
-sequence is the plain cache; a shorter one is a rolling cache, exact as long as it holds the
-last ``max(w) + seqlen_q - 1`` positions (no branch reads a key older than its own segment
-start). The caller keeps ``cache_seqlens`` within its cache (it is never read on the host).
+Layers: :func:`dilated_attention_with_kvcache` (the public front door: every check, then
+:func:`_choose_decode_impl`) and :func:`decode_core` (validated inputs, an already chosen impl,
+no checks). What depends only on the configuration (the branch rows of the heads, the impl a
+device/dtype/headdim can run) is computed once and cached.
+
+Cache slots: position p of row b is slot index ``cache_leftpad[b] + p`` and lives in slot
+``(cache_leftpad[b] + p) % cache_len``. A cache at least as long as the sequence is the plain
+cache; a shorter one is a rolling cache, exact as long as it holds the last
+``max(w) + seqlen_q - 1`` positions (no branch reads a key older than its own segment start).
+The caller keeps ``cache_seqlens`` within its cache (it is never read on the host).
 
 Implementations: ``kernels/triton_decode.py`` (GPU; on the CPU under ``TRITON_INTERPRET=1``) and
 ``kernels/torch_decode.py`` (any device, float64). Inference only: no autograd.
@@ -24,23 +33,23 @@ Implementations: ``kernels/triton_decode.py`` (GPU; on the CPU under ``TRITON_IN
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Sequence
 
 import torch
 
 from .branches import branch_head_ranges, normalize_branches
-from .checks import check_bool, check_head_assignment, resolve_scale
+from .checks import FLOAT_DTYPES, check_bool, check_head_assignment, resolve_scale
 from .kernels import torch_decode
 
 MAX_DECODE_ROWS = 64  # the kernel walks the query rows one by one: meant for a few new tokens
 DECODE_IMPLS = ("auto", "torch", "triton")
-
+_INT32_MAX = 2**31 - 1
 
 _INTERPRET: bool | None = None
 
 
-@torch.compiler.assume_constant_result
 def _interpret() -> bool:
     """Triton's interpreter mode, decided once per process at the first decode call (not at
     import: test modules set TRITON_INTERPRET before their first call)."""
@@ -59,9 +68,34 @@ def _triton_decode():
     return triton_decode
 
 
+_REASONS: dict[tuple, str | None] = {}
+
+
 def triton_unavailable_reason(q: torch.Tensor) -> str | None:
-    """Why the Triton decode kernel cannot run on inputs like ``q`` (None if it can)."""
-    return _triton_decode().unavailable_reason(q, _interpret())
+    """Why the Triton decode kernel cannot run on inputs like ``q`` (None if it can); the answer
+    depends only on (device, dtype, headdim) and is cached per triple."""
+    key = (q.device, q.dtype, q.shape[-1])
+    if torch.compiler.is_compiling():  # no cache mutation inside a traced graph
+        return _triton_decode().unavailable_reason(q, _interpret())
+    try:
+        return _REASONS[key]
+    except KeyError:
+        reason = _REASONS[key] = _triton_decode().unavailable_reason(q, _interpret())
+        return reason
+
+
+def _choose_decode_impl(impl: str, q: torch.Tensor) -> str:
+    """The decode implementation for ``impl`` ("auto", "torch", "triton") on inputs like ``q``:
+    "triton" or "torch". ``auto`` takes the kernel on CUDA where it can run, never the Triton
+    interpreter (TRITON_INTERPRET=1 is for tests). Raises where impl='triton' cannot run."""
+    if impl == "torch":
+        return "torch"
+    reason = triton_unavailable_reason(q)
+    if impl == "triton":
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run here: {reason}")
+        return "triton"
+    return "triton" if reason is None and q.is_cuda else "torch"
 
 
 def _branch_rows(nheads: int, seg, dil, head_assignment: str) -> list[int]:
@@ -74,41 +108,100 @@ def _branch_rows(nheads: int, seg, dil, head_assignment: str) -> list[int]:
     return flat
 
 
+_PLANS: dict[tuple, tuple[list[int], list[tuple[int, int, int, int]]]] = {}
+
+
+def _plan(nheads: int, seg: tuple, dil: tuple, head_assignment: str):
+    """(flat branch rows for the custom op, the same as 4-tuples for a direct call), once per
+    configuration."""
+    key = (nheads, seg, dil, head_assignment)
+    plan = _PLANS.get(key)
+    if plan is None:
+        flat = _branch_rows(nheads, seg, dil, head_assignment)
+        rows = [tuple(flat[i : i + 4]) for i in range(0, len(flat), 4)]
+        plan = (flat, rows)
+        if not torch.compiler.is_compiling():
+            if len(_PLANS) > 256:  # a bound for processes that sweep configurations
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl):
+    if impl == "triton":
+        return _triton_decode().decode_triton(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale)
+    return torch_decode.decode_torch(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale)
+
+
 @torch.library.custom_op("dilated_attention::decode", mutates_args=())
 def _decode_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
+    cache_leftpad: torch.Tensor | None,
     branches: list[int],
     causal: bool,
     scale: float,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [tuple(branches[i : i + 4]) for i in range(0, len(branches), 4)]
-    if impl == "triton":
-        return _triton_decode().decode_triton(q, k_cache, v_cache, cache_seqlens, rows, causal, scale)
-    return torch_decode.decode_torch(q, k_cache, v_cache, cache_seqlens, rows, causal, scale)
+    return _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl)
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, branches, causal, scale, impl):
+def _(q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale, impl):
     b, nq, h, d = q.shape
     return q.new_empty((b, nq, h, d)), q.new_empty((b, h, nq), dtype=torch.float32)
 
 
-def _check(q, k_cache, v_cache, cache_seqlens) -> None:
+def decode_core(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    cache_leftpad: torch.Tensor | None,
+    seg: tuple[int, ...],
+    dil: tuple[int, ...],
+    *,
+    causal: bool,
+    scale: float,
+    head_assignment: str,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode computation on validated inputs (the checks of
+    :func:`dilated_attention_with_kvcache`; ``seg``/``dil`` normalised tuples, ``cache_seqlens``
+    an int32 (batch,) tensor) with an already chosen ``impl`` ("torch" or "triton"). No checks.
+    Returns (out, lse)."""
+    if impl == "triton":  # the kernel reads rows with unit stride in the last dim
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k_cache.stride(-1) != 1:
+            k_cache = k_cache.contiguous()
+        if v_cache.stride(-1) != 1:
+            v_cache = v_cache.contiguous()
+    flat, rows = _plan(q.shape[2], seg, dil, head_assignment)
+    if torch.compiler.is_compiling():  # the custom op: traceable, with a fake implementation
+        return _decode_op(q, k_cache, v_cache, cache_seqlens, cache_leftpad, flat, causal, scale, impl)
+    return _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl)
+
+
+def _check(q, k_cache, v_cache) -> None:
     name = "dilated_attention_with_kvcache"
     for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: {n} must be a 4-D tensor (batch, seqlen, nheads, headdim), got {shape}")
-    if not q.is_floating_point() or not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"{name}: q, k_cache, v_cache must share a floating dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if not (q.device == k_cache.device == v_cache.device == cache_seqlens.device):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: {n} must be a 4-D tensor (batch, seqlen, nheads, headdim), got {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:  # the rule and wording of checks.check_qkv
+            raise TypeError(f"{name}: {n} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(
+            f"{name}: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if not (q.device == k_cache.device == v_cache.device):
         raise ValueError(
-            f"{name}: q, k_cache, v_cache, cache_seqlens must be on one device, got {q.device}, "
-            f"{k_cache.device}, {v_cache.device}, {cache_seqlens.device}"
+            f"{name}: q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}"
         )
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
@@ -117,20 +210,76 @@ def _check(q, k_cache, v_cache, cache_seqlens) -> None:
         raise ValueError(
             f"{name}: q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} must agree in batch and headdim"
         )
-    if h % k_cache.shape[2] != 0:
+    hkv = k_cache.shape[2]
+    if hkv == 0:
+        raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} has 0 kv heads; give it nheads_kv >= 1")
+    if h % hkv != 0:
+        raise ValueError(f"{name}: nheads ({h}) must be a multiple of the cache's nheads_kv ({hkv})")
+    if k_cache.shape[1] == 0:
         raise ValueError(
-            f"{name}: nheads ({h}) must be a multiple of the cache's nheads_kv ({k_cache.shape[2]})"
+            f"{name}: the cache is empty (cache_len 0, k_cache {tuple(k_cache.shape)}); allocate at "
+            "least the positions the new rows are written to"
         )
     if not 1 <= nq <= MAX_DECODE_ROWS:
         raise ValueError(
             f"{name}: seqlen_q = {nq}; the decode path takes 1..{MAX_DECODE_ROWS} new rows, "
             "prefill longer chunks with dilated_attention(q, k, v, ...)"
         )
-    if cache_seqlens.shape != (b,) or cache_seqlens.dtype != torch.int32:
+
+
+_VALID_BRANCHES: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+
+
+def _known_branches(segment_lengths, dilation_rates):
+    """The branch lists as tuples if these exact lists (lists/tuples of plain ints) passed
+    ``normalize_branches`` before, else None (eager only: under compilation always re-check)."""
+    if torch.compiler.is_compiling():
+        return None
+    if type(segment_lengths) not in (list, tuple) or type(dilation_rates) not in (list, tuple):
+        return None
+    seg, dil = tuple(segment_lengths), tuple(dilation_rates)
+    if (seg, dil) not in _VALID_BRANCHES:
+        return None
+    # plain ints only: 8.0 == 8 hashes alike but normalize_branches refuses it
+    if not all(type(x) is int for x in seg + dil):
+        return None
+    return seg, dil
+
+
+def _index_tensor(name: str, t, q: torch.Tensor) -> torch.Tensor:
+    b = q.shape[0]
+    if t.shape != (b,) or t.dtype != torch.int32:
         raise ValueError(
-            f"{name}: cache_seqlens must be an int32 tensor of shape (batch,) = ({b},), got "
-            f"{cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}"
+            f"dilated_attention_with_kvcache: {name} must be an int32 tensor of shape (batch,) = ({b},), "
+            f"got {t.dtype} of shape {tuple(t.shape)}"
         )
+    if t.device != q.device:
+        raise ValueError(f"dilated_attention_with_kvcache: {name} is on {t.device}, q on {q.device}; move it to q's device")
+    return t
+
+
+def _cache_seqlens(cache_seqlens, q: torch.Tensor) -> torch.Tensor:
+    """An int32 (batch,) tensor on q's device. A host int is checked here (>= seqlen_q, fits in
+    int32); a device tensor is not read (no host sync): docs/spec.md gives its contract."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return _index_tensor("cache_seqlens", cache_seqlens, q)
+    if isinstance(cache_seqlens, torch.SymInt):  # a traced length (torch.compile, dynamic shapes)
+        return torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        n = int(cache_seqlens)
+        nq = q.shape[1]
+        if not nq <= n <= _INT32_MAX:
+            raise ValueError(
+                f"dilated_attention_with_kvcache: cache_seqlens = {n} must count the valid positions, the "
+                f"{nq} new rows included, so {nq} <= cache_seqlens <= {_INT32_MAX}"
+            )
+        return torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
+    raise TypeError(
+        "dilated_attention_with_kvcache: cache_seqlens must be an int (one length for every batch "
+        "entry) or an int32 torch.Tensor of shape (batch,) on q's device, got "
+        f"{type(cache_seqlens).__name__}; for per-row lengths pass "
+        "torch.tensor(lengths, dtype=torch.int32, device=q.device)"
+    )
 
 
 def dilated_attention_with_kvcache(
@@ -146,31 +295,49 @@ def dilated_attention_with_kvcache(
     head_assignment: str = "all",
     return_lse: bool = False,
     impl: str = "auto",
+    cache_leftpad: torch.Tensor | None = None,
 ):
     """Dilated attention of a few new query rows against a KV cache (inference only).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), ``1 <= seqlen_q <= 64``.
-        k_cache, v_cache: (batch, cache_len, nheads_kv, headdim), ``nheads % nheads_kv == 0``;
-            the new rows' own keys/values must already be written. Position p is slot
-            ``p % cache_len``.
-        cache_seqlens: (batch,) int32 device tensor (or an int for every batch entry): valid
-            positions per batch entry, the new rows included. Query row t of batch b is
-            position ``cache_seqlens[b] - seqlen_q + t``.
+        k_cache, v_cache: (batch, cache_len, nheads_kv, headdim), ``cache_len >= 1``,
+            ``nheads % nheads_kv == 0``; the new rows' own keys/values must already be written.
+            Position p of row b is slot ``(cache_leftpad[b] + p) % cache_len``.
+        cache_seqlens: (batch,) int32 device tensor, or an int (incl. numpy integer scalars) for
+            every batch entry: the end of each row's valid slots, the new rows included. Query
+            row t of batch b is position ``cache_seqlens[b] - cache_leftpad[b] - seqlen_q + t``;
+            a row at a negative position attends to nothing (out 0, lse -inf). An int must be
+            ``>= seqlen_q``; a tensor is not read on the host (docs/spec.md).
         segment_lengths, dilation_rates, causal, softmax_scale, head_assignment: as in
             :func:`dilated_attention.dilated_attention`.
         return_lse: also return lse (batch, nheads, seqlen_q) float32.
         impl: ``"auto"`` (the Triton kernel on CUDA where it can run, else the torch path),
             ``"triton"`` or ``"torch"``.
+        cache_leftpad: optional (batch,) int32 device tensor (flash-attn's ``cache_leftpad``):
+            row b's sequence starts at slot ``cache_leftpad[b]``; slots before it are ignored and
+            positions, segments and residues count from it, so a left-padded batch decodes
+            exactly like each row alone. Negative entries count as 0.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``. A row that no
         branch selects (no head of its residue) gets out = 0 and lse = -inf.
     """
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    _check(q, k_cache, v_cache, cache_seqlens)
-    seg, dil = normalize_branches(segment_lengths, dilation_rates)
+    _check(q, k_cache, v_cache)
+    seqlens = _cache_seqlens(cache_seqlens, q)
+    if cache_leftpad is not None:
+        if not isinstance(cache_leftpad, torch.Tensor):
+            raise TypeError(
+                "dilated_attention_with_kvcache: cache_leftpad must be None or an int32 torch.Tensor of "
+                f"shape (batch,) on q's device, got {type(cache_leftpad).__name__}"
+            )
+        _index_tensor("cache_leftpad", cache_leftpad, q)
+    seg_dil = _known_branches(segment_lengths, dilation_rates)
+    if seg_dil is None:
+        seg_dil = normalize_branches(segment_lengths, dilation_rates)
+        if not torch.compiler.is_compiling() and len(_VALID_BRANCHES) < 256:
+            _VALID_BRANCHES.add(seg_dil)
+    seg, dil = seg_dil
     check_head_assignment(head_assignment)
     causal = check_bool("causal", causal)
     if impl not in DECODE_IMPLS:
@@ -181,16 +348,11 @@ def dilated_attention_with_kvcache(
             "torch.no_grad() or use dilated_attention for training"
         )
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    reason = triton_unavailable_reason(q)
-    if impl == "triton" and reason is not None:
-        raise ValueError(f"impl='triton' cannot run here: {reason}")
-    # auto: the kernel on CUDA; never the Triton interpreter (TRITON_INTERPRET=1), which is for tests
-    auto_triton = impl == "auto" and reason is None and q.is_cuda
-    chosen = "triton" if impl == "triton" or auto_triton else "torch"
-    if chosen == "triton":  # the kernel reads rows with unit stride in the last dim
-        q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
-    branches = _branch_rows(q.shape[2], seg, dil, head_assignment)
-    out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, branches, bool(causal), scale, chosen)
+    chosen = _choose_decode_impl(impl, q)
+    out, lse = decode_core(
+        q, k_cache, v_cache, seqlens, cache_leftpad, seg, dil,
+        causal=causal, scale=scale, head_assignment=head_assignment, impl=chosen,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 

@@ -3,7 +3,7 @@
 What a query reads (``docs/spec.md``; same rule as ``kernels/torch_decode.py``): for branch
 (w, r) the row at position i reads the keys ``j = seg0 + c + r*u`` of its own segment
 (``seg0 = (i // w) * w``, residue ``c = (i % w) % r``), ``u = 0 .. ceil(w / r) - 1``, up to
-``min(seg0 + w, S)`` (``j <= i`` when causal), ``S = cache_seqlens[b]``; query head h takes part
+``min(seg0 + w, S)`` (``j <= i`` when causal), ``S = cache_seqlens[b] - cache_leftpad[b]``; query head h takes part
 when it belongs to the branch and ``h % r == c``. At most ``sum_b ceil(w_b / r_b)`` keys per row,
 whatever the cache length.
 
@@ -20,8 +20,10 @@ Reduction: one program per (batch, row, head) merges its partials by LSE. Mergin
 all branches in one softmax is exactly the multiplicity softmax (a key two branches select sits
 in two blocks). A row with no key gets out = 0, lse = -inf.
 
-Cache slots: position p lives in slot ``p % cache_len`` (a ring buffer; a cache at least as long
-as the sequence is the plain cache). Offsets are computed in int64 (a 1M-row cache of one batch
+Cache slots: position p of row b is slot index ``cache_leftpad[b] + p`` and lives in slot
+``(cache_leftpad[b] + p) % cache_len`` (a ring buffer; a cache at least as long as the sequence is
+the plain cache). Keys a row does not select are never loaded (masked loads), so garbage in
+unwritten slots cannot reach the result. Offsets are computed in int64 (a 1M-row cache of one batch
 entry holds 2^30 elements).
 """
 
@@ -50,13 +52,13 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, K, V, SEQLENS, BR, OP, LP,
+        Q, K, V, SEQLENS, LEFTPAD, BR, OP, LP,
         sqb, sqt, sqh, skb, skn, skh, svb, svn, svh,
         sob, sot, soh, sos, slb, slt, slh,
         T, C, H, REP, NB,
         qk_scale,
         D: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, CAUSAL: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     ):  # fmt: skip
         sp = tl.program_id(0)  # split: (branch, key block)
         pid = tl.program_id(1)  # batch * nheads_kv + kv head
@@ -73,6 +75,11 @@ if triton is not None:
         he = tl.load(BR + bi * 5 + 3)
         blk = sp - tl.load(BR + bi * 5 + 4)
         seqlen = tl.load(SEQLENS + b)
+        if HAS_LEFTPAD:  # row b's sequence is slots [lpad, cache_seqlens[b]); negative counts as 0
+            lpad = tl.maximum(tl.load(LEFTPAD + b), 0)
+            seqlen = seqlen - lpad
+        else:
+            lpad = 0
 
         offs_h = tl.arange(0, BH)
         offs_n = tl.arange(0, BN)
@@ -94,7 +101,7 @@ if triton is not None:
             n_take = tl.sum(takes.to(tl.int32), axis=0)
             # a row at a negative position (cache_seqlens < seqlen_q) has no key
             if (n_take > 0) & (seg0 + c + r * blk * BN < end) & (i >= 0):
-                slot = (j % C).to(tl.int64)
+                slot = ((j + lpad) % C).to(tl.int64)  # j >= 0 here
                 q = tl.load(
                     Q + b * sqb + t * sqt + h[:, None] * sqh + offs_d[None, :],
                     mask=takes[:, None], other=0.0,
@@ -207,6 +214,7 @@ def decode_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
+    cache_leftpad: torch.Tensor | None,
     branches: list[tuple[int, int, int, int]],
     causal: bool,
     scale: float,
@@ -239,8 +247,9 @@ def decode_triton(
     out = torch.empty(bsz, nq, nh, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
     launch = {} if interp else dict(num_warps=num_warps, num_stages=1)
+    has_lpad = cache_leftpad is not None
     _decode_split_kernel[(nsplit, bsz * hkv)](
-        q, k_cache, v_cache, cache_seqlens, table, op, lp,
+        q, k_cache, v_cache, cache_seqlens, cache_leftpad if has_lpad else cache_seqlens, table, op, lp,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -249,7 +258,7 @@ def decode_triton(
         nq, cap, nh, rep, len(branches),
         scale * _LOG2E,
         D=d, BN=block_n, BH=max(16, triton.next_power_of_2(rep)), CAUSAL=causal,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_LEFTPAD=has_lpad,
         **launch,
     )  # fmt: skip
     bd = min(d, reduce_cols)
