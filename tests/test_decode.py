@@ -163,9 +163,9 @@ def test_api_routes_short_queries_to_decode(seed, monkeypatch):
     import dilated_attention.decode as decode
 
     calls = []
-    # the decode op itself (api._run_decode reaches it without the public entry point)
-    orig = decode._decode_op
-    monkeypatch.setattr(decode, "_decode_op", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    # the decode implementation (api._run_decode reaches it without the public entry point)
+    orig = decode._run
+    monkeypatch.setattr(decode, "_run", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
     q = torch.randn(2, 3, 4, 8, dtype=torch.float64)
     k = torch.randn(2, 30, 2, 8, dtype=torch.float64)
     v = torch.randn(2, 30, 2, 8, dtype=torch.float64)

@@ -78,9 +78,9 @@ def test_llama_generate_uses_decode_path_and_equals_manual_loop(num_kv_heads, mo
     import dilated_attention.decode as decode
 
     calls = []
-    # the decode op itself: dilated_attention reaches it without the public entry point
-    orig = decode._decode_op
-    monkeypatch.setattr(decode, "_decode_op", lambda *a, **kw: calls.append(a[0].shape[1]) or orig(*a, **kw))
+    # the decode implementation: dilated_attention reaches it without the public entry point
+    orig = decode._run
+    monkeypatch.setattr(decode, "_run", lambda *a, **kw: calls.append(a[0].shape[1]) or orig(*a, **kw))
     register_dilated_attention([8, 16], [1, 2], name="dilated", impl="torch")
     model = _llama("dilated", num_kv_heads)
     torch.manual_seed(1)

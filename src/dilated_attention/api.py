@@ -176,21 +176,15 @@ def _head_ranges(nheads: int, nbranches: int, head_assignment: str):
     return r
 
 
-_DECODE_BRANCHES: dict = {}
-
-
 def _run_decode(q, k, v, call: Call, chosen: str):
     """The decode path for a short query against a longer cache (validated inputs; the whole
     cache is valid: ``cache_seqlens = seqlen_k``). The one place ``dilated_attention`` reaches the
-    decode kernels (the decode module's validated core)."""
-    from . import decode
+    decode kernels: the decode module's validated core, no second round of checks."""
+    from .decode import decode_core
 
-    impl = pick_decode_impl(chosen, q)
-    if impl == "triton":  # the kernel reads rows with unit stride in the last dim
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
-    key = (q.shape[2], call.segment_lengths, call.dilation_rates, call.head_assignment)
-    branches = _DECODE_BRANCHES.get(key)
-    if branches is None:
-        branches = _DECODE_BRANCHES[key] = decode._branch_rows(*key)
-    return decode._decode_op(q, k, v, cache_seqlens, branches, call.causal, call.scale, impl)
+    return decode_core(
+        q, k, v, cache_seqlens, None, call.segment_lengths, call.dilation_rates,
+        causal=call.causal, scale=call.scale, head_assignment=call.head_assignment,
+        impl=pick_decode_impl(chosen, q),
+    )  # fmt: skip

@@ -17,7 +17,7 @@ cache grows (``cache_seqlens`` updated in place), and it runs under
 called directly (the custom op's Python dispatch costs more than the torch decode path's host work).
 
 Layers: :func:`dilated_attention_with_kvcache` (the public front door: every check, then
-:func:`_choose_decode_impl`) and :func:`decode_core` (validated inputs, an already chosen impl,
+:func:`.kernels.select.pick_decode_impl`) and :func:`decode_core` (validated inputs, an already chosen impl,
 no checks). What depends only on the configuration (the branch rows of the heads, the impl a
 device/dtype/headdim can run) is computed once and cached.
 
@@ -34,7 +34,6 @@ Implementations: ``kernels/triton_decode.py`` (GPU; on the CPU under ``TRITON_IN
 from __future__ import annotations
 
 import numbers
-import os
 from collections.abc import Sequence
 
 import torch
@@ -42,25 +41,13 @@ import torch
 from .branches import branch_head_ranges, normalize_branches
 from .checks import FLOAT_DTYPES, check_bool, check_head_assignment, resolve_scale
 from .kernels import torch_decode
+from .kernels.select import DECODE_IMPLS, MAX_DECODE_ROWS, backend_reason, pick_decode_impl
 
-MAX_DECODE_ROWS = 64  # the kernel walks the query rows one by one: meant for a few new tokens
-DECODE_IMPLS = ("auto", "torch", "triton")
 _INT32_MAX = 2**31 - 1
-
-_INTERPRET: bool | None = None
-
-
-def _interpret() -> bool:
-    """Triton's interpreter mode, decided once per process at the first decode call (not at
-    import: test modules set TRITON_INTERPRET before their first call)."""
-    global _INTERPRET
-    if _INTERPRET is None:
-        _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return _INTERPRET
 
 
 def _triton_decode():
-    # imported at the first decode call, not with the package: ``triton.jit`` picks the
+    # imported at the first Triton decode call, not with the package: ``triton.jit`` picks the
     # interpreter or the compiler when the kernels are defined, and test modules set
     # TRITON_INTERPRET after the package may have been imported by another module
     from .kernels import triton_decode
@@ -68,34 +55,10 @@ def _triton_decode():
     return triton_decode
 
 
-_REASONS: dict[tuple, str | None] = {}
-
-
 def triton_unavailable_reason(q: torch.Tensor) -> str | None:
-    """Why the Triton decode kernel cannot run on inputs like ``q`` (None if it can); the answer
-    depends only on (device, dtype, headdim) and is cached per triple."""
-    key = (q.device, q.dtype, q.shape[-1])
-    if torch.compiler.is_compiling():  # no cache mutation inside a traced graph
-        return _triton_decode().unavailable_reason(q, _interpret())
-    try:
-        return _REASONS[key]
-    except KeyError:
-        reason = _REASONS[key] = _triton_decode().unavailable_reason(q, _interpret())
-        return reason
-
-
-def _choose_decode_impl(impl: str, q: torch.Tensor) -> str:
-    """The decode implementation for ``impl`` ("auto", "torch", "triton") on inputs like ``q``:
-    "triton" or "torch". ``auto`` takes the kernel on CUDA where it can run, never the Triton
-    interpreter (TRITON_INTERPRET=1 is for tests). Raises where impl='triton' cannot run."""
-    if impl == "torch":
-        return "torch"
-    reason = triton_unavailable_reason(q)
-    if impl == "triton":
-        if reason is not None:
-            raise ValueError(f"impl='triton' cannot run here: {reason}")
-        return "triton"
-    return "triton" if reason is None and q.is_cuda else "torch"
+    """Why the Triton decode kernel cannot run on inputs like ``q`` (None if it can): the one
+    answer of :func:`.kernels.select.backend_reason`, cached per (device type, dtype, headdim)."""
+    return backend_reason("triton_decode", q.device.type, q.dtype, q.shape[-1])
 
 
 def _branch_rows(nheads: int, seg, dil, head_assignment: str) -> list[int]:
@@ -348,7 +311,7 @@ def dilated_attention_with_kvcache(
             "torch.no_grad() or use dilated_attention for training"
         )
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    chosen = _choose_decode_impl(impl, q)
+    chosen = pick_decode_impl(impl, q)
     out, lse = decode_core(
         q, k_cache, v_cache, seqlens, cache_leftpad, seg, dil,
         causal=causal, scale=scale, head_assignment=head_assignment, impl=chosen,
@@ -356,11 +319,3 @@ def dilated_attention_with_kvcache(
     return (out, lse) if return_lse else out
 
 
-def decode_applies(q, k, v, key_padding_mask, dropout_p: float) -> bool:
-    """Whether ``dilated_attention(q, k, v, ...)`` can take the decode path: a few query rows
-    against more keys, no padding mask, no dropout, no gradient needed."""
-    nq, nk = q.shape[1], k.shape[1]
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    # nk > nq first: for self-attention under torch.compile(dynamic=True) it is decided without a
-    # guard (same symbol), so nq's size never guards (no recompile at MAX_DECODE_ROWS)
-    return nk > nq and nq <= MAX_DECODE_ROWS and key_padding_mask is None and dropout_p == 0 and not needs_grad
