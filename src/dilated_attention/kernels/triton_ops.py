@@ -141,6 +141,139 @@ def _backward(ctx, dout, _dlse):
 _triton_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ------------------------------------------------------------------ packed documents (varlen)
+def _docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    # int32 offsets as the kernels read them (a no-op for the int32 tensors the API asks for)
+    return _launch.Docs(
+        cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
+        int(max_seqlen_k),
+    )
+
+
+@torch.library.custom_op("dilated_attention::triton_varlen_fwd", mutates_args=())
+def _triton_varlen_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    head_ranges: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # (total, H, D) -> (1, total, H, D): the batch kernels with the document offsets as input
+    out, lse = _launch.forward(
+        _last_dim_contiguous(q)[None], _last_dim_contiguous(k)[None],
+        _last_dim_contiguous(v)[None], None, segment_lengths, dilation_rates, causal, scale,
+        _pairs(head_ranges),
+        docs=_docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    )
+    return out[0], lse[0]
+
+
+@_triton_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
+      dilation_rates, head_ranges, causal, scale):
+    total, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((h, total), dtype=torch.float32)
+
+
+@torch.library.custom_op("dilated_attention::triton_varlen_bwd", mutates_args=())
+def _triton_varlen_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    head_ranges: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _launch.backward(
+        dout[None], _last_dim_contiguous(q)[None], _last_dim_contiguous(k)[None],
+        _last_dim_contiguous(v)[None], None, out[None], lse.contiguous()[None], segment_lengths,
+        dilation_rates, causal, scale, _pairs(head_ranges),
+        docs=_docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    )
+    return dq[0], dk[0], dv[0]
+
+
+@_triton_varlen_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      segment_lengths, dilation_rates, head_ranges, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, seg, dil, hr, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
+    ctx.args = (max_q, max_k, seg, dil, hr, causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    max_q, max_k, seg, dil, hr, causal, scale = ctx.args
+    with backward_context(q.device.type):
+        grads = _triton_varlen_bwd_op(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, seg, dil, hr, causal, scale
+        )
+    dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
+    return dq, dk, dv, *([None] * 9)
+
+
+_triton_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def dilated_attention_triton_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    segment_lengths,
+    dilation_rates,
+    *,
+    causal: bool,
+    scale: float,
+    head_assignment: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents through the fused kernels (validated inputs only: see varlen.py).
+
+    q: (total_q, H, D); k, v: (total_k, Hkv, D); cu_seqlens_q / cu_seqlens_k: int32 device
+    tensors (docs + 1) of document offsets (0 first, total last, non-decreasing, no document
+    with more queries than keys); max_seqlen_q / max_seqlen_k: Python ints >= every document's
+    length (they size the grid; the offsets are never read on the host). Document i is its own
+    sequence: its segments start at its first key row, its queries are bottom-right aligned in
+    it, causal is within it, nothing crosses a document boundary.
+
+    Returns out (total_q, H, D) in q's dtype and lse (H, total_q) float32 (not
+    differentiable); out is differentiable in q, k, v. One launch per branch and kernel, never
+    one per document: the grid covers docs x ceil(max_seqlen / w) segments and programs past a
+    document's end return at once.
+    """
+    ranges = branch_head_ranges(q.shape[1], len(segment_lengths), head_assignment)
+    return _triton_varlen_fwd_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        [int(w) for w in segment_lengths], [int(r) for r in dilation_rates], _flat(ranges),
+        bool(causal), float(scale),
+    )
+
+
 # ------------------------------------------------------------------------ entry points
 def _flat(head_ranges) -> list[int]:
     return [int(x) for hr in head_ranges for x in hr]
