@@ -41,8 +41,19 @@ compensated (hi, lo) accumulation of a result across branches (:func:`_acc_store
 ``STORE_LO`` is False for the last branch (its lo part is never read); ``FIRST`` for the
 first branch (nothing to add to).
 
-LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)``; a query with no key gets
-``out = 0`` and ``lse = -inf`` and zero gradients (never NaN).
+Packed documents (``VARLEN``, a constexpr of every kernel but the delta one): q, k, v are one
+(1, total, heads, headdim) stream and the batch index of the grid is a document index; the
+program reads the document's rows from the int32 offsets ``CU_Q`` / ``CU_K``
+(:func:`_doc_bounds`) and runs the same geometry with the document's own ``NK`` and
+``QOFF = nk - nq`` (segments start at its first key row, queries bottom-right aligned in it),
+base pointers at its first rows and the LSE / delta stride ``NQ`` = total_q. The grid is sized
+from the largest document (``max_seqlen``): programs past a document's end return at once. With
+``VARLEN=False`` the offsets are the implicit ``b * stride`` of the batch and the kernels compile
+to the code they compiled to before varlen existed (benchmarks/compare_kernel_ir.py: same TTIR).
+
+LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)`` (varlen: ``(1, nheads,
+total_q)``); a query with no key gets ``out = 0`` and ``lse = -inf`` and zero gradients (never
+NaN).
 """
 
 from __future__ import annotations
