@@ -75,3 +75,32 @@ def dense_flops(
     pairs = seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
     fwd = 4.0 * headdim * batch * nheads * pairs
     return fwd * 3.5 if backward else fwd
+
+
+def dilated_flops_varlen(
+    seqlens_q,
+    seqlens_k,
+    nheads: int,
+    headdim: int,
+    segment_lengths,
+    dilation_rates,
+    causal: bool = False,
+    head_assignment: str = "all",
+    backward: bool = False,
+) -> float:
+    """Useful FLOPs of dilated attention over packed documents: the sum over documents of
+    :func:`dilated_flops` of each document alone (document i has ``seqlens_q[i]`` queries,
+    bottom-right aligned in its ``seqlens_k[i]`` keys; ``backward=True``: forward + backward).
+    Lengths are Python ints (e.g. ``cu_seqlens.diff().tolist()``), one pair per document."""
+    seqlens_q, seqlens_k = list(seqlens_q), list(seqlens_k)
+    if len(seqlens_q) != len(seqlens_k):
+        raise ValueError(
+            f"seqlens_q has {len(seqlens_q)} documents and seqlens_k {len(seqlens_k)}: give one "
+            "length pair per document"
+        )
+    total = 0.0
+    for nq, nk in zip(seqlens_q, seqlens_k, strict=True):
+        if nq > 0:
+            total += dilated_flops(1, nq, nk, nheads, headdim, segment_lengths, dilation_rates,
+                                   causal, head_assignment, backward)
+    return total

@@ -41,8 +41,19 @@ compensated (hi, lo) accumulation of a result across branches (:func:`_acc_store
 ``STORE_LO`` is False for the last branch (its lo part is never read); ``FIRST`` for the
 first branch (nothing to add to).
 
-LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)``; a query with no key gets
-``out = 0`` and ``lse = -inf`` and zero gradients (never NaN).
+Packed documents (``VARLEN``, a constexpr of every kernel but the delta one): q, k, v are one
+(1, total, heads, headdim) stream and the batch index of the grid is a document index; the
+program reads the document's rows from the int32 offsets ``CU_Q`` / ``CU_K``
+(:func:`_doc_bounds`) and runs the same geometry with the document's own ``NK`` and
+``QOFF = nk - nq`` (segments start at its first key row, queries bottom-right aligned in it),
+base pointers at its first rows and the LSE / delta stride ``NQ`` = total_q. The grid is sized
+from the largest document (``max_seqlen``): programs past a document's end return at once. With
+``VARLEN=False`` the offsets are the implicit ``b * stride`` of the batch and the kernels compile
+to the code they compiled to before varlen existed (benchmarks/compare_kernel_ir.py: same TTIR).
+
+LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)`` (varlen: ``(1, nheads,
+total_q)``); a query with no key gets ``out = 0`` and ``lse = -inf`` and zero gradients (never
+NaN).
 """
 
 from __future__ import annotations
@@ -66,6 +77,20 @@ def _block_geometry(pid_s, h, W, R, NK):
     seg_start = pid_s * W
     L = (tl.minimum(W, NK - seg_start) - o + R - 1) // R
     return seg_start, o, L
+
+
+@triton.jit
+def _doc_bounds(CU_Q, CU_K, doc):
+    # packed documents (VARLEN): document doc holds query rows CU_Q[doc]:CU_Q[doc+1] and key
+    # rows CU_K[doc]:CU_K[doc+1]; returns (first query row, first key row) as int64 and the
+    # document's key count nk and query offset qoff = nk - nq (bottom-right alignment) as int32
+    q0 = tl.load(CU_Q + doc)
+    q1 = tl.load(CU_Q + doc + 1)
+    k0 = tl.load(CU_K + doc)
+    k1 = tl.load(CU_K + doc + 1)
+    nk = k1 - k0
+    qoff = nk - (q1 - q0)
+    return q0.to(tl.int64), k0.to(tl.int64), nk, qoff
 
 
 @triton.jit
@@ -212,13 +237,13 @@ def _dq_inner(
 
 @triton.jit
 def dilated_fwd_kernel(
-    Q, K, V, KPM, ACC_O, ACC_LO, ACC_L,
+    Q, K, V, KPM, ACC_O, ACC_LO, ACC_L, CU_Q, CU_K,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
     NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
     qk_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, FIRST: tl.constexpr, PREC: tl.constexpr,
-    COMP: tl.constexpr, STORE_LO: tl.constexpr,
+    COMP: tl.constexpr, STORE_LO: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -227,27 +252,42 @@ def dilated_fwd_kernel(
     b = pid_bh // NHB
     h = HS + pid_bh % NHB
     kvh = h // REP
-    seg_start, o, L = _block_geometry(pid_s, h, W, R, NK)
+    b64 = b.to(tl.int64)
+    if VARLEN:
+        q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
+        q_base = q0 * sqn
+        k_base = k0 * skn
+        v_base = k0 * svn
+        o_base = q0 * son
+        l_base = h * NQ + q0
+    else:
+        nk = NK
+        qoff = QOFF
+        q_base = b64 * sqb
+        k_base = b64 * skb
+        v_base = b64 * svb
+        o_base = b64 * sob
+        l_base = (b64 * H + h) * NQ
+    seg_start, o, L = _block_geometry(pid_s, h, W, R, nk)
     m_lo = pid_m * BM
     if m_lo >= L:
         return
     m_hi = tl.minimum(m_lo + BM, L)
-    if seg_start + o + R * (m_hi - 1) < QOFF:  # every query row of the block is before Nq
+    if seg_start + o + R * (m_hi - 1) < qoff:  # every query row of the block is before Nq
         return
     offs_m = m_lo + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     pos_m = (seg_start + o + R * offs_m).to(tl.int64)
-    qrow = pos_m - QOFF
+    qrow = pos_m - qoff
     valid_m = (offs_m < L) & (qrow >= 0)
-    b64 = b.to(tl.int64)
-    q_ptrs = Q + b64 * sqb + qrow[:, None] * sqn + h * sqh + offs_d[None, :]
+    q_ptrs = Q + q_base + qrow[:, None] * sqn + h * sqh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=valid_m[:, None], other=0.0)
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    kbase = K + b64 * skb + kvh * skh
-    vbase = V + b64 * svb + kvh * svh
+    kbase = K + k_base + kvh * skh
+    vbase = V + v_base + kvh * svh
     pos0 = seg_start + o
     # stage 1: key blocks that need no mask (full blocks, all visible); stage 2: the rest
     hi = L
@@ -273,9 +313,8 @@ def dilated_fwd_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     lse_b = tl.where(has, (m_i + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
     out_b = acc / l_safe[:, None]
-    hq = (b64 * H + h) * NQ
-    lptrs = ACC_L + hq + qrow
-    ooff = b64 * sob + qrow[:, None] * son + h * soh + offs_d[None, :]
+    lptrs = ACC_L + l_base + qrow
+    ooff = o_base + qrow[:, None] * son + h * soh + offs_d[None, :]
     optrs = ACC_O + ooff
     if FIRST:
         new_lse = lse_b
@@ -300,16 +339,18 @@ def dilated_fwd_kernel(
 
 @triton.jit
 def dilated_fwd_folded_kernel(
-    Q, K, V, KPM, OUT, LSE, BRS,
+    Q, K, V, KPM, OUT, LSE, BRS, CU_Q, CU_K,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
     N, H, REP, NB, WMIN, RMAX, NT,
     qk_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KPM: tl.constexpr, PREC: tl.constexpr,
+    HAS_KPM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # one program = BM rows of one (batch, head) congruent to c mod RMAX inside one WMIN-aligned
     # window; every branch takes all of them or none (see triton_launch.fold_geometry), so ONE
-    # online softmax runs over the concatenated key lists of its branches: no merge, one write
+    # online softmax runs over the concatenated key lists of its branches: no merge, one write.
+    # VARLEN: every document has as many queries as keys (the launcher folds only then); N is
+    # the total row count (the LSE stride) and n the document's length
     pid0 = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_t = pid0 % NT
@@ -319,24 +360,38 @@ def dilated_fwd_folded_kernel(
     b = pid_bh // H
     h = pid_bh % H
     kvh = h // REP
+    b64 = b.to(tl.int64)
+    if VARLEN:
+        q0, k0, n, _qoff = _doc_bounds(CU_Q, CU_K, b)
+        q_base = q0 * sqn
+        k_base = k0 * skn
+        v_base = k0 * svn
+        o_base = q0 * son
+        l_base = h * N + q0
+    else:
+        n = N
+        q_base = b64 * sqb
+        k_base = b64 * skb
+        v_base = b64 * svb
+        o_base = b64 * sob
+        l_base = (b64 * H + h) * N
     t0 = pid_t * BM
     offs_t = t0 + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     pos_m = (win * WMIN + c + RMAX * offs_t).to(tl.int64)
-    valid_m = (offs_t < WMIN // RMAX) & (pos_m < N)
-    b64 = b.to(tl.int64)
-    q = tl.load(Q + b64 * sqb + pos_m[:, None] * sqn + h * sqh + offs_d[None, :],
+    valid_m = (offs_t < WMIN // RMAX) & (pos_m < n)
+    q = tl.load(Q + q_base + pos_m[:, None] * sqn + h * sqh + offs_d[None, :],
                 mask=valid_m[:, None], other=0.0)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    kbase = K + b64 * skb + kvh * skh
-    vbase = V + b64 * svb + kvh * svh
+    kbase = K + k_base + kvh * skh
+    vbase = V + v_base + kvh * svh
     kpm_base = KPM + b64 * skpb
     first_pos = win * WMIN + c + RMAX * t0  # smallest row of the tile
     last_pos = tl.minimum(win * WMIN + c + RMAX * tl.minimum(t0 + BM - 1, WMIN // RMAX - 1),
-                          N - 1)
-    if first_pos < N:
+                          n - 1)
+    if first_pos < n:
         for bi in range(NB):
             W = tl.load(BRS + 4 * bi)
             R = tl.load(BRS + 4 * bi + 1)
@@ -345,7 +400,7 @@ def dilated_fwd_folded_kernel(
             o = h % R
             if (c % R == o) & (h >= hs) & (h < he):
                 seg_start = (first_pos // W) * W
-                L = (tl.minimum(W, N - seg_start) - o + R - 1) // R
+                L = (tl.minimum(W, n - seg_start) - o + R - 1) // R
                 offs_m = (pos_m - seg_start - o) // R  # this branch's row index of each row
                 hi = L
                 mid = 0
@@ -368,8 +423,8 @@ def dilated_fwd_folded_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     lse = tl.where(has, (m_i + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
     out = acc / l_safe[:, None]
-    tl.store(LSE + (b64 * H + h) * N + pos_m, lse, mask=valid_m)
-    tl.store(OUT + b64 * sob + pos_m[:, None] * son + h * soh + offs_d[None, :],
+    tl.store(LSE + l_base + pos_m, lse, mask=valid_m)
+    tl.store(OUT + o_base + pos_m[:, None] * son + h * soh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=valid_m[:, None])
 
 
@@ -390,13 +445,14 @@ def dilated_bwd_delta_kernel(O, DO, DELTA, NROWS, NQ, H, D: tl.constexpr, BR: tl
 
 @triton.jit
 def dilated_bwd_dkdv_kernel(
-    Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO,
+    Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO, CU_Q, CU_K,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
     sdkb, sdkn, sdkh, sdvb, sdvn, sdvh,
     NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, W, R, S0, NNB,
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, PREC: tl.constexpr, COMP: tl.constexpr, STORE_LO: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     pid_x = tl.program_id(1)
@@ -411,7 +467,27 @@ def dilated_bwd_dkdv_kernel(
     h_end = tl.minimum((g + 1) * REP, HE)
     if h_start >= h_end:
         return
-    seg_start, o, L = _block_geometry(pid_s, h0, W, R, NK)
+    b64 = b.to(tl.int64)
+    if VARLEN:
+        q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
+        q_base = q0 * sqn
+        do_base = q0 * sdon
+        l_base = q0
+        k_base = k0 * skn
+        v_base = k0 * svn
+        dk_base = k0 * sdkn
+        dv_base = k0 * sdvn
+    else:
+        nk = NK
+        qoff = QOFF
+        q_base = b64 * sqb
+        do_base = b64 * sdob
+        l_base = b64 * H * NQ
+        k_base = b64 * skb
+        v_base = b64 * svb
+        dk_base = b64 * sdkb
+        dv_base = b64 * sdvb
+    seg_start, o, L = _block_geometry(pid_s, h0, W, R, nk)
     n_lo = pid_n * BN
     if n_lo >= L:
         return
@@ -419,10 +495,9 @@ def dilated_bwd_dkdv_kernel(
     offs_d = tl.arange(0, D)
     valid_n = offs_n < L
     pos_n = (seg_start + o + R * offs_n).to(tl.int64)
-    b64 = b.to(tl.int64)
-    k = tl.load(K + b64 * skb + pos_n[:, None] * skn + g * skh + offs_d[None, :],
+    k = tl.load(K + k_base + pos_n[:, None] * skn + g * skh + offs_d[None, :],
                 mask=valid_n[:, None], other=0.0)
-    v = tl.load(V + b64 * svb + pos_n[:, None] * svn + g * svh + offs_d[None, :],
+    v = tl.load(V + v_base + pos_n[:, None] * svn + g * svh + offs_d[None, :],
                 mask=valid_n[:, None], other=0.0)
     valid_k = valid_n
     if HAS_KPM:
@@ -432,16 +507,16 @@ def dilated_bwd_dkdv_kernel(
     dv = tl.zeros([BN, D], tl.float32)
     # first query row of the block that exists (seqlen_q < seqlen_k) and, if causal, that
     # can see this key block
-    t_q0 = tl.maximum(QOFF - seg_start - o + R - 1, 0) // R
+    t_q0 = tl.maximum(qoff - seg_start - o + R - 1, 0) // R
     m_start = t_q0 // BM * BM
     if CAUSAL:
         m_start = tl.maximum(m_start, n_lo // BM * BM)
     nmb = tl.maximum(L - m_start + BM - 1, 0) // BM
     nhl = (h_end - h_start + R - 1) // R
-    Qb = Q + b64 * sqb
-    DOb = DO + b64 * sdob
-    LSEb = LSE + b64 * H * NQ
-    DELTAb = DELTA + b64 * H * NQ
+    Qb = Q + q_base
+    DOb = DO + do_base
+    LSEb = LSE + l_base
+    DELTAb = DELTA + l_base
     pos0 = seg_start + o
     # masked stage: query blocks that straddle the causal diagonal (all of them with a key
     # padding mask); then the mask-free stage. Key rows past L (partial key block) need no
@@ -453,31 +528,32 @@ def dilated_bwd_dkdv_kernel(
     else:
         ndiag = nmb * 0
     dk, dv = _dkdv_inner(
-        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qoff, pos0, R, L,
         h_start, m_start, 0, ndiag, nhl, offs_n, valid_k, qk_scale,
         D, BM, CAUSAL, HAS_KPM, PREC, True,
     )
     dk, dv = _dkdv_inner(
-        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qoff, pos0, R, L,
         h_start, m_start, ndiag, nmb - ndiag, nhl, offs_n, valid_k, qk_scale,
         D, BM, CAUSAL, HAS_KPM, PREC, False,
     )
     dk = dk * sm_scale
-    dk_off = b64 * sdkb + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
-    dv_off = b64 * sdvb + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
+    dk_off = dk_base + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
+    dv_off = dv_base + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
     _acc_store(DK + dk_off, DK_LO + dk_off, dk, valid_n[:, None], False, COMP, STORE_LO)
     _acc_store(DV + dv_off, DV_LO + dv_off, dv, valid_n[:, None], False, COMP, STORE_LO)
 
 
 @triton.jit
 def dilated_bwd_dq_kernel(
-    Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO,
+    Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO, CU_Q, CU_K,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
     sdqb, sdqn, sdqh,
     NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, PREC: tl.constexpr, COMP: tl.constexpr, STORE_LO: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -486,24 +562,40 @@ def dilated_bwd_dq_kernel(
     b = pid_bh // NHB
     h = HS + pid_bh % NHB
     kvh = h // REP
-    seg_start, o, L = _block_geometry(pid_s, h, W, R, NK)
+    b64 = b.to(tl.int64)
+    if VARLEN:
+        q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
+        q_base = q0 * sqn
+        do_base = q0 * sdon
+        dq_base = q0 * sdqn
+        hq = h * NQ + q0
+        k_base = k0 * skn
+        v_base = k0 * svn
+    else:
+        nk = NK
+        qoff = QOFF
+        q_base = b64 * sqb
+        do_base = b64 * sdob
+        dq_base = b64 * sdqb
+        hq = (b64 * H + h) * NQ
+        k_base = b64 * skb
+        v_base = b64 * svb
+    seg_start, o, L = _block_geometry(pid_s, h, W, R, nk)
     m_lo = pid_m * BM
     if m_lo >= L:
         return
     m_hi = tl.minimum(m_lo + BM, L)
-    if seg_start + o + R * (m_hi - 1) < QOFF:
+    if seg_start + o + R * (m_hi - 1) < qoff:
         return
     offs_m = m_lo + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     pos_m = (seg_start + o + R * offs_m).to(tl.int64)
-    qrow = pos_m - QOFF
+    qrow = pos_m - qoff
     valid_m = (offs_m < L) & (qrow >= 0)
-    b64 = b.to(tl.int64)
-    q = tl.load(Q + b64 * sqb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
+    q = tl.load(Q + q_base + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
                 mask=valid_m[:, None], other=0.0)
-    do = tl.load(DO + b64 * sdob + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
+    do = tl.load(DO + do_base + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
                  mask=valid_m[:, None], other=0.0)
-    hq = (b64 * H + h) * NQ
     lse = tl.load(LSE + hq + qrow, mask=valid_m, other=float("inf"))
     # rows with no key (lse = -inf) and rows that do not exist (other=+inf) get p = 0
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
@@ -512,8 +604,8 @@ def dilated_bwd_dq_kernel(
     hi = L
     if CAUSAL:
         hi = m_hi
-    Kb = K + b64 * skb + kvh * skh
-    Vb = V + b64 * svb + kvh * svh
+    Kb = K + k_base + kvh * skh
+    Vb = V + v_base + kvh * svh
     KPMb = KPM + b64 * skpb
     pos0 = seg_start + o
     # stage 1: full, fully visible key blocks without masks; stage 2: the rest
@@ -532,5 +624,5 @@ def dilated_bwd_dq_kernel(
         qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
     )
     dq = dq * sm_scale
-    dq_off = b64 * sdqb + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
+    dq_off = dq_base + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
     _acc_store(DQ + dq_off, DQ_LO + dq_off, dq, valid_m[:, None], False, COMP, STORE_LO)

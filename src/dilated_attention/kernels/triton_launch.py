@@ -17,6 +17,7 @@ dK/dV launches run before all dQ launches, so only one phase's lo buffers are al
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -143,29 +144,88 @@ def _branch_table(branches: tuple, device: torch.device) -> torch.Tensor:
     return int32_table([list(b) for b in branches], device)
 
 
-def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg):
+class Docs(NamedTuple):
+    """Packed documents (varlen): document i holds query rows ``cu_q[i]:cu_q[i+1]`` and key
+    rows ``cu_k[i]:cu_k[i+1]`` of a (1, total, heads, headdim) tensor; int32 device tensors of
+    shape (docs + 1); ``max_q``/``max_k`` bound every document's lengths (they size the grid:
+    the launch never reads the offsets on the host)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    def same_offsets(self) -> bool:
+        """True when queries and keys share the offsets (same storage, so same values without
+        reading them): every document then has as many queries as keys."""
+        a, b = self.cu_q, self.cu_k
+        return (
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and self.max_q == self.max_k
+        )
+
+
+class _Layout(NamedTuple):
+    # what a launch needs to know of the batch or of the packed documents
+    programs: int  # batch entries or documents: the grid's second axis counts them
+    nq: int  # batch: seqlen_q; varlen: max_seqlen_q (grid sizing only)
+    nk: int  # batch: seqlen_k; varlen: max_seqlen_k (grid sizing only)
+    nq_stride: int  # the LSE / delta row stride: seqlen_q, or total_q
+    qoff: int  # batch: nk - nq (varlen: per document, read in the kernel)
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    varlen: bool
+
+    def segments(self, w: int) -> tuple[int, int]:
+        # first segment that holds a query, number of segments to launch; varlen: a document's
+        # first query segment is known only in the kernel (which skips the segments before it)
+        if self.varlen:
+            return 0, -(-self.nk // w)
+        return query_segments(self.nq, self.nk, w)
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, docs: Docs | None) -> _Layout:
+    if docs is None:
+        bsz, nq = q.shape[:2]
+        nk = k.shape[1]
+        return _Layout(bsz, nq, nk, nq, nk - nq, q, q, False)  # q: dummy pointers, never read
+    return _Layout(
+        docs.cu_q.shape[0] - 1, docs.max_q, docs.max_k, q.shape[1], 0, docs.cu_q, docs.cu_k, True
+    )
+
+
+def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
     bsz, n, nh, d = q.shape
     bm, bn = cfg[:2]
     out = torch.empty_like(q)
     lse = torch.empty(bsz, nh, n, dtype=torch.float32, device=q.device)
+    if lay.varlen:
+        # rows of no document (past the last offset: none when the offsets cover the tensor,
+        # as the caller checks) keep these values
+        out.zero_()
+        lse.fill_(float("-inf"))
     brs = _branch_table(tuple(branches), q.device)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
     nt = triton.cdiv(wmin // rmax, bm)
-    grid = (nt * rmax * triton.cdiv(n, wmin), bsz * nh)
+    grid = (nt * rmax * triton.cdiv(lay.nk, wmin), lay.programs * nh)
+    if grid[0] * grid[1] == 0:
+        return out, lse
     kern.dilated_fwd_folded_kernel[grid](
-        q, k, v, kp, out, lse, brs,
+        q, k, v, kp, out, lse, brs, lay.cu_q, lay.cu_k,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), skp,
         out.stride(0), out.stride(1), out.stride(2),
         n, nh, nh // k.shape[2], len(branches), wmin, rmax, nt,
         scale * kern.LOG2E.value,
         D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=_prec(q.dtype),
+        VARLEN=lay.varlen,
         **_launch_kw(cfg),
     )
     return out, lse
 
 
-def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, fold=None):
+def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, fold=None,
+            docs: Docs | None = None):
     """out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 of the branches given.
 
     q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D), last dim contiguous; kpm: (B, Nk) bool or None;
@@ -175,46 +235,60 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     whole w_min window, so the causal diagonal crosses every key block: measured slower, see
     benchmarks/NOTES_triton.md); True folds whenever the geometry allows, causal too; False
     never (per-branch launches + merge).
+
+    ``docs``: packed documents (:class:`Docs`); then B = 1, q is (1, total_q, H, D), k, v
+    (1, total_k, Hkv, D), kpm None, and each document is its own sequence. Folding needs
+    queries and keys to share the offsets (:meth:`Docs.same_offsets`).
     """
     bsz, nq, nh, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
+    lay = _layout(q, k, docs)
     cfg = resolve_configs(d, config)["fwd"]
     branches = branch_list(seg, dil, head_ranges)
-    geo = None if fold is False or (fold is None and causal) else fold_geometry(nq, nk, branches)
+    if fold is False or (fold is None and causal) or (docs is not None and not docs.same_offsets()):
+        geo = None
+    else:
+        geo = fold_geometry(lay.nq, lay.nk, branches)
     if geo is not None:
-        return _fwd_folded(q, k, v, kpm, causal, scale, branches, *geo, cfg)
+        return _fwd_folded(q, k, v, kpm, causal, scale, branches, *geo, cfg, lay)
     bm, bn = cfg[:2]
     several = _rows_with_several_branches(nh, hkv, head_ranges)[0]
     acc_o, acc_lo = _acc_buffers((bsz, nq, nh, d), q.dtype, q.device, several)
     acc_l = torch.full((bsz, nh, nq), float("-inf"), dtype=torch.float32, device=q.device)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
-    qoff = nk - nq
+    first = True
     for bi, (w, r, hs, he) in enumerate(branches):
-        s0, nseg = query_segments(nq, nk, w)
-        nm = triton.cdiv(max_block_length(nk, w, r), bm)
-        grid = (nm * nseg, bsz * (he - hs))
+        s0, nseg = lay.segments(w)
+        nm = triton.cdiv(max_block_length(lay.nk, w, r), bm)
+        grid = (nm * nseg, lay.programs * (he - hs))
+        if grid[0] * grid[1] == 0:
+            continue
         kern.dilated_fwd_kernel[grid](
-            q, k, v, kp, acc_o, acc_o if acc_lo is None else acc_lo, acc_l,
+            q, k, v, kp, acc_o, acc_o if acc_lo is None else acc_lo, acc_l, lay.cu_q, lay.cu_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), skp,
             acc_o.stride(0), acc_o.stride(1), acc_o.stride(2),
-            nq, nk, qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
+            lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
             scale * kern.LOG2E.value,
-            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=bi == 0, PREC=_prec(q.dtype),
-            COMP=acc_lo is not None, STORE_LO=bi < len(branches) - 1,
+            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=first, PREC=_prec(q.dtype),
+            COMP=acc_lo is not None, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
             **_launch_kw(cfg),
         )
+        first = False
     return acc_o, acc_l
 
 
-def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None):
+def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,
+             docs: Docs | None = None):
     """dq, dk, dv (input dtypes) of the branches given, with the FINAL out and lse (which may
     include branches not given here: every branch's share is independent).
 
-    Shapes as :func:`forward`; lse (B, H, Nq) float32 contiguous. ``config`` as there.
+    Shapes as :func:`forward`; lse (B, H, Nq) float32 contiguous. ``config`` and ``docs`` as
+    there.
     """
     bsz, nq, nh, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
+    lay = _layout(q, k, docs)
     rep = nh // hkv
     cfgs = resolve_configs(d, config)
     dout = dout.contiguous()
@@ -222,12 +296,12 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     delta = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
     nrows = bsz * nq * nh
     br = 16 if INTERPRET else 64
-    kern.dilated_bwd_delta_kernel[(triton.cdiv(nrows, br),)](
-        out, dout, delta, nrows, nq, nh, D=d, BR=br
-    )
+    if nrows > 0:
+        kern.dilated_bwd_delta_kernel[(triton.cdiv(nrows, br),)](
+            out, dout, delta, nrows, nq, nh, D=d, BR=br
+        )
     several_q, several_kv = _rows_with_several_branches(nh, hkv, head_ranges)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
-    qoff = nk - nq
     prec = _prec(q.dtype)
     qk_scale = scale * kern.LOG2E.value
     strides_in = (
@@ -237,7 +311,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     branches = branch_list(seg, dil, head_ranges)
 
     def geom(w, r):  # first segment with a query, number of such segments, longest block
-        return (*query_segments(nq, nk, w), max_block_length(nk, w, r))
+        return (*lay.segments(w), max_block_length(lay.nk, w, r))
 
     # all dK/dV first, then all dQ, so that at most one phase's lo buffers are alive (peak: the
     # inputs, out, dout, lse, delta, the results and 2 lo buffers, each the size of a result)
@@ -248,14 +322,18 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
         s0, nseg, lmax = geom(w, r)
         nnb = -(-lmax // bn)
         ni = min(rep, r)
-        kern.dilated_bwd_dkdv_kernel[(nnb * nseg, bsz * hkv * ni)](
+        grid = (nnb * nseg, lay.programs * hkv * ni)
+        if grid[0] * grid[1] == 0:
+            continue
+        kern.dilated_bwd_dkdv_kernel[grid](
             q, k, v, kp, dout, lse, delta, dk, dv,
-            dk if dk_lo is None else dk_lo, dv if dv_lo is None else dv_lo, *strides_in,
+            dk if dk_lo is None else dk_lo, dv if dv_lo is None else dv_lo, lay.cu_q, lay.cu_k,
+            *strides_in,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            nq, nk, qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
+            lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
             qk_scale, scale,
             D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
-            COMP=dk_lo is not None, STORE_LO=bi < len(branches) - 1,
+            COMP=dk_lo is not None, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
             **_launch_kw(cfgs["dkdv"]),
         )
     del dk_lo, dv_lo
@@ -264,13 +342,17 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     for bi, (w, r, hs, he) in enumerate(branches):
         s0, nseg, lmax = geom(w, r)
         nm = -(-lmax // bm)
-        kern.dilated_bwd_dq_kernel[(nm * nseg, bsz * (he - hs))](
-            q, k, v, kp, dout, lse, delta, dq, dq if dq_lo is None else dq_lo, *strides_in,
+        grid = (nm * nseg, lay.programs * (he - hs))
+        if grid[0] * grid[1] == 0:
+            continue
+        kern.dilated_bwd_dq_kernel[grid](
+            q, k, v, kp, dout, lse, delta, dq, dq if dq_lo is None else dq_lo,
+            lay.cu_q, lay.cu_k, *strides_in,
             dq.stride(0), dq.stride(1), dq.stride(2),
-            nq, nk, qoff, hs, he - hs, nh, rep, w, r, s0, nm,
+            lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, rep, w, r, s0, nm,
             qk_scale, scale,
             D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
-            COMP=dq_lo is not None, STORE_LO=bi < len(branches) - 1,
+            COMP=dq_lo is not None, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
             **_launch_kw(cfgs["dq"]),
         )
     return dq, dk, dv

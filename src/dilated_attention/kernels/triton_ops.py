@@ -69,6 +69,23 @@ def _pairs(flat: list[int]) -> list[tuple[int, int]]:
     return list(zip(flat[::2], flat[1::2], strict=True))
 
 
+def _fwd_impl(q, k, v, key_padding_mask, segment_lengths, dilation_rates, head_ranges, causal,
+              scale):
+    return _launch.forward(
+        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
+        key_padding_mask, segment_lengths, dilation_rates, causal, scale, _pairs(head_ranges),
+    )
+
+
+def _bwd_impl(dout, q, k, v, key_padding_mask, out, lse, segment_lengths, dilation_rates,
+              head_ranges, causal, scale):
+    return _launch.backward(
+        dout, _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
+        key_padding_mask, out, lse.contiguous(), segment_lengths, dilation_rates, causal, scale,
+        _pairs(head_ranges),
+    )
+
+
 @torch.library.custom_op("dilated_attention::triton_fwd", mutates_args=())
 def _triton_fwd_op(
     q: torch.Tensor,
@@ -81,10 +98,8 @@ def _triton_fwd_op(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch.forward(
-        _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-        key_padding_mask, segment_lengths, dilation_rates, causal, scale, _pairs(head_ranges),
-    )
+    return _fwd_impl(q, k, v, key_padding_mask, segment_lengths, dilation_rates, head_ranges,
+                     causal, scale)
 
 
 @_triton_fwd_op.register_fake
@@ -108,11 +123,8 @@ def _triton_bwd_op(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _launch.backward(
-        dout, _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-        key_padding_mask, out, lse.contiguous(), segment_lengths, dilation_rates, causal, scale,
-        _pairs(head_ranges),
-    )
+    return _bwd_impl(dout, q, k, v, key_padding_mask, out, lse, segment_lengths, dilation_rates,
+                     head_ranges, causal, scale)
 
 
 @_triton_bwd_op.register_fake
@@ -129,16 +141,198 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, _dlse, bwd=None):
     q, k, v, kpm, out, lse = ctx.saved_tensors
     seg, dil, hr, causal, scale = ctx.args
     with backward_context(q.device.type):
-        grads = _triton_bwd_op(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
+        grads = (bwd or _triton_bwd_op)(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
     dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
     return dq, dk, dv, None, None, None, None, None, None
 
 
 _triton_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFused(torch.autograd.Function):
+    """The same forward and backward as the custom op, called directly in eager mode: a
+    ``torch.library.custom_op`` call costs tens of microseconds of Python dispatch per call
+    (issue 23: ~1.1 ms per training step), an autograd.Function a few. Under ``torch.compile``
+    the custom op is used (it has the fake implementation the tracer needs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kpm, seg, dil, hr, causal, scale):
+        out, lse = _fwd_impl(q, k, v, kpm, seg, dil, hr, causal, scale)
+        _setup_context(ctx, (q, k, v, kpm, seg, dil, hr, causal, scale), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, bwd=_bwd_impl)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+# ------------------------------------------------------------------ packed documents (varlen)
+def _docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    # int32 offsets as the kernels read them (a no-op for the int32 tensors the API asks for)
+    return _launch.Docs(
+        cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
+        int(max_seqlen_k),
+    )
+
+
+@torch.library.custom_op("dilated_attention::triton_varlen_fwd", mutates_args=())
+def _triton_varlen_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    head_ranges: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            segment_lengths, dilation_rates, head_ranges, causal, scale)
+
+
+def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     segment_lengths, dilation_rates, head_ranges, causal, scale):
+    # (total, H, D) -> (1, total, H, D): the batch kernels with the document offsets as input
+    out, lse = _launch.forward(
+        _last_dim_contiguous(q)[None], _last_dim_contiguous(k)[None],
+        _last_dim_contiguous(v)[None], None, segment_lengths, dilation_rates, causal, scale,
+        _pairs(head_ranges),
+        docs=_docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    )
+    return out[0], lse[0]
+
+
+def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, segment_lengths, dilation_rates, head_ranges, causal, scale):
+    dq, dk, dv = _launch.backward(
+        dout[None], _last_dim_contiguous(q)[None], _last_dim_contiguous(k)[None],
+        _last_dim_contiguous(v)[None], None, out[None], lse.contiguous()[None], segment_lengths,
+        dilation_rates, causal, scale, _pairs(head_ranges),
+        docs=_docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    )
+    return dq[0], dk[0], dv[0]
+
+
+@_triton_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
+      dilation_rates, head_ranges, causal, scale):
+    total, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((h, total), dtype=torch.float32)
+
+
+@torch.library.custom_op("dilated_attention::triton_varlen_bwd", mutates_args=())
+def _triton_varlen_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    head_ranges: list[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, segment_lengths, dilation_rates, head_ranges, causal,
+                            scale)
+
+
+@_triton_varlen_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      segment_lengths, dilation_rates, head_ranges, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, seg, dil, hr, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
+    ctx.args = (max_q, max_k, seg, dil, hr, causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, _dlse, bwd=None):
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    max_q, max_k, seg, dil, hr, causal, scale = ctx.args
+    with backward_context(q.device.type):
+        grads = (bwd or _triton_varlen_bwd_op)(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, seg, dil, hr, causal, scale
+        )
+    dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
+    return dq, dk, dv, *([None] * 9)
+
+
+_triton_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """:class:`_EagerFused` for packed documents."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, lse = _varlen_fwd_impl(*inputs)
+        _varlen_setup_context(ctx, inputs, (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _varlen_backward(ctx, dout, dlse, bwd=_varlen_bwd_impl)
+
+
+def dilated_attention_triton_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    segment_lengths,
+    dilation_rates,
+    *,
+    causal: bool,
+    scale: float,
+    head_assignment: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents through the fused kernels (validated inputs only: see varlen.py).
+
+    q: (total_q, H, D); k, v: (total_k, Hkv, D); cu_seqlens_q / cu_seqlens_k: int32 device
+    tensors (docs + 1) of document offsets (0 first, total last, non-decreasing, no document
+    with more queries than keys); max_seqlen_q / max_seqlen_k: Python ints >= every document's
+    length (they size the grid; the offsets are never read on the host). Document i is its own
+    sequence: its segments start at its first key row, its queries are bottom-right aligned in
+    it, causal is within it, nothing crosses a document boundary.
+
+    Returns out (total_q, H, D) in q's dtype and lse (H, total_q) float32 (not
+    differentiable); out is differentiable in q, k, v. One launch per branch and kernel, never
+    one per document: the grid covers docs x ceil(max_seqlen / w) segments and programs past a
+    document's end return at once.
+    """
+    ranges = branch_head_ranges(q.shape[1], len(segment_lengths), head_assignment)
+    op = _triton_varlen_fwd_op if _compiling() else _EagerVarlen.apply
+    return op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        [int(w) for w in segment_lengths], [int(r) for r in dilation_rates], _flat(ranges),
+        bool(causal), float(scale),
+    )
 
 
 # ------------------------------------------------------------------------ entry points
@@ -163,9 +357,11 @@ def triton_forward(
     q: (B, Nq, H, D); k, v: (B, Nk, Hkv, D); key_padding_mask: (B, Nk) bool, True = pad;
     head_ranges: [(head start, head stop)] per branch (global head indices, may be empty).
     Returns out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 of those branches only;
-    differentiable in q, k, v through the registered autograd.
+    differentiable in q, k, v through the registered autograd. Eager calls skip the custom
+    op's dispatch (:class:`_EagerFused`: same functions); torch.compile traces the custom op.
     """
-    return _triton_fwd_op(
+    op = _triton_fwd_op if _compiling() else _EagerFused.apply
+    return op(
         q, k, v, key_padding_mask, [int(w) for w in segment_lengths],
         [int(r) for r in dilation_rates], _flat(head_ranges), bool(causal), float(scale),
     )
@@ -189,7 +385,8 @@ def triton_backward(
     """``torch.ops.dilated_attention.triton_bwd``: dq, dk, dv (input dtypes) of the branches
     given, from the FINAL out (B, Nq, H, D) and lse (B, H, Nq) float32, which may include
     branches not given here (every branch's share of the gradient is independent)."""
-    return _triton_bwd_op(
+    op = _triton_bwd_op if _compiling() else _bwd_impl
+    return op(
         dout, q, k, v, key_padding_mask, out, lse, [int(w) for w in segment_lengths],
         [int(r) for r in dilation_rates], _flat(head_ranges), bool(causal), float(scale),
     )

@@ -1,0 +1,296 @@
+"""Benchmark: dilated attention over packed documents (varlen) on the fused Triton kernel (issue 22).
+
+A packed batch: document lengths drawn from a lognormal (seeded) with mean ``--mean-len``,
+``--total`` tokens in all (the last document cut to fit), ``--heads`` x ``--headdim``, bf16,
+LongNet branches. Forward and forward+backward median times of
+
+  (a) varlen:   the packed stream through ``dilated_attention_triton_varlen`` (document offsets
+                as a kernel input, one launch per branch and kernel);
+  (b) one seq:  one sequence of ``--total`` tokens through the batch path (impl="triton"): the
+                rate to match, per useful FLOP;
+  (c) padded:   every document padded to the longest, a batch with key_padding_mask
+                (impl="triton"): what packing replaces;
+  (d) dense:    dense SDPA over the packed stream as one sequence, and dense varlen attention
+                (``torch.nn.attention.varlen.varlen_attn``) where this torch has it.
+
+Useful TFLOP/s as docs/spec.md defines them (``dilated_attention.flops``): (a) and (c) count
+the documents' own pairs (``dilated_flops_varlen``, a sum over documents), (b) its one
+sequence's, dense SDPA N^2, dense varlen the sum of each document's dense pairs. Targets (issue
+22): (a) fwd+bwd within 1.1x of (b)'s time per useful FLOP, and >= 1.8x faster than (c).
+
+    PYTHONPATH=src python3 benchmarks/bench_varlen.py                 # H100: writes the results
+    PYTHONPATH=src python3 benchmarks/bench_varlen.py --tiny --out /tmp/v.md   # CPU smoke test
+
+``--tiny`` runs a few hundred tokens in float32 on the CPU (Triton's interpreter; the timings
+mean nothing there, it checks that every row runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import shlex
+import sys
+import time
+
+import torch
+
+if "--tiny" in sys.argv[1:] and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
+
+import torch.nn.functional as F  # noqa: E402
+
+from dilated_attention import dilated_attention  # noqa: E402
+from dilated_attention.flops import dense_flops, dilated_flops, dilated_flops_varlen  # noqa: E402
+from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen  # noqa: E402
+
+
+def document_lengths(total: int, mean: float, sigma: float, seed: int) -> list[int]:
+    """Lognormal lengths (mean ``mean``) drawn until they cover ``total``; the last one is cut."""
+    g = torch.Generator().manual_seed(seed)
+    mu = math.log(mean) - sigma**2 / 2  # E[exp(N(mu, sigma^2))] = mean
+    lens: list[int] = []
+    while sum(lens) < total:
+        x = torch.empty(1).log_normal_(mu, sigma, generator=g).item()
+        lens.append(max(1, min(int(round(x)), total - sum(lens))))
+    return lens
+
+
+def _offsets(lens, device):
+    return torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+
+
+class Timer:
+    def __init__(self, cuda: bool, warmup: int, rep: int):
+        self.cuda, self.warmup, self.rep = cuda, warmup, rep
+
+    def __call__(self, fn) -> float:
+        """Median ms of fn()."""
+        if self.cuda:
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=self.warmup, rep=self.rep,
+                                           return_mode="median")
+        t = time.perf_counter()  # the interpreter: one call, nothing to warm
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+
+def _peak(fn, cuda: bool) -> int | None:
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def _fwd_and_fb(call, xs, do):
+    def fwd():
+        with torch.no_grad():
+            return call(*xs)
+
+    def fb():
+        out = call(*xs)
+        return torch.autograd.grad(out, xs, do)
+
+    return fwd, fb
+
+
+def rows(args) -> tuple[list[dict], dict]:
+    cuda = torch.cuda.is_available() and not args.tiny
+    dev = "cuda" if cuda else "cpu"
+    dt = torch.bfloat16 if cuda else torch.float32
+    seg = [int(x) for x in args.segments.split(",")]
+    dil = [int(x) for x in args.dilations.split(",")]
+    h, d, total = args.heads, args.headdim, args.total
+    lens = document_lengths(total, args.mean_len, args.sigma, args.seed)
+    docs, longest = len(lens), max(lens)
+    timer = Timer(cuda, args.warmup, args.rep)
+    scale = d**-0.5
+    info = dict(docs=docs, longest=longest, lens=lens, seg=seg, dil=dil, device=dev, dtype=dt)
+    out_rows: list[dict] = []
+    for causal in args.causal_modes:
+        useful = dilated_flops_varlen(lens, lens, h, d, seg, dil, causal)
+        one_seq = dilated_flops(1, total, total, h, d, seg, dil, causal)
+        torch.manual_seed(args.seed)
+        q, k, v, do = (torch.randn(total, h, d, device=dev, dtype=dt) for _ in range(4))
+        cu = _offsets(lens, dev)
+
+        def add(name, flops_fwd, make):
+            row = dict(name=name, causal=causal, flops=flops_fwd)
+            try:
+                fwd, fb = make()
+                row["fwd_ms"] = timer(fwd)
+                row["fb_ms"] = timer(fb)
+                row["peak"] = _peak(fb, cuda)
+            except Exception as e:  # a row that cannot run says why; the others still run
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            out_rows.append(row)
+            if cuda:
+                torch.cuda.empty_cache()
+
+        def varlen():
+            xs = [t.clone().requires_grad_() for t in (q, k, v)]
+            return _fwd_and_fb(
+                lambda a, b, c: dilated_attention_triton_varlen(
+                    a, b, c, cu, cu, longest, longest, seg, dil, causal=causal, scale=scale,
+                    head_assignment="all")[0],
+                xs, do)
+
+        def one_sequence():
+            xs = [t[None].clone().requires_grad_() for t in (q, k, v)]
+            return _fwd_and_fb(
+                lambda a, b, c: dilated_attention(a, b, c, seg, dil, causal=causal, impl="triton"),
+                xs, do[None])
+
+        def padded():
+            shape = (docs, longest, h, d)
+            xp = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(4)]
+            kpm = torch.ones(docs, longest, dtype=torch.bool, device=dev)
+            for i, (s, n) in enumerate(zip(_offsets(lens, "cpu").tolist(), lens)):
+                for dst, src in zip(xp, (q, k, v, do)):
+                    dst[i, :n] = src[s:s + n]
+                kpm[i, :n] = False
+            xs = [t.requires_grad_() for t in xp[:3]]
+            return _fwd_and_fb(
+                lambda a, b, c: dilated_attention(a, b, c, seg, dil, causal=causal,
+                                                  key_padding_mask=kpm, impl="triton"),
+                xs, xp[3])
+
+        def dense_sdpa():
+            xs = [t.transpose(0, 1)[None].clone().requires_grad_() for t in (q, k, v)]
+            return _fwd_and_fb(
+                lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
+                xs, do.transpose(0, 1)[None])
+
+        def dense_varlen():
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+
+            params = inspect.signature(varlen_attn).parameters
+            if "is_causal" in params:
+                kw = dict(is_causal=causal)
+            elif causal:
+                kw = dict(window_size=(-1, 0))
+            else:
+                kw = {}
+            xs = [t.clone().requires_grad_() for t in (q, k, v)]
+            return _fwd_and_fb(
+                lambda a, b, c: varlen_attn(a, b, c, cu, cu, longest, longest, **kw), xs, do)
+
+        dense_docs = sum(dense_flops(1, n, h, d, causal) for n in lens)
+        add("(a) varlen packed (triton)", useful, varlen)
+        add("(b) one sequence (triton)", one_seq, one_sequence)
+        add("(c) padded to longest (triton, key_padding_mask)", useful, padded)
+        add("(d) dense SDPA over the packed stream", dense_flops(1, total, h, d, causal),
+            dense_sdpa)
+        add("(d) dense varlen_attn (torch)", dense_docs, dense_varlen)
+    return out_rows, info
+
+
+def _tf(flops, ms, bwd=False):
+    return (flops * (3.5 if bwd else 1.0)) / (ms * 1e-3) / 1e12
+
+
+def report(rows_, info, args, argv) -> str:
+    gpu = torch.cuda.get_device_name() if info["device"] == "cuda" else "CPU (Triton interpreter)"
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "n/a"
+    lines = [
+        "# Packed documents (varlen) on the fused Triton kernel",
+        "",
+        f"- command: `PYTHONPATH=src python3 benchmarks/bench_varlen.py {shlex.join(argv)}`",
+        f"- GPU: {gpu}; torch {torch.__version__}; triton {tv}; "
+        f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- {args.total} tokens in {info['docs']} documents (lognormal, mean {args.mean_len}, "
+        f"sigma {args.sigma}, seed {args.seed}; longest {info['longest']}), "
+        f"{args.heads} x {args.headdim}, {str(info['dtype']).replace('torch.', '')}, branches "
+        f"w {info['seg']} r {info['dil']}, head_assignment all",
+        f"- document lengths: {info['lens']}",
+        "- TF/s: useful FLOPs (docs/spec.md; fwd+bwd = 3.5 x fwd) / median time; (a) and (c) "
+        "count the documents' own pairs, (b) its one sequence's",
+        "",
+        "| causal | row | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s | peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by = {}
+    for r in rows_:
+        by[(r["causal"], r["name"][:3])] = r
+        if "error" in r:
+            lines.append(f"| {r['causal']} | {r['name']} | {r['error']} | | | | |")
+            continue
+        peak = "" if r["peak"] is None else f"{r['peak'] / 2**30:.2f}"
+        lines.append(
+            f"| {r['causal']} | {r['name']} | {r['fwd_ms']:.3f} | {_tf(r['flops'], r['fwd_ms']):.1f} "
+            f"| {r['fb_ms']:.3f} | {_tf(r['flops'], r['fb_ms'], True):.1f} | {peak} |"
+        )
+    lines += ["", "Targets (issue 22), fwd+bwd:", ""]
+    for causal in args.causal_modes:
+        a, b, c = (by.get((causal, x)) for x in ("(a)", "(b)", "(c)"))
+        if not all(x is not None and "error" not in x for x in (a, b, c)):
+            lines.append(f"- causal={causal}: a row failed, no comparison")
+            continue
+        per_flop = (a["fb_ms"] / a["flops"]) / (b["fb_ms"] / b["flops"])
+        speedup = c["fb_ms"] / a["fb_ms"]
+        lines.append(
+            f"- causal={causal}: varlen time per useful FLOP = {per_flop:.3f}x one sequence's "
+            f"(target <= 1.1: {'met' if per_flop <= 1.1 else 'NOT met'}); padded / varlen time "
+            f"= {speedup:.2f}x (target >= 1.8: {'met' if speedup >= 1.8 else 'NOT met'})"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--total", type=int, default=131072, help="tokens in the packed stream")
+    p.add_argument("--mean-len", type=float, default=8192, help="mean document length")
+    p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (long tail)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--segments", default="2048,4096,8192,16384,32768")
+    p.add_argument("--dilations", default="1,2,4,8,16")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a few hundred tokens, float32, CPU (Triton interpreter): smoke test")
+    p.add_argument("--out", default=None,
+                   help="markdown results file (default benchmarks/results/varlen_<gpu>_<date>.md)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.total, args.mean_len, args.heads, args.headdim = 40, 12, 2, 16
+        args.segments, args.dilations = "8,16", "1,2"
+    if args.tiny and args.causal == "both":
+        args.causal = "yes"  # keep the smoke test short
+    args.causal_modes = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if not args.tiny and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (or --tiny for the CPU smoke test)")
+    rows_, info = rows(args)
+    text = report(rows_, info, args, argv)
+    print(text)
+    out = args.out
+    if out is None:
+        gpu = "cpu" if info["device"] == "cpu" else (
+            "h100" if "H100" in torch.cuda.get_device_name() else
+            torch.cuda.get_device_name().split()[-1].lower())
+        out = f"benchmarks/results/varlen_{gpu}_{datetime.date.today():%Y-%m-%d}.md"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text)
+    print(f"wrote {out}")
+    return rows_
+
+
+if __name__ == "__main__":
+    main()

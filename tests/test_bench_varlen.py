@@ -1,0 +1,55 @@
+"""benchmarks/bench_varlen.py end to end at CPU size (--tiny): every row runs (or, for dense
+varlen attention without CUDA, says why), the FLOP counts are the documents' own, and the
+results file is written."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_varlen  # noqa: E402
+
+from dilated_attention.flops import dilated_flops, dilated_flops_varlen  # noqa: E402
+
+
+def test_document_lengths_cover_the_total():
+    lens = bench_varlen.document_lengths(131072, 8192, 1.0, 0)
+    assert sum(lens) == 131072 and min(lens) >= 1 and len(lens) > 4
+    assert lens == bench_varlen.document_lengths(131072, 8192, 1.0, 0)  # seeded
+
+
+def test_varlen_flops_sum_over_documents():
+    seg, dil = [8, 16], [1, 2]
+    lens_q, lens_k = [5, 0, 17], [9, 3, 17]
+    want = sum(dilated_flops(1, a, b, 4, 16, seg, dil, True) for a, b in zip(lens_q, lens_k) if a)
+    assert dilated_flops_varlen(lens_q, lens_k, 4, 16, seg, dil, True) == want > 0
+    # one document = the batch count; packing never adds pairs across documents
+    assert dilated_flops_varlen([40], [40], 4, 16, seg, dil) == dilated_flops(1, 40, 40, 4, 16, seg, dil)
+    assert dilated_flops_varlen([20, 20], [20, 20], 4, 16, seg, dil) < dilated_flops(1, 40, 40, 4, 16, seg, dil)
+    with pytest.raises(ValueError, match="seqlens_q"):
+        dilated_flops_varlen([1, 2], [3], 4, 16, seg, dil)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the --tiny smoke test runs on the CPU")
+def test_tiny_bench_writes_results(tmp_path):
+    out = tmp_path / "varlen.md"
+    rows = bench_varlen.main(["--tiny", "--out", str(out)])
+    text = out.read_text()
+    names = [r["name"][:3] for r in rows]
+    assert names.count("(a)") == names.count("(b)") == names.count("(c)") == 1
+    for r in rows:
+        if r["name"].startswith(("(a)", "(b)", "(c)", "(d) dense SDPA")):
+            assert "error" not in r, r
+            assert r["fwd_ms"] > 0 and r["fb_ms"] > 0 and r["flops"] > 0
+    assert "torch" in text and "| True | (a) varlen packed" in text and "target <= 1.1" in text
