@@ -1,0 +1,270 @@
+"""Packed documents (varlen): :func:`dilated_attention_varlen`, flash-attn's varlen front door.
+
+Several documents of different lengths are concatenated along one token dimension (no padding):
+q ``(total_q, nheads, headdim)``, k/v ``(total_k, nheads_kv, headdim)``, and document i holds the
+query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and the key rows
+``cu_seqlens_k[i]:cu_seqlens_k[i+1]``. Each document is its own sequence (docs/spec.md,
+"Packed documents (varlen)"): the result on its rows equals :func:`dilated_attention` run on that
+document alone, its segments start at its first token, its queries are bottom-right aligned
+within it when it has fewer queries than keys, and nothing crosses a document boundary.
+
+Host synchronisation (the rule): the offsets' *shapes and dtypes* are always checked (free). Their
+*values* are checked whenever they are on the host anyway: when the caller passes CPU tensors, and
+on the ``"reference"`` and ``"torch"`` paths, which run one call per document and so read the
+offsets to the host once (one sync per call). The fused ``"triton"`` path takes device offsets
+without reading them (no sync); pass ``check_offsets=True`` there to validate them at the cost
+of one sync, or pass the offsets on the CPU.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from .autograd_rules import autocast_inputs
+from .branches import normalize_branches
+from .checks import check_bool, check_dropout, check_head_assignment, check_qkv, resolve_scale
+from .kernels.select import check_impl, triton_unavailable_reason
+
+__all__ = ["dilated_attention_varlen", "check_cu_seqlens_values"]
+
+_NAME = "dilated_attention_varlen"
+
+
+def _triton_varlen():
+    """``kernels.triton_ops.dilated_attention_triton_varlen``, or a string saying why it is absent."""
+    try:
+        from .kernels import triton_ops
+    except ImportError as e:
+        return f"the triton package is not importable ({e})"
+    fn = getattr(triton_ops, "dilated_attention_triton_varlen", None)
+    if fn is None:
+        return "this build has no fused varlen kernel (kernels.triton_ops.dilated_attention_triton_varlen)"
+    return fn
+
+
+def _check_tensors(q, k, v) -> None:
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_NAME}: {n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{_NAME}: {n} must have 3 dims (total_tokens, nheads, headdim), the documents "
+                f"concatenated along dim 0, got shape {tuple(t.shape)}; for a padded (batch, "
+                "seqlen, nheads, headdim) tensor use dilated_attention"
+            )
+    if q.shape[0] > k.shape[0]:
+        raise ValueError(
+            f"{_NAME}: total_q ({q.shape[0]}) > total_k ({k.shape[0]}): some document would have "
+            "more queries than keys (check cu_seqlens_q and cu_seqlens_k)"
+        )
+    check_qkv(q[None], k[None], v[None], _NAME)
+    if q.shape[-1] == 0:
+        raise ValueError(f"{_NAME}: headdim is 0; q, k, v need at least one feature")
+
+
+def _check_offsets_meta(cu_q, cu_k, device) -> None:
+    """Shape/dtype/device checks of the offsets (no host synchronisation)."""
+    for n, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{_NAME}: {n} must be an integer tensor of document offsets (docs + 1,), got "
+                f"{type(t).__name__}; e.g. torch.tensor([0, 5, 12], dtype=torch.int32)"
+            )
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{_NAME}: {n} must be an integer tensor (int32 as flash-attn), got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] < 1:
+            raise ValueError(
+                f"{_NAME}: {n} must be 1-D with docs + 1 >= 1 entries (0, then each document's end "
+                f"offset), got shape {tuple(t.shape)}"
+            )
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(f"{_NAME}: {n} is on {t.device}, q on {device}; pass it on q's device or the CPU")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(
+            f"{_NAME}: cu_seqlens_q has {cu_q.shape[0] - 1} documents and cu_seqlens_k "
+            f"{cu_k.shape[0] - 1}; each document needs both its query and its key offsets"
+        )
+
+
+def _check_max_seqlen(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{_NAME}: {name} must be a Python int (the longest document), got {value!r}")
+    if value < 0:
+        raise ValueError(f"{_NAME}: {name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_cu_seqlens_values(
+    cu_q: list[int], cu_k: list[int], total_q: int, total_k: int, max_q: int, max_k: int
+) -> None:
+    """Value checks of host offsets: start at 0, non-decreasing, end at the totals, no document
+    with more queries than keys, ``max_seqlen`` at least every document's length."""
+    for n, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+        if cu[0] != 0:
+            raise ValueError(f"{_NAME}: {n} must start at 0, got {cu[0]} ({n} = {cu})")
+        for i in range(len(cu) - 1):
+            if cu[i + 1] < cu[i]:
+                raise ValueError(
+                    f"{_NAME}: {n} must be non-decreasing (document offsets), but entry {i + 1} "
+                    f"({cu[i + 1]}) < entry {i} ({cu[i]})"
+                )
+        if cu[-1] != total:
+            raise ValueError(
+                f"{_NAME}: the last entry of {n} ({cu[-1]}) must equal the number of packed tokens "
+                f"({total}, dim 0 of {'q' if n.endswith('q') else 'k and v'})"
+            )
+    for i in range(len(cu_q) - 1):
+        nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if nq > nk:
+            raise ValueError(
+                f"{_NAME}: document {i} has {nq} queries but {nk} keys (cu_seqlens_q, "
+                "cu_seqlens_k); queries may be fewer than keys (bottom-right aligned), not more"
+            )
+        for n, length, mx in (("max_seqlen_q", nq, max_q), ("max_seqlen_k", nk, max_k)):
+            if length > mx:
+                raise ValueError(
+                    f"{_NAME}: {n} = {mx} but document {i} has {length} "
+                    f"{'queries' if n.endswith('q') else 'keys'}; pass the longest document's length"
+                )
+
+
+def _host_list(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t.tolist()]
+
+
+def dilated_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    head_assignment: str = "all",
+    return_lse: bool = False,
+    impl: str = "auto",
+    check_offsets: bool = False,
+):
+    """Dilated attention over packed documents (flash-attn's ``flash_attn_varlen_func`` layout).
+
+    Args:
+        q: (total_q, nheads, headdim), the documents' query rows concatenated.
+        k, v: (total_k, nheads_kv, headdim); ``nheads % nheads_kv == 0`` (GQA/MQA).
+        cu_seqlens_q, cu_seqlens_k: (docs + 1,) integer tensors (int32 as flash-attn), on q's
+            device or the CPU: document i is rows ``cu[i]:cu[i+1]``. A document may be empty;
+            it may have fewer queries than keys (its query row t is its position
+            ``nk_i - nq_i + t``), never more.
+        max_seqlen_q, max_seqlen_k: Python ints, the longest document's query/key count.
+        segment_lengths, dilation_rates, causal, softmax_scale, dropout_p, head_assignment: as
+            :func:`dilated_attention.dilated_attention`; positions are per document.
+        return_lse: also return lse (nheads, total_q) float32 (not differentiable).
+        impl: ``"reference"`` (the oracle, one dense call per document), ``"torch"`` (one
+            torch-path call per document), ``"triton"`` (one fused launch over all documents
+            from device offsets) or ``"auto"`` (the fused kernel on CUDA where it can run and
+            ``dropout_p == 0``, else ``"torch"``).
+        check_offsets: validate device offsets on the fused path too (one host sync). Offsets
+            on the CPU, and the reference/torch paths (which read them once), are always checked.
+
+    Returns:
+        out (total_q, nheads, headdim) in q's dtype, or ``(out, lse)``. Autocast follows
+        :func:`dilated_attention` (docs/autocast.md). A query with no key gets out = 0,
+        lse = -inf.
+    """
+    q, k, v, amp_device = autocast_inputs(q, k, v)
+    if amp_device is not None:
+        with torch.autocast(amp_device, enabled=False):
+            return dilated_attention_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
+                dilation_rates, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                head_assignment=head_assignment, return_lse=return_lse, impl=impl,
+                check_offsets=check_offsets,
+            )  # fmt: skip
+    _check_tensors(q, k, v)
+    _check_offsets_meta(cu_seqlens_q, cu_seqlens_k, q.device)
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    seg, dil = normalize_branches(segment_lengths, dilation_rates)
+    check_head_assignment(head_assignment)
+    p = check_dropout(dropout_p)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    causal = check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    check_bool("check_offsets", check_offsets)
+    check_impl(impl)
+
+    chosen = _pick(impl, q, k, p)
+    on_host = cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu"
+    host = None
+    if chosen != "triton" or on_host or check_offsets:
+        host = (_host_list(cu_seqlens_q), _host_list(cu_seqlens_k))  # one sync for device offsets
+        check_cu_seqlens_values(*host, q.shape[0], k.shape[0], max_q, max_k)
+
+    if chosen == "triton":
+        fn = _triton_varlen()
+        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+        cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+        out, lse = fn(
+            q, k, v, cu_q, cu_k, max_q, max_k, seg, dil, causal=causal, scale=scale,
+            head_assignment=head_assignment,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
+    out, lse = _per_document(q, k, v, *host, seg, dil, causal, scale, p, head_assignment, chosen)
+    return (out, lse) if return_lse else out
+
+
+def _pick(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
+    if impl == "triton":
+        fn = _triton_varlen()
+        reason = fn if isinstance(fn, str) else triton_unavailable_reason(q[None], k[None])
+        if reason is None and dropout_p > 0:
+            reason = "the triton kernel has no dropout; use impl='torch' or 'auto' for dropout_p > 0"
+        if reason is not None:
+            raise ValueError(f"{_NAME}: impl='triton' cannot run here: {reason}; use impl='torch'")
+        return "triton"
+    if impl == "auto":
+        if dropout_p > 0 or not q.is_cuda or isinstance(_triton_varlen(), str):
+            return "torch"
+        return "torch" if triton_unavailable_reason(q[None], k[None]) is not None else "triton"
+    return impl
+
+
+def _per_document(q, k, v, cu_q, cu_k, seg, dil, causal, scale, p, head_assignment, impl):
+    """One call of the validated core per document with queries; outputs concatenated."""
+    if impl == "reference":
+        from .reference import dilated_attention_reference as core
+    else:
+        from .kernels.torch_dilated import dilated_attention_torch as core
+    nheads = q.shape[1]
+    outs, lses = [], []
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if q1 == q0:
+            continue
+        qi, ki, vi = q[q0:q1][None], k[k0:k1][None], v[k0:k1][None]
+        if impl == "reference":
+            o, lse = core(
+                qi, ki, vi, seg, dil, causal=causal, softmax_scale=scale, dropout_p=p,
+                head_assignment=head_assignment,
+            )  # fmt: skip
+        else:
+            o, lse = core(
+                qi, ki, vi, seg, dil, causal=causal, scale=scale, key_padding_mask=None,
+                dropout_p=p, head_assignment=head_assignment,
+            )  # fmt: skip
+        outs.append(o[0])
+        lses.append(lse[0].to(torch.float32))
+    if not outs:  # no query anywhere: an empty output, still connected to q, k, v (as SDPA)
+        out = q * 0 + (k.sum() + v.sum()) * 0
+        return out, torch.full((nheads, q.shape[0]), float("-inf"), device=q.device)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, -1)
+    return out, lse
