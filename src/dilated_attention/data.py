@@ -18,6 +18,10 @@ present on every machine (the file list and the train/validation split are defin
 :func:`stdlib_source_files`).
 
 A batch is ``(x, y)``: x (B, N) int64 inputs, y (B, N) int64 targets with -100 = ignored.
+
+Packing (:func:`pack_documents`): documents of any lengths concatenated into rows of ``seq_len``
+tokens with the ``cu_seqlens`` offsets that ``LongNetLM.forward(x, y, cu_seqlens=...)`` and
+:func:`dilated_attention.dilated_attention_varlen` take, instead of padding every document.
 """
 
 from __future__ import annotations
@@ -232,3 +236,49 @@ class StdlibBytes:
         for s in starts:
             c = self.val_data[s : s + self.seq_len + 1][None]
             yield c[:, :-1].contiguous(), c[:, 1:].contiguous()
+
+
+def pack_documents(documents, seq_len: int, *, pad_id: int = 0):
+    """Pack token documents into rows of ``seq_len`` tokens: ``(x, y, cu_seqlens, max_seqlen)``.
+
+    The documents (1-D int tensors or lists of ints) are concatenated in order and cut into rows
+    of ``seq_len``; a document that crosses a row end continues at the start of the next row as a
+    new document (its positions restart there). The last row is filled with ``pad_id`` tokens,
+    which form one document of their own with ignored targets.
+
+    Returns:
+        x: (rows, seq_len) int64 inputs.
+        y: (rows, seq_len) int64 targets: the next token of the same document, -100 at each
+            document's last token and on padding (nothing is predicted across documents).
+        cu_seqlens: (docs + 1,) int32 offsets into the flattened ``rows * seq_len`` tokens
+            (document starts, row starts included), for ``LongNetLM.forward(x, y,
+            cu_seqlens=cu_seqlens)``.
+        max_seqlen: the longest packed document (an int, <= seq_len).
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    toks, tgts, starts = [], [], []
+    total = 0
+    for i, d in enumerate(documents):
+        d = torch.as_tensor(d)
+        if d.dim() != 1 or d.dtype.is_floating_point or d.dtype == torch.bool:
+            raise ValueError(f"document {i} must be a 1-D integer sequence of tokens, got {d.dtype} shape {tuple(d.shape)}")
+        if d.numel() == 0:
+            continue
+        d = d.long()
+        starts.append(total)
+        toks.append(d)
+        tgts.append(torch.cat([d[1:], d.new_full((1,), IGNORE)]))
+        total += d.numel()
+    rows = max(1, -(-total // seq_len))
+    pad = rows * seq_len - total
+    if pad:
+        starts.append(total)
+        toks.append(torch.full((pad,), pad_id, dtype=torch.long))
+        tgts.append(torch.full((pad,), IGNORE, dtype=torch.long))
+    x = torch.cat(toks).view(rows, seq_len)
+    y = torch.cat(tgts).view(rows, seq_len)
+    bounds = sorted(set(starts) | set(range(0, rows * seq_len, seq_len)) | {rows * seq_len})
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    max_seqlen = int((cu[1:] - cu[:-1]).max())
+    return x, y, cu, max_seqlen
