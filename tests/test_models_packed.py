@@ -146,3 +146,20 @@ def test_pack_documents():
         pack_documents(docs, 0)
     with pytest.raises(ValueError, match="document 0 must be a 1-D integer"):
         pack_documents([torch.rand(3)], 4)
+
+
+def test_readme_packing_block_runs_as_written():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Packed documents (varlen)", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(code, "README.md", "exec"), {})
+    promised = re.findall(r"# (torch\.Size\(.*)$", code, re.M)
+    assert buf.getvalue().splitlines() == [p.strip() for p in promised]
