@@ -180,3 +180,17 @@ def test_varlen_total_q_larger_than_total_k():
         dilated_attention_varlen(q, k, k, cu, torch.tensor([0, 5], dtype=torch.int32), 6, 5, (4,), (1,))
     with pytest.raises(ValueError, match="dropout_p"):
         dilated_attention_varlen(k, k, k, cu, cu, 6, 6, (4,), (1,), dropout_p=1.5)
+
+
+def test_varlen_dropout(seed):
+    # dropout on the torch path: training-mode noise, exact at p = 0, never NaN; the fused
+    # kernel has none (impl="triton" raises, whatever else it lacks)
+    q, k, v, cu_q, cu_k = _inputs(DOCS["mixed"], 4, 2, dtype=torch.float32)
+    args = (q, k, v, cu_q, cu_k, 23, 23, (4, 8), (1, 2))
+    plain = dilated_attention_varlen(*args, impl="torch")
+    dropped = dilated_attention_varlen(*args, impl="torch", dropout_p=0.5)
+    assert torch.isfinite(dropped).all() and not torch.allclose(dropped, plain)
+    dropped.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    with pytest.raises(ValueError, match="impl='triton' cannot run here"):
+        dilated_attention_varlen(*args, impl="triton", dropout_p=0.5)

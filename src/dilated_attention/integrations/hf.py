@@ -202,6 +202,10 @@ def make_attention_function(
         if docs is None:  # every row is one document [0, filled): the plain (or decode) path
             out = dilated_attention(q, k[:, :filled], v[:, :filled], seg, dil, **kw)
             return out, None
+        # Left-padded decode steps (one document [pad_b, filled) per row, a few query rows) run
+        # here through the varlen path, exact but one call per row; the decode path's per-row
+        # start offsets (dilated_attention_with_kvcache(..., cache_leftpad=...)) can take them
+        # in one launch once it has them.
         return _varlen_rows(q, k, v, filled, docs, seg, dil, **kw), None
 
     dilated_attention_forward.segment_lengths = seg
