@@ -20,6 +20,9 @@ DOCS = {
     "mixed": [(7, 7), (0, 0), (1, 1), (3, 3), (23, 23), (2, 2)],
     "nq<nk": [(3, 9), (1, 1), (0, 5), (11, 19), (1, 30)],
     "one": [(29, 29)],
+    # the torch path batches equal-length buckets (padded at the end, keys masked): 9 and 10 pad
+    # to 10, 11 and 12 to 12, with nq < nk documents in between
+    "bucketed": [(9, 9), (10, 10), (0, 0), (12, 12), (2, 6), (11, 11), (5, 5), (6, 6), (10, 10)],
 }
 HEADS = [(4, 4), (6, 2), (4, 1)]
 
@@ -194,3 +197,17 @@ def test_varlen_dropout(seed):
     assert torch.isfinite(q.grad).all()
     with pytest.raises(ValueError, match="impl='triton' cannot run here"):
         dilated_attention_varlen(*args, impl="triton", dropout_p=0.5)
+
+
+def test_varlen_torch_batches_equal_length_documents(seed, monkeypatch):
+    # documents of the same padded length go to one call of the torch core (not one per document)
+    import dilated_attention.kernels.torch_dilated as td
+
+    calls = []
+    orig = td.dilated_attention_torch
+    monkeypatch.setattr(td, "dilated_attention_torch", lambda q, *a, **kw: calls.append(tuple(q.shape[:2])) or orig(q, *a, **kw))
+    q, k, v, cu_q, cu_k = _inputs(DOCS["bucketed"], 4, 2)
+    out = dilated_attention_varlen(q, k, v, cu_q, cu_k, 12, 12, (4, 8), (1, 2), causal=True, impl="torch")
+    want = dilated_attention_varlen(q, k, v, cu_q, cu_k, 12, 12, (4, 8), (1, 2), causal=True, impl="reference")
+    check_close("out", out, want, atol=1e-12)
+    assert sorted(calls) == [(1, 2), (1, 5), (1, 6), (2, 12), (3, 10)]

@@ -237,34 +237,81 @@ def _pick(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
     return impl
 
 
+def _bucket(n: int) -> int:
+    """Padded length of a document of n rows in the torch path's batched calls: n rounded up to
+    a multiple of a quarter of its power of two (at most 25% padding, ~4 lengths per octave)."""
+    g = max(1, (1 << (n.bit_length() - 1)) >> 2)
+    return -(-n // g) * g
+
+
 def _per_document(q, k, v, cu_q, cu_k, seg, dil, causal, scale, p, head_assignment, impl):
-    """One call of the validated core per document with queries; outputs concatenated."""
+    """The validated core per document, outputs in row order.
+
+    ``"reference"``: one call per document with queries. ``"torch"``: documents with as many
+    queries as keys are batched by padded length (:func:`_bucket`): each one is padded at its
+    end, the padded keys masked by ``key_padding_mask``, which leaves its positions, and so the
+    result on its rows, unchanged; padded query rows are dropped. Documents with fewer queries
+    than keys (bottom-right aligned) run one call each.
+    """
     if impl == "reference":
-        from .reference import dilated_attention_reference as core
-    else:
-        from .kernels.torch_dilated import dilated_attention_torch as core
-    nheads = q.shape[1]
-    outs, lses = [], []
-    for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
-        if q1 == q0:
-            continue
-        qi, ki, vi = q[q0:q1][None], k[k0:k1][None], v[k0:k1][None]
-        if impl == "reference":
-            o, lse = core(
-                qi, ki, vi, seg, dil, causal=causal, softmax_scale=scale, dropout_p=p,
-                head_assignment=head_assignment,
-            )  # fmt: skip
-        else:
-            o, lse = core(
-                qi, ki, vi, seg, dil, causal=causal, scale=scale, key_padding_mask=None,
+        from .reference import dilated_attention_reference
+
+        def core(qi, ki, vi, kpm=None):
+            return dilated_attention_reference(
+                qi, ki, vi, seg, dil, causal=causal, softmax_scale=scale, key_padding_mask=kpm,
                 dropout_p=p, head_assignment=head_assignment,
             )  # fmt: skip
-        outs.append(o[0])
-        lses.append(lse[0].to(torch.float32))
-    if not outs:  # no query anywhere: an empty output, still connected to q, k, v (as SDPA)
+    else:
+        from .kernels.torch_dilated import dilated_attention_torch
+
+        def core(qi, ki, vi, kpm=None):
+            return dilated_attention_torch(
+                qi, ki, vi, seg, dil, causal=causal, scale=scale, key_padding_mask=kpm,
+                dropout_p=p, head_assignment=head_assignment,
+            )  # fmt: skip
+
+    nheads, dev = q.shape[1], q.device
+    pieces = []  # (first query row, out rows (n, H, D), lse (H, n)) or (dest rows tensor, ...)
+    buckets: dict[int, list[tuple[int, int, int]]] = {}
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        if impl == "torch" and n == k1 - k0:
+            buckets.setdefault(_bucket(n), []).append((q0, k0, n))
+            continue
+        o, lse = core(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None])
+        pieces.append((q0, o[0], lse[0].to(torch.float32)))
+    for length, docs in buckets.items():
+        if len(docs) == 1 and docs[0][2] == length:  # one document, no padding needed
+            q0, k0, n = docs[0]
+            o, lse = core(q[q0 : q0 + n][None], k[k0 : k0 + n][None], v[k0 : k0 + n][None])
+            pieces.append((q0, o[0], lse[0].to(torch.float32)))
+            continue
+        t = torch.arange(length)
+        qrows = torch.stack([torch.where(t < n, q0 + t, q.shape[0]) for q0, _, n in docs])  # (G, L)
+        krows = torch.stack([torch.where(t < n, k0 + t, k.shape[0]) for _, k0, n in docs])
+        qrows, krows = qrows.to(dev), krows.to(dev)
+        qx = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # the extra row stands for padding
+        kx = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
+        vx = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+        o, lse = core(qx[qrows], kx[krows], vx[krows], kpm=krows == k.shape[0])  # (G, L, H, D)
+        real = (qrows < q.shape[0]).flatten()
+        dest = qrows.flatten()[real]
+        o = o.reshape(-1, *o.shape[2:])[real]
+        lse = lse.to(torch.float32).transpose(0, 1).reshape(nheads, -1)[:, real]
+        pieces.append((dest, o, lse))
+    if not pieces:  # no query anywhere: an empty output, still connected to q, k, v (as SDPA)
         out = q * 0 + (k.sum() + v.sum()) * 0
-        return out, torch.full((nheads, q.shape[0]), float("-inf"), device=q.device)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-    lse = lses[0] if len(lses) == 1 else torch.cat(lses, -1)
+        return out, torch.full((nheads, q.shape[0]), float("-inf"), device=dev)
+    if len(pieces) == 1 and isinstance(pieces[0][0], int):
+        return pieces[0][1], pieces[0][2]
+    dest = torch.cat([
+        d if isinstance(d, torch.Tensor) else torch.arange(d, d + o.shape[0], device=dev)
+        for d, o, _ in pieces
+    ])  # fmt: skip
+    order = torch.argsort(dest)  # dest covers every query row once: rows back in order
+    out = torch.cat([o for _, o, _ in pieces]).index_select(0, order)
+    lse = torch.cat([x for _, _, x in pieces], -1).index_select(1, order)
     return out, lse
