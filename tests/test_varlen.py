@@ -211,3 +211,47 @@ def test_varlen_torch_batches_equal_length_documents(seed, monkeypatch):
     want = dilated_attention_varlen(q, k, v, cu_q, cu_k, 12, 12, (4, 8), (1, 2), causal=True, impl="reference")
     check_close("out", out, want, atol=1e-12)
     assert sorted(calls) == [(1, 2), (1, 5), (1, 6), (2, 12), (3, 10)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_cuda_bf16_fast_paths_against_reference(causal, seed):
+    # on a GPU: the torch path and (once wired) the fused varlen kernel against the float64
+    # reference per document; the kernel's error at most 2x the torch path's plus a small atol
+    import dilated_attention.varlen as varlen
+
+    docs = [(700, 700), (1, 1), (130, 130), (0, 0), (33, 97), (1500, 1500), (64, 64)]
+    q, k, v, cu_q, cu_k = _inputs(docs, 8, 2, d=64, dtype=torch.float64)
+    seg, dil = (64, 256, 1024), (1, 2, 4)
+    args = (cu_q.cuda(), cu_k.cuda(), 1500, 1500, seg, dil)
+    do = torch.randn(q.shape, dtype=torch.float64)
+    want, _, want_g = _oracle(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal)
+    errs = {}
+    for impl in ("torch", "triton"):
+        if impl == "triton" and isinstance(varlen._triton_varlen(), str):
+            continue
+        qb, kb, vb = (t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v))
+        out = dilated_attention_varlen(qb, kb, vb, *args, causal=causal, impl=impl)
+        grads = torch.autograd.grad(out, (qb, kb, vb), do.cuda().bfloat16())
+        errs[impl] = [(out.double().cpu() - want).abs().max().item()] + [
+            (g.double().cpu() - w).abs().max().item() for g, w in zip(grads, want_g, strict=True)
+        ]
+    assert all(e < 0.1 for e in errs["torch"]), errs
+    if "triton" in errs:
+        for et, eo in zip(errs["triton"], errs["torch"], strict=True):
+            assert et <= 2 * eo + 1e-2, errs
+    else:
+        pytest.skip("the fused varlen kernel is not in this build (torch path checked)")
+
+
+@pytest.mark.cuda
+def test_varlen_cuda_device_offsets_check_offsets_flag():
+    # device offsets on the fused path are read only with check_offsets=True (one sync)
+    import dilated_attention.varlen as varlen
+
+    if isinstance(varlen._triton_varlen(), str):
+        pytest.skip("the fused varlen kernel is not in this build")
+    q = torch.randn(8, 4, 64, device="cuda", dtype=torch.bfloat16)
+    bad = torch.tensor([0, 5, 7], dtype=torch.int32, device="cuda")  # ends at 7, total is 8
+    with pytest.raises(ValueError, match="last entry of cu_seqlens_q"):
+        dilated_attention_varlen(q, q, q, bad, bad, 5, 5, (4,), (1,), impl="triton", check_offsets=True)
