@@ -163,3 +163,24 @@ def test_readme_packing_block_runs_as_written():
         exec(compile(code, "README.md", "exec"), {})
     promised = re.findall(r"# (torch\.Size\(.*)$", code, re.M)
     assert buf.getvalue().splitlines() == [p.strip() for p in promised]
+
+
+def test_stdlib_packed_batch_documents_are_files(tmp_path):
+    from dilated_attention.data import StdlibBytes
+
+    for i in range(40):  # file i: one repeated letter (neighbours differ), then its newline
+        (tmp_path / f"m{i:02d}.py").write_bytes(bytes([97 + i % 26]) * (3 + 7 * i % 23))
+    data = StdlibBytes(16, root=str(tmp_path))
+    x, y, cu, mx = data.packed_batch(4, seed=3, step=7)
+    xb, yb = data.batch(4, seed=3, step=7)
+    assert torch.equal(x, xb)  # the same crops as the plain batch
+    assert mx <= 16 and cu.dtype == torch.int32
+    assert set(range(0, 65, 16)) <= set(cu.tolist()) and len(cu) > 6
+    fx, fy, fyb = x.reshape(-1), y.reshape(-1), yb.reshape(-1)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        doc = fx[a:b].tolist()
+        assert 10 not in doc[:-1], (a, b, doc)  # a file's newline is its last byte
+        assert len({c for c in doc if c != 10}) <= 1, (a, b, doc)  # one file per document
+    # no target crosses a file: a file's last byte (its newline) predicts nothing
+    assert torch.equal(fy == IGNORE, fx == 10)
+    assert torch.equal(fy[fx != 10], fyb[fx != 10])

@@ -189,10 +189,13 @@ def stdlib_source_files(root: str | None = None) -> tuple[str, list[str], list[s
     return root, train, val
 
 
-def _read_concat(root: str, files: list[str]) -> torch.Tensor:
-    """The files' bytes in list order, each followed by one newline, as int64 (vocab 256)."""
+def _read_concat(root: str, files: list[str], starts: list[int] | None = None) -> torch.Tensor:
+    """The files' bytes in list order, each followed by one newline, as int64 (vocab 256).
+    ``starts``, when given, receives each file's offset in the result."""
     buf = bytearray()
     for f in files:
+        if starts is not None:
+            starts.append(len(buf))
         with open(os.path.join(root, *f.split("/")), "rb") as fh:
             buf += fh.read()
         buf += b"\n"
@@ -211,7 +214,8 @@ class StdlibBytes:
 
     def __init__(self, seq_len: int, root: str | None = None):
         self.root, self.train_files, self.val_files = stdlib_source_files(root)
-        self.train_data = _read_concat(self.root, self.train_files)
+        self.train_starts: list[int] = []  # offset of each train file in train_data
+        self.train_data = _read_concat(self.root, self.train_files, self.train_starts)
         self.val_data = _read_concat(self.root, self.val_files)
         for name, d in (("train", self.train_data), ("validation", self.val_data)):
             if len(d) < seq_len + 1:
@@ -227,6 +231,33 @@ class StdlibBytes:
         starts = torch.randint(0, hi + 1, (batch_size,), generator=g).tolist()
         chunks = torch.stack([self.train_data[s : s + self.seq_len + 1] for s in starts])
         return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()  # (B, N), (B, N)
+
+    def packed_batch(self, batch_size: int, seed: int, step: int):
+        """A train batch of packed documents: ``(x, y, cu_seqlens, max_seqlen)`` as
+        :func:`pack_documents` returns them, the documents being the source files.
+
+        The same random crop as :meth:`batch` per row (a pure function of ``(seed, step)``), but
+        each file in a crop is its own document (``LongNetLM.forward(x, y, cu_seqlens=...)``):
+        no byte attends to or predicts a byte of another file.
+        """
+        g = torch.Generator().manual_seed(_mix(seed, step, 0))
+        n = self.seq_len
+        hi = len(self.train_data) - n - 1
+        starts = torch.randint(0, hi + 1, (batch_size,), generator=g).tolist()
+        file_starts = torch.tensor(self.train_starts, dtype=torch.long)
+        xs, ys, doc_starts = [], [], []
+        for row, s0 in enumerate(starts):
+            c = self.train_data[s0 : s0 + n + 1]
+            x, y = c[:-1].clone(), c[1:].clone()
+            inside = file_starts[(file_starts > s0) & (file_starts < s0 + n + 1)] - s0  # file starts in the crop
+            y[inside[inside <= n] - 1] = IGNORE  # the byte before a file start predicts nothing
+            inside = inside[inside < n]
+            doc_starts += [row * n + int(t) for t in inside]
+            xs.append(x)
+            ys.append(y)
+        bounds = sorted(set(doc_starts) | set(range(0, (batch_size + 1) * n, n)))
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        return torch.stack(xs), torch.stack(ys), cu, int((cu[1:] - cu[:-1]).max())
 
     def val_batches(self, num_seqs: int):
         """``num_seqs`` (x, y) pairs of shape (1, N), evenly spaced over the validation bytes
