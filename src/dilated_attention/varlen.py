@@ -10,8 +10,9 @@ within it when it has fewer queries than keys, and nothing crosses a document bo
 
 Host synchronisation (the rule): the offsets' *shapes and dtypes* are always checked (free). Their
 *values* are checked whenever they are on the host anyway: when the caller passes CPU tensors, and
-on the ``"reference"`` and ``"torch"`` paths, which run one call per document and so read the
-offsets to the host once (one sync per call). The fused ``"triton"`` path takes device offsets
+on the ``"reference"`` and ``"torch"`` paths, which plan their calls per document (or per
+bucket of equal padded length, :func:`_per_document`) and so read the offsets to the host once
+(one sync per call). The fused ``"triton"`` path takes device offsets
 without reading them (no sync); pass ``check_offsets=True`` there to validate them at the cost
 of one sync, or pass the offsets on the CPU.
 """
@@ -168,7 +169,7 @@ def dilated_attention_varlen(
             :func:`dilated_attention.dilated_attention`; positions are per document.
         return_lse: also return lse (nheads, total_q) float32 (not differentiable).
         impl: ``"reference"`` (the oracle, one dense call per document), ``"torch"`` (one
-            torch-path call per document), ``"triton"`` (one fused launch over all documents
+            torch-path call per bucket of similar lengths), ``"triton"`` (one fused launch over all documents
             from device offsets) or ``"auto"`` (the fused kernel on CUDA where it can run and
             ``dropout_p == 0``, else ``"torch"``).
         check_offsets: validate device offsets on the fused path too (one host sync). Offsets
