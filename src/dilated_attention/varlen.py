@@ -170,8 +170,8 @@ def dilated_attention_varlen(
         return_lse: also return lse (nheads, total_q) float32 (not differentiable).
         impl: ``"reference"`` (the oracle, one dense call per document), ``"torch"`` (one
             torch-path call per bucket of similar lengths), ``"triton"`` (one fused launch over
-            all documents from device offsets) or ``"auto"`` (the fused kernel on CUDA where it can run and
-            ``dropout_p == 0``, else ``"torch"``).
+            all documents from device offsets) or ``"auto"`` (the fused kernel on CUDA where
+            it can run and ``dropout_p == 0``, else ``"torch"``).
         check_offsets: validate device offsets on the fused path too (one host sync). Offsets
             on the CPU, and the reference/torch paths (which read them once), are always checked.
 
