@@ -169,19 +169,29 @@ def test_generate_left_padded_multi_branch_static_equals_dynamic_equals_alone(se
             assert torch.equal(alone_static, alone), f"row {row} alone, static cache"
 
 
-def test_left_padded_logits_equal_row_alone(seed):
-    # one forward pass (prefill) of a left-padded batch: the logits of each row's real tokens
-    # equal the row alone
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_logits_and_grads_equal_row_alone(side, seed):
+    # one forward pass of a padded batch: the logits of each row's real tokens equal the row
+    # alone, and so do the gradients of a loss on them (training with a padding mask)
     register_dilated_attention([4, 8], [1, 2], name="dilated_test_pad_logits", impl="torch")
     model = _llama_seeded("dilated_test_pad_logits", seed)
     pads = [0, 2, 7]
     idx, mask = _left_padded(3, 19, pads)
+    if side == "right":
+        idx, mask = idx.flip(1), mask.flip(1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        got = model(idx, attention_mask=mask, position_ids=pos).logits
-        for row, p in enumerate(pads):
-            want = model(idx[row : row + 1, p:]).logits[0]
-            torch.testing.assert_close(got[row, p:], want, rtol=1e-9, atol=1e-9)
+    w = torch.randn(3, 19, 100, dtype=torch.float64) * mask[..., None]
+    got = model(idx, attention_mask=mask, position_ids=pos).logits
+    grads = torch.autograd.grad((got * w).sum(), list(model.parameters()))
+    want_loss = 0.0
+    for row, p in enumerate(pads):
+        real = slice(p, None) if side == "left" else slice(0, 19 - p)
+        want = model(idx[row : row + 1, real]).logits[0]
+        torch.testing.assert_close(got[row, real], want, rtol=1e-9, atol=1e-9)
+        want_loss = want_loss + (want * w[row, real]).sum()
+    want_g = torch.autograd.grad(want_loss, list(model.parameters()))
+    for g, wg in zip(grads, want_g, strict=True):
+        torch.testing.assert_close(g, wg, rtol=1e-8, atol=1e-9)
 
 
 def _packed(lengths):
