@@ -149,10 +149,17 @@ def test_generate_dense_branch_equals_sdpa(cache, batch, seed):
     assert torch.equal(got, want)
 
 
-def test_generate_left_padded_multi_branch_static_equals_dynamic_equals_alone(seed):
+def test_generate_left_padded_multi_branch_static_equals_dynamic_equals_alone(seed, monkeypatch):
     # real branches (segments 4 and 8, dilation 2): the generated tokens of a left-padded row
     # equal those of the row alone (its segments start at its first real token), with the
     # static cache equal to the dynamic one
+    import dilated_attention.decode as decode
+
+    calls = []
+    orig = decode.dilated_attention_with_kvcache
+    monkeypatch.setattr(
+        decode, "dilated_attention_with_kvcache", lambda *a, **kw: calls.append(tuple(a[0].shape[:2])) or orig(*a, **kw)
+    )
     register_dilated_attention([4, 8], [1, 2], name="dilated_test_gen_multi", impl="torch")
     model = _llama_seeded("dilated_test_gen_multi", seed)
     pads = [0, 3, 6]
@@ -162,6 +169,8 @@ def test_generate_left_padded_multi_branch_static_equals_dynamic_equals_alone(se
         dyn = model.generate(idx, attention_mask=mask, **kw)
         static = model.generate(idx, attention_mask=mask, cache_implementation="static", **kw)
         assert torch.equal(static, dyn)
+        # the decode steps of the padded batch ran as one decode call per layer (3 rows, 1 query)
+        assert calls.count((3, 1)) == 2 * (kw["max_new_tokens"] - 1) * model.config.num_hidden_layers
         for row, p in enumerate(pads):
             alone = model.generate(idx[row : row + 1, p:], **kw)
             assert torch.equal(dyn[row, p:], alone[0]), f"row {row} (left pad {p})"

@@ -255,3 +255,33 @@ def test_varlen_cuda_device_offsets_check_offsets_flag():
     bad = torch.tensor([0, 5, 7], dtype=torch.int32, device="cuda")  # ends at 7, total is 8
     with pytest.raises(ValueError, match="last entry of cu_seqlens_q"):
         dilated_attention_varlen(q, q, q, bad, bad, 5, 5, (4,), (1,), impl="triton", check_offsets=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_inference_decode_documents_take_the_decode_path(causal, seed, monkeypatch):
+    # without gradients, documents with a few queries and more keys (the rows of a left-padded
+    # batch while decoding) go to the decode path in one call per query count; still exact
+    import dilated_attention.decode as decode
+
+    calls = []
+    orig = decode.dilated_attention_with_kvcache
+    monkeypatch.setattr(
+        decode, "dilated_attention_with_kvcache", lambda q, *a, **kw: calls.append(tuple(q.shape[:2])) or orig(q, *a, **kw)
+    )
+    docs = [(1, 9), (3, 30), (1, 1), (1, 17), (0, 4), (3, 5), (70, 80), (6, 6)]
+    q, k, v, cu_q, cu_k = _inputs(docs, 6, 2)
+    with torch.no_grad():
+        for impl in ("torch", "auto"):
+            out, lse = dilated_attention_varlen(
+                q, k, v, cu_q, cu_k, 70, 80, (4, 8, 16), (1, 2, 4), causal=causal, impl=impl,
+                return_lse=True,
+            )  # fmt: skip
+            want, want_lse = dilated_attention_varlen(
+                q, k, v, cu_q, cu_k, 70, 80, (4, 8, 16), (1, 2, 4), causal=causal,
+                impl="reference", return_lse=True,
+            )  # fmt: skip
+            check_close("out", out, want, atol=1e-12)
+            check_close("lse", lse, want_lse, atol=1e-5)
+    # one query (two documents) and three (two) in one call each, per impl; (1, 1) and (6, 6)
+    # are equal-length documents, 70 > 64 rows is not decoding
+    assert sorted(calls) == [(2, 1), (2, 1), (2, 3), (2, 3)]

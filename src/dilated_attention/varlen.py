@@ -218,7 +218,10 @@ def dilated_attention_varlen(
             head_assignment=head_assignment,
         )  # fmt: skip
         return (out, lse) if return_lse else out
-    out, lse = _per_document(q, k, v, *host, seg, dil, causal, scale, p, head_assignment, chosen)
+    out, lse = _per_document(
+        q, k, v, *host, seg, dil, causal, scale, p, head_assignment, chosen,
+        decode_impl="auto" if impl == "auto" else "torch",
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -245,14 +248,20 @@ def _bucket(n: int) -> int:
     return -(-n // g) * g
 
 
-def _per_document(q, k, v, cu_q, cu_k, seg, dil, causal, scale, p, head_assignment, impl):
+def _per_document(
+    q, k, v, cu_q, cu_k, seg, dil, causal, scale, p, head_assignment, impl, decode_impl="torch"
+):
     """The validated core per document, outputs in row order.
 
     ``"reference"``: one call per document with queries. ``"torch"``: documents with as many
     queries as keys are batched by padded length (:func:`_bucket`): each one is padded at its
     end, the padded keys masked by ``key_padding_mask``, which leaves its positions, and so the
-    result on its rows, unchanged; padded query rows are dropped. Documents with fewer queries
-    than keys (bottom-right aligned) run one call each.
+    result on its rows, unchanged; padded query rows are dropped. Documents with a few queries
+    (1..64) and more keys, when no gradient and no dropout is needed (decoding, e.g. the rows of
+    a left-padded batch), go to the decode path in one call per query count: keys padded at the
+    end, ``cache_seqlens`` = each document's key count, so the padding is never read
+    (``decode_impl``: the decode path's impl, its Triton kernel on CUDA with "auto"). Other
+    documents with fewer queries than keys (bottom-right aligned) run one call each.
     """
     if impl == "reference":
         from .reference import dilated_attention_reference
@@ -274,6 +283,11 @@ def _per_document(q, k, v, cu_q, cu_k, seg, dil, causal, scale, p, head_assignme
     nheads, dev = q.shape[1], q.device
     pieces = []  # (first query row, out rows (n, H, D), lse (H, n)) or (dest rows tensor, ...)
     buckets: dict[int, list[tuple[int, int, int]]] = {}
+    decoding: dict[int, list[tuple[int, int, int]]] = {}
+    from .decode import MAX_DECODE_ROWS
+
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    decode_ok = impl == "torch" and p == 0 and not needs_grad
     for i in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
         n = q1 - q0
@@ -281,6 +295,9 @@ def _per_document(q, k, v, cu_q, cu_k, seg, dil, causal, scale, p, head_assignme
             continue
         if impl == "torch" and n == k1 - k0:
             buckets.setdefault(_bucket(n), []).append((q0, k0, n))
+            continue
+        if decode_ok and n <= MAX_DECODE_ROWS:
+            decoding.setdefault(n, []).append((q0, k0, k1 - k0))
             continue
         o, lse = core(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None])
         pieces.append((q0, o[0], lse[0].to(torch.float32)))
@@ -303,6 +320,23 @@ def _per_document(q, k, v, cu_q, cu_k, seg, dil, causal, scale, p, head_assignme
         o = o.reshape(-1, *o.shape[2:])[real]
         lse = lse.to(torch.float32).transpose(0, 1).reshape(nheads, -1)[:, real]
         pieces.append((dest, o, lse))
+    if decoding:
+        from .decode import dilated_attention_with_kvcache
+
+        kx = torch.cat([k, k.new_zeros(1, *k.shape[1:])])  # the extra row stands for padding
+        vx = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+    for n, docs in decoding.items():
+        length = max(nk for _, _, nk in docs)
+        t = torch.arange(length)
+        qrows = torch.stack([q0 + torch.arange(n) for q0, _, _ in docs]).to(dev)  # (G, n)
+        krows = torch.stack([torch.where(t < nk, k0 + t, k.shape[0]) for _, k0, nk in docs]).to(dev)
+        seqlens = torch.tensor([nk for _, _, nk in docs], dtype=torch.int32).to(dev)
+        o, lse = dilated_attention_with_kvcache(
+            q[qrows], kx[krows], vx[krows], seqlens, seg, dil, causal=causal, softmax_scale=scale,
+            head_assignment=head_assignment, return_lse=True, impl=decode_impl,
+        )  # fmt: skip
+        lse = lse.to(torch.float32).transpose(0, 1).reshape(nheads, -1)
+        pieces.append((qrows.flatten(), o.reshape(-1, *o.shape[2:]), lse))
     if not pieces:  # no query anywhere: an empty output, still connected to q, k, v (as SDPA)
         out = q * 0 + (k.sum() + v.sum()) * 0
         return out, torch.full((nheads, q.shape[0]), float("-inf"), device=dev)

@@ -33,7 +33,8 @@ Rows that are one document starting at slot 0 (no padding, no packing) go to
 :func:`dilated_attention.dilated_attention` on the filled slots, so a decode step of at most 64
 rows takes the decode path (``dilated_attention_with_kvcache``), which reads per branch only the
 keys of the query's segment and residue. Every other call runs
-:func:`dilated_attention.dilated_attention_varlen` over the rows' documents. Reading the mask and
+:func:`dilated_attention.dilated_attention_varlen` over the rows' documents (whose torch path
+sends the decode steps of a left-padded batch to the decode path too, in one call). Reading the mask and
 the positions costs one host synchronisation per call (as ``transformers``' flash-attention path
 unpads). Causality is the attention module's ``is_causal``. Sliding windows and softcapping are
 not supported (clear error).
@@ -203,9 +204,10 @@ def make_attention_function(
             out = dilated_attention(q, k[:, :filled], v[:, :filled], seg, dil, **kw)
             return out, None
         # Left-padded decode steps (one document [pad_b, filled) per row, a few query rows) run
-        # here through the varlen path, exact but one call per row; the decode path's per-row
-        # start offsets (dilated_attention_with_kvcache(..., cache_leftpad=...)) can take them
-        # in one launch once it has them.
+        # here through the varlen path, which without gradients hands them to the decode path in
+        # one call, after gathering each row's keys to start at slot 0 (a copy of the filled
+        # cache per layer and step); the decode path's per-row start offsets
+        # (dilated_attention_with_kvcache(..., cache_leftpad=...)) can read them in place.
         return _varlen_rows(q, k, v, filled, docs, seg, dil, **kw), None
 
     dilated_attention_forward.segment_lengths = seg
