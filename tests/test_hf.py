@@ -1,5 +1,8 @@
 """transformers integration: a registered "dilated" attention with one branch w >= N, r = 1 is
-exactly causal dense attention, so a Llama model's logits equal its own "sdpa" logits."""
+exactly causal dense attention, so a Llama model's logits and greedy generations equal its own
+"sdpa" ones (dynamic and static caches, left-padded batches); with real dilated branches a static
+cache equals a dynamic one, each row of a left-padded batch equals that row alone, and packed
+documents equal each document alone."""
 
 from __future__ import annotations
 
@@ -98,3 +101,147 @@ def test_llama_generate_uses_decode_path_and_equals_manual_loop(num_kv_heads, mo
     assert torch.equal(out, seq)
     # every decode step of every layer took the decode path with one query row
     assert calls.count(1) == (n_new - 1) * model.config.num_hidden_layers
+
+
+# ------------------------------------------------------------------ exact generation (issue 22)
+
+GEN = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _llama_seeded(attn_implementation: str, seed: int):
+    cfg = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def _left_padded(batch: int, n: int, pads: list[int]):
+    """(ids, attention_mask) of ``batch`` rows of n tokens, row b left-padded by pads[b]."""
+    idx = torch.randint(1, 100, (batch, n))
+    mask = torch.ones(batch, n, dtype=torch.long)
+    for row, p in enumerate(pads):
+        mask[row, :p] = 0
+        idx[row, :p] = 0
+    return idx, mask
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_generate_dense_branch_equals_sdpa(cache, batch, seed):
+    # one branch w >= every length, r = 1: dilated attention is causal dense attention, so
+    # greedy generation equals sdpa's token for token. Static caches hand over the whole
+    # buffer (unfilled slots must never be attended); left-padded rows start at their first
+    # real token.
+    register_dilated_attention([64], [1], name="dilated_test_gen_dense", impl="torch")
+    ref = _llama_seeded("sdpa", seed)
+    model = _llama_seeded("dilated_test_gen_dense", seed)
+    idx, mask = _left_padded(batch, 9, [0, 3, 5][:batch])
+    kw = dict(GEN, max_new_tokens=10)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        want = ref.generate(idx, attention_mask=mask, **kw)
+        got = model.generate(idx, attention_mask=mask, **kw)
+    assert torch.equal(got, want)
+
+
+def test_generate_left_padded_multi_branch_static_equals_dynamic_equals_alone(seed, monkeypatch):
+    # real branches (segments 4 and 8, dilation 2): the generated tokens of a left-padded row
+    # equal those of the row alone (its segments start at its first real token), with the
+    # static cache equal to the dynamic one
+    import dilated_attention.decode as decode
+
+    calls = []
+    orig = decode.dilated_attention_with_kvcache
+    monkeypatch.setattr(
+        decode, "dilated_attention_with_kvcache", lambda *a, **kw: calls.append(tuple(a[0].shape[:2])) or orig(*a, **kw)
+    )
+    register_dilated_attention([4, 8], [1, 2], name="dilated_test_gen_multi", impl="torch")
+    model = _llama_seeded("dilated_test_gen_multi", seed)
+    pads = [0, 3, 6]
+    idx, mask = _left_padded(3, 10, pads)
+    kw = dict(GEN, max_new_tokens=9)  # positions up to 18: several segment boundaries
+    with torch.no_grad():
+        dyn = model.generate(idx, attention_mask=mask, **kw)
+        static = model.generate(idx, attention_mask=mask, cache_implementation="static", **kw)
+        assert torch.equal(static, dyn)
+        # the decode steps of the padded batch ran as one decode call per layer (3 rows, 1 query)
+        assert calls.count((3, 1)) == 2 * (kw["max_new_tokens"] - 1) * model.config.num_hidden_layers
+        for row, p in enumerate(pads):
+            alone = model.generate(idx[row : row + 1, p:], **kw)
+            assert torch.equal(dyn[row, p:], alone[0]), f"row {row} (left pad {p})"
+            alone_static = model.generate(idx[row : row + 1, p:], cache_implementation="static", **kw)
+            assert torch.equal(alone_static, alone), f"row {row} alone, static cache"
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_logits_and_grads_equal_row_alone(side, seed):
+    # one forward pass of a padded batch: the logits of each row's real tokens equal the row
+    # alone, and so do the gradients of a loss on them (training with a padding mask)
+    register_dilated_attention([4, 8], [1, 2], name="dilated_test_pad_logits", impl="torch")
+    model = _llama_seeded("dilated_test_pad_logits", seed)
+    pads = [0, 2, 7]
+    idx, mask = _left_padded(3, 19, pads)
+    if side == "right":
+        idx, mask = idx.flip(1), mask.flip(1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    w = torch.randn(3, 19, 100, dtype=torch.float64) * mask[..., None]
+    got = model(idx, attention_mask=mask, position_ids=pos).logits
+    grads = torch.autograd.grad((got * w).sum(), list(model.parameters()))
+    want_loss = 0.0
+    for row, p in enumerate(pads):
+        real = slice(p, None) if side == "left" else slice(0, 19 - p)
+        want = model(idx[row : row + 1, real]).logits[0]
+        torch.testing.assert_close(got[row, real], want, rtol=1e-9, atol=1e-9)
+        want_loss = want_loss + (want * w[row, real]).sum()
+    want_g = torch.autograd.grad(want_loss, list(model.parameters()))
+    for g, wg in zip(grads, want_g, strict=True):
+        torch.testing.assert_close(g, wg, rtol=1e-8, atol=1e-9)
+
+
+def _packed(lengths):
+    ids = torch.randint(1, 100, (1, sum(lengths)))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, pos, cu
+
+
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+def test_packed_logits_equal_each_document_alone(how, seed, monkeypatch):
+    # documents packed in one row (DataCollatorWithFlattening): position_ids restart at 0, or
+    # the flash-attention keyword arguments give the offsets; no document sees another
+    import dilated_attention.integrations.hf as hf
+
+    seen = []
+    orig = hf.dilated_attention_varlen
+    monkeypatch.setattr(
+        hf, "dilated_attention_varlen", lambda *a, **kw: seen.append(a[3].tolist()) or orig(*a, **kw)
+    )
+    register_dilated_attention([4, 8], [1, 2], name="dilated_test_packed", impl="torch")
+    model = _llama_seeded("dilated_test_packed", seed)
+    lengths = [7, 1, 13, 5]
+    ids, pos, cu = _packed(lengths)
+    kw = {}
+    if how == "cu_seq_lens":
+        kw = dict(
+            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)
+        )
+    with torch.no_grad():
+        got = model(ids, position_ids=pos, **kw).logits[0]
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            want = model(ids[:, a:b]).logits[0]
+            torch.testing.assert_close(got[a:b], want, rtol=1e-9, atol=1e-9)
+    assert seen and all(c == cu.tolist() for c in seen)  # the documents went to the varlen path
+
+
+def test_mask_with_hole_raises():
+    from dilated_attention.integrations.hf import make_attention_function
+
+    fn = make_attention_function([4], [1], impl="torch")
+    q = torch.randn(1, 2, 5, 8)
+    mask = torch.tensor([[1, 0, 1, 1, 1]], dtype=torch.bool)
+    with pytest.raises(ValueError, match="padding between real tokens"):
+        fn(torch.nn.Module(), q, q, q, mask)

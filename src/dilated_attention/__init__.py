@@ -9,6 +9,7 @@ from .decode import dilated_attention_with_kvcache
 from .distributed import gather_sequence, ring_attention, shard_sequence
 from .modules import DilatedAttention, MultiheadDilatedAttention
 from .ordering import hilbert_permutation
+from .varlen import dilated_attention_varlen
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,7 @@ __all__ = [
     "MultiheadDilatedAttention",
     "available_impls",
     "dilated_attention",
+    "dilated_attention_varlen",
     "dilated_attention_with_kvcache",
     "hilbert_permutation",
     "gather_sequence",

@@ -18,6 +18,10 @@ present on every machine (the file list and the train/validation split are defin
 :func:`stdlib_source_files`).
 
 A batch is ``(x, y)``: x (B, N) int64 inputs, y (B, N) int64 targets with -100 = ignored.
+
+Packing (:func:`pack_documents`): documents of any lengths concatenated into rows of ``seq_len``
+tokens with the ``cu_seqlens`` offsets that ``LongNetLM.forward(x, y, cu_seqlens=...)`` and
+:func:`dilated_attention.dilated_attention_varlen` take, instead of padding every document.
 """
 
 from __future__ import annotations
@@ -185,10 +189,13 @@ def stdlib_source_files(root: str | None = None) -> tuple[str, list[str], list[s
     return root, train, val
 
 
-def _read_concat(root: str, files: list[str]) -> torch.Tensor:
-    """The files' bytes in list order, each followed by one newline, as int64 (vocab 256)."""
+def _read_concat(root: str, files: list[str], starts: list[int] | None = None) -> torch.Tensor:
+    """The files' bytes in list order, each followed by one newline, as int64 (vocab 256).
+    ``starts``, when given, receives each file's offset in the result."""
     buf = bytearray()
     for f in files:
+        if starts is not None:
+            starts.append(len(buf))
         with open(os.path.join(root, *f.split("/")), "rb") as fh:
             buf += fh.read()
         buf += b"\n"
@@ -207,7 +214,8 @@ class StdlibBytes:
 
     def __init__(self, seq_len: int, root: str | None = None):
         self.root, self.train_files, self.val_files = stdlib_source_files(root)
-        self.train_data = _read_concat(self.root, self.train_files)
+        self.train_starts: list[int] = []  # offset of each train file in train_data
+        self.train_data = _read_concat(self.root, self.train_files, self.train_starts)
         self.val_data = _read_concat(self.root, self.val_files)
         for name, d in (("train", self.train_data), ("validation", self.val_data)):
             if len(d) < seq_len + 1:
@@ -224,6 +232,33 @@ class StdlibBytes:
         chunks = torch.stack([self.train_data[s : s + self.seq_len + 1] for s in starts])
         return chunks[:, :-1].contiguous(), chunks[:, 1:].contiguous()  # (B, N), (B, N)
 
+    def packed_batch(self, batch_size: int, seed: int, step: int):
+        """A train batch of packed documents: ``(x, y, cu_seqlens, max_seqlen)`` as
+        :func:`pack_documents` returns them, the documents being the source files.
+
+        The same random crop as :meth:`batch` per row (a pure function of ``(seed, step)``), but
+        each file in a crop is its own document (``LongNetLM.forward(x, y, cu_seqlens=...)``):
+        no byte attends to or predicts a byte of another file.
+        """
+        g = torch.Generator().manual_seed(_mix(seed, step, 0))
+        n = self.seq_len
+        hi = len(self.train_data) - n - 1
+        starts = torch.randint(0, hi + 1, (batch_size,), generator=g).tolist()
+        file_starts = torch.tensor(self.train_starts, dtype=torch.long)
+        xs, ys, doc_starts = [], [], []
+        for row, s0 in enumerate(starts):
+            c = self.train_data[s0 : s0 + n + 1]
+            x, y = c[:-1].clone(), c[1:].clone()
+            inside = file_starts[(file_starts > s0) & (file_starts < s0 + n + 1)] - s0  # file starts in the crop
+            y[inside[inside <= n] - 1] = IGNORE  # the byte before a file start predicts nothing
+            inside = inside[inside < n]
+            doc_starts += [row * n + int(t) for t in inside]
+            xs.append(x)
+            ys.append(y)
+        bounds = sorted(set(doc_starts) | set(range(0, (batch_size + 1) * n, n)))
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        return torch.stack(xs), torch.stack(ys), cu, int((cu[1:] - cu[:-1]).max())
+
     def val_batches(self, num_seqs: int):
         """``num_seqs`` (x, y) pairs of shape (1, N), evenly spaced over the validation bytes
         (overlapping when the split is shorter than ``num_seqs * (N + 1)``)."""
@@ -232,3 +267,49 @@ class StdlibBytes:
         for s in starts:
             c = self.val_data[s : s + self.seq_len + 1][None]
             yield c[:, :-1].contiguous(), c[:, 1:].contiguous()
+
+
+def pack_documents(documents, seq_len: int, *, pad_id: int = 0):
+    """Pack token documents into rows of ``seq_len`` tokens: ``(x, y, cu_seqlens, max_seqlen)``.
+
+    The documents (1-D int tensors or lists of ints) are concatenated in order and cut into rows
+    of ``seq_len``; a document that crosses a row end continues at the start of the next row as a
+    new document (its positions restart there). The last row is filled with ``pad_id`` tokens,
+    which form one document of their own with ignored targets.
+
+    Returns:
+        x: (rows, seq_len) int64 inputs.
+        y: (rows, seq_len) int64 targets: the next token of the same document, -100 at each
+            document's last token and on padding (nothing is predicted across documents).
+        cu_seqlens: (docs + 1,) int32 offsets into the flattened ``rows * seq_len`` tokens
+            (document starts, row starts included), for ``LongNetLM.forward(x, y,
+            cu_seqlens=cu_seqlens)``.
+        max_seqlen: the longest packed document (an int, <= seq_len).
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    toks, tgts, starts = [], [], []
+    total = 0
+    for i, d in enumerate(documents):
+        d = torch.as_tensor(d)
+        if d.dim() != 1 or d.dtype.is_floating_point or d.dtype == torch.bool:
+            raise ValueError(f"document {i} must be a 1-D integer sequence of tokens, got {d.dtype} shape {tuple(d.shape)}")
+        if d.numel() == 0:
+            continue
+        d = d.long()
+        starts.append(total)
+        toks.append(d)
+        tgts.append(torch.cat([d[1:], d.new_full((1,), IGNORE)]))
+        total += d.numel()
+    rows = max(1, -(-total // seq_len))
+    pad = rows * seq_len - total
+    if pad:
+        starts.append(total)
+        toks.append(torch.full((pad,), pad_id, dtype=torch.long))
+        tgts.append(torch.full((pad,), IGNORE, dtype=torch.long))
+    x = torch.cat(toks).view(rows, seq_len)
+    y = torch.cat(tgts).view(rows, seq_len)
+    bounds = sorted(set(starts) | set(range(0, rows * seq_len, seq_len)) | {rows * seq_len})
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    max_seqlen = int((cu[1:] - cu[:-1]).max())
+    return x, y, cu, max_seqlen

@@ -103,8 +103,22 @@ class DilatedAttention(nn.Module):
         value: torch.Tensor,
         is_causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        """query (B, Nq, H, D), key/value (B, Nk, Hkv, D) -> (B, Nq, H, D)."""
+        """query (B, Nq, H, D), key/value (B, Nk, Hkv, D) -> (B, Nq, H, D).
+
+        Packed documents (varlen, as ``flash_attn_varlen_func``): with ``cu_seqlens`` (int32
+        (docs + 1,) offsets, shared by query and key/value) query is (total, H, D) and key/value
+        (total, Hkv, D), or the same with a leading batch dimension of 1 (one packed row); the
+        output has query's shape. Each document is its own sequence
+        (:func:`dilated_attention.dilated_attention_varlen`). ``max_seqlen``: the longest
+        document (computed from ``cu_seqlens`` when None, one host sync).
+        """
+        if cu_seqlens is not None:
+            return self._attend_packed(query, key, value, is_causal, key_padding_mask, cu_seqlens, max_seqlen)
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen is given without cu_seqlens; pass both for packed documents")
         if self.ordering == "hilbert":
             from .ordering import hilbert_attention
 
@@ -112,6 +126,40 @@ class DilatedAttention(nn.Module):
                 self._attend, self.grid, query, key, value, is_causal, key_padding_mask, self.process_group
             )
         return self._attend(query, key, value, is_causal, key_padding_mask)
+
+    def _attend_packed(self, query, key, value, is_causal, key_padding_mask, cu_seqlens, max_seqlen):
+        from .varlen import dilated_attention_varlen
+
+        if key_padding_mask is not None:
+            raise ValueError(
+                "key_padding_mask with cu_seqlens: packed documents have no padding; leave the "
+                "padding out of the packed tensor (or make it a document of its own)"
+            )
+        if self.process_group is not None or self.ordering is not None:
+            raise ValueError(
+                "cu_seqlens (packed documents) is not supported with process_group or ordering on "
+                "this module; use a module without them"
+            )
+        squeeze = isinstance(query, torch.Tensor) and query.dim() == 4
+        if squeeze:
+            for name, t in (("query", query), ("key", key), ("value", value)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1:
+                    raise ValueError(
+                        f"with cu_seqlens, {name} must be (total, heads, headdim) or one packed row "
+                        f"(1, total, heads, headdim), got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                    )
+            query, key, value = query[0], key[0], value[0]
+        if max_seqlen is None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 1:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        elif max_seqlen is None:
+            max_seqlen = 0
+        out = dilated_attention_varlen(
+            query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, self.segment_lengths,
+            self.dilation_rates, causal=is_causal, softmax_scale=self.softmax_scale,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            head_assignment=self.head_assignment, impl=self.impl,
+        )  # fmt: skip
+        return out[None] if squeeze else out
 
     def _attend(self, query, key, value, is_causal, key_padding_mask):
         return dilated_attention(
@@ -228,10 +276,23 @@ class MultiheadDilatedAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> tuple[torch.Tensor, None]:
         """query (B, Nq, E), key/value (B, Nk, E) -> ((B, Nq, E), None) with ``batch_first``;
         (Nq, B, E), (Nk, B, E) -> ((Nq, B, E), None) without. ``key_padding_mask``: (B, Nk)
-        bool, True = padding. Nq < Nk is allowed (queries are the last Nq positions)."""
+        bool, True = padding. Nq < Nk is allowed (queries are the last Nq positions).
+
+        Packed documents (as flash-attn's ``MHA`` with ``cu_seqlens``): query/key/value are
+        (total, E), or one packed row (1, total, E) ((total, 1, E) without ``batch_first``), and
+        ``cu_seqlens`` the int32 (docs + 1,) document offsets; each document attends only to
+        itself, from its own position 0. ``max_seqlen`` as in :class:`DilatedAttention`.
+        """
+        if cu_seqlens is not None:
+            return self._forward_packed(
+                query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cu_seqlens, max_seqlen
+            )
         if not isinstance(is_causal, bool):
             raise TypeError(
                 f"is_causal must be a bool, got {type(is_causal).__name__}; forward takes "
@@ -295,6 +356,45 @@ class MultiheadDilatedAttention(nn.Module):
             x = self.norm(x)
         out = self.out_proj(x)  # (B, Nq, E)
         return (out if self.batch_first else out.transpose(0, 1)), None
+
+    def _forward_packed(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cu_seqlens, max_seqlen):
+        """MultiheadDilatedAttention.forward over packed documents (see its docstring)."""
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+        if need_weights or attn_mask is not None or key_padding_mask is not None:
+            raise ValueError(
+                "with cu_seqlens (packed documents) need_weights, attn_mask and key_padding_mask are "
+                "not supported: documents have no padding and is_causal=True is the causal mask"
+            )
+        shapes = []
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            row_dim = 0 if self.batch_first else 1
+            ok = t.dim() == 2 or (t.dim() == 3 and t.shape[row_dim] == 1)
+            if not ok or t.shape[-1] != self.embed_dim:
+                raise ValueError(
+                    f"with cu_seqlens, {name} must be (total, embed_dim={self.embed_dim}) or one packed "
+                    f"row ({'(1, total, E)' if self.batch_first else '(total, 1, E)'}), got {tuple(t.shape)}"
+                )
+            shapes.append(t.shape)
+        if key.shape != value.shape or query.dim() != key.dim():
+            raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} must agree")
+        flat = [t.reshape(-1, self.embed_dim) for t in (query, key, value)]
+        if flat[0].shape[0] != flat[1].shape[0]:
+            raise ValueError(
+                f"with cu_seqlens (one set of offsets for queries and keys) query and key need the same "
+                f"number of tokens, got {flat[0].shape[0]} and {flat[1].shape[0]}"
+            )
+        n = flat[0].shape[0]
+        q = self.q_proj(flat[0]).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(flat[1]).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(flat[2]).view(n, self.num_kv_heads, self.head_dim)
+        x = self.attention(q, k, v, is_causal=is_causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        x = x.reshape(n, self.embed_dim)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out_proj(x).view(shapes[0]), None
 
 
 def _is_causal_mask(mask, nq: int, nk: int) -> bool:

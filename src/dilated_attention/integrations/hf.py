@@ -5,20 +5,39 @@
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="dilated")
 
 ``transformers`` calls the registered function with (batch, heads, seqlen, headdim) tensors; it is
-transposed to this library's (batch, seqlen, heads, headdim) layout and passed to
-:func:`dilated_attention.dilated_attention`. KV-cache decoding works (fewer queries than keys are
-bottom-right aligned) and so does GQA (kv heads are never repeated): with ``transformers``'
-cache the function receives the new query rows and the whole cached k, v, and a step of at most
-64 rows without padding goes to the decode path (``dilated_attention_with_kvcache``), which
-reads per branch only the keys of the query's segment and residue, whatever the cache length.
+transposed to this library's (batch, seqlen, heads, headdim) layout. GQA works (kv heads are never
+repeated). Every row is exact (docs/spec.md, "Hugging Face"): its dilated positions, like its
+rotary positions, count from its own first real token, and nothing crosses a document boundary.
 
-Masks: the mask function registered next to the attention (when ``transformers`` has
-``AttentionMaskInterface``) is the flash-attention one: ``None`` without padding, else a 2-D
-(batch, seqlen_k) bool mask, True = keep, which becomes ``key_padding_mask``. A 4-D mask (older
-versions) is reduced to the keys that its last query row masks: exact for causal padding masks,
-not for arbitrary 4-D masks. Causality is the attention module's ``is_causal``. Positions in
-``segment_lengths`` refer to key-cache positions, so a left-padded batch shifts segments; pad on
-the right for exactness. Sliding windows and softcapping are not supported (clear error).
+Which keys a call sees (the rule, tested against ``sdpa`` in tests/test_hf.py):
+
+- **Cache slots.** The function gets the new query rows and the cache's keys. A static cache
+  hands over its whole buffer; the filled slots are the length of the 2-D padding mask, or, with
+  no mask, ``position_ids[:, -1] + 1`` (the position of the last query). Unfilled slots are never
+  attended, and the queries are the last filled slots (bottom-right aligned).
+- **Padding.** The mask registered next to the attention (when ``transformers`` has
+  ``AttentionMaskInterface``) is the flash-attention one: ``None`` without padding, else a 2-D
+  (batch, filled slots) bool mask, True = real token. A row's real tokens must be contiguous
+  (left padding, as ``generate`` pads, or right padding); the row is then the document of its
+  real tokens, so a left-padded row's segments start at its first real token. Query rows that
+  are padding get zeros. A mask with padding between real tokens raises. A 4-D mask (older
+  versions) is reduced to the keys its last query row keeps.
+- **Packing.** ``cu_seq_lens_q``/``cu_seq_lens_k`` with ``max_length_q``/``max_length_k``
+  (flash-attention keyword arguments, e.g. ``DataCollatorWithFlattening(return_flash_attn_kwargs=
+  True)``) give the documents of the flattened batch; without them, when the queries fill the
+  row and there is no padding mask, ``position_ids`` that do not go up by one (restarting at 0,
+  ``DataCollatorWithFlattening``'s default) start a new document, as ``transformers``' own masks
+  read them.
+
+Rows that are one document starting at slot 0 (no padding, no packing) go to
+:func:`dilated_attention.dilated_attention` on the filled slots, so a decode step of at most 64
+rows takes the decode path (``dilated_attention_with_kvcache``), which reads per branch only the
+keys of the query's segment and residue. Every other call runs
+:func:`dilated_attention.dilated_attention_varlen` over the rows' documents (whose torch path
+sends the decode steps of a left-padded batch to the decode path too, in one call). Reading the mask and
+the positions costs one host synchronisation per call (as ``transformers``' flash-attention path
+unpads). Causality is the attention module's ``is_causal``. Sliding windows and softcapping are
+not supported (clear error).
 
 Needs the optional extra: ``pip install 'dilated-attention[hf]'``.
 """
@@ -32,25 +51,107 @@ import torch
 from ..api import dilated_attention
 from ..branches import normalize_branches
 from ..kernels.select import check_impl
+from ..varlen import dilated_attention_varlen
+
+_NAME = "dilated attention (transformers)"
 
 
-def _key_padding_mask(attention_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):
-    """transformers' mask -> (B, Nk) bool, True = padding (or None)."""
+def _keep_mask(attention_mask: torch.Tensor | None, nk: int) -> torch.Tensor | None:
+    """transformers' mask -> (B, filled slots) bool, True = real token (or None: no padding)."""
     if attention_mask is None:
         return None
     m = attention_mask
     if m.dim() == 4:  # (B, 1 or H, Nq, Nk): the last query row sees every non-padding key
         m = m[:, 0, -1, :]
         keep = m if m.dtype == torch.bool else m == 0
+        # a static cache's 4-D mask also hides the unfilled slots: they end the row
+        filled = int(keep.any(0).nonzero().max()) + 1 if bool(keep.any()) else keep.shape[1]
+        keep = keep[:, :filled]
     elif m.dim() == 2:
         keep = m.bool()
     else:
-        raise ValueError(f"dilated attention: unsupported attention_mask shape {tuple(m.shape)}")
-    nk = k.shape[2]
-    keep = keep[:, -nk:]
-    if keep.shape[1] != nk:
-        raise ValueError(f"dilated attention: mask covers {keep.shape[1]} keys, key has {nk}")
-    return None if bool(keep.all()) else ~keep
+        raise ValueError(f"{_NAME}: unsupported attention_mask shape {tuple(m.shape)}")
+    if keep.shape[1] > nk:  # older versions: a mask longer than the keys (slice from the right)
+        keep = keep[:, -nk:]
+    return keep
+
+
+def _row_documents(keep, position_ids, b: int, nq: int, nk: int):
+    """(filled slots, documents): documents is None when every row is one document
+    [0, filled), else per row a list of [start, end) slot intervals (host ints)."""
+    pos = None
+    if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[-1] == nq:
+        pos = position_ids.expand(b, -1)
+    if keep is not None:
+        filled = keep.shape[1]
+    else:
+        filled = nk
+        if pos is not None and nk > nq:  # a static cache without padding: the last query's position
+            last = int(pos[:, -1].max()) + 1
+            if nq <= last < nk:
+                filled = last
+    if filled < nq:
+        raise ValueError(
+            f"{_NAME}: {nq} query rows but only {filled} filled key slots (attention_mask of "
+            f"length {filled}); the queries must be the last filled slots"
+        )
+    docs = None
+    if keep is not None and not bool(keep.all()):
+        keep_h = keep.cpu()
+        docs = []
+        for row in range(b):
+            real = keep_h[row].nonzero().flatten()
+            if real.numel() == 0:
+                docs.append([])
+                continue
+            a, c = int(real[0]), int(real[-1]) + 1
+            if c - a != real.numel():
+                raise ValueError(
+                    f"{_NAME}: attention_mask row {row} has padding between real tokens; a row's "
+                    "real tokens must be contiguous (left padding, as generate() pads, or right "
+                    "padding) so that its positions and segments are defined"
+                )
+            docs.append([(a, c)])
+    if keep is None and pos is not None and nq == filled and nq > 1:
+        # packed rows (no cache content besides the queries): a document starts where the
+        # position does not go up by one
+        starts = pos[:, 1:] != pos[:, :-1] + 1  # (B, N-1)
+        if bool(starts.any()):
+            starts_h = starts.cpu()
+            docs = []
+            for row in range(b):
+                cuts = [0, *(int(t) + 1 for t in starts_h[row].nonzero().flatten()), filled]
+                docs.append(list(zip(cuts[:-1], cuts[1:], strict=True)))
+    return filled, docs
+
+
+def _varlen_rows(q, k, v, filled: int, docs, seg, dil, **kw) -> torch.Tensor:
+    """q (B, Nq, H, D), k/v (B, Nk, Hkv, D) over per-row documents -> (B, Nq, H, D)."""
+    b, nq, h, d = q.shape
+    nk = k.shape[1]
+    q0 = filled - nq  # slot of query row 0
+    qidx, kidx, cu_q, cu_k = [], [], [0], [0]
+    for row, row_docs in enumerate(docs):
+        for a, c in row_docs:
+            qa = max(a, q0)
+            qidx.extend(range(row * nq + qa - q0, row * nq + c - q0))
+            kidx.extend(range(row * nk + a, row * nk + c))
+            cu_q.append(cu_q[-1] + max(0, c - qa))
+            cu_k.append(cu_k[-1] + c - a)
+    dev = q.device
+    qi = torch.tensor(qidx, dtype=torch.long, device=dev)
+    ki = torch.tensor(kidx, dtype=torch.long, device=dev)
+    qf = q.reshape(b * nq, h, d).index_select(0, qi)
+    kf = k.reshape(b * nk, k.shape[2], d).index_select(0, ki)
+    vf = v.reshape(b * nk, v.shape[2], d).index_select(0, ki)
+    lq = [y - x for x, y in zip(cu_q[:-1], cu_q[1:], strict=True)]
+    lk = [y - x for x, y in zip(cu_k[:-1], cu_k[1:], strict=True)]
+    out = dilated_attention_varlen(
+        qf, kf, vf, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+        max(lq, default=0), max(lk, default=0), seg, dil, **kw,
+    )  # fmt: skip
+    # query rows outside every document (padding) get zeros
+    return q.new_zeros(b * nq, h, d).index_copy(0, qi, out).view(b, nq, h, d)
 
 
 def make_attention_function(
@@ -76,15 +177,38 @@ def make_attention_function(
         causal = kwargs.get("is_causal")
         if causal is None:
             causal = getattr(module, "is_causal", True)
-        kpm = _key_padding_mask(attention_mask, query, key)
         q = query.transpose(1, 2)  # (B, Nq, H, D)
         k = key.transpose(1, 2)  # (B, Nk, Hkv, D)
         v = value.transpose(1, 2)
-        out = dilated_attention(
-            q, k, v, seg, dil, causal=bool(causal), softmax_scale=scaling, key_padding_mask=kpm,
+        b, nq, h, d = q.shape
+        kw = dict(
+            causal=bool(causal), softmax_scale=scaling,
             dropout_p=dropout if module.training else 0.0, impl=impl,
         )  # fmt: skip
-        return out, None
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if (cu_q is not None or cu_k is not None) and attention_mask is None:
+            if cu_q is None or cu_k is None:
+                raise ValueError(f"{_NAME}: pass both cu_seq_lens_q and cu_seq_lens_k (packed documents)")
+            max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+            max_q = int(max_q) if max_q is not None else int(cu_q.diff().max())
+            max_k = int(max_k) if max_k is not None else int(cu_k.diff().max())
+            # as flash-attention: the batch is flattened and the offsets index the flat tokens
+            out = dilated_attention_varlen(
+                q.reshape(-1, h, d), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                cu_q, cu_k, max_q, max_k, seg, dil, **kw,
+            )  # fmt: skip
+            return out.view(b, nq, h, d), None
+        keep = _keep_mask(attention_mask, k.shape[1])
+        filled, docs = _row_documents(keep, kwargs.get("position_ids"), b, nq, k.shape[1])
+        if docs is None:  # every row is one document [0, filled): the plain (or decode) path
+            out = dilated_attention(q, k[:, :filled], v[:, :filled], seg, dil, **kw)
+            return out, None
+        # Left-padded decode steps (one document [pad_b, filled) per row, a few query rows) run
+        # here through the varlen path, which without gradients hands them to the decode path in
+        # one call, after gathering each row's keys to start at slot 0 (a copy of the filled
+        # cache per layer and step); the decode path's per-row start offsets
+        # (dilated_attention_with_kvcache(..., cache_leftpad=...)) can read them in place.
+        return _varlen_rows(q, k, v, filled, docs, seg, dil, **kw), None
 
     dilated_attention_forward.segment_lengths = seg
     dilated_attention_forward.dilation_rates = dil

@@ -327,8 +327,12 @@ class Attention(nn.Module):
         magneto_init_(self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.gamma_init)
         self.norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None) -> torch.Tensor:
         """x (B, T, E) holding positions [start_pos, start_pos + T) -> (B, T, E).
+
+        ``packed``: ``(pos (T,), cu_seqlens, max_seqlen)`` for one packed row (B = 1) of
+        documents: rotary takes the per-document positions ``pos`` and each document attends
+        only to itself (``start_pos`` unused; no KV cache).
 
         Without a KV cache ``start_pos`` (an int) is only the rotary offset (nonzero for a
         sequence-parallel shard). With one, the new keys/values are written to the cache and
@@ -344,6 +348,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_head, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
+        if packed is not None:
+            if self.kv_cache is not None:
+                raise ValueError("packed documents (cu_seqlens) cannot be written to a KV cache")
+            pos, cu, mx = packed
+            q, k = self.rotary(q, k, pos, pos)
+            y = self.attention(q, k, v, is_causal=self.causal, cu_seqlens=cu, max_seqlen=mx)
+            return self.out_proj(self.norm(y.reshape(b, t, e)))
         decoding = isinstance(start_pos, torch.Tensor)
         if decoding:
             pos = start_pos + torch.arange(t, device=x.device)  # (T,) global positions
@@ -410,8 +421,8 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), start_pos))
+    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), start_pos, packed))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
@@ -434,12 +445,13 @@ class _Trunk(nn.Module):
 
         return dist.get_rank(self.sp_group) * local_len
 
-    def run_layers(self, x: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None) -> torch.Tensor:
+        """``packed``: see :meth:`Attention.forward` (one packed row of documents)."""
         for layer in self.layers:
             if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, start_pos, use_reentrant=False)
+                x = checkpoint(layer, x, start_pos, packed, use_reentrant=False)
             else:
-                x = layer(x, start_pos)
+                x = layer(x, start_pos, packed)
         return self.norm(x)
 
 
@@ -549,6 +561,8 @@ class LongNetLM(_Trunk):
         start_pos: int | None = None,
         return_logits: bool = True,
         loss_reduction: str = "mean",
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ):
         """idx (B, T) -> (logits (B, T, V) or None, loss or None).
 
@@ -561,16 +575,33 @@ class LongNetLM(_Trunk):
         ``start_pos``: global position of ``idx[:, 0]``. Default: 0, or ``rank * T`` when
         sequence-parallel. With a KV cache (:meth:`setup_cache`) it is where the tokens are
         written and must be given.
+
+        ``cu_seqlens``: packed documents (``dilated_attention.data.pack_documents`` makes them):
+        int32 (docs + 1,) offsets into the flattened ``B * T`` tokens of ``idx``. Each document
+        is its own sequence: its rotary positions and its segments restart at 0 and it attends
+        only to itself, so its logits equal the document run alone. ``max_seqlen``: the longest
+        document (computed from ``cu_seqlens`` when None: one host sync). Not with a KV cache,
+        ``start_pos`` or sequence parallelism.
         """
-        x = self.hidden_states(idx, start_pos=start_pos)  # (B, T, E)
+        x = self.hidden_states(idx, start_pos=start_pos, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         logits = self.lm_head(x) if return_logits or targets is None else None  # (B, T, V)
         loss = None
         if targets is not None:
             loss = chunked_cross_entropy(x, self.lm_head.weight, targets, reduction=loss_reduction)
         return logits, loss
 
-    def hidden_states(self, idx: torch.Tensor, *, start_pos: int | None = None) -> torch.Tensor:
-        """idx (B, T) -> final-LayerNorm hidden states (B, T, E), the input of ``lm_head``."""
+    def hidden_states(
+        self,
+        idx: torch.Tensor,
+        *,
+        start_pos: int | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        """idx (B, T) -> final-LayerNorm hidden states (B, T, E), the input of ``lm_head``
+        (``cu_seqlens``, ``max_seqlen``: packed documents, see :meth:`forward`)."""
+        if cu_seqlens is not None:
+            return self._hidden_packed(idx, start_pos, cu_seqlens, max_seqlen)
         b, t = idx.shape
         if start_pos is None:
             if self.has_cache:
@@ -580,6 +611,34 @@ class LongNetLM(_Trunk):
             start_pos = self.position_offset(t)
         x = self.emb_dropout(self.tok_emb(idx))  # (B, T, E)
         return self.run_layers(x, start_pos)  # (B, T, E)
+
+    def _hidden_packed(self, idx, start_pos, cu_seqlens, max_seqlen) -> torch.Tensor:
+        if start_pos is not None or self.has_cache or self.sp_group is not None:
+            raise ValueError(
+                "cu_seqlens (packed documents) runs on one device without a KV cache or "
+                "start_pos; call forward(idx, cu_seqlens=...) on a model without them"
+            )
+        if (
+            not isinstance(cu_seqlens, torch.Tensor)
+            or cu_seqlens.dim() != 1
+            or cu_seqlens.numel() < 2
+            or cu_seqlens.dtype.is_floating_point
+        ):
+            raise TypeError(
+                "cu_seqlens must be a 1-D integer tensor (docs + 1,) of document offsets into the "
+                f"flattened B * T tokens, got {cu_seqlens!r:.80}"
+            )
+        b, t = idx.shape
+        dev = idx.device
+        cu = cu_seqlens.to(device=dev, dtype=torch.long)
+        flat = torch.arange(b * t, device=dev)
+        doc = torch.searchsorted(cu, flat, right=True) - 1  # document of each token
+        pos = flat - cu[doc.clamp(0, cu.numel() - 1)]  # (B*T,) position inside its document
+        if max_seqlen is None:
+            max_seqlen = int((cu[1:] - cu[:-1]).max())
+        x = self.emb_dropout(self.tok_emb(idx)).reshape(1, b * t, -1)  # (1, B*T, E)
+        x = self.run_layers(x, 0, (pos, cu_seqlens, max_seqlen))
+        return x.reshape(b, t, -1)  # (B, T, E)
 
     # ---------------------------------------------------------------- KV cache and generation
 

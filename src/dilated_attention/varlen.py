@@ -1,0 +1,352 @@
+"""Packed documents (varlen): :func:`dilated_attention_varlen`, flash-attn's varlen front door.
+
+Several documents of different lengths are concatenated along one token dimension (no padding):
+q ``(total_q, nheads, headdim)``, k/v ``(total_k, nheads_kv, headdim)``, and document i holds the
+query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and the key rows
+``cu_seqlens_k[i]:cu_seqlens_k[i+1]``. Each document is its own sequence (docs/spec.md,
+"Packed documents (varlen)"): the result on its rows equals :func:`dilated_attention` run on that
+document alone, its segments start at its first token, its queries are bottom-right aligned
+within it when it has fewer queries than keys, and nothing crosses a document boundary.
+
+Host synchronisation (the rule): the offsets' *shapes and dtypes* are always checked (free). Their
+*values* are checked whenever they are on the host anyway: when the caller passes CPU tensors, and
+on the ``"reference"`` and ``"torch"`` paths, which plan their calls per document (or per
+bucket of equal padded length, :func:`_per_document`) and so read the offsets to the host once
+(one sync per call). The fused ``"triton"`` path takes device offsets
+without reading them (no sync); pass ``check_offsets=True`` there to validate them at the cost
+of one sync, or pass the offsets on the CPU.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from .autograd_rules import autocast_inputs
+from .branches import normalize_branches
+from .checks import check_bool, check_dropout, check_head_assignment, check_qkv, resolve_scale
+from .kernels.select import check_impl, triton_unavailable_reason
+
+__all__ = ["dilated_attention_varlen", "check_cu_seqlens_values"]
+
+_NAME = "dilated_attention_varlen"
+
+
+def _triton_varlen():
+    """``kernels.triton_ops.dilated_attention_triton_varlen``, or a string saying why it is absent."""
+    try:
+        from .kernels import triton_ops
+    except ImportError as e:
+        return f"the triton package is not importable ({e})"
+    fn = getattr(triton_ops, "dilated_attention_triton_varlen", None)
+    if fn is None:
+        return "this build has no fused varlen kernel (kernels.triton_ops.dilated_attention_triton_varlen)"
+    return fn
+
+
+def _check_tensors(q, k, v) -> None:
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_NAME}: {n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{_NAME}: {n} must have 3 dims (total_tokens, nheads, headdim), the documents "
+                f"concatenated along dim 0, got shape {tuple(t.shape)}; for a padded (batch, "
+                "seqlen, nheads, headdim) tensor use dilated_attention"
+            )
+    if q.shape[0] > k.shape[0]:
+        raise ValueError(
+            f"{_NAME}: total_q ({q.shape[0]}) > total_k ({k.shape[0]}): some document would have "
+            "more queries than keys (check cu_seqlens_q and cu_seqlens_k)"
+        )
+    check_qkv(q[None], k[None], v[None], _NAME)
+    if q.shape[-1] == 0:
+        raise ValueError(f"{_NAME}: headdim is 0; q, k, v need at least one feature")
+
+
+def _check_offsets_meta(cu_q, cu_k, device) -> None:
+    """Shape/dtype/device checks of the offsets (no host synchronisation)."""
+    for n, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{_NAME}: {n} must be an integer tensor of document offsets (docs + 1,), got "
+                f"{type(t).__name__}; e.g. torch.tensor([0, 5, 12], dtype=torch.int32)"
+            )
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{_NAME}: {n} must be an integer tensor (int32 as flash-attn), got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] < 1:
+            raise ValueError(
+                f"{_NAME}: {n} must be 1-D with docs + 1 >= 1 entries (0, then each document's end "
+                f"offset), got shape {tuple(t.shape)}"
+            )
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(f"{_NAME}: {n} is on {t.device}, q on {device}; pass it on q's device or the CPU")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(
+            f"{_NAME}: cu_seqlens_q has {cu_q.shape[0] - 1} documents and cu_seqlens_k "
+            f"{cu_k.shape[0] - 1}; each document needs both its query and its key offsets"
+        )
+
+
+def _check_max_seqlen(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{_NAME}: {name} must be a Python int (the longest document), got {value!r}")
+    if value < 0:
+        raise ValueError(f"{_NAME}: {name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_cu_seqlens_values(
+    cu_q: list[int], cu_k: list[int], total_q: int, total_k: int, max_q: int, max_k: int
+) -> None:
+    """Value checks of host offsets: start at 0, non-decreasing, end at the totals, no document
+    with more queries than keys, ``max_seqlen`` at least every document's length."""
+    for n, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+        if cu[0] != 0:
+            raise ValueError(f"{_NAME}: {n} must start at 0, got {cu[0]} ({n} = {cu})")
+        for i in range(len(cu) - 1):
+            if cu[i + 1] < cu[i]:
+                raise ValueError(
+                    f"{_NAME}: {n} must be non-decreasing (document offsets), but entry {i + 1} "
+                    f"({cu[i + 1]}) < entry {i} ({cu[i]})"
+                )
+        if cu[-1] != total:
+            raise ValueError(
+                f"{_NAME}: the last entry of {n} ({cu[-1]}) must equal the number of packed tokens "
+                f"({total}, dim 0 of {'q' if n.endswith('q') else 'k and v'})"
+            )
+    for i in range(len(cu_q) - 1):
+        nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if nq > nk:
+            raise ValueError(
+                f"{_NAME}: document {i} has {nq} queries but {nk} keys (cu_seqlens_q, "
+                "cu_seqlens_k); queries may be fewer than keys (bottom-right aligned), not more"
+            )
+        for n, length, mx in (("max_seqlen_q", nq, max_q), ("max_seqlen_k", nk, max_k)):
+            if length > mx:
+                raise ValueError(
+                    f"{_NAME}: {n} = {mx} but document {i} has {length} "
+                    f"{'queries' if n.endswith('q') else 'keys'}; pass the longest document's length"
+                )
+
+
+def _host_list(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t.tolist()]
+
+
+def dilated_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    head_assignment: str = "all",
+    return_lse: bool = False,
+    impl: str = "auto",
+    check_offsets: bool = False,
+):
+    """Dilated attention over packed documents (flash-attn's ``flash_attn_varlen_func`` layout).
+
+    Args:
+        q: (total_q, nheads, headdim), the documents' query rows concatenated.
+        k, v: (total_k, nheads_kv, headdim); ``nheads % nheads_kv == 0`` (GQA/MQA).
+        cu_seqlens_q, cu_seqlens_k: (docs + 1,) integer tensors (int32 as flash-attn), on q's
+            device or the CPU: document i is rows ``cu[i]:cu[i+1]``. A document may be empty;
+            it may have fewer queries than keys (its query row t is its position
+            ``nk_i - nq_i + t``), never more.
+        max_seqlen_q, max_seqlen_k: Python ints, the longest document's query/key count.
+        segment_lengths, dilation_rates, causal, softmax_scale, dropout_p, head_assignment: as
+            :func:`dilated_attention.dilated_attention`; positions are per document.
+        return_lse: also return lse (nheads, total_q) float32 (not differentiable).
+        impl: ``"reference"`` (the oracle, one dense call per document), ``"torch"`` (one
+            torch-path call per bucket of similar lengths), ``"triton"`` (one fused launch over
+            all documents from device offsets) or ``"auto"`` (the fused kernel on CUDA where
+            it can run and ``dropout_p == 0``, else ``"torch"``).
+        check_offsets: validate device offsets on the fused path too (one host sync). Offsets
+            on the CPU, and the reference/torch paths (which read them once), are always checked.
+
+    Returns:
+        out (total_q, nheads, headdim) in q's dtype, or ``(out, lse)``. Autocast follows
+        :func:`dilated_attention` (docs/autocast.md). A query with no key gets out = 0,
+        lse = -inf.
+    """
+    q, k, v, amp_device = autocast_inputs(q, k, v)
+    if amp_device is not None:
+        with torch.autocast(amp_device, enabled=False):
+            return dilated_attention_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
+                dilation_rates, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                head_assignment=head_assignment, return_lse=return_lse, impl=impl,
+                check_offsets=check_offsets,
+            )  # fmt: skip
+    _check_tensors(q, k, v)
+    _check_offsets_meta(cu_seqlens_q, cu_seqlens_k, q.device)
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    seg, dil = normalize_branches(segment_lengths, dilation_rates)
+    check_head_assignment(head_assignment)
+    p = check_dropout(dropout_p)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    causal = check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    check_bool("check_offsets", check_offsets)
+    check_impl(impl)
+
+    chosen = _pick(impl, q, k, p)
+    on_host = cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu"
+    host = None
+    if chosen != "triton" or on_host or check_offsets:
+        host = (_host_list(cu_seqlens_q), _host_list(cu_seqlens_k))  # one sync for device offsets
+        check_cu_seqlens_values(*host, q.shape[0], k.shape[0], max_q, max_k)
+
+    if chosen == "triton":
+        fn = _triton_varlen()
+        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+        cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+        out, lse = fn(
+            q, k, v, cu_q, cu_k, max_q, max_k, seg, dil, causal=causal, scale=scale,
+            head_assignment=head_assignment,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
+    out, lse = _per_document(
+        q, k, v, *host, seg, dil, causal, scale, p, head_assignment, chosen,
+        decode_impl="auto" if impl == "auto" else "torch",
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def _pick(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
+    if impl == "triton":
+        fn = _triton_varlen()
+        reason = fn if isinstance(fn, str) else triton_unavailable_reason(q[None], k[None])
+        if reason is None and dropout_p > 0:
+            reason = "the triton kernel has no dropout; use impl='torch' or 'auto' for dropout_p > 0"
+        if reason is not None:
+            raise ValueError(f"{_NAME}: impl='triton' cannot run here: {reason}; use impl='torch'")
+        return "triton"
+    if impl == "auto":
+        if dropout_p > 0 or not q.is_cuda or isinstance(_triton_varlen(), str):
+            return "torch"
+        return "torch" if triton_unavailable_reason(q[None], k[None]) is not None else "triton"
+    return impl
+
+
+def _bucket(n: int) -> int:
+    """Padded length of a document of n rows in the torch path's batched calls: n rounded up to
+    a multiple of a quarter of its power of two (at most 25% padding, ~4 lengths per octave)."""
+    g = max(1, (1 << (n.bit_length() - 1)) >> 2)
+    return -(-n // g) * g
+
+
+def _per_document(
+    q, k, v, cu_q, cu_k, seg, dil, causal, scale, p, head_assignment, impl, decode_impl="torch"
+):
+    """The validated core per document, outputs in row order.
+
+    ``"reference"``: one call per document with queries. ``"torch"``: documents with as many
+    queries as keys are batched by padded length (:func:`_bucket`): each one is padded at its
+    end, the padded keys masked by ``key_padding_mask``, which leaves its positions, and so the
+    result on its rows, unchanged; padded query rows are dropped. Documents with a few queries
+    (1..64) and more keys, when no gradient and no dropout is needed (decoding, e.g. the rows of
+    a left-padded batch), go to the decode path in one call per query count: keys padded at the
+    end, ``cache_seqlens`` = each document's key count, so the padding is never read
+    (``decode_impl``: the decode path's impl, its Triton kernel on CUDA with "auto"). Other
+    documents with fewer queries than keys (bottom-right aligned) run one call each.
+    """
+    if impl == "reference":
+        from .reference import dilated_attention_reference
+
+        def core(qi, ki, vi, kpm=None):
+            return dilated_attention_reference(
+                qi, ki, vi, seg, dil, causal=causal, softmax_scale=scale, key_padding_mask=kpm,
+                dropout_p=p, head_assignment=head_assignment,
+            )  # fmt: skip
+    else:
+        from .kernels.torch_dilated import dilated_attention_torch
+
+        def core(qi, ki, vi, kpm=None):
+            return dilated_attention_torch(
+                qi, ki, vi, seg, dil, causal=causal, scale=scale, key_padding_mask=kpm,
+                dropout_p=p, head_assignment=head_assignment,
+            )  # fmt: skip
+
+    nheads, dev = q.shape[1], q.device
+    pieces = []  # (first query row, out rows (n, H, D), lse (H, n)) or (dest rows tensor, ...)
+    buckets: dict[int, list[tuple[int, int, int]]] = {}
+    decoding: dict[int, list[tuple[int, int, int]]] = {}
+    from .decode import MAX_DECODE_ROWS
+
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    decode_ok = impl == "torch" and p == 0 and not needs_grad
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        if impl == "torch" and n == k1 - k0:
+            buckets.setdefault(_bucket(n), []).append((q0, k0, n))
+            continue
+        if decode_ok and n <= MAX_DECODE_ROWS:
+            decoding.setdefault(n, []).append((q0, k0, k1 - k0))
+            continue
+        o, lse = core(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None])
+        pieces.append((q0, o[0], lse[0].to(torch.float32)))
+    for length, docs in buckets.items():
+        if len(docs) == 1 and docs[0][2] == length:  # one document, no padding needed
+            q0, k0, n = docs[0]
+            o, lse = core(q[q0 : q0 + n][None], k[k0 : k0 + n][None], v[k0 : k0 + n][None])
+            pieces.append((q0, o[0], lse[0].to(torch.float32)))
+            continue
+        t = torch.arange(length)
+        qrows = torch.stack([torch.where(t < n, q0 + t, q.shape[0]) for q0, _, n in docs])  # (G, L)
+        krows = torch.stack([torch.where(t < n, k0 + t, k.shape[0]) for _, k0, n in docs])
+        qrows, krows = qrows.to(dev), krows.to(dev)
+        qx = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # the extra row stands for padding
+        kx = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
+        vx = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+        o, lse = core(qx[qrows], kx[krows], vx[krows], kpm=krows == k.shape[0])  # (G, L, H, D)
+        real = (qrows < q.shape[0]).flatten()
+        dest = qrows.flatten()[real]
+        o = o.reshape(-1, *o.shape[2:])[real]
+        lse = lse.to(torch.float32).transpose(0, 1).reshape(nheads, -1)[:, real]
+        pieces.append((dest, o, lse))
+    if decoding:
+        from .decode import dilated_attention_with_kvcache
+
+        kx = torch.cat([k, k.new_zeros(1, *k.shape[1:])])  # the extra row stands for padding
+        vx = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+    for n, docs in decoding.items():
+        length = max(nk for _, _, nk in docs)
+        t = torch.arange(length)
+        qrows = torch.stack([q0 + torch.arange(n) for q0, _, _ in docs]).to(dev)  # (G, n)
+        krows = torch.stack([torch.where(t < nk, k0 + t, k.shape[0]) for _, k0, nk in docs]).to(dev)
+        seqlens = torch.tensor([nk for _, _, nk in docs], dtype=torch.int32).to(dev)
+        o, lse = dilated_attention_with_kvcache(
+            q[qrows], kx[krows], vx[krows], seqlens, seg, dil, causal=causal, softmax_scale=scale,
+            head_assignment=head_assignment, return_lse=True, impl=decode_impl,
+        )  # fmt: skip
+        lse = lse.to(torch.float32).transpose(0, 1).reshape(nheads, -1)
+        pieces.append((qrows.flatten(), o.reshape(-1, *o.shape[2:]), lse))
+    if not pieces:  # no query anywhere: an empty output, still connected to q, k, v (as SDPA)
+        out = q * 0 + (k.sum() + v.sum()) * 0
+        return out, torch.full((nheads, q.shape[0]), float("-inf"), device=dev)
+    if len(pieces) == 1 and isinstance(pieces[0][0], int):
+        return pieces[0][1], pieces[0][2]
+    dest = torch.cat([
+        d if isinstance(d, torch.Tensor) else torch.arange(d, d + o.shape[0], device=dev)
+        for d, o, _ in pieces
+    ])  # fmt: skip
+    order = torch.argsort(dest)  # dest covers every query row once: rows back in order
+    out = torch.cat([o for _, o, _ in pieces]).index_select(0, order)
+    lse = torch.cat([x for _, _, x in pieces], -1).index_select(1, order)
+    return out, lse
