@@ -129,18 +129,50 @@ def test_varlen_autocast_follows_dilated_attention(seed):
     assert torch.equal(out, want)
 
 
-def test_varlen_triton_missing_or_unavailable_is_a_clear_error():
-    # on this branch the fused varlen kernel is not wired (or triton cannot run here): an
+def test_varlen_triton_unavailable_is_a_clear_error():
+    # where the fused kernel cannot run (float64 here; a CPU tensor without the interpreter) an
     # explicit impl="triton" raises and says why; auto runs the torch path
-    q, k, v, cu_q, cu_k = _inputs([(3, 3)], 4, 2, dtype=torch.float32)
-    import dilated_attention.varlen as varlen
-
-    if not isinstance(varlen._triton_varlen(), str) and q.is_cuda:
-        pytest.skip("the fused varlen kernel can run here")
-    with pytest.raises(ValueError, match="impl='triton' cannot run here"):
+    q, k, v, cu_q, cu_k = _inputs([(3, 3)], 4, 2, d=16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="impl='triton' cannot run here.*float64"):
         dilated_attention_varlen(q, k, v, cu_q, cu_k, 3, 3, (4,), (1,), impl="triton")
     out = dilated_attention_varlen(q, k, v, cu_q, cu_k, 3, 3, (4,), (1,), impl="auto")
     check_close("auto", out, dilated_attention_varlen(q, k, v, cu_q, cu_k, 3, 3, (4,), (1,), impl="torch"), atol=0)
+
+
+def _triton_can_run(q, k) -> bool:
+    from dilated_attention.kernels.select import triton_unavailable_reason
+
+    return triton_unavailable_reason(q[None], k[None]) is None
+
+
+# the fused kernel through the public entry point (the Triton interpreter on the CPU: a few cases)
+TRITON_CASES = [
+    ("two", "mixed", True, (4, 2), "all"),
+    ("w%r!=0", "nq<nk", False, (6, 2), "split"),
+    ("paper/64", "bucketed", True, (4, 1), "all"),
+]
+
+
+@pytest.mark.parametrize("branches, docs, causal, heads, ha", TRITON_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in TRITON_CASES])
+def test_varlen_triton_equals_each_document_alone(branches, docs, causal, heads, ha, seed):
+    seg, dil = BRANCHES[branches]
+    q, k, v, cu_q, cu_k = _inputs(DOCS[docs], *heads, d=16)
+    if not _triton_can_run(q.float(), k.float()):
+        pytest.skip("the fused kernel cannot run here (no CUDA and no TRITON_INTERPRET=1)")
+    mq, mk = max(n for n, _ in DOCS[docs]), max(n for _, n in DOCS[docs])
+    do = torch.randn(q.shape, dtype=q.dtype)
+    want, want_lse, want_g = _oracle(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal, head_assignment=ha)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out, lse = dilated_attention_varlen(
+        qf, kf, vf, cu_q, cu_k, mq, mk, seg, dil, causal=causal, head_assignment=ha, impl="triton",
+        return_lse=True,
+    )  # fmt: skip
+    assert out.shape == q.shape and out.dtype == torch.float32
+    check_close("out", out, want.float(), atol=2e-5)
+    check_close("lse", lse, want_lse.float(), atol=2e-5)
+    got_g = torch.autograd.grad((out * do.float()).sum(), (qf, kf, vf))
+    for name, g, w in zip("qkv", got_g, want_g, strict=True):
+        check_close(f"d{name}", g, w.float(), atol=5e-5)
 
 
 def _bad(**over):
@@ -216,10 +248,8 @@ def test_varlen_torch_batches_equal_length_documents(seed, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_cuda_bf16_fast_paths_against_reference(causal, seed):
-    # on a GPU: the torch path and (once wired) the fused varlen kernel against the float64
-    # reference per document; the kernel's error at most 2x the torch path's plus a small atol
-    import dilated_attention.varlen as varlen
-
+    # on a GPU: the torch path and the fused varlen kernel against the float64 reference per
+    # document; the kernel's error at most 2x the torch path's plus a small atol
     docs = [(700, 700), (1, 1), (130, 130), (0, 0), (33, 97), (1500, 1500), (64, 64)]
     q, k, v, cu_q, cu_k = _inputs(docs, 8, 2, d=64, dtype=torch.float64)
     seg, dil = (64, 256, 1024), (1, 2, 4)
@@ -228,8 +258,6 @@ def test_varlen_cuda_bf16_fast_paths_against_reference(causal, seed):
     want, _, want_g = _oracle(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal)
     errs = {}
     for impl in ("torch", "triton"):
-        if impl == "triton" and isinstance(varlen._triton_varlen(), str):
-            continue
         qb, kb, vb = (t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v))
         out = dilated_attention_varlen(qb, kb, vb, *args, causal=causal, impl=impl)
         grads = torch.autograd.grad(out, (qb, kb, vb), do.cuda().bfloat16())
@@ -237,20 +265,13 @@ def test_varlen_cuda_bf16_fast_paths_against_reference(causal, seed):
             (g.double().cpu() - w).abs().max().item() for g, w in zip(grads, want_g, strict=True)
         ]
     assert all(e < 0.1 for e in errs["torch"]), errs
-    if "triton" in errs:
-        for et, eo in zip(errs["triton"], errs["torch"], strict=True):
-            assert et <= 2 * eo + 1e-2, errs
-    else:
-        pytest.skip("the fused varlen kernel is not in this build (torch path checked)")
+    for et, eo in zip(errs["triton"], errs["torch"], strict=True):
+        assert et <= 2 * eo + 1e-2, errs
 
 
 @pytest.mark.cuda
 def test_varlen_cuda_device_offsets_check_offsets_flag():
     # device offsets on the fused path are read only with check_offsets=True (one sync)
-    import dilated_attention.varlen as varlen
-
-    if isinstance(varlen._triton_varlen(), str):
-        pytest.skip("the fused varlen kernel is not in this build")
     q = torch.randn(8, 4, 64, device="cuda", dtype=torch.bfloat16)
     bad = torch.tensor([0, 5, 7], dtype=torch.int32, device="cuda")  # ends at 7, total is 8
     with pytest.raises(ValueError, match="last entry of cu_seqlens_q"):
@@ -264,10 +285,8 @@ def test_varlen_inference_decode_documents_take_the_decode_path(causal, seed, mo
     import dilated_attention.decode as decode
 
     calls = []
-    orig = decode.dilated_attention_with_kvcache
-    monkeypatch.setattr(
-        decode, "dilated_attention_with_kvcache", lambda q, *a, **kw: calls.append(tuple(q.shape[:2])) or orig(q, *a, **kw)
-    )
+    orig = decode.decode_core
+    monkeypatch.setattr(decode, "decode_core", lambda q, *a, **kw: calls.append(tuple(q.shape[:2])) or orig(q, *a, **kw))
     docs = [(1, 9), (3, 30), (1, 1), (1, 17), (0, 4), (3, 5), (70, 80), (6, 6)]
     q, k, v, cu_q, cu_k = _inputs(docs, 6, 2)
     with torch.no_grad():

@@ -27,23 +27,11 @@ import torch
 from .autograd_rules import autocast_inputs
 from .branches import normalize_branches
 from .checks import check_bool, check_dropout, check_head_assignment, check_qkv, resolve_scale
-from .kernels.select import check_impl, triton_unavailable_reason
+from .kernels.select import MAX_DECODE_ROWS, check_impl, pick_decode_impl, triton_unavailable_reason
 
 __all__ = ["dilated_attention_varlen", "check_cu_seqlens_values"]
 
 _NAME = "dilated_attention_varlen"
-
-
-def _triton_varlen():
-    """``kernels.triton_ops.dilated_attention_triton_varlen``, or a string saying why it is absent."""
-    try:
-        from .kernels import triton_ops
-    except ImportError as e:
-        return f"the triton package is not importable ({e})"
-    fn = getattr(triton_ops, "dilated_attention_triton_varlen", None)
-    if fn is None:
-        return "this build has no fused varlen kernel (kernels.triton_ops.dilated_attention_triton_varlen)"
-    return fn
 
 
 def _check_tensors(q, k, v) -> None:
@@ -210,7 +198,8 @@ def dilated_attention_varlen(
         check_cu_seqlens_values(*host, q.shape[0], k.shape[0], max_q, max_k)
 
     if chosen == "triton":
-        fn = _triton_varlen()
+        from .kernels.triton_ops import dilated_attention_triton_varlen as fn
+
         cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
         out, lse = fn(
@@ -227,15 +216,14 @@ def dilated_attention_varlen(
 
 def _pick(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
     if impl == "triton":
-        fn = _triton_varlen()
-        reason = fn if isinstance(fn, str) else triton_unavailable_reason(q[None], k[None])
+        reason = triton_unavailable_reason(q[None], k[None])
         if reason is None and dropout_p > 0:
             reason = "the triton kernel has no dropout; use impl='torch' or 'auto' for dropout_p > 0"
         if reason is not None:
             raise ValueError(f"{_NAME}: impl='triton' cannot run here: {reason}; use impl='torch'")
         return "triton"
     if impl == "auto":
-        if dropout_p > 0 or not q.is_cuda or isinstance(_triton_varlen(), str):
+        if dropout_p > 0 or not q.is_cuda:
             return "torch"
         return "torch" if triton_unavailable_reason(q[None], k[None]) is not None else "triton"
     return impl
@@ -284,8 +272,6 @@ def _per_document(
     pieces = []  # (first query row, out rows (n, H, D), lse (H, n)) or (dest rows tensor, ...)
     buckets: dict[int, list[tuple[int, int, int]]] = {}
     decoding: dict[int, list[tuple[int, int, int]]] = {}
-    from .decode import MAX_DECODE_ROWS
-
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     decode_ok = impl == "torch" and p == 0 and not needs_grad
     for i in range(len(cu_q) - 1):
@@ -321,7 +307,7 @@ def _per_document(
         lse = lse.to(torch.float32).transpose(0, 1).reshape(nheads, -1)[:, real]
         pieces.append((dest, o, lse))
     if decoding:
-        from .decode import dilated_attention_with_kvcache
+        from .decode import decode_core
 
         kx = torch.cat([k, k.new_zeros(1, *k.shape[1:])])  # the extra row stands for padding
         vx = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
@@ -331,9 +317,9 @@ def _per_document(
         qrows = torch.stack([q0 + torch.arange(n) for q0, _, _ in docs]).to(dev)  # (G, n)
         krows = torch.stack([torch.where(t < nk, k0 + t, k.shape[0]) for _, k0, nk in docs]).to(dev)
         seqlens = torch.tensor([nk for _, _, nk in docs], dtype=torch.int32).to(dev)
-        o, lse = dilated_attention_with_kvcache(
-            q[qrows], kx[krows], vx[krows], seqlens, seg, dil, causal=causal, softmax_scale=scale,
-            head_assignment=head_assignment, return_lse=True, impl=decode_impl,
+        o, lse = decode_core(
+            q[qrows], kx[krows], vx[krows], seqlens, None, seg, dil, causal=causal, scale=scale,
+            head_assignment=head_assignment, impl=pick_decode_impl(decode_impl, q),
         )  # fmt: skip
         lse = lse.to(torch.float32).transpose(0, 1).reshape(nheads, -1)
         pieces.append((qrows.flatten(), o.reshape(-1, *o.shape[2:]), lse))
