@@ -155,9 +155,9 @@ def test_generate_left_padded_multi_branch_static_equals_dynamic_equals_alone(se
     import dilated_attention.decode as decode
 
     calls = []
-    orig = decode.dilated_attention_with_kvcache
+    orig = decode._run  # (q, k_cache, v_cache, cache_seqlens, cache_leftpad, ...)
     monkeypatch.setattr(
-        decode, "dilated_attention_with_kvcache", lambda *a, **kw: calls.append(tuple(a[0].shape[:2])) or orig(*a, **kw)
+        decode, "_run", lambda *a, **kw: calls.append((*a[0].shape[:2], a[4] is not None)) or orig(*a, **kw)
     )
     register_dilated_attention([4, 8], [1, 2], name="dilated_test_gen_multi", impl="torch")
     model = _llama_seeded("dilated_test_gen_multi", seed)
@@ -169,7 +169,8 @@ def test_generate_left_padded_multi_branch_static_equals_dynamic_equals_alone(se
         static = model.generate(idx, attention_mask=mask, cache_implementation="static", **kw)
         assert torch.equal(static, dyn)
         # the decode steps of the padded batch ran as one decode call per layer (3 rows, 1 query)
-        assert calls.count((3, 1)) == 2 * (kw["max_new_tokens"] - 1) * model.config.num_hidden_layers
+        # reading the cache in place (cache_leftpad = each row's first real slot)
+        assert calls.count((3, 1, True)) == 2 * (kw["max_new_tokens"] - 1) * model.config.num_hidden_layers
         for row, p in enumerate(pads):
             alone = model.generate(idx[row : row + 1, p:], **kw)
             assert torch.equal(dyn[row, p:], alone[0]), f"row {row} (left pad {p})"

@@ -32,9 +32,10 @@ Which keys a call sees (the rule, tested against ``sdpa`` in tests/test_hf.py):
 Rows that are one document starting at slot 0 (no padding, no packing) go to
 :func:`dilated_attention.dilated_attention` on the filled slots, so a decode step of at most 64
 rows takes the decode path (``dilated_attention_with_kvcache``), which reads per branch only the
-keys of the query's segment and residue. Every other call runs
-:func:`dilated_attention.dilated_attention_varlen` over the rows' documents (whose torch path
-sends the decode steps of a left-padded batch to the decode path too, in one call). Reading the mask and
+keys of the query's segment and residue. A decode step of a left-padded batch (each row one
+document ending at the last filled slot) goes to ``dilated_attention_with_kvcache`` with
+``cache_leftpad`` = each row's first real slot: the cache is read in place. Every other call runs
+:func:`dilated_attention.dilated_attention_varlen` over the rows' documents. Reading the mask and
 the positions costs one host synchronisation per call (as ``transformers``' flash-attention path
 unpads). Causality is the attention module's ``is_causal``. Sliding windows and softcapping are
 not supported (clear error).
@@ -50,7 +51,8 @@ import torch
 
 from ..api import dilated_attention
 from ..branches import normalize_branches
-from ..kernels.select import check_impl
+from ..decode import dilated_attention_with_kvcache
+from ..kernels.select import MAX_DECODE_ROWS, check_impl
 from ..varlen import dilated_attention_varlen
 
 _NAME = "dilated attention (transformers)"
@@ -123,6 +125,22 @@ def _row_documents(keep, position_ids, b: int, nq: int, nk: int):
                 cuts = [0, *(int(t) + 1 for t in starts_h[row].nonzero().flatten()), filled]
                 docs.append(list(zip(cuts[:-1], cuts[1:], strict=True)))
     return filled, docs
+
+
+def _leftpad_decode(docs, q, k, v, filled: int, impl: str, dropout_p: float) -> torch.Tensor | None:
+    """Each row's first real slot as an int32 device tensor when the call is a left-padded decode
+    step (every row one document ending at the last filled slot, a few query rows against more
+    keys, no gradient, no dropout, a fast impl), else None. Query rows before a row's first real
+    token are at negative positions for the decode path: out 0, as padding query rows get."""
+    nq = q.shape[1]
+    if impl == "reference" or dropout_p > 0 or not (nq <= MAX_DECODE_ROWS and nq < filled):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    if any(len(r) > 1 or (r and r[0][1] != filled) for r in docs):
+        return None
+    starts = [r[0][0] if r else filled for r in docs]
+    return torch.tensor(starts, dtype=torch.int32).to(q.device, non_blocking=True)
 
 
 def _varlen_rows(q, k, v, filled: int, docs, seg, dil, **kw) -> torch.Tensor:
@@ -203,11 +221,13 @@ def make_attention_function(
         if docs is None:  # every row is one document [0, filled): the plain (or decode) path
             out = dilated_attention(q, k[:, :filled], v[:, :filled], seg, dil, **kw)
             return out, None
-        # Left-padded decode steps (one document [pad_b, filled) per row, a few query rows) run
-        # here through the varlen path, which without gradients hands them to the decode path in
-        # one call, after gathering each row's keys to start at slot 0 (a copy of the filled
-        # cache per layer and step); the decode path's per-row start offsets
-        # (dilated_attention_with_kvcache(..., cache_leftpad=...)) can read them in place.
+        leftpad = _leftpad_decode(docs, q, k, v, filled, impl, kw["dropout_p"])
+        if leftpad is not None:  # a left-padded decode step: the cache read in place
+            out = dilated_attention_with_kvcache(
+                q, k[:, :filled], v[:, :filled], filled, seg, dil, causal=kw["causal"],
+                softmax_scale=scaling, impl=impl, cache_leftpad=leftpad,
+            )  # fmt: skip
+            return out, None
         return _varlen_rows(q, k, v, filled, docs, seg, dil, **kw), None
 
     dilated_attention_forward.segment_lengths = seg
