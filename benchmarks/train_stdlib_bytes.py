@@ -101,10 +101,16 @@ def train_one(s: dict, attention: str, data: StdlibBytes, seed: int) -> dict:
     while time.perf_counter() - t0 < cap:
         for g in opt.param_groups:
             g["lr"] = s["lr"] * min(1.0, (step + 1) / s["warmup"])
-        x, y = data.batch(s["batch"], seed, step)
-        x, y = x.to(device), y.to(device)
-        with autocast:
-            _, loss = model(x, y, return_logits=False)
+        if s["pack"]:  # each source file in a crop is its own document
+            x, y, cu, mx = data.packed_batch(s["batch"], seed, step)
+            x, y = x.to(device), y.to(device)
+            with autocast:
+                _, loss = model(x, y, return_logits=False, cu_seqlens=cu.to(device), max_seqlen=mx)
+        else:
+            x, y = data.batch(s["batch"], seed, step)
+            x, y = x.to(device), y.to(device)
+            with autocast:
+                _, loss = model(x, y, return_logits=False)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -132,8 +138,13 @@ def main(argv=None) -> int:
     p.add_argument("--val-seqs", type=int)
     p.add_argument("--impl", default="auto")
     p.add_argument("--threads", type=int)
+    p.add_argument(
+        "--pack", action="store_true",
+        help="train on packed documents: each source file in a crop is its own sequence (no byte "
+        "attends to or predicts a byte of another file; dilated_attention_varlen)",
+    )
     args = p.parse_args(argv)
-    s = dict(SETTINGS["tiny" if args.tiny else "gpu"], impl=args.impl)
+    s = dict(SETTINGS["tiny" if args.tiny else "gpu"], impl=args.impl, pack=args.pack)
     for key in ("max_minutes", "seq_len", "batch", "val_seqs"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
@@ -171,7 +182,8 @@ def main(argv=None) -> int:
         f"- model: dim {s['dim']}, {s['n_layer']} layers, {s['n_head']} heads, ffn "
         f"{s['ffn_dim']}; dilated w = {list(s['segments'])}, r = {list(s['rates'])}; local "
         f"w = {min(s['segments'])}; N = {s['seq_len']}, batch {s['batch']}, lr {s['lr']}, "
-        f"warmup {s['warmup']}, {s['dtype']}, {s['max_minutes']} min of training each",
+        f"warmup {s['warmup']}, {s['dtype']}, {s['max_minutes']} min of training each"
+        + ("; training crops packed (each file its own document)" if s["pack"] else ""),
         f"- validation: {s['val_seqs']} fixed crops of N bytes; bits per byte by position "
         "in the context (the first bucket is inside the local window)",
         "",

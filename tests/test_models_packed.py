@@ -184,3 +184,24 @@ def test_stdlib_packed_batch_documents_are_files(tmp_path):
     # no target crosses a file: a file's last byte (its newline) predicts nothing
     assert torch.equal(fy == IGNORE, fx == 10)
     assert torch.equal(fy[fx != 10], fyb[fx != 10])
+
+
+def test_stdlib_trainer_packs_documents(tmp_path):
+    # the real-text trainer's --pack: a CPU run of a few steps on packed crops writes its report
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_stdlib_bytes.py"
+    spec = importlib.util.spec_from_file_location("train_stdlib_bytes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "packed"
+    rc = mod.main(["--tiny", "--pack", "--attention", "dilated", "--max-minutes", "0.01",
+                   "--seq-len", "256", "--val-seqs", "1", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    rep = json.loads((tmp_path / "packed.json").read_text())
+    assert rep["settings"]["pack"] is True
+    run = rep["runs"][0]
+    assert run["steps"] >= 1 and all(v == v for _, v in run["train_bpb_curve"])  # no NaN
+    assert "packed" in (tmp_path / "packed.md").read_text()
