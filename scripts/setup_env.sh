@@ -47,8 +47,10 @@ installed=""
 if [ -f "$stamp" ] && [ "$(cut -d' ' -f1 "$stamp")" = "$hash" ]; then
   installed="$(sed -n 's/^[^ ]* \[\(.*\)\]$/\1/p' "$stamp")"
 fi
-union="$(printf '%s\n' "${installed//,/$'\n'}" "${SETUP_EXTRAS//,/$'\n'}" | sed '/^$/d' | sort -u | paste -sd, -)"
-if [ -n "$installed" ] && [ "$union" = "$(printf '%s\n' "${installed//,/$'\n'}" | sed '/^$/d' | sort -u | paste -sd, -)" ] \
+# the extras asked for, in the order asked, then those installed before and not asked for now
+union="$(printf '%s\n' "${SETUP_EXTRAS//,/$'\n'}" "${installed//,/$'\n'}" | sed '/^$/d' | awk '!seen[$0]++' | paste -sd, -)"
+sorted() { printf '%s\n' "${1//,/$'\n'}" | sed '/^$/d' | sort -u | paste -sd, -; }
+if [ -n "$installed" ] && [ "$(sorted "$union")" = "$(sorted "$installed")" ] \
   && "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('dilated_attention') is None)" 2>/dev/null; then
   exit 0
 fi

@@ -80,14 +80,17 @@ def test_auto_local_impl_rule(monkeypatch):
     triton cannot run."""
     from dilated_attention.kernels.select import pick_sp_local_impl as _local_impl
 
-    from dilated_attention.kernels import triton_launch
+    from dilated_attention.kernels import select, triton_launch
 
     q = torch.randn(1, 8, 2, 16)
     k = torch.randn(1, 8, 2, 16)
-    # the interpreter mode is fixed per process when the kernels are imported: set it directly
+    # the interpreter mode is fixed per process when the kernels are imported: set it directly,
+    # with an empty cache of backend answers each time (select caches them per process)
     monkeypatch.setattr(triton_launch, "INTERPRET", False)  # CPU without interpreter: no triton
+    monkeypatch.setattr(select, "_REASONS", {})
     assert _local_impl("auto", q, k, causal=True) == "torch"
     monkeypatch.setattr(triton_launch, "INTERPRET", True)
+    monkeypatch.setattr(select, "_REASONS", {})
     assert _local_impl("auto", q, k, causal=True) == "triton"
     assert _local_impl("auto", q, k, causal=False) == "triton"  # no gradient needed
     qg = q.clone().requires_grad_()
