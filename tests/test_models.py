@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_utils import run_distributed
 
 from dilated_attention.models import LongNetConfig, LongNetEncoder, LongNetLM, parallelize
 from dilated_attention.models.longnet import Rotary
@@ -254,32 +254,29 @@ def _sp_cfg() -> LongNetConfig:
     return _cfg(segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), impl="torch", vocab_size=40)
 
 
-def _sp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
+def _sp_worker(rank: int, world: int, result_dir: str) -> None:
+    # run by dist_utils.run_distributed (process group, barrier before teardown)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        model = LongNetLM(_sp_cfg()).double()
-        g = torch.Generator().manual_seed(1)
-        idx = torch.randint(0, 40, (2, 32), generator=g)
-        tgt = torch.randint(0, 40, (2, 32), generator=g)
-        parallelize(model, dist.group.WORLD)
-        n = 32 // world
-        sl = slice(rank * n, (rank + 1) * n)
-        logits, loss = model(idx[:, sl], tgt[:, sl])
-        # equal tokens per rank: the global mean loss is the mean of the local means
-        (loss / world).backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        dist.all_reduce(grads)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        torch.save(
-            {"logits": logits.detach(), "loss": total / world, "grads": grads},
-            os.path.join(result_dir, f"rank{rank}.pt"),
-        )
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = LongNetLM(_sp_cfg()).double()
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 40, (2, 32), generator=g)
+    tgt = torch.randint(0, 40, (2, 32), generator=g)
+    parallelize(model, dist.group.WORLD)
+    n = 32 // world
+    sl = slice(rank * n, (rank + 1) * n)
+    logits, loss = model(idx[:, sl], tgt[:, sl])
+    # equal tokens per rank: the global mean loss is the mean of the local means
+    (loss / world).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.save(
+        {"logits": logits.detach(), "loss": total / world, "grads": grads},
+        os.path.join(result_dir, f"rank{rank}.pt"),
+    )
 
 
 def test_parallelize_gloo_matches_single_process():
@@ -295,7 +292,7 @@ def test_parallelize_gloo_matches_single_process():
     loss.backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_sp_worker, args=(world, os.path.join(d, "rdzv"), d), nprocs=world, join=True)
+        run_distributed(_sp_worker, world, d)
         res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
     torch.testing.assert_close(torch.cat([r["logits"] for r in res], dim=1), logits.detach())
     for r in res:

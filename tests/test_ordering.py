@@ -8,12 +8,11 @@ forward and backward in float64; the sequence-parallel exchange runs on 2 gloo r
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_utils import run_distributed
 
 from dilated_attention import DilatedAttention, MultiheadDilatedAttention
 from dilated_attention.ordering import hilbert_permutation, permute_sequence
@@ -290,75 +289,72 @@ def test_permute_sequence_grad_and_mask():
 # ----------------------------------------------------------------------------------------------
 
 
-def _sp_worker(rank: int, world: int, init_file: str, grid: tuple[int, int]):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _sp_worker(rank: int, world: int, grid: tuple[int, int]):
+    # run by dist_utils.run_distributed: process group set up, and a barrier before it is
+    # destroyed (a rank that tears down while its peer still talks to it aborts the peer)
+    h, w = grid
+    n = h * w
+    s = n // world
+    gen = torch.Generator().manual_seed(1234)  # same global tensors on every rank
+    x = torch.randn(2, n, 3, 4, dtype=torch.float64, generator=gen)
+    g = torch.randn(2, n, 3, 4, dtype=torch.float64, generator=gen)
+    mask = torch.rand(2, n, generator=gen) < 0.5
+    perm, inv = hilbert_permutation(h, w)
+    lo, hi = rank * s, (rank + 1) * s
+
+    xl = x[:, lo:hi].clone().requires_grad_(True)
+    y = permute_sequence(xl, grid, group=dist.group.WORLD)
+    assert torch.equal(y, x[:, perm][:, lo:hi]), "forward exchange"
+    y.backward(g[:, lo:hi])
+    # d/dx of sum(g_shard * x[perm]_shard) summed over ranks = g[inv] (global), sharded.
+    assert torch.equal(xl.grad, g[:, inv][:, lo:hi]), "backward exchange"
+    back = permute_sequence(y.detach(), grid, inverse=True, group=dist.group.WORLD)
+    assert torch.equal(back, x[:, lo:hi]), "round trip"
+    ml = permute_sequence(mask[:, lo:hi], grid, group=dist.group.WORLD)
+    assert ml.dtype == torch.bool and torch.equal(ml, mask[:, perm][:, lo:hi]), "mask"
+
+    # Lengths are checked against the per-rank share of the grid.
+    m = DilatedAttention(
+        [4], [1], impl="torch", process_group=dist.group.WORLD, ordering="hilbert", grid=grid
+    )
     try:
-        h, w = grid
-        n = h * w
-        s = n // world
-        gen = torch.Generator().manual_seed(1234)  # same global tensors on every rank
-        x = torch.randn(2, n, 3, 4, dtype=torch.float64, generator=gen)
-        g = torch.randn(2, n, 3, 4, dtype=torch.float64, generator=gen)
-        mask = torch.rand(2, n, generator=gen) < 0.5
-        perm, inv = hilbert_permutation(h, w)
-        lo, hi = rank * s, (rank + 1) * s
+        m(xl[:, :-1], xl[:, :-1], xl[:, :-1])
+    except ValueError as e:
+        assert "per rank" in str(e), str(e)
+    else:
+        raise AssertionError("expected a ValueError for a wrong shard length")
 
-        xl = x[:, lo:hi].clone().requires_grad_(True)
-        y = permute_sequence(xl, grid, group=dist.group.WORLD)
-        assert torch.equal(y, x[:, perm][:, lo:hi]), "forward exchange"
-        y.backward(g[:, lo:hi])
-        # d/dx of sum(g_shard * x[perm]_shard) summed over ranks = g[inv] (global), sharded.
-        assert torch.equal(xl.grad, g[:, inv][:, lo:hi]), "backward exchange"
-        back = permute_sequence(y.detach(), grid, inverse=True, group=dist.group.WORLD)
-        assert torch.equal(back, x[:, lo:hi]), "round trip"
-        ml = permute_sequence(mask[:, lo:hi], grid, group=dist.group.WORLD)
-        assert ml.dtype == torch.bool and torch.equal(ml, mask[:, perm][:, lo:hi]), "mask"
-
-        # Lengths are checked against the per-rank share of the grid.
-        m = DilatedAttention(
-            [4], [1], impl="torch", process_group=dist.group.WORLD, ordering="hilbert", grid=grid
-        )
-        try:
-            m(xl[:, :-1], xl[:, :-1], xl[:, :-1])
-        except ValueError as e:
-            assert "per rank" in str(e), str(e)
-        else:
-            raise AssertionError("expected a ValueError for a wrong shard length")
-
-        # Full module, if the sequence-parallel dilated attention is available in this build.
-        try:
-            from dilated_attention.distributed import sequence_parallel  # noqa: F401
-        except ImportError:
-            return
-        q = torch.randn(1, n, 2, 4, dtype=torch.float64, generator=gen)
-        go = torch.randn(1, n, 2, 4, dtype=torch.float64, generator=gen)
-        pad = torch.rand(1, n, generator=gen) < 0.2
-        pad[:, 0] = False
-        qg = q.clone().requires_grad_(True)
-        plain = DilatedAttention([4, 8], [1, 2], impl="torch", ordering="hilbert", grid=grid)
-        ref = plain(qg, qg, qg, is_causal=True, key_padding_mask=pad)
-        (ref_grad,) = torch.autograd.grad(ref, qg, go)
-        m = DilatedAttention(
-            [4, 8],
-            [1, 2],
-            impl="torch",
-            process_group=dist.group.WORLD,
-            ordering="hilbert",
-            grid=grid,
-        )
-        ql = q[:, lo:hi].clone().requires_grad_(True)
-        out = m(ql, ql, ql, is_causal=True, key_padding_mask=pad[:, lo:hi])
-        torch.testing.assert_close(out, ref[:, lo:hi], rtol=1e-10, atol=1e-10)
-        (grad,) = torch.autograd.grad(out, ql, go[:, lo:hi])
-        torch.testing.assert_close(grad, ref_grad[:, lo:hi], rtol=1e-10, atol=1e-10)
-    finally:
-        dist.destroy_process_group()
+    # Full module, if the sequence-parallel dilated attention is available in this build.
+    try:
+        from dilated_attention.distributed import sequence_parallel  # noqa: F401
+    except ImportError:
+        return
+    q = torch.randn(1, n, 2, 4, dtype=torch.float64, generator=gen)
+    go = torch.randn(1, n, 2, 4, dtype=torch.float64, generator=gen)
+    pad = torch.rand(1, n, generator=gen) < 0.2
+    pad[:, 0] = False
+    qg = q.clone().requires_grad_(True)
+    plain = DilatedAttention([4, 8], [1, 2], impl="torch", ordering="hilbert", grid=grid)
+    ref = plain(qg, qg, qg, is_causal=True, key_padding_mask=pad)
+    (ref_grad,) = torch.autograd.grad(ref, qg, go)
+    m = DilatedAttention(
+        [4, 8],
+        [1, 2],
+        impl="torch",
+        process_group=dist.group.WORLD,
+        ordering="hilbert",
+        grid=grid,
+    )
+    ql = q[:, lo:hi].clone().requires_grad_(True)
+    out = m(ql, ql, ql, is_causal=True, key_padding_mask=pad[:, lo:hi])
+    torch.testing.assert_close(out, ref[:, lo:hi], rtol=1e-10, atol=1e-10)
+    (grad,) = torch.autograd.grad(out, ql, go[:, lo:hi])
+    torch.testing.assert_close(grad, ref_grad[:, lo:hi], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("grid", [(6, 10), (8, 8)])
-def test_sequence_parallel_exchange_gloo(tmp_path, grid):
-    init_file = os.path.join(str(tmp_path), "rendezvous")
-    mp.spawn(_sp_worker, args=(2, init_file, grid), nprocs=2, join=True)
+def test_sequence_parallel_exchange_gloo(grid):
+    run_distributed(_sp_worker, 2, grid)
 
 
 def test_hilbert_attention_takes_a_callable(seed):
