@@ -34,6 +34,7 @@ import functools
 import torch
 
 from .constants import int32_table
+from .triton_direct import direct
 
 try:  # triton is an optional dependency: this module must import without it
     import triton
@@ -174,6 +175,9 @@ if triton is not None:
             ln_lse = (m_safe + tl.log2(l_safe)) * 0.6931471805599453  # log2 -> natural log
             tl.store(LSE + b * seb + h * seh + t, tl.where(l_sum > 0, ln_lse, float("-inf")))
 
+    # launched through the compiled kernels' launchers after the first call (triton_direct.py)
+    _SPLIT, _REDUCE = direct(_decode_split_kernel), direct(_decode_reduce_kernel)
+
 
 def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
     """Why the decode kernel cannot run on inputs like ``q`` (None if it can)."""
@@ -248,7 +252,7 @@ def decode_triton(
     lse = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
     launch = {} if interp else dict(num_warps=num_warps, num_stages=1)
     has_lpad = cache_leftpad is not None
-    _decode_split_kernel[(nsplit, bsz * hkv)](
+    _SPLIT[(nsplit, bsz * hkv)](
         q, k_cache, v_cache, cache_seqlens, cache_leftpad if has_lpad else cache_seqlens, table, op, lp,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -262,7 +266,7 @@ def decode_triton(
         **launch,
     )  # fmt: skip
     bd = min(d, reduce_cols)
-    _decode_reduce_kernel[(bsz * nq * nh, d // bd)](
+    _REDUCE[(bsz * nq * nh, d // bd)](
         op, lp, out, lse,
         op.stride(0), op.stride(1), op.stride(2), op.stride(3),
         lp.stride(0), lp.stride(1), lp.stride(2),
