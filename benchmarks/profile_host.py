@@ -1,0 +1,69 @@
+"""Where the host time of one eager call goes (issue 23): cProfile over back-to-back calls.
+
+Profiles the two calls whose host cost dominates (bench_overhead.py's shapes): an eager decode step
+through ``dilated_attention_with_kvcache`` (1 token, 32 q / 8 kv x 128, bf16, cache 32K, LongNet
+branches) and a training call (N = 4096, 8 x 64, branches 512..2048 / 1..4, causal, fwd+bwd).
+Prints the top functions by self time and by cumulative time, per call::
+
+    python benchmarks/profile_host.py [--calls 200] [--top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+
+import torch
+
+import dilated_attention as da
+
+
+def _report(prof: cProfile.Profile, calls: int, top: int, title: str) -> None:
+    for key in ("tottime", "cumtime"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(top)
+        print(f"\n===== {title}: top {top} by {key} ({calls} calls; divide by {calls} for per call)")
+        print(s.getvalue())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args(argv)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    seg, dil = (2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16)
+    q = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)
+    k, v = (torch.randn(1, 32768, 8, 128, device=dev, dtype=dt) for _ in range(2))
+    lens = torch.full((1,), 32768, dtype=torch.int32, device=dev)
+
+    def decode():
+        return da.dilated_attention_with_kvcache(q, k, v, lens, seg, dil, causal=True)
+
+    n, tseg, tdil = 4096, (512, 1024, 2048), (1, 2, 4)
+    qq, kk, vv = (torch.randn(1, n, 8, 64, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, n, 8, 64, device=dev, dtype=dt)
+
+    def train():
+        out = da.dilated_attention(qq, kk, vv, tseg, tdil, causal=True, impl="auto")
+        torch.autograd.grad(out, (qq, kk, vv), do)
+
+    for title, fn, calls, grad in (("decode 32K", decode, args.calls, False),
+                                   ("training N=4096 fwd+bwd", train, max(20, args.calls // 5), True)):
+        with torch.set_grad_enabled(grad):
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            prof.disable()
+        _report(prof, calls, args.top, title)
+
+
+if __name__ == "__main__":
+    main()

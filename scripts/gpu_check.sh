@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One GPU verification call (the device machine; run from the repository root, $OUT set):
+#   bash scripts/gpu_check.sh tests     verify + the CUDA tests + the N = 131072 bench
+#   bash scripts/gpu_check.sh overhead  benchmarks/bench_overhead.py (issue 23) + bench_varlen.py (issue 22)
+# Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
+set -uo pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 -c "import torch, triton, platform; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name())" | tee "$OUT/env.txt"
+case "${1:-tests}" in
+  tests)
+    timeout 150 python3 -m dilated_attention verify 2>&1 | tee "$OUT/verify.txt" | tail -30
+    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -q -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=15 2>&1 \
+      | tee "$OUT/cuda_tests.txt" | tail -45
+    timeout 100 python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_131072.md" 2>&1 | tail -12
+    ;;
+  overhead)
+    timeout "${OVERHEAD_TIMEOUT:-300}" python3 benchmarks/bench_overhead.py ${OVERHEAD_ARGS:-} --out "$OUT/overhead.md" 2>&1 | tee "$OUT/overhead.txt" | tail -20
+    timeout "${VARLEN_TIMEOUT:-240}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" 2>&1 | tee "$OUT/varlen.txt" | tail -30
+    ;;
+esac
