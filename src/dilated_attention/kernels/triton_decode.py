@@ -254,11 +254,8 @@ def decode_triton(
     has_lpad = cache_leftpad is not None
     _SPLIT[(nsplit, bsz * hkv)](
         q, k_cache, v_cache, cache_seqlens, cache_leftpad if has_lpad else cache_seqlens, table, op, lp,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        op.stride(0), op.stride(1), op.stride(2), op.stride(3),
-        lp.stride(0), lp.stride(1), lp.stride(2),
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *op.stride()[:4],
+        *lp.stride()[:3],
         nq, cap, nh, rep, len(branches),
         scale * _LOG2E,
         D=d, BN=block_n, BH=max(16, triton.next_power_of_2(rep)), CAUSAL=causal,
@@ -268,9 +265,7 @@ def decode_triton(
     bd = min(d, reduce_cols)
     _REDUCE[(bsz * nq * nh, d // bd)](
         op, lp, out, lse,
-        op.stride(0), op.stride(1), op.stride(2), op.stride(3),
-        lp.stride(0), lp.stride(1), lp.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        *op.stride()[:4], *lp.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
         nq, nh, nsplit,
         BD=bd, BS=min(reduce_splits, triton.next_power_of_2(nsplit)),
         **({} if interp else dict(num_warps=4, num_stages=1)),
