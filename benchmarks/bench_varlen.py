@@ -32,7 +32,6 @@ import math
 import os
 import shlex
 import sys
-import time
 
 import torch
 
@@ -46,7 +45,7 @@ from dilated_attention.flops import dense_flops, dilated_flops, dilated_flops_va
 from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import results_header, utc_now  # noqa: E402
+from common import median_ms, results_header, utc_now  # noqa: E402
 
 
 def document_lengths(total: int, mean: float, sigma: float, seed: int) -> list[int]:
@@ -75,9 +74,7 @@ class Timer:
 
             return triton.testing.do_bench(fn, warmup=self.warmup, rep=self.rep,
                                            return_mode="median")
-        t = time.perf_counter()  # the interpreter: one call, nothing to warm
-        fn()
-        return (time.perf_counter() - t) * 1e3
+        return median_ms(fn, "cpu", 0, 1)  # the interpreter: one call, nothing to warm
 
 
 def _peak(fn, cuda: bool) -> int | None:
