@@ -32,7 +32,6 @@ prefill and the graph capture cancel out).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -44,6 +43,9 @@ import torch.nn.functional as F
 from dilated_attention import dilated_attention
 from dilated_attention.decode import dilated_attention_with_kvcache
 from dilated_attention.models import LongNetConfig, LongNetLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import command_line, device_name, median_ms, results_header, utc_now  # noqa: E402
 
 LONGNET = ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
 LENGTHS = (4096, 16384, 32768, 131072, 524288, 1048576)
@@ -58,19 +60,9 @@ def _previous_path():
 
 
 def _time_events(fn, iters: int) -> float:
-    """Median microseconds of ``fn`` bracketed by CUDA events, one call at a time."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    """Median microseconds of ``fn``, one call at a time after 3 warmup calls: the shared timer
+    (``common.median_ms``: CUDA events on the GPU)."""
+    return median_ms(fn, "cuda", 3, iters) * 1e3
 
 
 def _time_graph(fn, iters: int, calls: int = 1) -> float:
@@ -107,13 +99,8 @@ def _time_wall(fn, iters: int, calls: int = 200) -> float:
 
 
 def _time_cpu(fn, iters: int) -> float:
-    fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(ts)
+    """Median microseconds of ``fn`` on the CPU after one warmup call (``common.median_ms``)."""
+    return median_ms(fn, "cpu", 1, iters) * 1e3
 
 
 def _selected_keys(seg, dil, n: int) -> int:
@@ -238,17 +225,6 @@ def generate_throughput(args, dev, dtype) -> list[dict]:
     return rows
 
 
-def _versions(dev) -> str:
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:
-        tv = "not installed"
-    gpu = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
-    return gpu, f"torch {torch.__version__}, triton {tv}"
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="directory (or .md file) for the markdown report")
@@ -288,19 +264,14 @@ def main(argv=None):
     if args.generate:
         print("generate tokens/s:", flush=True)
         gen = generate_throughput(args, dev, dtype)
-    gpu, versions = _versions(dev)
-    cmd = "PYTHONPATH=src python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
-    today = datetime.date.today().isoformat()
-    lines = [
-        "# KV-cache decoding (issue 14)",
-        "",
-        f"- command: `{cmd}`",
-        f"- device: {gpu}; {versions}; date {today}; total run {time.perf_counter() - t_start:.0f} s",
-        f"- attention: batch 1, 1 new token, {args.heads} q / {args.kv_heads} kv heads x "
+    cmd = "PYTHONPATH=src " + command_line()
+    lines = results_header("KV-cache decoding (issue 14)", dev, cmd, [
+        f"total run {time.perf_counter() - t_start:.0f} s",
+        f"attention: batch 1, 1 new token, {args.heads} q / {args.kv_heads} kv heads x "
         f"{args.headdim}, {str(dtype).removeprefix('torch.')}, causal, branches w = {list(args.seg)}, "
         f"r = {list(args.dil)}",
-        "",
-    ]
+    ])
+    lines += [""]
     if lat:
         lines += ["## One attention call (microseconds, median)", ""]
     if lat and dev == "cuda":
@@ -358,10 +329,10 @@ def main(argv=None):
         if not path.endswith(".md"):
             os.makedirs(path, exist_ok=True)
             names = ("h100", "h200", "a100", "l40s")
-            tag = next((t for t in names if t in gpu.lower()), "cpu" if dev == "cpu" else "gpu")
+            tag = next((t for t in names if t in device_name(dev).lower()), "cpu" if dev == "cpu" else "gpu")
             parts = ["decode"] + (["compile"] if args.decode == "compile" else [])
             parts += ([] if args.latency else ["generate-only"]) + ([] if args.generate else ["latency-only"])
-            path = os.path.join(path, f"{'_'.join(parts)}_{tag}_{today}.md")
+            path = os.path.join(path, f"{'_'.join(parts)}_{tag}_{utc_now()[:10]}.md")
         with open(path, "w") as f:
             f.write(text)
         print(f"wrote {path}")

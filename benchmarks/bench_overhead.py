@@ -25,14 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import os
 import pathlib
-import platform
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -40,31 +36,17 @@ import torch.nn.functional as F
 import dilated_attention as da
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import command_line, device_name, median_ms, results_header, utc_now  # noqa: E402
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
 # ------------------------------------------------------------------------------------ timing
 def time_call(fn, iters: int, warmup: int, device: torch.device) -> float:
-    """Median microseconds of one call of ``fn`` (back to back, host and device together)."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()  # host time included: the next call starts after this one's end
-            times.append(a.elapsed_time(b) * 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    """Median microseconds of one call of ``fn`` (back to back, host and device together): the
+    shared timer (``common.median_ms``: CUDA events on the GPU, ``time.perf_counter`` on the CPU)."""
+    return median_ms(fn, device, warmup, iters) * 1e3
 
 
 def host_device_us(fn, iters: int, device: torch.device) -> tuple[float, float | None]:
@@ -198,11 +180,9 @@ def _f(x, nd=1):
 
 
 def markdown(env, dec, tr, e2e) -> str:
-    lines = [f"# Fixed cost per call: {env['device']}", "",
-             f"- command: `{env['command']}`", f"- device: {env['device']}",
-             f"- torch {env['torch']}, triton {env['triton']}, python {env['python']}",
-             f"- date: {env['date']}", "- wall time per call: median of back-to-back calls (us)", "",
-             "## decode (1 new token, eager)", "",
+    lines = results_header(f"Fixed cost per call: {env['device']}", env["torch_device"], env["command"],
+                           ["wall time per call: median of back-to-back calls (us)"])
+    lines += ["", "## decode (1 new token, eager)", "",
              "| cache | dilated_attention_with_kvcache | dilated_attention | dense SDPA | host (profiler CPU self) | device |",
              "|---|---|---|---|---|---|"]
     for r in dec:
@@ -255,16 +235,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # per-call host cost; no thread-pool wake-ups on a shared CPU
     cfg = configs(args.tiny)
     backend = args.compile_backend or ("aot_eager" if args.tiny else "inductor")
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'}, {os.cpu_count()} cores)"
-    env = dict(device=name, torch=torch.__version__, triton=triton_version, python=platform.python_version(),
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               command="python " + " ".join([pathlib.Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])))
+    name = device_name(device)
+    if device.type == "cpu":
+        name = f"CPU ({name}, {os.cpu_count()} cores)"
+    env = dict(device=name, torch_device=device,
+               command=command_line() if argv is None else " ".join(["python", sys.argv[0], *argv]))
     dec = decode_rows(cfg, device, args.iters, args.warmup)
     tr = training_rows(cfg, device, args.iters, args.warmup)
     e2e = [] if args.no_e2e else e2e_rows(cfg, device, args.e2e_steps, 2, backend)
@@ -273,7 +248,7 @@ def main(argv=None) -> int:
         out = pathlib.Path(args.out)
     else:
         tag = "cpu" if device.type == "cpu" else name.split()[-1].lower().replace("-", "")
-        out = HERE / "results" / f"overhead_{tag}_{datetime.date.today().isoformat()}.md"
+        out = HERE / "results" / f"overhead_{tag}_{utc_now()[:10]}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print("decode        cache  kvcache_us  dilated_attention_us  dense_us")

@@ -30,7 +30,7 @@ import argparse
 import dataclasses
 import gc
 import json
-import platform
+import os
 import sys
 import time
 
@@ -38,6 +38,9 @@ import torch
 from torch import nn
 
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import results_header, run_info, time_fn  # noqa: E402
 
 
 class PassThrough(nn.Module):
@@ -73,12 +76,7 @@ def time_steps(model, opt, n: int, vocab: int, device, autocast, warmup: int, st
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = one()
-    loss.item()
-    _sync(device)
-    dt = (time.perf_counter() - t0) / steps
+    dt = time_fn(one, device, 0, steps)  # the shared loop timer: mean seconds per step
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return dt, peak
 
@@ -122,15 +120,13 @@ def _fmt(row: dict) -> list[str]:
 
 
 def markdown(rows: list[dict], env: dict) -> str:
-    lines = [
-        "# End-to-end training step: dilated vs dense attention",
-        "",
-        f"- command: `{env['command']}`",
-        f"- device: {env['device']}; torch {env['torch']}; python {env['python']}; {env['date']}",
-        f"- one step = fwd + bwd + AdamW, batch 1, {env['dtype']} autocast, activation "
+    lines = results_header("End-to-end training step: dilated vs dense attention", info=env, extra=[
+        f"one step = fwd + bwd + AdamW, batch 1, {env['dtype']} autocast, activation "
         f"checkpointing per block, chunked LM head + loss, impl `{env['impl']}`; "
         f"{env['warmup']} warm-up step(s), mean of {env['steps']} timed",
-        "- attn frac = 1 - (step time with attention replaced by a pass-through) / (step time)",
+        "attn frac = 1 - (step time with attention replaced by a pass-through) / (step time)",
+    ])
+    lines += [
         "",
         "| preset | N | attention | tokens/s | s/step | peak GiB | attn frac | dilated / dense |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -162,13 +158,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     env = {
-        "command": "python " + " ".join(sys.argv),
-        "device": (
-            torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
-        ),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dtype": str(dtype),
-        "impl": args.impl, "warmup": args.warmup, "steps": args.steps,
+        **run_info(device),  # command, device, versions, date
+        "dtype": str(dtype), "impl": args.impl, "warmup": args.warmup, "steps": args.steps,
     }  # fmt: skip
     t_start = time.perf_counter()
     rows: list[dict] = []

@@ -28,12 +28,10 @@ mean nothing there, it checks that every row runs).
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import shlex
 import sys
-import time
 
 import torch
 
@@ -45,6 +43,9 @@ import torch.nn.functional as F  # noqa: E402
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.flops import dense_flops, dilated_flops, dilated_flops_varlen  # noqa: E402
 from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_ms, results_header, utc_now  # noqa: E402
 
 
 def document_lengths(total: int, mean: float, sigma: float, seed: int) -> list[int]:
@@ -73,9 +74,7 @@ class Timer:
 
             return triton.testing.do_bench(fn, warmup=self.warmup, rep=self.rep,
                                            return_mode="median")
-        t = time.perf_counter()  # the interpreter: one call, nothing to warm
-        fn()
-        return (time.perf_counter() - t) * 1e3
+        return median_ms(fn, "cpu", 0, 1)  # the interpreter: one call, nothing to warm
 
 
 def _peak(fn, cuda: bool) -> int | None:
@@ -198,26 +197,19 @@ def _tf(flops, ms, bwd=False):
 
 
 def report(rows_, info, args, argv) -> str:
-    gpu = torch.cuda.get_device_name() if info["device"] == "cuda" else "CPU (Triton interpreter)"
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:
-        tv = "n/a"
-    lines = [
-        "# Packed documents (varlen) on the fused Triton kernel",
-        "",
-        f"- command: `PYTHONPATH=src python3 benchmarks/bench_varlen.py {shlex.join(argv)}`",
-        f"- GPU: {gpu}; torch {torch.__version__}; triton {tv}; "
-        f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- {args.total} tokens in {info['docs']} documents (lognormal, mean {args.mean_len}, "
+    where = [] if info["device"] == "cuda" else ["the Triton kernels under the interpreter (no GPU)"]
+    cmd = f"PYTHONPATH=src python3 benchmarks/bench_varlen.py {shlex.join(argv)}"
+    lines = results_header("Packed documents (varlen) on the fused Triton kernel", info["device"], cmd, [
+        *where,
+        f"{args.total} tokens in {info['docs']} documents (lognormal, mean {args.mean_len}, "
         f"sigma {args.sigma}, seed {args.seed}; longest {info['longest']}), "
         f"{args.heads} x {args.headdim}, {str(info['dtype']).replace('torch.', '')}, branches "
         f"w {info['seg']} r {info['dil']}, head_assignment all",
-        f"- document lengths: {info['lens']}",
-        "- TF/s: useful FLOPs (docs/spec.md; fwd+bwd = 3.5 x fwd) / median time; (a) and (c) "
+        f"document lengths: {info['lens']}",
+        "TF/s: useful FLOPs (docs/spec.md; fwd+bwd = 3.5 x fwd) / median time; (a) and (c) "
         "count the documents' own pairs, (b) its one sequence's",
+    ])
+    lines += [
         "",
         "| causal | row | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s | peak GiB |",
         "|---|---|---|---|---|---|---|",
@@ -284,7 +276,7 @@ def main(argv=None):
         gpu = "cpu" if info["device"] == "cpu" else (
             "h100" if "H100" in torch.cuda.get_device_name() else
             torch.cuda.get_device_name().split()[-1].lower())
-        out = f"benchmarks/results/varlen_{gpu}_{datetime.date.today():%Y-%m-%d}.md"
+        out = f"benchmarks/results/varlen_{gpu}_{utc_now()[:10]}.md"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         f.write(text)

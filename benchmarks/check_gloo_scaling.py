@@ -1,7 +1,7 @@
 """Correctness of ring attention and sequence-parallel dilated attention at P = 2..8 on CPU gloo.
 
 Every P in ``--world`` gets one spawn of P real processes (gloo, ``file://`` rendezvous in a temp
-dir; ``tests/dist_utils.run_distributed`` when importable). Each rank draws the same global
+dir; ``tests/dist_utils.run_distributed``). Each rank draws the same global
 float64 tensors, runs its shard through
 
 * ``ring_attention`` (layouts contiguous and zigzag, causal and not, GQA), compared with dense
@@ -23,10 +23,8 @@ Exit status 1 if any error exceeds ``--atol`` (float64) or a traffic expectation
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -36,27 +34,10 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-try:
-    from dist_utils import run_distributed  # noqa: E402
-except ImportError:  # standalone copy: forkserver + file:// rendezvous
-    import torch.multiprocessing as mp
+from dist_utils import run_distributed  # noqa: E402  (the tests' spawner: forkserver + file://)
 
-    def _worker(rank, world_size, init_file, fn, args):
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=120))
-        try:
-            fn(rank, world_size, *args)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-
-    def run_distributed(fn, world_size, *args):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "dilated_attention"])
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "rendezvous"), fn, args),
-                               nprocs=world_size, join=True, start_method="forkserver")
+sys.path.insert(0, HERE)
+from common import results_header  # noqa: E402
 
 
 def _inputs(seed, b, n, h, hkv, d):
@@ -244,20 +225,18 @@ def main():
     times = ["", "| P | wall s (spawn + all cases) |", "|---|---|"] + [
         f"| {res['world']} | {res['wall']:.1f} |" for res in results]
 
-    head = [
-        "# Ring + sequence-parallel dilated attention on CPU gloo: correctness at P = "
-        + ", ".join(str(w) for w in a.world), "",
-        f"- command: `{' '.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}`",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- torch {torch.__version__}, backend gloo, CPU: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, one thread per rank, real spawned processes (forkserver, file:// rendezvous)",
-        f"- float64; batch {a.batch}, heads {a.heads}, kv heads {a.kv_heads}, headdim {a.headdim}; "
+    head = results_header(
+        "Ring + sequence-parallel dilated attention on CPU gloo: correctness at P = "
+        + ", ".join(str(w) for w in a.world), "cpu",
+        " ".join(["python", os.path.relpath(sys.argv[0])] + sys.argv[1:]), extra=[
+        f"backend gloo, {os.cpu_count()} cores, one thread per rank, real spawned processes "
+        "(forkserver, file:// rendezvous)",
+        f"float64; batch {a.batch}, heads {a.heads}, kv heads {a.kv_heads}, headdim {a.headdim}; "
         f"N = {a.n} rounded down to a multiple of 2P; errors are max abs over all ranks vs. the single-process "
         f"reference (dense for ring, impl='reference' for dilated); tolerance {a.atol}",
-        "- bytes sent/rank: min..max over ranks; ring peak: max over ranks of received ring buffers alive at once "
+        "bytes sent/rank: min..max over ranks; ring peak: max over ranks of received ring buffers alive at once "
         "(forward / backward, backward counts K/V and dK/dV blocks), in units of one local K/V block",
-        "",
-    ]
+    ]) + [""]
     verdict = ["", "Result: " + ("all checks pass" if not failures else "FAILURES:\n" + "\n".join(f"- {x}" for x in failures))]
     text = "\n".join(head + lines + traffic + times + verdict) + "\n"
     if a.out:

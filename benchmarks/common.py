@@ -27,6 +27,7 @@ from dilated_attention.timing import (  # noqa: F401  (re-exported for the scrip
     device_name,
     median_ms,
     results_header,
+    run_info,
     utc_now,
     versions,
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 from dilated_attention.kernels.block_attention import attn_fwd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_ms  # noqa: E402
 
 
 def main() -> None:
@@ -57,18 +60,8 @@ def main() -> None:
 
     res = {}
     for name, fn in (("compute", compute), ("exchange", comm_only), ("overlapped", overlapped)):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(a.iters):
-            dist.barrier()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        res[name] = statistics.median(times)
+        # the shared timer, the ranks starting each call together (a barrier before each)
+        res[name] = median_ms(fn, dev, 1, a.iters, before=dist.barrier)
     gbps = kv.numel() * kv.element_size() / (res["exchange"] / 1e3) / 1e9
     peer = torch.cuda.can_device_access_peer(0, 1) if torch.cuda.device_count() > 1 else None
     line = (f"rank {rank}: N_local={a.n_local} block={kv.numel() * kv.element_size() / 2**20:.0f} MiB | "

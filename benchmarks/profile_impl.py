@@ -12,12 +12,17 @@ rather than guess.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dilated_attention import dilated_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import results_header  # noqa: E402
 
 _ATTN = re.compile(r"flash|fmha|cudnn|sm90|_attn_|_fwd_kernel|_bwd_|dilated", re.I)
 
@@ -57,9 +62,7 @@ def main():
     kernels.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in kernels)
     attn = sum(r[1] for r in kernels if _ATTN.search(r[0]))
-    lines = [
-        f"# profile: impl={a.impl}, N={a.n}, causal={a.causal}, fwd+bwd, "
-        f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}",
+    lines = results_header(f"profile: impl={a.impl}, N={a.n}, causal={a.causal}, fwd+bwd", dev) + [
         "",
         f"GPU kernel time {total:.2f} ms: attention kernels {attn:.2f} ms ({100 * attn / total:.0f}%), "
         f"other {total - attn:.2f} ms ({100 * (total - attn) / total:.0f}%)",

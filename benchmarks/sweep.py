@@ -43,7 +43,7 @@ from dilated_attention.kernels import auto_rule
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from common import command_line, device_name, median_ms, utc_now, versions  # noqa: E402
+from common import command_line, median_ms, results_header, run_info  # noqa: E402
 
 
 class Row(NamedTuple):
@@ -476,21 +476,19 @@ def _pct(x, d):
 
 
 def markdown(results, peers_res, meta) -> str:
-    lines = [
-        "# Dilated attention sweep: every impl and dense SDPA in the same run (issue 19)",
-        "",
-        f"- command: `{meta['command']}`",
-        f"- device: {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; date {meta['date']}",
-        "- useful TF/s (dilated_attention.flops: dilated_flops for the dilated impls and the peers, "
+    lines = results_header("Dilated attention sweep: every impl and dense SDPA in the same run (issue 19)", info=meta, extra=[
+        "useful TF/s (dilated_attention.flops: dilated_flops for the dilated impls and the peers, "
         "dense_flops for SDPA; fwd+bwd = 3.5 x forward); fwd timed under no_grad; median of the "
         "timed calls after 1 warmup (CUDA events); `% dense` = TF/s / dense SDPA TF/s of the same row",
-        "- dense SDPA: k, v repeated to the query heads, math backend off; for N >= "
+        "dense SDPA: k, v repeated to the query heads, math backend off; for N >= "
         f"{DENSE_FWD_ONLY_N} forward only (1 timed call after 1 warmup call) and `*` = its fwd+bwd rate taken from "
         "another row with the same head dim and causality (same dtype, then heads, then largest N preferred)",
-        "- mem ratio = peak allocated during fwd+bwd / bytes of q, k, v, out, dout, dq, dk, dv",
-        "- auto: the library's `pick_impl('auto', ...)` and the proposed rule "
+        "mem ratio = peak allocated during fwd+bwd / bytes of q, k, v, out, dout, dq, dk, dv",
+        "auto: the library's `pick_impl('auto', ...)` and the proposed rule "
         "(kernels/auto_rule.py) for a forward-only / a training call",
-        f"- wall time of the sweep: {meta.get('wall_s', 0):.0f} s",
+        f"wall time of the sweep: {meta.get('wall_s', 0):.0f} s",
+    ])
+    lines += [
         "",
         "| row | B | N | H/Hkv | D | dtype | branches w; r | causal | impl | fwd ms | fwd TF/s | "
         "fwd % dense | fwd+bwd ms | fwd+bwd TF/s | fwd+bwd % dense | peak GiB | mem ratio |",
@@ -655,12 +653,9 @@ def main(argv=None):
         if not torch.cuda.is_available():
             sys.exit("sweep.py needs a CUDA GPU (or --tiny on the CPU)")
         dev = torch.device("cuda")
-    vers = versions()
-    meta = dict(
-        command=command_line("python3"),
-        device=device_name(dev) if dev.type == "cuda" else "CPU (--tiny)",
-        torch=vers["torch"], triton=vers["triton"] or "not installed", date=utc_now(),
-    )
+    meta = run_info(dev, command_line("python3"))  # command, device, versions, date
+    if dev.type == "cpu":
+        meta["device"] = f"CPU (--tiny): {meta['device']}"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     timer = Timer(dev)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
+import os
 import sys
 import time
 
@@ -40,6 +40,9 @@ import torch
 
 from dilated_attention.data import IGNORE, RetrievalTask
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import results_header, run_info  # noqa: E402
 
 # Model: the `small` preset's branches (w = 1024, 4096, 16384, 32768; r = 1, 2, 4, 6; 6 heads
 # so every offset of r = 6 has a head), narrower and shallower for speed. Curriculum entries are
@@ -289,22 +292,19 @@ def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
 
 def _markdown(r: dict, runs: list[dict], env: dict) -> str:
     ds = r["eval_distances"]
-    lines = [
-        "# Long-range retrieval with a length curriculum",
-        "",
-        f"- command: `{env['command']}`",
-        f"- device: {env['device']}; torch {env['torch']}; python {env['python']}; "
-        f"date {env['date']}",
-        f"- recipe: `{r['recipe']}`: N = {r['seq_len']}, branches w = {list(r['segments'])}, "
+    lines = results_header("Long-range retrieval with a length curriculum", info=env, extra=[
+        f"recipe: `{r['recipe']}`: N = {r['seq_len']}, branches w = {list(r['segments'])}, "
         f"r = {list(r['rates'])}; dim {r['dim']}, {r['n_layer']} layers, {r['n_head']} heads, "
         f"ffn {r['ffn_dim']}; curriculum `{r['curriculum']}` (N:batch:max_steps, a stage ends "
         f"when its last 50 losses average < {r['advance_loss']}); lr {r['lr']}, "
         f"warmup {r['warmup']}; {r['num_pairs']} pair(s); distances uniform in "
         f"[{r['min_distance']}, stage N]; local window {r['local_window']}; "
         f"{r['dtype']}; cap {r['max_minutes']} min; target {r['target']}",
-        f"- eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']} (the same "
+        f"eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']} (the same "
         f"sequences at every distance, only the planted block moves); chance = "
         f"{1 / 16:.4f}",
+    ])
+    lines += [
         "",
         "## Final accuracy by distance",
         "",
@@ -409,13 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(r["device"])
-    env = {
-        "command": "python " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    env = run_info(dev)  # command, device, versions, date
     runs = []
     for attention in args.attention.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):

@@ -38,10 +38,8 @@ is written either way), 2 when a run failed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -49,6 +47,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the runs use the package from src/ (PYTHONPATH below); the report's header helper comes from it too
+sys.path[:0] = [os.path.join(REPO, "src"), os.path.join(REPO, "benchmarks")]
+from common import results_header  # noqa: E402
 
 GPU_FLAGS = [
     "--preset", "small", "--attention", "dilated", "--seq-len", "32768", "--batch-size", "8",
@@ -190,28 +191,26 @@ def main(argv: list[str] | None = None) -> int:
     cfg = r2["config"]
     evals = sorted(k_ for k_ in s1 if k_.startswith(("acc", "val_")))
 
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     shown = sorted({1, 2, 3, 5, 10, 20, 30, 50, 75, len(l1)} & set(range(1, len(l1) + 1)))
-    lines = [
-        "# Sequence-parallel training vs one device, same seed",
-        "",
-        f"- recipe: `{shlex.join(['python', 'benchmarks/train_sp_recipe.py', *sys.argv[1:]])}`",
-        f"- single: `{shlex.join(['python', *train, '--out-dir', 'runs/single'])}`",
-        f"- sequence-parallel: `{shlex.join(['torchrun', '--standalone', f'--nproc_per_node={a.nproc}', *train, '--out-dir', f'runs/sp{a.nproc}'])}`",
-        f"- device: {cfg['world_size']} x {cfg['device_name']} (single run: 1 x "
-        f"{r1['config']['device_name']}); backend {'gloo' if a.cpu else 'nccl'}",
-        f"- torch {cfg['torch']}, python {platform.python_version()}; date {date}",
-        f"- model: {s1['preset']} preset, {s1['params'] / 1e6:.2f}M parameters, branches "
+    recipe = shlex.join(["python", "benchmarks/train_sp_recipe.py", *sys.argv[1:]])
+    lines = results_header("Sequence-parallel training vs one device, same seed", "cpu" if a.cpu else "cuda", recipe, [
+        f"single: `{shlex.join(['python', *train, '--out-dir', 'runs/single'])}`",
+        f"sequence-parallel: `{shlex.join(['torchrun', '--standalone', f'--nproc_per_node={a.nproc}', *train, '--out-dir', f'runs/sp{a.nproc}'])}`",
+        f"ranks: {cfg['world_size']} x {cfg['device_name']} (single run: 1 x "
+        f"{r1['config']['device_name']}); backend {'gloo' if a.cpu else 'nccl'}; the runs' torch {cfg['torch']}",
+        f"model: {s1['preset']} preset, {s1['params'] / 1e6:.2f}M parameters, branches "
         f"w={cfg['model']['segment_lengths']} r={cfg['model']['dilation_rates']}, "
         f"impl {cfg['model']['impl']}",
-        f"- N = {cfg['settings']['seq_len']} tokens x batch {cfg['settings']['batch_size']} = "
+        f"N = {cfg['settings']['seq_len']} tokens x batch {cfg['settings']['batch_size']} = "
         f"{s1['tokens_per_step']} tokens/step ({s2['tokens_per_step'] // cfg['world_size']} per "
         f"rank in the SP run), {len(l1)} steps, autocast {cfg['settings']['dtype']}, "
         f"seed {_flag(flags, '--seed')}",
-        "- tokens/s: global batch tokens per second of optimizer-step time (eval excluded), "
+        "tokens/s: global batch tokens per second of optimizer-step time (eval excluded), "
         f"leaving out the first {s1['throughput_steps_skipped']} / "
         f"{s2['throughput_steps_skipped']} steps (warm-up); wall = the whole command "
         "(startup, model build, steps, eval, checkpoint)",
+    ])
+    lines += [
         "",
         "| run | ranks | final loss | mean loss, last "
         f"{k} steps | {' | '.join(evals)} | step ms | tokens/s (all ranks) | tokens/s per GPU "

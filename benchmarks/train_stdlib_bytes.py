@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
+import os
 import sys
 import time
 
@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 from dilated_attention.data import StdlibBytes
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import results_header, run_info  # noqa: E402
 
 SETTINGS = {
     # one GPU: N = 64K; branches up to the whole context, 8 heads so every offset of r = 8 has one
@@ -156,10 +159,7 @@ def main(argv=None) -> int:
     data = StdlibBytes(s["seq_len"])
     dev = torch.device(s["device"])
     env = {
-        "command": "python " + " ".join(sys.argv),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **run_info(dev),  # command, device, versions, date
         "stdlib_root": data.root, "train_files": len(data.train_files),
         "val_files": len(data.val_files), "train_bytes": len(data.train_data),
         "val_bytes": len(data.val_data),
@@ -170,22 +170,20 @@ def main(argv=None) -> int:
         runs.append(train_one(s, attention, data, args.seed))
         print(f"  {runs[-1]['steps']} steps, val bpb {runs[-1]['bpb']:.4f}", flush=True)
     bk = [k for k in runs[0] if k.startswith("bpb[")]
-    lines = [
-        "# Byte-level LM on the Python standard library: dilated vs local attention",
-        "",
-        f"- command: `{env['command']}`",
-        f"- python {env['python']} (the corpus depends on it), torch {env['torch']}, "
-        f"{env['device']}, {env['date']}",
-        f"- corpus: {env['train_files']} train files ({env['train_bytes']} bytes), "
+    lines = results_header("Byte-level LM on the Python standard library: dilated vs local attention", info=env, extra=[
+        f"the corpus depends on the python version ({env['versions']['python']})",
+        f"corpus: {env['train_files']} train files ({env['train_bytes']} bytes), "
         f"{env['val_files']} validation files ({env['val_bytes']} bytes) under "
         f"`{env['stdlib_root']}` (rule: `dilated_attention.data.stdlib_source_files`)",
-        f"- model: dim {s['dim']}, {s['n_layer']} layers, {s['n_head']} heads, ffn "
+        f"model: dim {s['dim']}, {s['n_layer']} layers, {s['n_head']} heads, ffn "
         f"{s['ffn_dim']}; dilated w = {list(s['segments'])}, r = {list(s['rates'])}; local "
         f"w = {min(s['segments'])}; N = {s['seq_len']}, batch {s['batch']}, lr {s['lr']}, "
         f"warmup {s['warmup']}, {s['dtype']}, {s['max_minutes']} min of training each"
         + ("; training crops packed (each file its own document)" if s["pack"] else ""),
-        f"- validation: {s['val_seqs']} fixed crops of N bytes; bits per byte by position "
+        f"validation: {s['val_seqs']} fixed crops of N bytes; bits per byte by position "
         "in the context (the first bucket is inside the local window)",
+    ])
+    lines += [
         "",
         "| attention | steps | train s | tokens | val bpb | " + " | ".join(bk) + " |",
         "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in bk) + " |",

@@ -18,6 +18,7 @@ Stops starting new candidates after --max-seconds.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -26,6 +27,9 @@ import torch
 from dilated_attention.branches import branch_head_ranges
 from dilated_attention.flops import dilated_flops
 from dilated_attention.kernels import triton_launch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import command_line, results_header  # noqa: E402
 
 SEG, DIL = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 CANDIDATES = {
@@ -93,8 +97,6 @@ def main():
         for item in filter(None, (s.strip() for s in a.candidates.split(";"))):
             name, _, vals = item.partition("=")
             cands.setdefault(name.strip(), [default[name.strip()]]).append(tuple(int(x) for x in vals.split(",")))
-    import triton
-
     t0 = time.time()
     ref = _run(32768, False, True)
     fl = dilated_flops(1, a.n, a.n, 16, 128, SEG, DIL, False)
@@ -136,14 +138,9 @@ def main():
             b_ms = _time(a.n, causal, True, cfg, fold)
             lines.append(f"| {causal} | {name} | {f_ms:.2f} | {b_ms:.2f} | {3.5 * flc / b_ms / 1e9:.0f} |")
             print(lines[-1], flush=True)
-    head = [
-        "# Triton block-config sweep",
-        "",
-        f"- command: `{' '.join(['python3'] + sys.argv)}`",
-        f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
-        f"- N = {a.n}, bf16, batch 1, 16 heads x 128, w={SEG}, r={DIL}; sweep not causal",
-        "",
-    ]
+    head = results_header("Triton block-config sweep", "cuda", command_line("python3"), [
+        f"N = {a.n}, bf16, batch 1, 16 heads x 128, w={SEG}, r={DIL}; sweep not causal",
+    ]) + [""]
     text = "\n".join(head + lines) + "\n"
     print(text)
     if a.out:

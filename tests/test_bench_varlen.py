@@ -4,16 +4,11 @@ results file is written."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

@@ -1,7 +1,7 @@
 """The decode path (decode.py) against impl="reference" on the cache truncated to its valid length.
 
 Both implementations: the torch path in float64/float32, the Triton kernel in float32 (in the
-interpreter on the CPU: TRITON_INTERPRET=1 is set here before the decode module is imported; on a
+interpreter on the CPU: tests/conftest.py sets TRITON_INTERPRET=1 before any test module is imported; on a
 GPU the compiled kernel). Covers the tail of a partial segment, rows no branch selects, GQA/MHA,
 causal, 'all'/'split', several query rows, per-batch cache lengths, a rolling (ring) cache, CUDA
 graph replay and torch.compile.
@@ -9,17 +9,11 @@ graph replay and torch.compile.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from dilated_attention import dilated_attention  # noqa: E402
-from dilated_attention.decode import (  # noqa: E402
+from dilated_attention import dilated_attention
+from dilated_attention.decode import (
     dilated_attention_with_kvcache,
     triton_unavailable_reason,
 )

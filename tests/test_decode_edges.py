@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from dilated_attention import dilated_attention  # noqa: E402
-from dilated_attention.decode import dilated_attention_with_kvcache, triton_unavailable_reason  # noqa: E402
+from dilated_attention import dilated_attention
+from dilated_attention.decode import dilated_attention_with_kvcache, triton_unavailable_reason
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = ["torch", "triton"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import tempfile
@@ -228,9 +227,6 @@ def test_encoder_shapes():
     assert (enc.forward_tokens(x2)[:, 0] - y1[:, 0]).abs().max() > 1e-8
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("dilated_attention.ordering") is None, reason="no ordering module"
-)
 def test_encoder_hilbert():
     torch.manual_seed(0)
     cfg = _cfg(image_size=(32, 48), patch_size=8, num_classes=3, ordering="hilbert")

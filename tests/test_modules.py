@@ -23,6 +23,37 @@ def test_dilated_attention_module_is_the_function(seed):
     assert "segment_lengths=[8, 16]" in repr(m)
 
 
+@pytest.mark.parametrize("impl", ["reference", "torch", "auto"])
+def test_decode_is_the_kvcache_call_with_the_module_settings(seed, impl):
+    """DilatedAttention.decode: what a model needs to decode against a KV cache, without reading
+    the module's fields (branches, scale, head assignment, impl; "reference" decodes on torch)."""
+    from dilated_attention import dilated_attention_with_kvcache
+
+    seg, dil = [8, 16], [1, 2]
+    m = DilatedAttention(seg, dil, softmax_scale=0.3, head_assignment="split", impl=impl)
+    q = torch.randn(2, 1, 4, 8, dtype=torch.float64)
+    kc, vc = (torch.randn(2, 40, 2, 8, dtype=torch.float64) for _ in range(2))
+    lens = torch.tensor([17, 33], dtype=torch.int32)
+    want = dilated_attention_with_kvcache(q, kc, vc, lens, seg, dil, causal=True, softmax_scale=0.3,
+                                          head_assignment="split", impl="torch" if impl == "reference" else impl)
+    torch.testing.assert_close(m.decode(q, kc, vc, lens), want)
+    assert DilatedAttention([8, 12, 16], [1, 2, 4]).period == 48
+
+
+def test_model_asks_its_attention_module():
+    """models/longnet.py reads none of DilatedAttention's fields (it calls decode / period)."""
+    import ast
+    import pathlib
+
+    import dilated_attention.models.longnet as longnet
+
+    fields = {"segment_lengths", "dilation_rates", "softmax_scale", "head_assignment", "impl"}
+    bad = [f"line {n.lineno}: .attention.{n.attr}" for n in ast.walk(ast.parse(pathlib.Path(longnet.__file__).read_text()))
+           if isinstance(n, ast.Attribute) and n.attr in fields and isinstance(n.value, ast.Attribute)
+           and n.value.attr == "attention"]
+    assert not bad, bad
+
+
 def test_attention_dropout_only_in_training(seed):
     q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
     m = DilatedAttention([8], [1], attention_dropout=0.5).eval()

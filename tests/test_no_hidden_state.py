@@ -77,3 +77,20 @@ def test_library_sets_no_environment_variable():
                 if not (f.name == "train.py" and "NCCL_NVLS_ENABLE" in ast.unparse(node)):
                     bad.append(line)
     assert not bad, f"environment variables set by the library: {bad}"
+
+
+def test_interpreter_mode_set_once_by_conftest():
+    """The test suite sets TRITON_INTERPRET in one place (tests/conftest.py, before any test module
+    imports a kernel module); no test module sets it again at import (a spawned rank or a
+    subprocess may still set it for itself, inside a function)."""
+    tests = pathlib.Path(__file__).resolve().parent
+    bad = []
+    for f in sorted(tests.glob("*.py")):
+        if f.name == "conftest.py":
+            continue
+        for top in ast.parse(f.read_text()).body:
+            if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if "TRITON_INTERPRET" in ast.unparse(top) and "environ" in ast.unparse(top):
+                bad.append(f"{f.name}:{top.lineno}")
+    assert not bad, f"TRITON_INTERPRET set again at import: {bad}"

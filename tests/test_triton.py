@@ -1,27 +1,22 @@
 """impl="triton" against the float64 reference, forward, lse and gradients.
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before the
-kernels module is first imported, which fixes the mode for the process) at tiny sizes in float32. The ``cuda`` set runs real sizes in bf16 and judges as SPEC section 6:
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set once by
+tests/conftest.py before any test module imports a kernel module) at tiny sizes in float32. The ``cuda`` set runs real sizes in bf16 and judges as SPEC section 6:
 error vs the fp32 reference <= 2x the error of impl="torch" in the same dtype + a small atol.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from dilated_attention import dilated_attention  # noqa: E402
-from dilated_attention.branches import branch_head_ranges  # noqa: E402
-from dilated_attention.kernels import triton_launch, triton_ops  # noqa: E402
+from dilated_attention import dilated_attention
+from dilated_attention.branches import branch_head_ranges
+from dilated_attention.kernels import triton_launch, triton_ops
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP = DEV == "cpu"

@@ -11,19 +11,13 @@ bf16 loads are broken); the ``cuda`` test runs a moderate packed batch in bf16.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from dilated_attention.kernels import triton_launch, triton_ops  # noqa: E402
-from dilated_attention.reference import dilated_attention_reference  # noqa: E402
+from dilated_attention.kernels import triton_launch, triton_ops
+from dilated_attention.reference import dilated_attention_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP = DEV == "cpu"

@@ -21,7 +21,7 @@ from .argtypes import nonnegative_int as _nonnegative_int
 from .argtypes import positive_int as _positive_int
 from .flops import dense_flops, dilated_flops
 from .kernels.select import triton_unavailable_reason
-from .timing import device_name, median_ms, utc_now, versions
+from .timing import device_name, median_ms, results_header, run_info, versions
 
 # `bench` default branches on a GPU: w = 2048 * 2^i, r = 2^i (the geometric series the README's
 # tables use). Not the LongNet paper's preset, whose rates are (1, 2, 4, 6, 12): that one is
@@ -228,11 +228,14 @@ def _bench_run(args, dev) -> tuple[dict, list]:
             results.append(r)
         del q, k, v, do
     meta = {
-        "device": device_name(dev), "dtype": str(dt), "batch": args.batch, "heads": heads, "headdim": hd,
-        "segment_lengths": list(seg), "dilation_rates": list(dil), **versions(),
-        "date": utc_now(), "command": " ".join(sys.argv),
+        **run_info(dev, " ".join(sys.argv)),  # command, device, versions, date (timing.py)
+        "dtype": str(dt), "batch": args.batch, "heads": heads, "headdim": hd,
+        "segment_lengths": list(seg), "dilation_rates": list(dil),
     }
     return meta, results
+
+
+_RUN_INFO_KEYS = ("command", "device", "versions", "date")  # timing.run_info's, in the header
 
 
 def _bench_report(args, dev, meta: dict, results: list) -> None:
@@ -269,11 +272,10 @@ def _bench_report(args, dev, meta: dict, results: list) -> None:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
     if args.markdown:
+        settings = [f"{key}: `{val}`" for key, val in meta.items() if key not in _RUN_INFO_KEYS]
         with open(args.markdown, "w") as f:
-            f.write("# bench: dilated attention vs dense SDPA\n\n")
-            for key, val in meta.items():
-                f.write(f"- {key}: `{val}`\n")
-            f.write("\n" + _md_table(hdr, table) + "\n")
+            f.write("\n".join(results_header("bench: dilated attention vs dense SDPA", info=meta, extra=settings)))
+            f.write("\n\n" + _md_table(hdr, table) + "\n")
             for e in errors:
                 f.write(f"\n- {e}")
     if args.plot:

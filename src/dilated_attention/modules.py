@@ -8,6 +8,7 @@ takes ``nn.MultiheadAttention.forward``'s arguments in its order and returns ``(
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from .api import dilated_attention
 from .branches import normalize_branches
 from .checks import check_real, resolve_scale
+from .decode import dilated_attention_with_kvcache
 from .kernels.select import check_impl
 
 
@@ -43,6 +45,10 @@ def magneto_init_(
     for lin in (q_proj, k_proj, v_proj, out_proj):
         if lin.bias is not None:
             nn.init.zeros_(lin.bias)
+
+
+# the decode implementation of each module impl ("reference" decodes on the torch path)
+_DECODE_IMPL = {"auto": "auto", "triton": "triton", "torch": "torch", "reference": "torch"}
 
 
 class DilatedAttention(nn.Module):
@@ -95,6 +101,25 @@ class DilatedAttention(nn.Module):
         if self.ordering:
             s += f", ordering={self.ordering!r}, grid={self.grid}"
         return s
+
+    @property
+    def period(self) -> int:
+        """The least common multiple of the segment lengths: a key window that starts at a
+        multiple of it keeps every segment's absolute alignment (what a chunked prefill over a
+        KV cache needs)."""
+        return math.lcm(*self.segment_lengths)
+
+    def decode(self, query, k_cache, v_cache, cache_seqlens, is_causal: bool = True) -> torch.Tensor:
+        """``query`` (B, Tq, H, D), the newest ``Tq`` positions, against the first
+        ``cache_seqlens[b]`` slots of a KV cache (B, S, Hkv, D): this module's branches, scale,
+        head assignment and impl through :func:`dilated_attention_with_kvcache` (no host
+        synchronisation; ``impl="reference"`` decodes on the torch path, which is exact and reads
+        the same keys)."""
+        return dilated_attention_with_kvcache(
+            query, k_cache, v_cache, cache_seqlens, self.segment_lengths, self.dilation_rates,
+            causal=is_causal, softmax_scale=self.softmax_scale,
+            head_assignment=self.head_assignment, impl=_DECODE_IMPL[self.impl],
+        )  # fmt: skip
 
     def forward(
         self,

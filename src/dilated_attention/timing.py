@@ -6,8 +6,9 @@ Used by ``dilated-attention bench`` (cli.py) and by the scripts in ``benchmarks/
 - :func:`median_ms`: ``warmup`` untimed calls, then ``iters`` timed calls, the median in
   milliseconds. On a GPU each call is bracketed by CUDA events (the time the device spent, not the
   launch time); on the CPU by ``time.perf_counter``.
-- :func:`versions`, :func:`device_name`, :func:`results_header`: the lines at the top of a results
-  file (command, device, versions, date).
+- :func:`versions`, :func:`device_name`, :func:`run_info`, :func:`results_header`: the lines at
+  the top of a results file (command, device, versions, date), and the same as a dict for a
+  results JSON.
 
 Nothing here changes process state (no TF32 switch, no environment variable).
 """
@@ -24,10 +25,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int, iters: int) -> float:
+def median_ms(
+    fn: Callable[[], object],
+    device: torch.device | str,
+    warmup: int,
+    iters: int,
+    before: Callable[[], object] | None = None,
+) -> float:
     """Median milliseconds of ``iters`` calls of ``fn()`` after ``warmup`` untimed calls.
 
-    CUDA events around each call on a CUDA device, ``time.perf_counter`` on the CPU."""
+    CUDA events around each call on a CUDA device, ``time.perf_counter`` on the CPU. ``before``,
+    if given, is called before each timed call, outside the timed span (e.g. ``dist.barrier``, so
+    that the ranks of a group start each call together)."""
     if iters < 1:
         raise ValueError(f"iters={iters}: time at least one call (iters >= 1)")
     if warmup < 0:
@@ -39,6 +48,8 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         for _ in range(iters):
+            if before is not None:
+                before()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -47,6 +58,8 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int,
             times.append(start.elapsed_time(end))
     else:
         for _ in range(iters):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
@@ -90,20 +103,39 @@ def command_line(launcher: str = "python") -> str:
     return " ".join([launcher, *sys.argv])
 
 
+def run_info(device: torch.device | str, command: str | None = None) -> dict:
+    """Where a measurement came from, for a results file or its JSON: command, device, versions,
+    date (the fields of :func:`results_header`)."""
+    return {
+        "command": command or command_line(),
+        "device": device_name(device),
+        "versions": versions(),
+        "date": utc_now(),
+    }
+
+
 def results_header(
-    title: str, device: torch.device | str, command: str | None = None, extra: Sequence[str] = ()
+    title: str,
+    device: torch.device | str | None = None,
+    command: str | None = None,
+    extra: Sequence[str] = (),
+    info: dict | None = None,
 ) -> list[str]:
     """The markdown lines at the top of a results file: title, command, device, versions, date,
-    then ``extra`` lines (each written as a bullet)."""
-    v = versions()
-    vers = ", ".join(f"{k} {val}" for k, val in v.items() if val is not None)
+    then ``extra`` lines (each written as a bullet). ``info`` (from :func:`run_info`, taken at
+    the start of a run) stands for ``device`` and ``command``."""
+    if info is None:
+        if device is None:
+            raise ValueError("results_header needs the device or the run_info() of the run")
+        info = run_info(device, command)
+    vers = ", ".join(f"{k} {val}" for k, val in info["versions"].items() if val is not None)
     lines = [
         f"# {title}",
         "",
-        f"- command: `{command or command_line()}`",
-        f"- device: {device_name(device)}",
+        f"- command: `{info['command']}`",
+        f"- device: {info['device']}",
         f"- versions: {vers}",
-        f"- date: {utc_now()}",
+        f"- date: {info['date']}",
     ]
     lines += [f"- {e}" for e in extra]
     return lines

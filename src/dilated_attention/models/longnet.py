@@ -23,7 +23,6 @@ parallelism").
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import numbers
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..decode import MAX_DECODE_ROWS, dilated_attention_with_kvcache
+from ..decode import MAX_DECODE_ROWS
 from ..modules import DilatedAttention, magneto_init_
 
 # --------------------------------------------------------------------------------------- config
@@ -367,12 +366,7 @@ class Attention(nn.Module):
         elif decoding:
             cache.write(pos, k, v)
             seqlens = (pos[-1:] + 1).to(torch.int32).expand(b).contiguous()  # (B,)
-            a = self.attention
-            y = dilated_attention_with_kvcache(
-                q, cache.k, cache.v, seqlens, a.segment_lengths, a.dilation_rates,
-                causal=self.causal, softmax_scale=a.softmax_scale,
-                head_assignment=a.head_assignment, impl=_DECODE_IMPL[a.impl],
-            )  # fmt: skip
+            y = self.attention.decode(q, cache.k, cache.v, seqlens, is_causal=self.causal)
         else:
             cache.write(pos, k, v)
             kw, vw = cache.window(self.align_start(start_pos), start_pos + t)
@@ -383,13 +377,8 @@ class Attention(nn.Module):
     def align_start(self, start_pos: int) -> int:
         """First key position a chunk starting at ``start_pos`` needs, rounded down to a multiple
         of every segment length: a branch never reads a key before its own segment start."""
-        period = math.lcm(*self.attention.segment_lengths)
+        period = self.attention.period
         return start_pos // period * period
-
-
-# decode implementations for the model's attention impl ("reference" decodes on the torch path,
-# which is exact and reads the same keys)
-_DECODE_IMPL = {"auto": "auto", "triton": "triton", "torch": "torch", "reference": "torch"}
 
 
 class FeedForward(nn.Module):
@@ -453,9 +442,6 @@ class _Trunk(nn.Module):
             else:
                 x = layer(x, start_pos, packed)
         return self.norm(x)
-
-
-# --------------------------------------------------------------------------------------- decoder
 
 
 # ---------------------------------------------------------------------------------- LM loss
@@ -855,13 +841,6 @@ class LongNetEncoder(_Trunk):
         grid = (ih // cfg.patch_size, iw // cfg.patch_size)
         if cfg.ordering not in (None, "none", "hilbert"):
             raise ValueError(f"ordering must be None or 'hilbert', got {cfg.ordering!r}")
-        if (
-            cfg.ordering == "hilbert"
-            and importlib.util.find_spec("dilated_attention.ordering") is None
-        ):
-            raise ValueError(
-                "ordering='hilbert' needs dilated_attention.ordering, not in this version"
-            )
         super().__init__(cfg, causal=False, grid=grid if cfg.ordering == "hilbert" else None)
         self.grid = grid
         self.patch_embed = nn.Conv2d(
