@@ -276,3 +276,27 @@ def test_decode_checks_are_the_shared_strict_ones():
         dilated_attention_with_kvcache(q, k, k, 40, [8, 16], [1, 2], causal="no")
     with pytest.raises(ValueError, match="head_assignment"):
         dilated_attention_with_kvcache(q, k, k, 40, [8, 16], [1, 2], head_assignment="some")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_decode_strided_cache_seqlens_and_leftpad(seed, impl):
+    # cache_seqlens and cache_leftpad given as strided views (columns of one (batch, 2) table):
+    # the Triton kernel loads them with unit stride, so they must be made contiguous first
+    if impl == "triton":
+        _triton_or_skip()
+    b, c, h, hkv, d = 3, 20, 4, 2, 16
+    q = torch.randn(b, 1, h, d, device=DEV)
+    k = torch.randn(b, c, hkv, d, device=DEV)
+    v = torch.randn(b, c, hkv, d, device=DEV)
+    table = torch.tensor([[17, 3], [9, 0], [20, 5]], dtype=torch.int32, device=DEV)
+    sl, lp = table[:, 0], table[:, 1]
+    assert not sl.is_contiguous() and not lp.is_contiguous()
+    seg, dil = [4, 8], [1, 2]
+    got = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True, impl=impl, cache_leftpad=lp)
+    outs, lses = [], []
+    for row, (n, p) in enumerate(table.tolist()):
+        o, lse = dilated_attention(q[row : row + 1].double(), k[row : row + 1, p:n].double(), v[row : row + 1, p:n].double(), seg, dil,
+                                   causal=True, impl="reference", return_lse=True)  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    _check(got, (torch.cat(outs), torch.cat(lses)), atol=2e-5)

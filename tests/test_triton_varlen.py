@@ -225,3 +225,26 @@ def test_varlen_cuda_vs_per_document(seed, causal, same_offsets):
     fin = torch.isfinite(ref[1])
     assert torch.equal(fin, torch.isfinite(got[1])), "lse: rows without keys differ"
     assert (got[1][fin] - ref[1][fin]).abs().max().item() <= 2e-2, "lse"
+
+
+@interp_only
+def test_varlen_strided_offsets(seed):
+    """Offsets that are a strided view (the columns of a (docs + 1, 2) table) read as their
+    values, not as the first entries of the underlying storage: the fused kernel loads
+    ``cu_seqlens[i]`` with unit stride, so the entry point must hand it contiguous offsets."""
+    from dilated_attention import dilated_attention_varlen
+
+    q, k, v, do = _packed([3, 5], [4, 5], 4, 2, 16, torch.float32, "cpu")
+    table = torch.tensor([[0, 0], [3, 4], [8, 9]], dtype=torch.int32)
+    cu_q, cu_k = table[:, 0], table[:, 1]  # stride 2
+    assert not cu_q.is_contiguous()
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = dilated_attention_varlen(*xs, cu_q, cu_k, 5, 5, (4, 8), (1, 2), causal=True,
+                                        impl="triton", return_lse=True)
+    grads = torch.autograd.grad(out, xs, do)
+    ref = _per_document_reference(q, k, v, do, [3, 5], [4, 5], (4, 8), (1, 2), torch.float64,
+                                  causal=True)
+    _close("out", out, ref[0], 2e-5)
+    _close("lse", lse, ref[1], 2e-5)
+    for name, g, r in zip("qkv", grads, ref[2], strict=True):
+        _close(f"d{name}", g, r, 5e-5)

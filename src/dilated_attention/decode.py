@@ -218,7 +218,9 @@ def _index_tensor(name: str, t, q: torch.Tensor) -> torch.Tensor:
         )
     if t.device != q.device:
         raise ValueError(f"dilated_attention_with_kvcache: {name} is on {t.device}, q on {q.device}; move it to q's device")
-    return t
+    # the Triton kernel loads entry b with unit stride: a strided view (e.g. a column of a
+    # (batch, 2) table) is copied, never read as its storage's first entries (no-op otherwise)
+    return t.contiguous()
 
 
 def _cache_seqlens(cache_seqlens, q: torch.Tensor) -> torch.Tensor:
@@ -294,7 +296,7 @@ def dilated_attention_with_kvcache(
                 "dilated_attention_with_kvcache: cache_leftpad must be None or an int32 torch.Tensor of "
                 f"shape (batch,) on q's device, got {type(cache_leftpad).__name__}"
             )
-        _index_tensor("cache_leftpad", cache_leftpad, q)
+        cache_leftpad = _index_tensor("cache_leftpad", cache_leftpad, q)
     seg_dil = _known_branches(segment_lengths, dilation_rates)
     if seg_dil is None:
         seg_dil = normalize_branches(segment_lengths, dilation_rates)

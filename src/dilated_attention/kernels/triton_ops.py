@@ -176,10 +176,12 @@ def _compiling() -> bool:
 
 # ------------------------------------------------------------------ packed documents (varlen)
 def _docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    # int32 offsets as the kernels read them (a no-op for the int32 tensors the API asks for)
+    # int32 offsets as the kernels read them: contiguous, since the kernels load cu[i] with unit
+    # stride (a no-op for the contiguous int32 tensors the API asks for; a strided view, e.g. a
+    # column of a (docs + 1, 2) table, is copied instead of read as its storage's first entries)
     return _launch.Docs(
-        cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
-        int(max_seqlen_k),
+        cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous(),
+        int(max_seqlen_q), int(max_seqlen_k),
     )
 
 
