@@ -34,7 +34,6 @@ import functools
 import torch
 
 from .constants import int32_table
-from .triton_direct import direct
 
 try:  # triton is an optional dependency: this module must import without it
     import triton
@@ -175,9 +174,6 @@ if triton is not None:
             ln_lse = (m_safe + tl.log2(l_safe)) * 0.6931471805599453  # log2 -> natural log
             tl.store(LSE + b * seb + h * seh + t, tl.where(l_sum > 0, ln_lse, float("-inf")))
 
-    # launched through the compiled kernels' launchers after the first call (triton_direct.py)
-    _SPLIT, _REDUCE = direct(_decode_split_kernel), direct(_decode_reduce_kernel)
-
 
 def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
     """Why the decode kernel cannot run on inputs like ``q`` (None if it can)."""
@@ -252,7 +248,7 @@ def decode_triton(
     lse = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
     launch = {} if interp else dict(num_warps=num_warps, num_stages=1)
     has_lpad = cache_leftpad is not None
-    _SPLIT[(nsplit, bsz * hkv)](
+    _decode_split_kernel[(nsplit, bsz * hkv)](
         q, k_cache, v_cache, cache_seqlens, cache_leftpad if has_lpad else cache_seqlens, table, op, lp,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *op.stride()[:4],
         *lp.stride()[:3],
@@ -263,7 +259,7 @@ def decode_triton(
         **launch,
     )  # fmt: skip
     bd = min(d, reduce_cols)
-    _REDUCE[(bsz * nq * nh, d // bd)](
+    _decode_reduce_kernel[(bsz * nq * nh, d // bd)](
         op, lp, out, lse,
         *op.stride()[:4], *lp.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
         nq, nh, nsplit,

@@ -23,9 +23,8 @@ import torch
 import triton
 
 from ..geometry import max_block_length, query_segments
-from . import triton_kernels as kern
 from .constants import int32_table
-from .triton_direct import direct
+from . import triton_kernels as kern
 
 # Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton_kernels was
 # imported, the CPU then) or compiled (CUDA): triton.jit fixed it for the life of the process.
@@ -33,14 +32,6 @@ INTERPRET: bool = not isinstance(kern.dilated_fwd_kernel, triton.runtime.JITFunc
 
 Config = tuple[int, int, int, int]  # (BM, BN, num_warps, num_stages) of one kernel
 KERNELS = ("fwd", "dkdv", "dq")
-
-# launched through the compiled kernels' launchers after the first call per specialisation
-# (triton_direct.py): Triton's per-call Python dispatch was most of a small call's host time
-_FWD, _FWD_FOLDED, _BWD_DELTA, _BWD_DKDV, _BWD_DQ = (
-    direct(k) for k in (kern.dilated_fwd_kernel, kern.dilated_fwd_folded_kernel,
-                        kern.dilated_bwd_delta_kernel, kern.dilated_bwd_dkdv_kernel,
-                        kern.dilated_bwd_dq_kernel)
-)
 
 
 def default_configs(d: int, interpret: bool = INTERPRET) -> dict[str, Config]:
@@ -219,7 +210,7 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
     grid = (nt * rmax * triton.cdiv(lay.nk, wmin), lay.programs * nh)
     if grid[0] * grid[1] == 0:
         return out, lse
-    _FWD_FOLDED[grid](
+    kern.dilated_fwd_folded_kernel[grid](
         q, k, v, kp, out, lse, brs, lay.cu_q, lay.cu_k,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), skp,
@@ -272,7 +263,7 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
         grid = (nm * nseg, lay.programs * (he - hs))
         if grid[0] * grid[1] == 0:
             continue
-        _FWD[grid](
+        kern.dilated_fwd_kernel[grid](
             q, k, v, kp, acc_o, acc_o if acc_lo is None else acc_lo, acc_l, lay.cu_q, lay.cu_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), skp,
@@ -306,7 +297,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     nrows = bsz * nq * nh
     br = 16 if INTERPRET else 64
     if nrows > 0:
-        _BWD_DELTA[(triton.cdiv(nrows, br),)](
+        kern.dilated_bwd_delta_kernel[(triton.cdiv(nrows, br),)](
             out, dout, delta, nrows, nq, nh, D=d, BR=br
         )
     several_q, several_kv = _rows_with_several_branches(nh, hkv, head_ranges)
@@ -334,7 +325,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
         grid = (nnb * nseg, lay.programs * hkv * ni)
         if grid[0] * grid[1] == 0:
             continue
-        _BWD_DKDV[grid](
+        kern.dilated_bwd_dkdv_kernel[grid](
             q, k, v, kp, dout, lse, delta, dk, dv,
             dk if dk_lo is None else dk_lo, dv if dv_lo is None else dv_lo, lay.cu_q, lay.cu_k,
             *strides_in,
@@ -354,7 +345,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
         grid = (nm * nseg, lay.programs * (he - hs))
         if grid[0] * grid[1] == 0:
             continue
-        _BWD_DQ[grid](
+        kern.dilated_bwd_dq_kernel[grid](
             q, k, v, kp, dout, lse, delta, dq, dq if dq_lo is None else dq_lo,
             lay.cu_q, lay.cu_k, *strides_in,
             dq.stride(0), dq.stride(1), dq.stride(2),
