@@ -2,6 +2,8 @@
 # One GPU verification call (the device machine; run from the repository root, $OUT set):
 #   bash scripts/gpu_check.sh tests     verify + the CUDA tests + the N = 131072 bench
 #   bash scripts/gpu_check.sh overhead  benchmarks/bench_overhead.py (issue 23) + bench_varlen.py (issue 22)
+#   bash scripts/gpu_check.sh final     verify beside the CUDA tests (3 workers), then
+#                                       bench_overhead.py --no-e2e and profile_host.py on an idle GPU
 # Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -17,5 +19,15 @@ case "${1:-tests}" in
   overhead)
     timeout "${OVERHEAD_TIMEOUT:-300}" python3 benchmarks/bench_overhead.py ${OVERHEAD_ARGS:-} --out "$OUT/overhead.md" 2>&1 | tee "$OUT/overhead.txt" | tail -20
     timeout "${VARLEN_TIMEOUT:-240}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" 2>&1 | tee "$OUT/varlen.txt" | tail -30
+    ;;
+  final)
+    (timeout 300 python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt") &
+    timeout 330 python3 -m pytest -q -m cuda tests -n 3 -p no:cacheprovider -rfE --durations=10 > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    wait
+    timeout 90 python3 benchmarks/bench_overhead.py --no-e2e --iters 50 --out "$OUT/overhead.md" > "$OUT/overhead.txt" 2>&1
+    timeout 60 python3 benchmarks/profile_host.py --calls 200 --top 35 > "$OUT/profile_host.txt" 2>&1
+    tail -4 "$OUT/cuda_tests.txt"; tail -14 "$OUT/verify.txt"; grep "^|" "$OUT/overhead.txt"
+    grep -A3 "function calls" "$OUT/profile_host.txt" | grep "function calls"
     ;;
 esac
