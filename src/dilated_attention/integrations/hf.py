@@ -175,7 +175,13 @@ def _varlen_rows(q, k, v, filled: int, docs, seg, dil, **kw) -> torch.Tensor:
 def make_attention_function(
     segment_lengths: Sequence[int], dilation_rates: Sequence[int], impl: str = "auto"
 ):
-    """The ``transformers`` attention function for one branch configuration."""
+    """The ``transformers`` attention function for one branch configuration.
+
+    Register it with :func:`register_dilated_attention`, or, by hand, together with
+    ``transformers.masking_utils.flash_attention_mask`` in ``AttentionMaskInterface`` under the
+    same name: transformers (>= 4.53) passes a name with no registered mask function no padding
+    mask at all, and the rows of a padded batch would then attend to their padding.
+    """
     seg, dil = normalize_branches(segment_lengths, dilation_rates)
     check_impl(impl)
 
