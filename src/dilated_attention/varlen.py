@@ -220,7 +220,8 @@ def _pick(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
         if reason is None and dropout_p > 0:
             reason = "the triton kernel has no dropout; use impl='torch' or 'auto' for dropout_p > 0"
         if reason is not None:
-            raise ValueError(f"{_NAME}: impl='triton' cannot run here: {reason}; use impl='torch'")
+            # every reason already says what to use instead
+            raise ValueError(f"{_NAME}: impl='triton' cannot run here: {reason}")
         return "triton"
     if impl == "auto":
         if dropout_p > 0 or not q.is_cuda:
