@@ -92,8 +92,10 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]  # argparse: usage lines, then the one-line error
+    assert len(err.strip().splitlines()) == 1, err  # one line: no usage block, no traceback
+    last = err.strip()
     assert last.startswith(f"dilated-attention {argv[0]}: error: ") and message in last, err
+    assert last.endswith(f"(see dilated-attention {argv[0]} --help)"), err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -104,7 +106,8 @@ def test_cuda_device_without_cuda_through_the_console():
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and r.stdout == ""
     assert "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("dilated-attention bench: error: argument --device")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("dilated-attention bench: error: argument --device")
 
 
 def _subparsers(parser):

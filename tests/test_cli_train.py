@@ -56,7 +56,8 @@ def test_bad_train_input_exits_2_with_one_line(entry, argv, msg1, msg2, tmp_path
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]
+    assert len(err.strip().splitlines()) == 1, err  # one line: no usage block, no traceback
+    last = err.strip()
     assert last.startswith("dilated-attention train: error: ") and msg1 in last and msg2 in last, err
     assert not (tmp_path / "out").exists()  # nothing written
 
@@ -76,8 +77,9 @@ def test_module_entry_point_checks_like_the_cli():
     r = subprocess.run([sys.executable, "-m", "dilated_attention.train", "--steps", "-5"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1] == (
-        "dilated-attention train: error: argument --steps: '-5' must be a positive integer"
+    assert r.stderr == (
+        "dilated-attention train: error: argument --steps: '-5' must be a positive integer "
+        "(see dilated-attention train --help)\n"
     )
 
 

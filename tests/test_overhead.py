@@ -33,6 +33,7 @@ def test_import_does_not_load_dynamo():
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
+@pytest.mark.slow  # runs the whole benchmark script (9 s)
 def test_bench_overhead_tiny_runs(tmp_path):
     out = tmp_path / "overhead.md"
     res = subprocess.run(

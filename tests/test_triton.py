@@ -132,6 +132,7 @@ def _with_fp32_accumulators(monkeypatch) -> list:
     return made
 
 
+@pytest.mark.slow  # 8 s a case in the interpreter
 @pytest.mark.skipif(DEV != "cpu" or not INTERP, reason="interpreter tests run on the CPU")
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_compensated_accumulation_fp16_interpreter(seed, monkeypatch, causal):
@@ -369,11 +370,13 @@ def test_triton_cuda_matches_dense_reference_fp32(seed):
 @pytest.mark.parametrize(
     "n,h,hkv,seg,dil,pad",
     [
-        (70, 4, 2, [8, 16, 32], [1, 2, 4], False),  # LongNet-like, GQA, partial last window
-        (53, 6, 3, [12, 24, 96], [1, 3, 6], True),  # r = 3, 6 (r | r_max), w > N, key padding
-        (64, 4, 1, [16, 64], [4, 4], False),  # equal r, MQA
+        # the two long cases (5-12 s each in the interpreter) are "slow"; mqa stays in the quick run
+        pytest.param(70, 4, 2, [8, 16, 32], [1, 2, 4], False, id="longnet",  # LongNet-like, GQA, partial last window
+                     marks=pytest.mark.slow),
+        pytest.param(53, 6, 3, [12, 24, 96], [1, 3, 6], True, id="r36_pad",  # r = 3, 6 (r | r_max), w > N, key padding
+                     marks=pytest.mark.slow),
+        pytest.param(64, 4, 1, [16, 64], [4, 4], False, id="mqa"),  # equal r, MQA
     ],
-    ids=["longnet", "r36_pad", "mqa"],
 )
 def test_triton_folded_forward_interpreter(seed, monkeypatch, n, h, hkv, seg, dil, pad, causal,
                                            head_assignment):

@@ -87,6 +87,7 @@ def _setup(checkout, **env):
     return r, pips
 
 
+@pytest.mark.slow  # five venv setups (10 s)
 def test_setup_env_quiet_and_skips_when_nothing_changed(fake_checkout):
     r, pips = _setup(fake_checkout)
     assert r.returncode == 0, r.stderr

@@ -22,6 +22,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (argparse's default prints the whole usage
+    block first): ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def bool_arg(s: str) -> bool:
     low = s.lower()
     if low in ("1", "true", "yes", "on", "y", "t"):

@@ -14,7 +14,7 @@ import torch
 
 from . import __version__
 from .api import available_impls, dilated_attention
-from .argtypes import HelpFormatter
+from .argtypes import HelpFormatter, Parser
 from .argtypes import bool_arg as _bool_arg
 from .argtypes import device_arg as _device_arg
 from .argtypes import nonnegative_int as _nonnegative_int
@@ -377,7 +377,7 @@ def _md_table(hdr, rows) -> str:
 # ---------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     fmt = {"formatter_class": HelpFormatter}
-    p = argparse.ArgumentParser(prog="dilated-attention", description=DESCRIPTION, **fmt)
+    p = Parser(prog="dilated-attention", description=DESCRIPTION, **fmt)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     device_help = "cpu, cuda or cuda:N (default: cuda if available, else cpu)"

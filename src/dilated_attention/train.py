@@ -809,9 +809,9 @@ def _write_summary(run: _Run, train_time_s: float) -> None:
 def build_parser(prog: str = "dilated-attention train") -> argparse.ArgumentParser:
     """The one parser of ``python -m dilated_attention.train`` (``dilated-attention train`` adds
     the same flags to its subcommand)."""
-    from .argtypes import HelpFormatter
+    from .argtypes import HelpFormatter, Parser
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_train_arguments(parser)
     return parser
 
