@@ -218,3 +218,25 @@ def test_torch_path_cuda_vs_reference(seed, dtype, causal):
     assert rel_err(out, ref) < tol
     for a, b in zip(grads, refg, strict=True):
         assert a.dtype == dtype and rel_err(a, b) < 2 * tol
+
+
+@pytest.mark.parametrize("n", [40, 300])  # the fused small-call path and the per-group blocks
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_head_dim_matches_reference(n, which, causal):
+    # a view whose last dim is not unit-stride (a permuted (B, D, N, H) buffer): PyTorch's CPU
+    # flash kernel reads it as if it were, so impl="torch" used to return wrong values silently
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    args = {"q": q, "k": k, "v": v}
+    args[which] = args[which].permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)
+    assert args[which].stride(-1) != 1
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves_s = [a.detach().requires_grad_() for a in (args["q"], args["k"], args["v"])]
+    ref = dilated_attention(*leaves, (8, 16), (1, 2), causal=causal, impl="reference")
+    out = dilated_attention(*leaves_s, (8, 16), (1, 2), causal=causal, impl="torch")
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    do = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    for a, b in zip(torch.autograd.grad(ref, leaves, do), torch.autograd.grad(out, leaves_s, do), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+

@@ -594,6 +594,11 @@ def dilated_attention_torch_eager(
 
     Returns out (B, Nq, H, D) and lse (B, H, Nq) float32.
     """
+    # PyTorch's CPU flash kernel (the private aten op both paths below call) reads the head dim
+    # as if it had unit stride: a view with a strided last dim (e.g. a permuted (B, D, N, H)
+    # buffer) would silently give wrong results, so such inputs are copied once
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if _dense_applies(q, k, key_padding_mask, dropout_p):
         plan = _dense_plan(
             q.shape[1], k.shape[1], q.shape[2], segment_lengths, dilation_rates, head_assignment,
