@@ -240,3 +240,17 @@ def test_strided_head_dim_matches_reference(n, which, causal):
     for a, b in zip(torch.autograd.grad(ref, leaves, do), torch.autograd.grad(out, leaves_s, do), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
+
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+@pytest.mark.parametrize("n", [40, 300])
+def test_causal_nonpositive_scale_matches_reference(scale, n):
+    # any finite softmax_scale is legal; PyTorch's CPU flash kernel gave NaN for causal blocks
+    # with scale <= 0 (it scales the -inf of masked scores)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 4, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    ref = dilated_attention(q, k, v, (128,), (1,), causal=True, softmax_scale=scale, impl="reference")
+    out = dilated_attention(q, k, v, (128,), (1,), causal=True, softmax_scale=scale, impl="torch")
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    do = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    for a, b in zip(torch.autograd.grad(ref, (q, k, v), do), torch.autograd.grad(out, (q, k, v), do), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)

@@ -163,6 +163,15 @@ def _expand_kv(q, k, v):
     return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
 
 
+def _cpu_flash_guard(backend: str, causal: bool, scale: float) -> str:
+    """PyTorch's fused CPU kernel scales the causally masked scores after masking them, so a
+    causal call with ``scale <= 0`` gets NaN rows (-inf * 0, or +inf from -inf * -x):
+    such calls (legal: any finite scale) run the math backend instead."""
+    if backend == "cpu_flash" and causal and not scale > 0:
+        return "math"
+    return backend
+
+
 def attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,7 +187,7 @@ def attn_fwd(
 
     Returns out (B, H, Lq, D) in q's dtype and lse (B, H, Lq) float32 (float64 for float64).
     """
-    backend = backend or pick_backend(q, k, key_mask, dropout_p, causal)
+    backend = backend or _cpu_flash_guard(pick_backend(q, k, key_mask, dropout_p, causal), causal, scale)
     if q.shape[2] == 0 or k.shape[2] == 0:
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=acc_dtype(q.dtype))
@@ -218,7 +227,7 @@ def attn_bwd(
 
     Returns dq (like q), dk, dv (like k, v: GQA heads already summed), in the inputs' dtypes.
     """
-    backend = backend or pick_backend(q, k, key_mask, dropout_p, causal)
+    backend = backend or _cpu_flash_guard(pick_backend(q, k, key_mask, dropout_p, causal), causal, scale)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if backend == "cudnn":
