@@ -163,6 +163,12 @@ def _expand_kv(q, k, v):
     return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
 
 
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit-stride last dim: PyTorch's fused CPU kernel reads the head dim as if it
+    had one, so a strided view (a permuted buffer) would give wrong results silently."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _cpu_flash_guard(backend: str, causal: bool, scale: float) -> str:
     """PyTorch's fused CPU kernel scales the causally masked scores after masking them, so a
     causal call with ``scale <= 0`` gets NaN rows (-inf * 0, or +inf from -inf * -x):
@@ -203,7 +209,7 @@ def attn_fwd(
         return _cudnn_fwd(q, k, v, scale, causal)
     if backend == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
+            _unit_last(q), _unit_last(k), _unit_last(v), 0.0, causal, scale=scale
         )
         return out, lse.to(acc_dtype(q.dtype))
     return _math_fwd(q, k, v, scale, causal, key_mask, dropout_p, dropout_seed)
@@ -262,8 +268,8 @@ def attn_bwd(
         return dq, dk, dv
     if backend == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse,
-            0.0, causal, scale=scale,
+            _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out),
+            lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, causal, scale=scale,
         )
         return dq, dk, dv
     return _math_bwd(do, q, k, v, out, lse, scale, causal, key_mask, dropout_p, dropout_seed)
