@@ -486,3 +486,16 @@ def test_ring_live_tensor_bytes(world):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_groups_meshes_and_errors(world):
     run_distributed(_extras_worker, world)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_ring_causal_nonpositive_scale_is_finite(scale):
+    # any finite softmax_scale is legal; PyTorch's CPU flash kernel gave NaN for causal blocks
+    # with scale <= 0, and ring attention's blocks ran it
+    from dilated_attention import dilated_attention, ring_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    ref = dilated_attention(q, k, v, (300,), (1,), causal=True, softmax_scale=scale, impl="reference")
+    out = ring_attention(q, k, v, causal=True, softmax_scale=scale)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
