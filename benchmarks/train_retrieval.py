@@ -74,6 +74,60 @@ RECIPES: dict[str, dict] = {
         device="cuda",
         dtype="bfloat16",
     ),
+    # N = 131072: five branches, w x4 and r x2 per branch (w / r = 1024 .. 8192 keys a row),
+    # 16 heads so that every offset of r = 16 has a head (head dim 16), one more curriculum stage.
+    "h100-128k": dict(
+        seq_len=131072,
+        segments=(1024, 4096, 16384, 65536, 131072),
+        rates=(1, 2, 4, 8, 16),
+        dim=256,
+        n_layer=4,
+        n_head=16,
+        ffn_dim=1024,
+        curriculum="512:128:3000,2048:32:3000,8192:8:3000,32768:2:3000,131072:1:0",
+        lr=1e-3,
+        warmup=100,
+        num_pairs=1,
+        min_distance=16,
+        local_window=1024,
+        eval_distances=(512, 2048, 8192, 32768, 65536, 131072),
+        eval_samples=32,
+        eval_batch=2,
+        eval_every_s=30.0,
+        max_minutes=5.0,
+        device="cuda",
+        dtype="bfloat16",
+    ),
+    # N = 524288: the 128K model with its last branch at w = N (w / r = 32768 keys a row) and
+    # one more stage. The stability settings (docs/training.md, "Why 512K collapsed"): the
+    # learning rate decays with the wall clock over the cap (cosine to 10%), every stage warms
+    # up again over 50 steps, and a z-loss keeps the output log-partition near 0.
+    "h100-512k": dict(
+        seq_len=524288,
+        segments=(1024, 4096, 16384, 65536, 524288),
+        rates=(1, 2, 4, 8, 16),
+        dim=256,
+        n_layer=4,
+        n_head=16,
+        ffn_dim=1024,
+        curriculum="512:128:3000,2048:32:3000,8192:8:3000,32768:2:3000,131072:1:3000,"
+        "524288:1:0",
+        lr=1e-3,
+        warmup=100,
+        schedule="cosine",
+        stage_warmup=50,
+        z_loss=1e-4,
+        num_pairs=1,
+        min_distance=16,
+        local_window=1024,
+        eval_distances=(512, 8192, 65536, 262144, 524288),
+        eval_samples=16,
+        eval_batch=1,
+        eval_every_s=60.0,
+        max_minutes=20.0,
+        device="cuda",
+        dtype="bfloat16",
+    ),
     # The same structure scaled down 16x in length (branch lengths / N kept), for CPU.
     "cpu-2k": dict(
         seq_len=2048,
@@ -196,8 +250,43 @@ def evaluate(model, r: dict, seed: int, device, autocast) -> dict[str, float]:
     return out
 
 
-def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
-    """One capped run; returns its record (evals, losses, steps, times)."""
+def lr_factor(r: dict, step: int, stage: int, stage_step: int, elapsed: float) -> float:
+    """The learning-rate multiplier: linear warmup over ``warmup`` steps of the run, then
+    ``constant`` or ``cosine`` (from 1 to ``min_lr_ratio`` over the wall-clock cap: the cap is
+    the only known length of a capped run); with ``stage_warmup`` > 0 every stage after the
+    first ramps up again over that many steps (the gradient statistics change when N grows 4x)."""
+    f = min(1.0, (step + 1) / r["warmup"])
+    if r.get("schedule", "constant") == "cosine":
+        lo = r.get("min_lr_ratio", 0.1)
+        frac = min(1.0, elapsed / (r["max_minutes"] * 60.0))
+        f *= lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    sw = r.get("stage_warmup", 0)
+    if sw and stage > 0:  # the first stage has the run's warmup
+        f *= min(1.0, (stage_step + 1) / sw)
+    return f
+
+
+def retrieval_loss(model, x, y, z_loss: float):
+    """Cross-entropy over the answer positions (y != IGNORE), plus ``z_loss`` * mean
+    logsumexp^2 (PaLM's z-loss: keeps the output log-partition near 0), in float32.
+    Returns (loss, cross-entropy) as 0-dim tensors."""
+    h = model.hidden_states(x)  # (B, N, E)
+    mask = y != IGNORE
+    logits = model.lm_head(h[mask]).float()  # (M, V)
+    ce = torch.nn.functional.cross_entropy(logits, y[mask])
+    if z_loss:
+        return ce + z_loss * torch.logsumexp(logits, -1).pow(2).mean(), ce
+    return ce, ce
+
+
+def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resume=None,
+              pause_s: float | None = None, checkpoint: str | None = None) -> dict:
+    """One capped run; returns its record (evals, losses, steps, times).
+
+    ``progress(rec)`` is called after every eval (to write partial results). ``pause_s``: stop
+    after that many seconds of this call, save everything to ``checkpoint`` and return the
+    record with ``paused`` True; ``resume``: a checkpoint path to continue from (the cap counts
+    the training time of every call; the data of step s is the same in every call)."""
     device = torch.device(r["device"])
     torch.manual_seed(seed)
     model = build_model(r, attention, device)
@@ -205,7 +294,7 @@ def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=r["lr"], betas=(0.9, 0.95), fused=device.type == "cuda",
+        lr=r["lr"], betas=(0.9, r.get("beta2", 0.95)), fused=device.type == "cuda",
     )  # fmt: skip
     amp = getattr(torch, r["dtype"])
     autocast = torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32)
@@ -219,74 +308,113 @@ def train_one(r: dict, attention: str, seed: int, log=print) -> dict:
     rec = {"attention": attention, "seed": seed, "params": model.num_params(), "evals": [],
            "losses": [], "stage_starts": [], "branches": [list(model.cfg.segment_lengths),
                                       list(model.cfg.dilation_rates)]}  # fmt: skip
-    t0 = time.perf_counter()
-    eval_s = 0.0
-    last_eval = 0.0
-    step = 0
-    reached = None
-    for si, (n, bs, n_steps) in enumerate(stages):
+    st = dict(step=0, si=0, s_step=0, recent=[], eval_s=0.0, last_eval=0.0,
+              elapsed=0.0, reached=None)  # fmt: skip
+    if resume:
+        ck = torch.load(resume, map_location=device, weights_only=False)
+        if (ck["attention"], ck["seed"]) != (attention, seed):
+            raise ValueError(f"checkpoint {resume} is for {ck['attention']} seed {ck['seed']}")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        rec, st = ck["rec"], ck["state"]
+        rec["resumed_at"] = rec.get("resumed_at", []) + [st["step"]]
+        log(f"  [{attention} seed {seed}] resumed at step {st['step']}, t={st['elapsed']:.0f}s")
+    t_call = time.perf_counter()
+    t0 = t_call - st["elapsed"]  # training time of earlier calls counts toward the cap
+
+    def save_and_pause():
+        st["elapsed"] = time.perf_counter() - t0
+        torch.save({"attention": attention, "seed": seed, "model": model.state_dict(),
+                    "opt": opt.state_dict(), "rec": rec, "state": st}, checkpoint)  # fmt: skip
+        rec.update(paused=True, steps=st["step"], wall_s=round(st["elapsed"], 1))
+        log(f"  [{attention} seed {seed}] paused at step {st['step']}, t={st['elapsed']:.0f}s "
+            f"-> {checkpoint}")
+        return rec
+
+    while st["si"] < len(stages):
+        n, bs, n_steps = stages[st["si"]]
+        last_stage = st["si"] == len(stages) - 1
         task = RetrievalTask(
             seq_len=n, num_pairs=r["num_pairs"], min_distance=r["min_distance"], max_distance=n
         )
-        s_step = 0
-        recent: list[float] = []
-        rec["stage_starts"].append({"N": n, "step": step,
-                                    "time_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
-        log(f"  [{attention} seed {seed}] stage N={n} batch {bs} from step {step}, "
-            f"t={time.perf_counter() - t0:.0f}s"
-            + (f", last loss {rec['losses'][-1][2]}" if rec["losses"] else ""))  # fmt: skip
-        while n_steps == 0 or s_step < n_steps:
+        if st["s_step"] == 0:
+            rec["stage_starts"].append({"N": n, "step": st["step"],
+                                        "time_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+            log(f"  [{attention} seed {seed}] stage N={n} batch {bs} from step {st['step']}, "
+                f"t={time.perf_counter() - t0:.0f}s"
+                + (f", last loss {rec['losses'][-1][2]}" if rec["losses"] else ""))  # fmt: skip
+        stop = False
+        while n_steps == 0 or st["s_step"] < n_steps:
             elapsed = time.perf_counter() - t0
             if elapsed >= cap:
+                stop = True
                 break
-            lr = r["lr"] * min(1.0, (step + 1) / r["warmup"])
+            if pause_s is not None and time.perf_counter() - t_call >= pause_s:
+                return save_and_pause()
+            step = st["step"]
+            lr = r["lr"] * lr_factor(r, step, st["si"], st["s_step"], elapsed)
             for g in opt.param_groups:
                 g["lr"] = lr
             x, y = task.batch(bs, seed, step)
             x, y = x.to(device), y.to(device)
             with autocast:
-                _, loss = model(x, y, return_logits=False)
+                loss, ce = retrieval_loss(model, x, y, r.get("z_loss", 0.0))
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
             opt.step()
-            step += 1
-            s_step += 1
-            recent = (recent + [loss.item()])[-50:]
-            if step % 10 == 0 or step == 1:
-                rec["losses"].append((step, n, round(recent[-1], 4)))
+            st["step"] += 1
+            st["s_step"] += 1
+            step = st["step"]
+            ce_v = ce.item()
+            st["recent"] = (st["recent"] + [ce_v])[-50:]
+            recent = st["recent"]
+            spike = ce_v > 1.0 and len(recent) == 50 and sum(recent[:-1]) / 49 < 0.1
+            if step % 10 == 0 or step == 1 or spike:  # every 10th step, and every spike
+                rec["losses"].append((step, n, round(ce_v, 4), round(gnorm, 4), float(f"{lr:.3g}")))
             now = time.perf_counter() - t0
-            last_stage = si == len(stages) - 1
             if not last_stage and len(recent) == 50 and sum(recent) / 50 < r["advance_loss"]:
                 break  # learned at this length: on to the next stage
-            if last_stage and (now - last_eval >= r["eval_every_s"] or s_step == n_steps):
+            if last_stage and (now - st["last_eval"] >= r["eval_every_s"] or st["s_step"] == n_steps):
                 te = time.perf_counter()
                 acc = evaluate(model, r, seed, device, autocast)
-                eval_s += time.perf_counter() - te
-                last_eval = time.perf_counter() - t0
-                ev = {"step": step, "stage_n": n, "time_s": round(last_eval, 1),
-                      "loss": round(loss.item(), 4), **acc}  # fmt: skip
+                st["eval_s"] += time.perf_counter() - te
+                st["last_eval"] = time.perf_counter() - t0
+                ev = {"step": step, "stage_n": n, "time_s": round(st["last_eval"], 1),
+                      "loss": round(ce_v, 4), **acc}  # fmt: skip
                 rec["evals"].append(ev)
-                log(f"  [{attention} seed {seed}] step {step} N={n} t={last_eval:.0f}s "
+                log(f"  [{attention} seed {seed}] step {step} N={n} t={st['last_eval']:.0f}s "
                     + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))  # fmt: skip
-                if min(acc.values()) >= r["target"]:
-                    reached = ev
-                    break
-        if reached or time.perf_counter() - t0 >= cap:
+                if progress is not None:
+                    progress(rec)
+                if min(acc.values()) >= r["target"] and st["reached"] is None:
+                    st["reached"] = ev
+                    if not r.get("run_to_cap"):
+                        stop = True
+                        break
+        if stop or time.perf_counter() - t0 >= cap:
             break
+        st["si"] += 1
+        st["s_step"] = 0
+    step = st["step"]
+    reached = st["reached"]
     if not rec["evals"] or rec["evals"][-1]["step"] != step:  # a final eval at the cap
         te = time.perf_counter()
         acc = evaluate(model, r, seed, device, autocast)
-        eval_s += time.perf_counter() - te
-        stage_n = stages[min(si, len(stages) - 1)][0]
+        st["eval_s"] += time.perf_counter() - te
+        stage_n = stages[min(st["si"], len(stages) - 1)][0]
         rec["evals"].append({"step": step, "stage_n": stage_n,
                              "time_s": round(time.perf_counter() - t0, 1), **acc})  # fmt: skip
-        if min(acc.values()) >= r["target"]:
+        if reached is None and min(acc.values()) >= r["target"]:
             reached = rec["evals"][-1]
-    rec.update(steps=step, wall_s=round(time.perf_counter() - t0, 1), eval_s=round(eval_s, 1),
+    after = [min(v for k, v in ev.items() if k.startswith("acc@")) for ev in rec["evals"]
+             if reached is not None and ev["step"] >= reached["step"]]  # fmt: skip
+    rec.pop("paused", None)
+    rec.update(steps=step, wall_s=round(time.perf_counter() - t0, 1), eval_s=round(st["eval_s"], 1),
                reached_target=reached is not None,
                target_step=reached["step"] if reached else None,
-               target_time_s=reached["time_s"] if reached else None)  # fmt: skip
+               target_time_s=reached["time_s"] if reached else None,
+               min_acc_after_target=min(after) if after else None)  # fmt: skip
     return rec
 
 
@@ -299,7 +427,11 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
         f"when its last 50 losses average < {r['advance_loss']}); lr {r['lr']}, "
         f"warmup {r['warmup']}; {r['num_pairs']} pair(s); distances uniform in "
         f"[{r['min_distance']}, stage N]; local window {r['local_window']}; "
-        f"{r['dtype']}; cap {r['max_minutes']} min; target {r['target']}",
+        f"{r['dtype']}; cap {r['max_minutes']} min; target {r['target']}; schedule "
+        f"{r.get('schedule', 'constant')}" + (f" (to {r.get('min_lr_ratio', 0.1)} x lr over the cap)"
+        if r.get("schedule") == "cosine" else "") + f"; stage warmup {r.get('stage_warmup', 0)} "
+        f"steps; z-loss {r.get('z_loss', 0.0)}; AdamW betas (0.9, {r.get('beta2', 0.95)}); "
+        + ("runs to the cap" if r.get("run_to_cap") else "stops at the target"),
         f"eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']} (the same "
         f"sequences at every distance, only the planted block moves); chance = "
         f"{1 / 16:.4f}",
@@ -309,16 +441,23 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
         "## Final accuracy by distance",
         "",
         "| attention | seed | params | steps | wall s | reached target at (step, s) | "
-        + " | ".join(f"acc@{d}" for d in ds)
-        + " |",
-        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ds) + " |",
+        "lowest accuracy after that | " + " | ".join(f"acc@{d}" for d in ds) + " |",
+        "| --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ds) + " |",
     ]
     for run in runs:
+        if not run["evals"]:
+            continue
         last = run["evals"][-1]
-        hit = f"{run['target_step']}, {run['target_time_s']}" if run["reached_target"] else "no"
+        if run.get("paused") or "reached_target" not in run:
+            hit, held = "(paused / in progress)", ""
+        else:
+            hit = f"{run['target_step']}, {run['target_time_s']}" if run["reached_target"] else "no"
+            m = run.get("min_acc_after_target")
+            held = "" if m is None else f"{m:.3f}"
         lines.append(
-            f"| {run['attention']} | {run['seed']} | {run['params'] / 1e6:.2f}M | {run['steps']} | "
-            f"{run['wall_s']} | {hit} | " + " | ".join(f"{last[f'acc@{d}']:.3f}" for d in ds) + " |"
+            f"| {run['attention']} | {run['seed']} | {run['params'] / 1e6:.2f}M | "
+            f"{run.get('steps', last['step'])} | {run.get('wall_s', last['time_s'])} | {hit} | "
+            f"{held} | " + " | ".join(f"{last[f'acc@{d}']:.3f}" for d in ds) + " |"
         )
     lines += ["", "## Every eval", ""]
     for run in runs:
@@ -363,6 +502,24 @@ def _plot(r: dict, runs: list[dict], path: str) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    # training loss and gradient norm (before clipping) per logged step: spikes show here
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    for run in runs:
+        rows = [row for row in run["losses"] if len(row) >= 4]
+        if not rows:
+            continue
+        lab = f"{run['attention']} seed {run['seed']}"
+        ax1.plot([row[0] for row in rows], [max(row[2], 1e-5) for row in rows], lw=0.7, label=lab)
+        ax2.plot([row[0] for row in rows], [max(row[3], 1e-6) for row in rows], lw=0.7, label=lab)
+        for stt in run["stage_starts"][1:]:
+            ax1.axvline(stt["step"], color="gray", lw=0.4, ls=":")
+    ax1.set(yscale="log", ylabel="train cross-entropy",
+            title=f"training at N = {r['seq_len']} ({r['recipe']}); dotted: stage starts")  # fmt: skip
+    ax2.set(yscale="log", ylabel="grad norm (before clip)", xlabel="step")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path.removesuffix(".png") + "_loss.png", dpi=110)
+    plt.close(fig)
     return True
 
 
@@ -392,6 +549,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--eval-distances", type=lambda s: tuple(int(v) for v in s.split(",")), default=None
     )
+    p.add_argument("--schedule", choices=["constant", "cosine"],
+                   help="learning rate after warmup: constant, or cosine over the wall-clock cap")
+    p.add_argument("--min-lr-ratio", type=float, help="cosine: the last lr / lr (default 0.1)")
+    p.add_argument("--stage-warmup", type=int, help="steps of warmup at each later stage (0: none)")
+    p.add_argument("--z-loss", type=float, help="z-loss coefficient (0: none)")
+    p.add_argument("--beta2", type=float, help="AdamW beta2 (default 0.95)")
+    p.add_argument("--run-to-cap", action="store_true",
+                   help="keep training (and evaluating) after the target, to the cap")
+    p.add_argument("--pause-after-minutes", type=float,
+                   help="stop this call after so many minutes, saving the run to --checkpoint")
+    p.add_argument("--checkpoint", help="where --pause-after-minutes saves the run")
+    p.add_argument("--resume", help="a checkpoint written by --pause-after-minutes")
     p.add_argument("--impl", default="auto")
     p.add_argument("--device")
     p.add_argument("--threads", type=int)
@@ -400,9 +569,17 @@ def main(argv: list[str] | None = None) -> int:
              advance_loss=args.advance_loss)  # fmt: skip
     for key in ("max_minutes", "curriculum", "seq_len", "lr", "warmup", "dim", "n_layer",
                 "num_pairs", "min_distance", "local_window", "eval_samples", "eval_every_s",
-                "eval_distances", "device"):  # fmt: skip
+                "eval_distances", "device", "schedule", "min_lr_ratio", "stage_warmup",
+                "z_loss", "beta2"):  # fmt: skip
         if getattr(args, key) is not None:
             r[key] = getattr(args, key)
+    if args.run_to_cap:
+        r["run_to_cap"] = True
+    pairs = [(a, int(sd)) for a in args.attention.split(",") for sd in args.seeds.split(",")]
+    if (args.pause_after_minutes is not None or args.resume) and len(pairs) != 1:
+        p.error("--pause-after-minutes / --resume take one --attention and one --seed")
+    if args.pause_after_minutes is not None and not args.checkpoint:
+        p.error("--pause-after-minutes needs --checkpoint PATH")
     if r["device"] == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: running on cpu in float32", file=sys.stderr)
         r["device"], r["dtype"] = "cpu", "float32"
@@ -410,29 +587,39 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     dev = torch.device(r["device"])
     env = run_info(dev)  # command, device, versions, date
-    runs = []
-    for attention in args.attention.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            print(f"run: {attention}, seed {seed}", flush=True)
-            try:
-                runs.append(train_one(r, attention, seed, log=lambda m: print(m, flush=True)))
-            except torch.OutOfMemoryError as e:  # dense at 32K may not fit a big batch
-                print(f"  OOM: {e}", flush=True)
-                torch.cuda.empty_cache()
-    with open(args.out + ".json", "w") as f:
-        json.dump({"recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items()},
-                   "env": env, "runs": runs}, f, indent=1)  # fmt: skip
-    with open(args.out + ".md", "w") as f:
-        f.write(_markdown(r, runs, env))
+    runs: list[dict] = []
+
+    def write(extra=None):  # after every eval and every run: a killed call keeps its results
+        done = runs + ([extra] if extra is not None else [])
+        with open(args.out + ".json", "w") as f:
+            json.dump({"recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items()},
+                       "env": env, "runs": done}, f, indent=1)  # fmt: skip
+        with open(args.out + ".md", "w") as f:
+            f.write(_markdown(r, done, env))
+
+    for attention, seed in pairs:
+        print(f"run: {attention}, seed {seed}", flush=True)
+        try:
+            runs.append(train_one(
+                r, attention, seed, log=lambda m: print(m, flush=True), progress=write,
+                resume=args.resume, checkpoint=args.checkpoint,
+                pause_s=None if args.pause_after_minutes is None else 60 * args.pause_after_minutes,
+            ))  # fmt: skip
+        except torch.OutOfMemoryError as e:  # dense at long N may not fit
+            print(f"  OOM: {e}", flush=True)
+            torch.cuda.empty_cache()
+        write()
     plotted = _plot(r, runs, args.out + ".png")
     ds = r["eval_distances"]
-    print(f"\nwrote {args.out}.md, .json" + (", .png" if plotted else ""))
-    print("attention seed steps wall_s target | " + " ".join(f"@{d}" for d in ds))
+    print(f"\nwrote {args.out}.md, .json" + (", .png, _loss.png" if plotted else ""))
+    print("attention seed steps wall_s target held | " + " ".join(f"@{d}" for d in ds))
     for run in runs:
-        last = run["evals"][-1]
-        print(f"{run['attention']} {run['seed']} {run['steps']} {run['wall_s']} "
-              f"{'yes' if run['reached_target'] else 'no'} | "
-              + " ".join(f"{last[f'acc@{d}']:.2f}" for d in ds))  # fmt: skip
+        last = run["evals"][-1] if run["evals"] else {}
+        state = "paused" if run.get("paused") else ("yes" if run["reached_target"] else "no")
+        held = run.get("min_acc_after_target")
+        print(f"{run['attention']} {run['seed']} {run['steps']} {run['wall_s']} {state} "
+              f"{'-' if held is None else f'{held:.2f}'} | "
+              + " ".join(f"{last.get(f'acc@{d}', float('nan')):.2f}" for d in ds))  # fmt: skip
     return 0
 
 
