@@ -259,10 +259,12 @@ def test_switch_routes_to_the_per_call_path(seed, monkeypatch):
     off = dilated_attention_with_kvcache(q, k, v, sl, [8, 16], [1, 2], impl="triton", return_lse=True)
     assert calls == [1]
     _same(on, off)
-    flags.set_direct_launch(None)
     monkeypatch.setenv(flags.ENV_DIRECT_LAUNCH, "0")
+    flags.set_direct_launch(None)  # the environment, read at the next call
     assert not flags.direct_launch_enabled()
     monkeypatch.setenv(flags.ENV_DIRECT_LAUNCH, "1")
+    assert not flags.direct_launch_enabled()  # not re-read on every call
+    flags.set_direct_launch(None)
     assert flags.direct_launch_enabled()
     with pytest.raises(TypeError, match="set_direct_launch"):
         flags.set_direct_launch("no")

@@ -32,6 +32,7 @@ import torch
 from .autograd_rules import autocast_inputs
 from .branches import branch_head_ranges
 from .checks import Call, describe_call
+from .decode import decode_core
 from .kernels.select import (
     IMPLS,
     available_impls,
@@ -183,8 +184,6 @@ def _run_decode(q, k, v, call: Call, chosen: str, need_lse: bool):
     tensor is built per call). The one place ``dilated_attention`` reaches the decode kernels:
     the decode module's validated core (and its per-configuration plan), no second round of
     checks."""
-    from .decode import decode_core
-
     return decode_core(
         q, k, v, None, None, call.segment_lengths, call.dilation_rates,
         causal=call.causal, scale=call.scale, head_assignment=call.head_assignment,

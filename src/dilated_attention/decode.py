@@ -50,12 +50,18 @@ from .kernels.select import DECODE_IMPLS, MAX_DECODE_ROWS, backend_reason, pick_
 _INT32_MAX = 2**31 - 1
 
 
+_TRITON_DECODE = []  # the module, once imported (an import statement per call costs ~1 us)
+
+
 def _triton_decode():
     # imported at the first Triton decode call, not with the package: ``triton.jit`` picks the
     # interpreter or the compiler when the kernels are defined, and test modules set
     # TRITON_INTERPRET after the package may have been imported by another module
+    if _TRITON_DECODE:
+        return _TRITON_DECODE[0]
     from .kernels import triton_decode
 
+    _TRITON_DECODE.append(triton_decode)
     return triton_decode
 
 
@@ -213,6 +219,7 @@ def _check(q, k_cache, v_cache) -> None:
 
 
 _VALID_BRANCHES: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+_INT_ONLY = {int}
 
 
 def _known_branches(segment_lengths, dilation_rates):
@@ -226,7 +233,7 @@ def _known_branches(segment_lengths, dilation_rates):
     if (seg, dil) not in _VALID_BRANCHES:
         return None
     # plain ints only: 8.0 == 8 hashes alike but normalize_branches refuses it
-    if not all(type(x) is int for x in seg + dil):
+    if {*map(type, seg), *map(type, dil)} != _INT_ONLY:
         return None
     return seg, dil
 
