@@ -143,7 +143,10 @@ def _fake_direct(monkeypatch, td, plan):
 
     monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index)
     monkeypatch.setattr(direct_launch, "current_stream", lambda i: 1234)
+    monkeypatch.setattr(direct_launch, "capturing", lambda: False)
     monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    plan.cuda = True  # the GPU branch (stream, reused workspace) on CPU tensors
     split, red = _Recorder(), _Recorder()
     plan.split_go, plan.reduce_go = split, red
     return split, red
@@ -212,6 +215,75 @@ def test_direct_path_needs_current_device_and_idle_hooks(seed, monkeypatch):
     monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index + 1)
     td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
     assert split.calls == []
+
+
+def test_workspace_reused_per_stream_fresh_while_capturing(seed, monkeypatch):
+    # the GPU branch of DecodePlan.workspace on CPU tensors: stand-in stream and capture queries
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    td._PLANS.clear()
+    td._WORKSPACES.clear()
+    q, k, v, sl = _inputs()
+    want = td.decode_triton_jit(q, k, v, sl, None, ROWS, True, 0.3)
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    plan = next(iter(td._PLANS.values()))
+    plan.cuda = True  # the GPU branch; the launches stay the interpreter's
+    stream = [7]
+    capturing = [False]
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: stream[0])
+    monkeypatch.setattr(direct_launch, "capturing", lambda: capturing[0])
+    monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index)
+    seen = []
+    orig = plan._launch_jit.__func__
+
+    def spy(self, ws, *a):
+        seen.append(ws.data_ptr())
+        return orig(self, ws, *a)
+
+    monkeypatch.setattr(td.DecodePlan, "_launch_jit", spy)
+    got = [td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3) for _ in range(2)]
+    stream[0] = 8
+    got.append(td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3))
+    assert seen[0] == seen[1] != seen[2]  # one workspace per stream, reused
+    assert len(td._WORKSPACES) == 2
+    capturing[0] = True
+    got.append(td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3))
+    got.append(td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3, reuse_workspace=False))
+    assert len(td._WORKSPACES) == 2 and seen[3] not in seen[:3]  # capture: a fresh buffer
+    for g in got:
+        _same(g, want)
+    td._WORKSPACES.clear()
+
+
+def test_launchers_kept_only_from_an_aligned_call_on_the_tensors_device(seed, monkeypatch):
+    # a plan keeps the binaries of its first launch only when they carry its specialisation:
+    # every pointer aligned and compiled for the tensors' device (Triton uses the current one)
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    td._PLANS.clear()
+    q, k, v, sl = _inputs()
+    key = td.plan_key(q, k, v, sl, None, ROWS, True, 0.3)
+    plan = td.get_plan(key, q, k, v, sl, None, ROWS, True, 0.3)
+    plan.cuda = True
+    dev = [plan.dev_index + 1]
+    made = []
+    monkeypatch.setattr(direct_launch, "current_device", lambda: dev[0])
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 5)
+    monkeypatch.setattr(direct_launch, "capturing", lambda: False)
+    monkeypatch.setattr(direct_launch, "launcher", lambda ck, grid: made.append(grid) or _Recorder())
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)  # foreign current device
+    assert made == [] and plan.split_go is None
+    dev[0] = plan.dev_index
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype, device=DEV)
+    qm = flat[1 : 1 + q.numel()].view(q.shape)
+    qm.copy_(q)
+    td.decode_triton(qm, k, v, sl, None, ROWS, True, 0.3)  # misaligned q
+    assert made == [] and plan.split_go is None
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    assert made == [plan.split_grid, plan.reduce_grid] and plan.split_go is not None
 
 
 def test_plans_are_bounded(seed, monkeypatch):

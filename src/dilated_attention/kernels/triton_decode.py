@@ -362,17 +362,21 @@ class DecodePlan:
         self.split_go = self.reduce_go = None
         self.tried_direct = False
 
-    def workspace(self, reuse: bool) -> torch.Tensor:
-        """The fp32 workspace of one call: one buffer per (device, stream, size) reused by eager
-        calls, a fresh one while the stream is capturing a CUDA graph or when ``reuse`` is off
-        (see :func:`_workspace`)."""
-        if reuse and self.cuda and not direct_launch.capturing():
-            return _workspace(self.dev_index, direct_launch.current_stream(self.dev_index), self.ws_numel, self.device)
-        return torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
-
     def run(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse: bool, reuse_workspace: bool):
-        """One call: (out, lse or None). ``need_lse`` False: the LSE goes to the workspace."""
-        ws = self.workspace(reuse_workspace)
+        """One call: (out, lse or None). ``need_lse`` False: the LSE goes to the workspace.
+
+        The fp32 workspace: one buffer per (device, stream, size) reused by eager calls, a fresh
+        one while the stream is capturing a CUDA graph or when ``reuse_workspace`` is off (see
+        :func:`_workspace`)."""
+        stream = None
+        if self.cuda:
+            stream = direct_launch.current_stream(self.dev_index)
+            if reuse_workspace and not direct_launch.capturing():
+                ws = _workspace(self.dev_index, stream, self.ws_numel, self.device)
+            else:
+                ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
+        else:
+            ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else None
         split_go = self.split_go
@@ -387,7 +391,6 @@ class DecodePlan:
                 and direct_launch.current_device() == self.dev_index
                 and direct_launch.hooks_idle()
             ):
-                stream = direct_launch.current_stream(self.dev_index)
                 lpw = wp + self.lp_off * _F32
                 split_go(stream, (qp, kp, vp, sp, lpp, self.table_ptr, wp, lpw) + self.split_tail)
                 self.reduce_go(stream, (wp, lpw, outp, lsep) + self.reduce_tail)
@@ -415,6 +418,8 @@ class DecodePlan:
                 k_cache.data_ptr(), v_cache.data_ptr(), seqlens.data_ptr(), lpad.data_ptr())  # fmt: skip
         if any(p & 15 for p in ptrs):
             return  # these binaries were specialised on a misaligned pointer: not the plan's
+        if direct_launch.current_device() != self.dev_index:
+            return  # Triton compiled (and loaded) them for the current device, not the tensors'
         self.tried_direct = True
         split_go, reduce_go = direct_launch.launcher(ck1, self.split_grid), direct_launch.launcher(ck2, self.reduce_grid)
         if split_go is not None and reduce_go is not None:
