@@ -458,6 +458,9 @@ def test_cuda_direct_launch_equals_triton_launch():
                     want = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=causal, return_lse=True) if not full else dilated_attention(q, k, v, seg, dil, causal=causal, return_lse=True, impl="triton")
                     assert torch.equal(got[0], want[0]), (name, causal, full)
                     assert torch.equal(got[1], want[1]), (name, causal, full)
+                    flags.set_direct_launch(True)
+                    no_lse = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=causal) if not full else dilated_attention(q, k, v, seg, dil, causal=causal, impl="triton")
+                    assert torch.equal(no_lse, want[0]), (name, causal, full)  # the LSE in the workspace
     flags.set_direct_launch(None)
     if direct_launch.unavailable_reason() is None:
         # every aligned plan found its compiled kernels' launchers
