@@ -319,6 +319,23 @@ def test_public_routes_reach_one_plan(seed, monkeypatch):
     assert torch.equal(out, got[0][0])
 
 
+def test_auto_decode_route_uses_the_decode_rule(seed, monkeypatch):
+    # impl="auto" with a decode-shaped call: the decode route's rule (pick_decode_impl("auto"):
+    # the Triton decode kernel on CUDA), never the dense rule measured on training calls
+    from dilated_attention import api
+
+    picked, dense = [], []
+    orig = api.pick_decode_impl
+    monkeypatch.setattr(api, "pick_decode_impl", lambda impl, q: picked.append(impl) or orig(impl, q))
+    monkeypatch.setattr(api, "pick_impl", lambda *a, **kw: dense.append(1) or "torch")
+    q, k, v, _ = _inputs(b=1, nq=1, lens=(40,))
+    dilated_attention(q, k, v, [8, 16], [1, 2], causal=True)
+    assert picked == ["auto"] and dense == []
+    # an explicit impl still goes through pick_impl (which raises where it cannot run)
+    dilated_attention(q, k, v, [8, 16], [1, 2], causal=True, impl="torch")
+    assert picked == ["auto", "torch"] and dense == [1]
+
+
 def test_switch_routes_to_the_per_call_path(seed, monkeypatch):
     td = _td()
     calls = []

@@ -132,13 +132,19 @@ def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True):
     decode path skip the LSE output (lse may then be None)."""
     seg, dil = call.segment_lengths, call.dilation_rates
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    decode = call.impl != "reference" and decode_applies(
+        q.shape[1], k.shape[1], key_padding_mask is not None, call.dropout_p, needs_grad
+    )  # a few rows against a longer cache
+    if decode and call.impl == "auto":
+        # the decode route's own auto rule (the Triton decode kernel on CUDA), not the dense
+        # rule measured on training-shaped calls, which may say "torch" and so sent a 4K decode
+        # call to the torch decode path
+        return _run_decode(q, k, v, call, "auto", need_lse)
     chosen = pick_impl(
         call.impl, q, k, call.dropout_p, causal=call.causal, segment_lengths=seg,
         dilation_rates=dil, requires_grad=needs_grad,
     )
-    if chosen != "reference" and decode_applies(
-        q.shape[1], k.shape[1], key_padding_mask is not None, call.dropout_p, needs_grad
-    ):  # a few rows against a longer cache
+    if decode:
         return _run_decode(q, k, v, call, chosen, need_lse)
     if chosen == "torch":
         from .kernels import torch_dilated
