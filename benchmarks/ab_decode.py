@@ -88,11 +88,13 @@ def measure(n, h, hkv, d, dt, seg, dil, device, args) -> tuple[list[dict], str |
     qt = q.transpose(1, 2)
     kx, vx = (x.transpose(1, 2).repeat_interleave(h // hkv, 1) for x in (k, v))
 
+    impl = "auto" if device.type == "cuda" else "triton"  # the CPU run: the kernels in the interpreter
+
     def kv():
-        return da.dilated_attention_with_kvcache(q, k, v, lens, seg, dil, causal=True, impl="triton")
+        return da.dilated_attention_with_kvcache(q, k, v, lens, seg, dil, causal=True, impl=impl)
 
     def front():
-        return da.dilated_attention(q, k, v, seg, dil, causal=True, impl="triton")
+        return da.dilated_attention(q, k, v, seg, dil, causal=True, impl=impl)
 
     def dense():
         return F.scaled_dot_product_attention(qt, kx, vx)
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
         f"Decode A/B, plans with direct launch vs Triton's launch: {info['device']}", info=info,
         extra=[
             f"1 new token, {h} q / {hkv} kv heads x {d}, {str(dt).removeprefix('torch.')}, branches {tuple(seg)} / "
-            f"{tuple(dil)}, causal, impl='triton', eager, torch.no_grad",
+            f"{tuple(dil)}, causal, impl={'auto' if device.type == 'cuda' else 'triton'!r}, eager, torch.no_grad",
             f"{args.rounds} interleaved rounds of {args.iters} back-to-back calls per arm; median over rounds (min-max)",
             "events: median per call of CUDA events around each call (host time counts when host-bound); "
             "loop: mean per call of the loop, one synchronisation at the end",
