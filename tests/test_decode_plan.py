@@ -415,6 +415,69 @@ def test_launcher_refuses_what_it_cannot_launch(monkeypatch):
     assert direct_launch.launcher(ck, (1,)) is None
 
 
+class _JitSpy:
+    """Stands in for a ``triton.jit`` kernel on a GPU: runs the interpreted kernel and returns a
+    stand-in ``CompiledKernel``, recording the arguments Triton's path received."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.calls = []
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            self.kernel[grid](*args, **kwargs)
+            return self.compiled
+
+        return call
+
+
+@pytest.mark.parametrize("need_lse", [True, False])
+def test_direct_launch_repeats_tritons_arguments(seed, monkeypatch, need_lse):
+    # end to end on stand-ins: the plan's first call goes through "Triton" (a spy), whose
+    # compiled kernel is then launched directly; the direct launch must pass, position by
+    # position, what Triton's path was given (tensors as their data pointers)
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    td._PLANS.clear()
+    q, k, v, sl = _inputs()
+    lp = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    split, red = _JitSpy(td._decode_split_kernel), _JitSpy(td._decode_reduce_kernel)
+    monkeypatch.setattr(td, "_decode_split_kernel", split)
+    monkeypatch.setattr(td, "_decode_reduce_kernel", red)
+    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 3)
+    monkeypatch.setattr(direct_launch, "capturing", lambda: False)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    key = td.plan_key(q, k, v, sl, lp, ROWS, True, 0.3)
+    plan = td.get_plan(key, q, k, v, sl, lp, ROWS, True, 0.3)
+    plan.cuda = True
+    monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index)
+    first = td.decode_triton(q, k, v, sl, lp, ROWS, True, 0.3, need_lse=need_lse)
+    assert plan.split_go is not None and len(split.calls) == 1
+    td.decode_triton(q, k, v, sl, lp, ROWS, True, 0.3, need_lse=need_lse)
+    assert len(split.calls) == 1 and len(red.calls) == 1  # the second call did not use Triton's path
+    as_ptr = lambda a: a.data_ptr() if isinstance(a, torch.Tensor) else a  # noqa: E731
+    for spy in (split, red):
+        grid, jit_args, _ = spy.calls[0]
+        (direct,) = spy.compiled.run.calls
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        assert direct[:13] == (*g, 3, 77, False, False, None, None, (4, 1, 0), None, None, None)
+        want = tuple(as_ptr(a) for a in jit_args)
+        got = direct[13:]
+        assert len(got) == len(want) == len(spy.kernel.arg_names)
+        if spy is split:
+            assert got == want  # same workspace (one per stream), same inputs
+        else:  # out (and lse, if asked for) are fresh per call
+            fresh = {2, 3} if need_lse else {2}
+            assert all(got[i] == want[i] for i in range(len(want)) if i not in fresh)
+    ref = td.decode_triton_jit(q, k, v, sl, lp, ROWS, True, 0.3)
+    assert torch.equal(first[0], ref[0])
+
+
 def test_this_process_reports_why_it_cannot_launch_directly():
     from dilated_attention.kernels import direct_launch
 
