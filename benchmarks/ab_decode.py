@@ -1,4 +1,4 @@
-"""Same-process A/B of the eager decode call: plans with direct launch vs the per-call Triton path (issue 23).
+"""Same-process A/B of eager calls: direct launch of the compiled kernels vs Triton's launch (issue 23).
 
 One process, interleaved rounds (A, B, C, A, B, C, ...), so that the host's run-to-run drift
 (20-35% between runs on the H100 host, ``results/overhead_direct_launch_h100_2026-11-25.md``)
@@ -21,7 +21,12 @@ synchronisation at the end (what a decode loop sees). Reported: the median over 
 spread (min-max). Then the direct path once more under ``torch.cuda.set_sync_debug_mode("error")``
 (any host synchronisation raises) and whether the plans found their launchers.
 
-    python benchmarks/ab_decode.py --out $OUT/ab_decode.md      # H100: < 1 minute
+Training rows (``--no-train`` skips them): N = 4096 and 16384, batch 1, 8 heads x 64, branches
+(512, 1024, 2048; 1, 2, 4), causal, ``impl="triton"``, forward under no_grad and forward+backward,
+the same switch (the training launches through ``direct_launch.DirectKernel`` or Triton's),
+against causal SDPA.
+
+    python benchmarks/ab_decode.py --out $OUT/ab_decode.md      # H100: about a minute
     python benchmarks/ab_decode.py --tiny --out /tmp/ab.md      # CPU smoke run (interpreter)
 """
 
@@ -75,9 +80,11 @@ def arm(direct: bool | None, fn):
 
 def configs(tiny: bool) -> dict:
     if tiny:
-        return dict(dtype=torch.float32, heads=(4, 2, 16), seg=(16, 32, 64), dil=(1, 2, 4), caches=(64, 256))
+        return dict(dtype=torch.float32, heads=(4, 2, 16), seg=(16, 32, 64), dil=(1, 2, 4), caches=(64, 256),
+                    train=(64,), train_heads=(2, 16), train_seg=(16, 32), train_dil=(1, 2))  # fmt: skip
     return dict(dtype=torch.bfloat16, heads=(32, 8, 128), seg=(2048, 4096, 8192, 16384, 32768),
-                dil=(1, 2, 4, 8, 16), caches=(4096, 32768, 131072, 1048576))  # fmt: skip
+                dil=(1, 2, 4, 8, 16), caches=(4096, 32768, 131072, 1048576),
+                train=(4096, 16384), train_heads=(8, 64), train_seg=(512, 1024, 2048), train_dil=(1, 2, 4))  # fmt: skip
 
 
 def measure(n, h, hkv, d, dt, seg, dil, device, args) -> tuple[list[dict], str | None]:
@@ -138,6 +145,53 @@ def measure(n, h, hkv, d, dt, seg, dil, device, args) -> tuple[list[dict], str |
     return rows, note
 
 
+def measure_train(n, cfg, device, args) -> list[dict]:
+    """Training calls (batch 1, causal, impl='triton'): forward (no grad) and forward+backward,
+    direct launch vs Triton's launch, against causal SDPA."""
+    h, d = cfg["train_heads"]
+    seg, dil, dt = list(cfg["train_seg"]), list(cfg["train_dil"]), cfg["dtype"]
+    q, k, v = (torch.randn(1, n, h, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, n, h, d, device=device, dtype=dt)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2)
+
+    def fwd():
+        with torch.no_grad():
+            return da.dilated_attention(q, k, v, seg, dil, causal=True, impl="triton")
+
+    def fb():
+        out = da.dilated_attention(q, k, v, seg, dil, causal=True, impl="triton")
+        torch.autograd.grad(out, (q, k, v), do)
+
+    def dfwd():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def dfb():
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        torch.autograd.grad(out, (qt, kt, vt), dot)
+
+    arms = {
+        ("fwd", "direct"): arm(True, fwd), ("fwd", "jit"): arm(False, fwd), ("fwd", "sdpa"): dfwd,
+        ("fwd+bwd", "direct"): arm(True, fb), ("fwd+bwd", "jit"): arm(False, fb), ("fwd+bwd", "sdpa"): dfb,
+    }  # fmt: skip
+    ev = {a: [] for a in arms}
+    lp = {a: [] for a in arms}
+    for fn in arms.values():
+        for _ in range(2):
+            fn()
+    for _ in range(args.rounds):
+        for a, fn in arms.items():
+            ev[a].append(median_ms(fn, device, args.warmup, args.iters) * 1e3)
+            lp[a].append(loop_us(fn, args.iters, device))
+    return [
+        dict(cache=f"train N={n}", route=what, direct_ev=ev[(what, "direct")], jit_ev=ev[(what, "jit")],
+             direct_loop=lp[(what, "direct")], jit_loop=lp[(what, "jit")], dense_ev=ev[(what, "sdpa")],
+             dense_loop=lp[(what, "sdpa")])
+        for what in ("fwd", "fwd+bwd")
+    ]  # fmt: skip
+
+
 def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
 
@@ -148,6 +202,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=100, help="calls per round and arm")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-train", action="store_true", help="skip the training rows")
     p.add_argument("--caches", default=None, help="comma-separated cache lengths (default 4K,32K,128K,1M)")
     p.add_argument("--out", default=None, help="markdown file (default results/ab_decode_<gpu>_<date>.md)")
     args = p.parse_args(argv)
@@ -170,9 +225,17 @@ def main(argv=None) -> int:
             sync_notes.append(f"cache {n}: {note}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if not args.no_train:
+        for n in cfg["train"]:
+            rows += measure_train(n, cfg, device, args)
 
     plans = list(triton_decode._PLANS.values())
     with_launchers = sum(p.split_go is not None for p in plans)
+    from dilated_attention.kernels import triton_launch
+
+    train_keys = [p for dk in (triton_launch._FWD_FOLDED, triton_launch._FWD, triton_launch._DELTA,
+                               triton_launch._DKDV, triton_launch._DQ) for p in dk.plans.values()]  # fmt: skip
+    with_launchers_train = sum(bool(p) for p in train_keys)
     reason = direct_launch.unavailable_reason()
     lines = results_header(
         f"Decode A/B, plans with direct launch vs Triton's launch: {info['device']}", info=info,
@@ -183,9 +246,13 @@ def main(argv=None) -> int:
             "events: median per call of CUDA events around each call (host time counts when host-bound); "
             "loop: mean per call of the loop, one synchronisation at the end",
             f"direct launch: {'available' if reason is None else 'UNAVAILABLE: ' + reason}; "
-            f"plans with launchers: {with_launchers} of {len(plans)}",
+            f"decode plans with launchers: {with_launchers} of {len(plans)}; training launch keys with "
+            f"launchers: {with_launchers_train} of {len(train_keys)}",
         ],
     )  # fmt: skip
+    lines += ["- training rows: batch 1, causal, impl='triton', branches "
+              f"{cfg['train_seg']} / {cfg['train_dil']}, {cfg['train_heads'][0]} heads x {cfg['train_heads'][1]}; "
+              "direct = the training launches through DirectKernel, jit = Triton's launch (same switch)"]
     lines += ["", "| cache | route | direct events us | jit events us | dense SDPA events us | direct loop us | jit loop us | dense loop us | jit / direct |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
@@ -206,7 +273,8 @@ def main(argv=None) -> int:
         out = HERE / "results" / f"ab_decode_{tag}_{utc_now()[:10]}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(f"direct launch: {'available' if reason is None else reason}; plans with launchers {with_launchers}/{len(plans)}")
+    print(f"direct launch: {'available' if reason is None else reason}; decode plans with launchers "
+          f"{with_launchers}/{len(plans)}, training keys {with_launchers_train}/{len(train_keys)}")
     for s in sync_notes:
         print(s)
     print("cache    route              direct_us  jit_us  dense_us  (events, median of rounds)")

@@ -596,10 +596,132 @@ def test_ab_decode_tiny_runs(tmp_path):
     out = tmp_path / "ab.md"
     res = subprocess.run(
         [sys.executable, str(root / "benchmarks/ab_decode.py"), "--tiny", "--iters", "1", "--rounds", "1",
-         "--warmup", "0", "--caches", "64", "--out", str(out)],
+         "--warmup", "0", "--caches", "64", "--no-train", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     text = out.read_text()
     assert "| 64 | kvcache |" in text and "| 64 | dilated_attention |" in text
     assert "plans with launchers" in text and "wrote" in res.stdout
+
+
+# ------------------------------------------------------------------------------ training launches (DirectKernel)
+
+
+class _FakeJit:
+    """A stand-in ``triton.jit`` kernel with parameters (A, B, n, s, BLOCK): records Triton's
+    path and returns a stand-in compiled kernel."""
+
+    arg_names = ["A", "B", "n", "s", "BLOCK"]
+
+    def __init__(self):
+        self.calls = []
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, args, kw)) or self.compiled
+
+
+def _direct_kernel(monkeypatch):
+    from dilated_attention.kernels import direct_launch
+
+    monkeypatch.setattr(direct_launch, "tensor_device", lambda t: 0)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 9)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+    fake = _FakeJit()
+    return fake, direct_launch.DirectKernel(fake, 2, max_plans=4)
+
+
+def test_direct_kernel_launches_what_triton_was_given(monkeypatch):
+    fake, dk = _direct_kernel(monkeypatch)
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.float16)
+    dk[(3, 2)](a, b, 5, 7, BLOCK=16, num_warps=4)  # Triton's path, the compiled kernel kept
+    dk[(3, 2)](a, b, 5, 7, BLOCK=16, num_warps=4)  # direct
+    assert len(fake.calls) == 1
+    (direct,) = fake.compiled.run.calls
+    assert direct == (3, 2, 1, 9, 77, False, False, None, None, (4, 1, 0), None, None, None,
+                      a.data_ptr(), b.data_ptr(), 5, 7, 16)  # fmt: skip
+
+
+def test_direct_kernel_key_misses(monkeypatch):
+    fake, dk = _direct_kernel(monkeypatch)
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.float16)
+    dk[(3, 2)](a, b, 5, 7, BLOCK=16, num_warps=4)
+    variants = [
+        ((3, 2), (a, b, 5, 8), dict(BLOCK=16, num_warps=4)),  # an integer argument
+        ((3, 2), (a, b, 5, 7), dict(BLOCK=32, num_warps=4)),  # a constexpr
+        ((3, 2), (a, b, 5, 7), dict(BLOCK=16, num_warps=8)),  # a launch option
+        ((3, 2), (a, b.float(), 5, 7), dict(BLOCK=16, num_warps=4)),  # a dtype
+        ((4, 2), (a, b, 5, 7), dict(BLOCK=16, num_warps=4)),  # the grid
+    ]
+    for grid, args, kw in variants:
+        n = len(fake.calls)
+        dk[grid](*args, **kw)
+        assert len(fake.calls) == n + 1  # a new key: Triton's path
+    assert fake.compiled.run.calls == []
+    assert len(dk.plans) == 4  # bounded: the oldest key went
+    # a misaligned tensor takes Triton's path even for a known key
+    flat = torch.zeros(80)
+    am = flat[1:65]
+    assert am.data_ptr() % 16 != 0
+    n = len(fake.calls)
+    dk[(4, 2)](am, b, 5, 7, BLOCK=16, num_warps=4)
+    assert len(fake.calls) == n + 1 and fake.compiled.run.calls == []
+
+
+def test_direct_kernel_switch_and_unknown_layouts(monkeypatch):
+    fake, dk = _direct_kernel(monkeypatch)
+    a, b = torch.zeros(64), torch.zeros(64)
+    flags.set_direct_launch(False)
+    dk[(1,)](a, b, 5, 7, BLOCK=16)
+    dk[(1,)](a, b, 5, 7, BLOCK=16)
+    assert len(fake.calls) == 2 and dk.plans == {}
+    flags.set_direct_launch(None)
+    dk[(1,)](a, b, 5, 7)  # BLOCK left to its default: no argument list to keep
+    dk[(1,)](a, b, 5, 7)
+    assert len(fake.calls) == 4 and fake.compiled.run.calls == []
+    dk[(1,)](a, b, 5, a, BLOCK=16)  # a tensor after the first n_ptr arguments
+    dk[(1,)](a, b, 5, a, BLOCK=16)
+    assert len(fake.calls) == 6 and fake.compiled.run.calls == []
+
+
+def _train_case(g, b, n, h, hkv, d, dt, kpm):
+    q = torch.randn(b, n, h, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+    k = torch.randn(b, n, hkv, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+    v = torch.randn(b, n, hkv, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+    do = torch.randn(b, n, h, d, dtype=dt, device="cuda", generator=g)
+    mask = (torch.rand(b, n, device="cuda", generator=g) < 0.1) if kpm else None
+    return q, k, v, do, mask
+
+
+@pytest.mark.cuda
+def test_cuda_training_direct_launch_equals_triton_launch():
+    from dilated_attention.kernels import direct_launch, triton_launch
+
+    if direct_launch.unavailable_reason() is not None:
+        pytest.skip(f"direct launch unavailable here: {direct_launch.unavailable_reason()}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seg, dil = [512, 1024, 2048], [1, 2, 4]
+    for b, n, h, hkv, d, dt, kpm in [
+        (1, 4096, 8, 8, 64, torch.bfloat16, False),
+        (2, 2048, 8, 2, 128, torch.float16, True),
+        (1, 2048, 4, 4, 32, torch.float32, False),
+    ]:
+        q, k, v, do, mask = _train_case(g, b, n, h, hkv, d, dt, kpm)
+        for causal in (True, False):
+            res = {}
+            for direct in (True, False, True):  # the first True builds the plans, the last hits them
+                flags.set_direct_launch(direct)
+                out, lse = dilated_attention(q, k, v, seg, dil, causal=causal, key_padding_mask=mask,
+                                             impl="triton", return_lse=True)  # fmt: skip
+                grads = torch.autograd.grad(out, (q, k, v), do)
+                res.setdefault(direct, []).append((out, lse, *grads))
+            flags.set_direct_launch(None)
+            want = res[False][0]
+            for got in res[True]:
+                for x, y in zip(got, want, strict=True):
+                    assert torch.equal(x, y), (b, n, h, hkv, d, dt, kpm, causal)
+    assert any(p for p in triton_launch._FWD.plans.values()) or any(p for p in triton_launch._FWD_FOLDED.plans.values())
+    assert any(p for p in triton_launch._DKDV.plans.values()) and any(p for p in triton_launch._DQ.plans.values())

@@ -14,11 +14,12 @@ dispatched, not at import, so a change takes effect on the next call:
 cuDNN is used only where a probe on the device reproduces FlashAttention-2's forward, LSE and
 backward; the switch exists for comparisons.
 
-**Direct launch of the decode kernels.** Whether an eager Triton decode call runs through its
+**Direct launch of the Triton kernels.** Whether an eager Triton decode call runs through its
 per-configuration plan and launches the compiled kernels directly (``kernels/triton_decode.py``,
 ``kernels/direct_launch.py``), or through the per-call path that builds every argument and
 launches through Triton's ``kernel[grid](...)`` (the path before issue 23's plans; both give the
-same bits). Read at each call:
+same bits); likewise whether the training kernels' launches (``kernels/triton_launch.py``) skip
+Triton's per-launch dispatch once their compiled kernel is known (``DirectKernel``). Read:
 
 - ``set_direct_launch(False)`` turns the plans off for this process (``True`` on, ``None``: the
   environment decides);
@@ -77,7 +78,7 @@ def set_direct_launch(enabled: bool | None) -> None:
 
 
 def direct_launch_enabled() -> bool:
-    """Whether eager Triton decode calls use their plan and direct launch now: the value set by
+    """Whether Triton kernels are launched directly (decode plans, training launches) now: the value set by
     :func:`set_direct_launch`, else the environment (``DILATED_ATTENTION_DIRECT_LAUNCH=0`` turns
     it off) as read at the first call since the last :func:`set_direct_launch`."""
     if _direct_override is not None:
