@@ -32,6 +32,7 @@ import torch
 from .autograd_rules import autocast_inputs
 from .branches import branch_head_ranges
 from .checks import Call, describe_call
+from .decode import decode_core
 from .kernels.select import (
     IMPLS,
     available_impls,
@@ -122,22 +123,29 @@ def _run(q, k, v, key_padding_mask, call: Call, group):
         _, lse = _core(zq, zk, zk, key_padding_mask, call._replace(scale=1.0, dropout_p=0.0))
         out = q * 0 + (k.sum() + v.sum()) * 0
         return (out, lse) if call.return_lse else out
-    out, lse = _core(q, k, v, key_padding_mask, call)
+    out, lse = _core(q, k, v, key_padding_mask, call, need_lse=call.return_lse)
     return (out, lse) if call.return_lse else out
 
 
-def _core(q, k, v, key_padding_mask, call: Call):
-    """Pick the implementation once and run it: (out, lse float32)."""
+def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True):
+    """Pick the implementation once and run it: (out, lse float32). ``need_lse`` False lets the
+    decode path skip the LSE output (lse may then be None)."""
     seg, dil = call.segment_lengths, call.dilation_rates
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    decode = call.impl != "reference" and decode_applies(
+        q.shape[1], k.shape[1], key_padding_mask is not None, call.dropout_p, needs_grad
+    )  # a few rows against a longer cache
+    if decode and call.impl == "auto":
+        # the decode route's own auto rule (the Triton decode kernel on CUDA), not the dense
+        # rule measured on training-shaped calls, which may say "torch" and so sent a 4K decode
+        # call to the torch decode path
+        return _run_decode(q, k, v, call, "auto", need_lse)
     chosen = pick_impl(
         call.impl, q, k, call.dropout_p, causal=call.causal, segment_lengths=seg,
         dilation_rates=dil, requires_grad=needs_grad,
     )
-    if chosen != "reference" and decode_applies(
-        q.shape[1], k.shape[1], key_padding_mask is not None, call.dropout_p, needs_grad
-    ):  # a few rows against a longer cache
-        return _run_decode(q, k, v, call, chosen)
+    if decode:
+        return _run_decode(q, k, v, call, chosen, need_lse)
     if chosen == "torch":
         from .kernels import torch_dilated
 
@@ -176,15 +184,14 @@ def _head_ranges(nheads: int, nbranches: int, head_assignment: str):
     return r
 
 
-def _run_decode(q, k, v, call: Call, chosen: str):
+def _run_decode(q, k, v, call: Call, chosen: str, need_lse: bool):
     """The decode path for a short query against a longer cache (validated inputs; the whole
-    cache is valid: ``cache_seqlens = seqlen_k``). The one place ``dilated_attention`` reaches the
-    decode kernels: the decode module's validated core, no second round of checks."""
-    from .decode import decode_core
-
-    cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+    cache is valid: ``cache_seqlens`` None, so the Triton kernel reads no index tensor and no
+    tensor is built per call). The one place ``dilated_attention`` reaches the decode kernels:
+    the decode module's validated core (and its per-configuration plan), no second round of
+    checks."""
     return decode_core(
-        q, k, v, cache_seqlens, None, call.segment_lengths, call.dilation_rates,
+        q, k, v, None, None, call.segment_lengths, call.dilation_rates,
         causal=call.causal, scale=call.scale, head_assignment=call.head_assignment,
-        impl=pick_decode_impl(chosen, q),
+        impl=pick_decode_impl(chosen, q), need_lse=need_lse,
     )  # fmt: skip

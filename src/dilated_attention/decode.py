@@ -28,7 +28,10 @@ cache; a shorter one is a rolling cache, exact as long as it holds the last
 The caller keeps ``cache_seqlens`` within its cache (it is never read on the host).
 
 Implementations: ``kernels/triton_decode.py`` (GPU; on the CPU under ``TRITON_INTERPRET=1``) and
-``kernels/torch_decode.py`` (any device, float64). Inference only: no autograd.
+``kernels/torch_decode.py`` (any device, float64). Inference only: no autograd. An eager Triton
+call runs through its configuration's plan (``triton_decode.DecodePlan``: built once, the compiled
+kernels launched directly, the split partials in a workspace reused per stream) unless
+``flags.set_direct_launch(False)`` asks for the per-call path (same bits; for A/B measurements).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import flags
 from .branches import branch_head_ranges, normalize_branches
 from .checks import FLOAT_DTYPES, check_bool, check_head_assignment, resolve_scale
 from .kernels import torch_decode
@@ -46,12 +50,18 @@ from .kernels.select import DECODE_IMPLS, MAX_DECODE_ROWS, backend_reason, pick_
 _INT32_MAX = 2**31 - 1
 
 
+_TRITON_DECODE = []  # the module, once imported (an import statement per call costs ~1 us)
+
+
 def _triton_decode():
     # imported at the first Triton decode call, not with the package: ``triton.jit`` picks the
     # interpreter or the compiler when the kernels are defined, and test modules set
     # TRITON_INTERPRET after the package may have been imported by another module
+    if _TRITON_DECODE:
+        return _TRITON_DECODE[0]
     from .kernels import triton_decode
 
+    _TRITON_DECODE.append(triton_decode)
     return triton_decode
 
 
@@ -71,7 +81,7 @@ def _branch_rows(nheads: int, seg, dil, head_assignment: str) -> list[int]:
     return flat
 
 
-_PLANS: dict[tuple, tuple[list[int], list[tuple[int, int, int, int]]]] = {}
+_PLANS: dict[tuple, tuple[list[int], tuple[tuple[int, int, int, int], ...]]] = {}
 
 
 def _plan(nheads: int, seg: tuple, dil: tuple, head_assignment: str):
@@ -81,7 +91,7 @@ def _plan(nheads: int, seg: tuple, dil: tuple, head_assignment: str):
     plan = _PLANS.get(key)
     if plan is None:
         flat = _branch_rows(nheads, seg, dil, head_assignment)
-        rows = [tuple(flat[i : i + 4]) for i in range(0, len(flat), 4)]
+        rows = tuple(tuple(flat[i : i + 4]) for i in range(0, len(flat), 4))
         plan = (flat, rows)
         if not torch.compiler.is_compiling():
             if len(_PLANS) > 256:  # a bound for processes that sweep configurations
@@ -90,10 +100,22 @@ def _plan(nheads: int, seg: tuple, dil: tuple, head_assignment: str):
     return plan
 
 
-def _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl):
+def _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl, need_lse=True, reuse=True):
     if impl == "triton":
-        return _triton_decode().decode_triton(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale)
+        td = _triton_decode()
+        if flags.direct_launch_enabled():  # the plan of this configuration (kernels/triton_decode.py)
+            return td.decode_triton(
+                q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale,
+                need_lse=need_lse, reuse_workspace=reuse,
+            )  # fmt: skip
+        return td.decode_triton_jit(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale)
+    if cache_seqlens is None:
+        cache_seqlens = _full_seqlens(q, k_cache)
     return torch_decode.decode_torch(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale)
+
+
+def _full_seqlens(q, k_cache) -> torch.Tensor:
+    return torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
 
 
 @torch.library.custom_op("dilated_attention::decode", mutates_args=())
@@ -108,8 +130,10 @@ def _decode_op(
     scale: float,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = [tuple(branches[i : i + 4]) for i in range(0, len(branches), 4)]
-    return _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl)
+    rows = tuple(tuple(branches[i : i + 4]) for i in range(0, len(branches), 4))
+    # a fresh workspace per call: under torch.compile(mode="reduce-overhead") this may run in a
+    # CUDA graph's warm-up, whose allocations belong to the graph's pool
+    return _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl, reuse=False)
 
 
 @_decode_op.register_fake
@@ -122,7 +146,7 @@ def decode_core(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     cache_leftpad: torch.Tensor | None,
     seg: tuple[int, ...],
     dil: tuple[int, ...],
@@ -131,11 +155,13 @@ def decode_core(
     scale: float,
     head_assignment: str,
     impl: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    need_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decode computation on validated inputs (the checks of
     :func:`dilated_attention_with_kvcache`; ``seg``/``dil`` normalised tuples, ``cache_seqlens``
-    an int32 (batch,) tensor) with an already chosen ``impl`` ("torch" or "triton"). No checks.
-    Returns (out, lse)."""
+    an int32 (batch,) tensor, or None: every row's valid slots are the whole cache) with an
+    already chosen ``impl`` ("torch" or "triton"). No checks. Returns (out, lse); lse may be None
+    when ``need_lse`` is False."""
     if impl == "triton":  # the kernel reads rows with unit stride in the last dim
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -145,8 +171,10 @@ def decode_core(
             v_cache = v_cache.contiguous()
     flat, rows = _plan(q.shape[2], seg, dil, head_assignment)
     if torch.compiler.is_compiling():  # the custom op: traceable, with a fake implementation
+        if cache_seqlens is None:
+            cache_seqlens = _full_seqlens(q, k_cache)
         return _decode_op(q, k_cache, v_cache, cache_seqlens, cache_leftpad, flat, causal, scale, impl)
-    return _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl)
+    return _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl, need_lse)
 
 
 def _check(q, k_cache, v_cache) -> None:
@@ -191,6 +219,7 @@ def _check(q, k_cache, v_cache) -> None:
 
 
 _VALID_BRANCHES: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+_INT_ONLY = {int}
 
 
 def _known_branches(segment_lengths, dilation_rates):
@@ -204,7 +233,7 @@ def _known_branches(segment_lengths, dilation_rates):
     if (seg, dil) not in _VALID_BRANCHES:
         return None
     # plain ints only: 8.0 == 8 hashes alike but normalize_branches refuses it
-    if not all(type(x) is int for x in seg + dil):
+    if {*map(type, seg), *map(type, dil)} != _INT_ONLY:
         return None
     return seg, dil
 
@@ -316,7 +345,7 @@ def dilated_attention_with_kvcache(
     chosen = pick_decode_impl(impl, q)
     out, lse = decode_core(
         q, k_cache, v_cache, seqlens, cache_leftpad, seg, dil,
-        causal=causal, scale=scale, head_assignment=head_assignment, impl=chosen,
+        causal=causal, scale=scale, head_assignment=head_assignment, impl=chosen, need_lse=return_lse,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

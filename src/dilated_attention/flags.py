@@ -1,6 +1,8 @@
 """The library's process-level switches, in one place.
 
-There is one: whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
+There are two.
+
+**cuDNN attention.** Whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
 capability >= 9 (see docs/spec.md, "Choices the library makes"). It is read when a block is
 dispatched, not at import, so a change takes effect on the next call:
 
@@ -11,6 +13,22 @@ dispatched, not at import, so a change takes effect on the next call:
 
 cuDNN is used only where a probe on the device reproduces FlashAttention-2's forward, LSE and
 backward; the switch exists for comparisons.
+
+**Direct launch of the Triton kernels.** Whether an eager Triton decode call runs through its
+per-configuration plan and launches the compiled kernels directly (``kernels/triton_decode.py``,
+``kernels/direct_launch.py``), or through the per-call path that builds every argument and
+launches through Triton's ``kernel[grid](...)`` (the path before issue 23's plans; both give the
+same bits); likewise whether the training kernels' launches (``kernels/triton_launch.py``) skip
+Triton's per-launch dispatch once their compiled kernel is known (``DirectKernel``). Read:
+
+- ``set_direct_launch(False)`` turns the plans off for this process (``True`` on, ``None``: the
+  environment decides);
+- without a call, ``DILATED_ATTENTION_DIRECT_LAUNCH=0`` turns them off, any other value or none
+  leaves them on. This one is on every decode call's path, so the environment is read at the
+  first call and again after each ``set_direct_launch(...)``, not at every call (reading
+  ``os.environ`` costs about a microsecond).
+
+The switch exists for same-process A/B measurements (``benchmarks/ab_decode.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +36,12 @@ from __future__ import annotations
 import os
 
 ENV_CUDNN = "DILATED_ATTENTION_CUDNN"
+ENV_DIRECT_LAUNCH = "DILATED_ATTENTION_DIRECT_LAUNCH"
 
 # the value set by set_cudnn_attention; None: the environment decides (the xformers-style setter)
 _cudnn_override: bool | None = None
+_direct_override: bool | None = None
+_direct_env: list[bool] = []  # the environment's answer, read at the first call after a set
 
 
 def set_cudnn_attention(enabled: bool | None) -> None:
@@ -41,3 +62,27 @@ def cudnn_attention_enabled() -> bool:
     if _cudnn_override is not None:
         return _cudnn_override
     return os.environ.get(ENV_CUDNN, "1").strip() != "0"
+
+
+def set_direct_launch(enabled: bool | None) -> None:
+    """Use (True) or bypass (False) the decode plans and their direct kernel launch in this
+    process; None returns to the environment's choice (``DILATED_ATTENTION_DIRECT_LAUNCH``)."""
+    global _direct_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"set_direct_launch(enabled={enabled!r}): pass True, False or None (None: the "
+            f"{ENV_DIRECT_LAUNCH} environment variable decides)"
+        )
+    _direct_override = enabled
+    _direct_env.clear()
+
+
+def direct_launch_enabled() -> bool:
+    """Whether Triton kernels are launched directly (decode plans, training launches) now: the value set by
+    :func:`set_direct_launch`, else the environment (``DILATED_ATTENTION_DIRECT_LAUNCH=0`` turns
+    it off) as read at the first call since the last :func:`set_direct_launch`."""
+    if _direct_override is not None:
+        return _direct_override
+    if not _direct_env:
+        _direct_env.append(os.environ.get(ENV_DIRECT_LAUNCH, "1").strip() != "0")
+    return _direct_env[0]

@@ -30,9 +30,11 @@ entry holds 2^30 elements).
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 import torch
 
+from . import direct_launch
 from .constants import int32_table
 
 try:  # triton is an optional dependency: this module must import without it
@@ -58,7 +60,7 @@ if triton is not None:
         T, C, H, REP, NB,
         qk_scale,
         D: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, CAUSAL: tl.constexpr,
-        PREC: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+        PREC: tl.constexpr, HAS_LEFTPAD: tl.constexpr, SEQ_FULL: tl.constexpr,
     ):  # fmt: skip
         sp = tl.program_id(0)  # split: (branch, key block)
         pid = tl.program_id(1)  # batch * nheads_kv + kv head
@@ -74,7 +76,10 @@ if triton is not None:
         hs = tl.load(BR + bi * 5 + 2)
         he = tl.load(BR + bi * 5 + 3)
         blk = sp - tl.load(BR + bi * 5 + 4)
-        seqlen = tl.load(SEQLENS + b)
+        if SEQ_FULL:  # every row's valid slots are the whole cache (no SEQLENS tensor)
+            seqlen = C
+        else:
+            seqlen = tl.load(SEQLENS + b)
         if HAS_LEFTPAD:  # row b's sequence is slots [lpad, cache_seqlens[b]); negative counts as 0
             lpad = tl.maximum(tl.load(LEFTPAD + b), 0)
             seqlen = seqlen - lpad
@@ -209,13 +214,18 @@ def _table(branches: tuple, block_n: int, device: torch.device) -> tuple[torch.T
     return int32_table(rows, device), nsplit
 
 
-def decode_triton(
+def _defaults(q: torch.Tensor, block_n: int | None, num_warps: int | None) -> tuple[int, int]:
+    interp = q.device.type == "cpu"
+    return (16 if interp else 128) if block_n is None else block_n, 4 if num_warps is None else num_warps
+
+
+def decode_triton_jit(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     cache_leftpad: torch.Tensor | None,
-    branches: list[tuple[int, int, int, int]],
+    branches,
     causal: bool,
     scale: float,
     *,
@@ -224,23 +234,15 @@ def decode_triton(
     reduce_splits: int = 128,
     reduce_cols: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated inputs (see ``decode.py``); same contract as :func:`torch_decode.decode_torch`.
-
-    q (B, T, H, D) and the caches (B, C, Hkv, D) need unit stride in the last dim.
-    Tuning knobs for benchmarks: ``block_n`` (keys per split) and ``num_warps`` of the split
-    pass; ``reduce_splits`` (partials per step) and ``reduce_cols`` (headdim columns per
-    program) of the reduction: one step over all partials where they fit (the LongNet branches
-    give 80 splits of 128 keys), and several programs per head so that the short grid of one
-    token still spreads over the SMs.
-    """
+    """The per-call path: every argument built on this call, both kernels launched through
+    Triton's ``kernel[grid](...)``, four fresh buffers. Same contract and the same bits as
+    :func:`decode_triton`; kept as the baseline of the A/B switch
+    (``flags.set_direct_launch(False)``) and as the oracle of the plan tests."""
     bsz, nq, nh, d = q.shape
     cap, hkv = k_cache.shape[1], k_cache.shape[2]
     rep = nh // hkv
     interp = q.device.type == "cpu"
-    if block_n is None:
-        block_n = 16 if interp else 128  # small blocks exercise multi-block rows in tests
-    if num_warps is None:
-        num_warps = 4
+    block_n, num_warps = _defaults(q, block_n, num_warps)
     table, nsplit = _table(tuple(branches), block_n, q.device)
     op = torch.empty(bsz, nq, nh, nsplit, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(bsz, nq, nh, nsplit, dtype=torch.float32, device=q.device)
@@ -248,14 +250,16 @@ def decode_triton(
     lse = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
     launch = {} if interp else dict(num_warps=num_warps, num_stages=1)
     has_lpad = cache_leftpad is not None
+    full = cache_seqlens is None
+    seqlens = table if full else cache_seqlens  # SEQ_FULL: the kernel never reads SEQLENS
     _decode_split_kernel[(nsplit, bsz * hkv)](
-        q, k_cache, v_cache, cache_seqlens, cache_leftpad if has_lpad else cache_seqlens, table, op, lp,
+        q, k_cache, v_cache, seqlens, cache_leftpad if has_lpad else seqlens, table, op, lp,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *op.stride()[:4],
         *lp.stride()[:3],
         nq, cap, nh, rep, len(branches),
         scale * _LOG2E,
         D=d, BN=block_n, BH=max(16, triton.next_power_of_2(rep)), CAUSAL=causal,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_LEFTPAD=has_lpad,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_LEFTPAD=has_lpad, SEQ_FULL=full,
         **launch,
     )  # fmt: skip
     bd = min(d, reduce_cols)
@@ -267,3 +271,255 @@ def decode_triton(
         **({} if interp else dict(num_warps=4, num_stages=1)),
     )  # fmt: skip
     return out, lse
+
+
+# ------------------------------------------------------------------------------------ plans
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= n
+    return tuple(reversed(st))
+
+
+_F32 = 4  # bytes per workspace element
+_REGION = 128  # workspace regions start at multiples of 128 elements (512 bytes)
+
+
+class DecodePlan:
+    """Everything of a decode call that depends only on its configuration, built once.
+
+    The key (:func:`plan_key`) holds the shapes and strides of q and the caches, the dtype, the
+    device, causal, scale, the branch rows, which index tensors are given (``cache_seqlens`` or
+    the whole cache, ``cache_leftpad`` or none) and the tuning knobs. Every integer argument of
+    both kernels and every constexpr is a function of the key, so two calls with one key need
+    the same compiled binaries; the remaining specialisation fact, 16-byte alignment of the data
+    pointers, is checked per call (a misaligned pointer takes Triton's path, never the binaries).
+
+    Holds: the grids, the constant argument tails of both kernels, the split table, the layout of
+    the fp32 workspace (split partials ``op``, their LSEs ``lp``, and the LSE output when the
+    caller does not want it: one buffer, three regions at 512-byte boundaries) and, after the
+    first launch on a GPU, the direct launchers of the two compiled kernels.
+    """
+
+    __slots__ = (
+        "device", "dtype", "cuda", "dev_index", "nsplit", "table", "table_ptr",
+        "split_grid", "split_tail", "split_opts", "reduce_grid", "reduce_tail", "reduce_opts",
+        "out_shape", "lse_shape", "lse_stride", "op_shape", "op_stride", "lp_shape", "lp_stride",
+        "lp_off", "lse_off", "ws_numel", "has_lpad", "full", "split_go", "reduce_go", "tried_direct",
+    )  # fmt: skip
+
+    def __init__(self, q, k_cache, v_cache, has_lpad, full, branches, causal, scale, block_n, num_warps,
+                 reduce_splits, reduce_cols):  # fmt: skip
+        bsz, nq, nh, d = q.shape
+        cap, hkv = k_cache.shape[1], k_cache.shape[2]
+        rep = nh // hkv
+        self.device, self.dtype = q.device, q.dtype
+        self.cuda = q.device.type == "cuda"
+        self.dev_index = q.get_device()
+        interp = not self.cuda
+        block_n, num_warps = _defaults(q, block_n, num_warps)
+        self.table, nsplit = _table(branches, block_n, q.device)
+        self.table_ptr = self.table.data_ptr()
+        self.nsplit = nsplit
+        self.has_lpad, self.full = has_lpad, full
+        self.out_shape = (bsz, nq, nh, d)
+        self.lse_shape = (bsz, nh, nq)
+        self.lse_stride = _contiguous_strides(self.lse_shape)
+        self.op_shape = (bsz, nq, nh, nsplit, d)
+        self.op_stride = _contiguous_strides(self.op_shape)
+        self.lp_shape = (bsz, nq, nh, nsplit)
+        self.lp_stride = _contiguous_strides(self.lp_shape)
+        n_op, n_lp = bsz * nq * nh * nsplit * d, bsz * nq * nh * nsplit
+        self.lp_off = _round_up(n_op, _REGION)
+        self.lse_off = _round_up(self.lp_off + n_lp, _REGION)
+        self.ws_numel = self.lse_off + bsz * nh * nq
+        out_stride = _contiguous_strides(self.out_shape)
+        self.split_grid = (nsplit, bsz * hkv)
+        self.split_tail = (
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *self.op_stride[:4],
+            *self.lp_stride[:3],
+            nq, cap, nh, rep, len(branches),
+            scale * _LOG2E,
+            d, block_n, max(16, triton.next_power_of_2(rep)), causal,
+            "ieee" if q.dtype == torch.float32 else "tf32", has_lpad, full,
+        )  # fmt: skip  (signature order: every parameter after the 8 pointers, constexprs included)
+        self.split_opts = {} if interp else dict(num_warps=num_warps, num_stages=1)
+        bd = min(d, reduce_cols)
+        self.reduce_grid = (bsz * nq * nh, d // bd)
+        self.reduce_tail = (
+            *self.op_stride[:4], *self.lp_stride[:3], *out_stride[:3], *self.lse_stride[:2],
+            nq, nh, nsplit,
+            bd, min(reduce_splits, triton.next_power_of_2(nsplit)),
+        )  # fmt: skip
+        self.reduce_opts = {} if interp else dict(num_warps=4, num_stages=1)
+        self.split_go = self.reduce_go = None
+        self.tried_direct = False
+
+    def run(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse: bool, reuse_workspace: bool):
+        """One call: (out, lse or None). ``need_lse`` False: the LSE goes to the workspace.
+
+        The fp32 workspace: one buffer per (device, stream, size) reused by eager calls, a fresh
+        one while the stream is capturing a CUDA graph or when ``reuse_workspace`` is off (see
+        :func:`_workspace`)."""
+        stream = None
+        if self.cuda:
+            stream = direct_launch.current_stream(self.dev_index)
+            if reuse_workspace and not direct_launch.capturing():
+                ws = _workspace(self.dev_index, stream, self.ws_numel, self.device)
+            else:
+                ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
+        else:
+            ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else None
+        split_go = self.split_go
+        if split_go is not None:
+            wp, qp, kp, vp, outp = ws.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+            sp = self.table_ptr if self.full else cache_seqlens.data_ptr()
+            lpp = cache_leftpad.data_ptr() if self.has_lpad else sp
+            lsep = lse.data_ptr() if need_lse else wp + self.lse_off * _F32
+            # the binaries assume 16-byte aligned pointers; Triton runs on the current device
+            if (
+                not (wp | qp | kp | vp | outp | sp | lpp | lsep) & 15
+                and direct_launch.current_device() == self.dev_index
+                and direct_launch.hooks_idle()
+            ):
+                lpw = wp + self.lp_off * _F32
+                split_go(stream, (qp, kp, vp, sp, lpp, self.table_ptr, wp, lpw) + self.split_tail)
+                self.reduce_go(stream, (wp, lpw, outp, lsep) + self.reduce_tail)
+                return out, lse
+        self._launch_jit(ws, q, k_cache, v_cache, cache_seqlens, cache_leftpad, out, lse)
+        return out, lse
+
+    def _launch_jit(self, ws, q, k_cache, v_cache, cache_seqlens, cache_leftpad, out, lse):
+        """Both kernels through Triton's ``kernel[grid](...)`` with the plan's arguments (the
+        first call, the interpreter, a misaligned pointer); keeps the compiled kernels for the
+        direct path when the first aligned call on a GPU returns them."""
+        op = ws.as_strided(self.op_shape, self.op_stride, 0)
+        lp = ws.as_strided(self.lp_shape, self.lp_stride, self.lp_off)
+        if lse is None:
+            lse = ws.as_strided(self.lse_shape, self.lse_stride, self.lse_off)
+        seqlens = self.table if self.full else cache_seqlens
+        lpad = cache_leftpad if self.has_lpad else seqlens
+        ck1 = _decode_split_kernel[self.split_grid](
+            q, k_cache, v_cache, seqlens, lpad, self.table, op, lp, *self.split_tail, **self.split_opts
+        )
+        ck2 = _decode_reduce_kernel[self.reduce_grid](op, lp, out, lse, *self.reduce_tail, **self.reduce_opts)
+        if self.tried_direct or not self.cuda:
+            return
+        ptrs = (ws.data_ptr(), op.data_ptr(), lp.data_ptr(), lse.data_ptr(), out.data_ptr(), q.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), seqlens.data_ptr(), lpad.data_ptr())  # fmt: skip
+        if any(p & 15 for p in ptrs):
+            return  # these binaries were specialised on a misaligned pointer: not the plan's
+        if direct_launch.current_device() != self.dev_index:
+            return  # Triton compiled (and loaded) them for the current device, not the tensors'
+        self.tried_direct = True
+        split_go, reduce_go = direct_launch.launcher(ck1, self.split_grid), direct_launch.launcher(ck2, self.reduce_grid)
+        if split_go is not None and reduce_go is not None:
+            self.split_go, self.reduce_go = split_go, reduce_go
+
+
+_WORKSPACES: dict[tuple[int, int, int], torch.Tensor] = {}
+_MAX_WORKSPACES = 16
+
+
+def _workspace(dev_index: int, stream: int, numel: int, device: torch.device) -> torch.Tensor:
+    """One fp32 buffer per (device, stream, size), reused by eager calls. Safe: a call's split
+    pass writes it and its reduction reads it, both on this stream, so the next call on the same
+    stream (stream order) cannot overwrite it early, and another stream has its own. It is
+    allocated on that stream (the caching allocator frees it only in that stream's order when the
+    cache drops it). Never used while capturing a CUDA graph (a graph gets its own buffers) or
+    under torch.compile (``decode.py`` passes ``reuse_workspace=False`` from the custom op, whose
+    warm-up may run inside a graph's memory pool)."""
+    key = (dev_index, stream, numel)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if len(_WORKSPACES) >= _MAX_WORKSPACES:
+            _WORKSPACES.clear()
+        ws = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
+    return ws
+
+
+_PLANS: OrderedDict[tuple, DecodePlan] = OrderedDict()
+_MAX_PLANS = 64
+
+
+def plan_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
+             block_n=None, num_warps=None, reduce_splits=128, reduce_cols=32) -> tuple:  # fmt: skip
+    """The configuration a plan is built for (see :class:`DecodePlan`); cheap: a few C calls."""
+    return (
+        q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), q.dtype, q.get_device(),
+        causal, scale, branches, cache_seqlens is None, cache_leftpad is not None,
+        block_n, num_warps, reduce_splits, reduce_cols,
+    )  # fmt: skip
+
+
+def get_plan(key: tuple, q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
+             block_n=None, num_warps=None, reduce_splits=128, reduce_cols=32) -> DecodePlan:  # fmt: skip
+    """The plan for ``key`` (built on a miss; the last ``_MAX_PLANS`` are kept, least recently
+    built first out)."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = DecodePlan(q, k_cache, v_cache, cache_leftpad is not None, cache_seqlens is None, branches, causal,
+                          scale, block_n, num_warps, reduce_splits, reduce_cols)  # fmt: skip
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.popitem(last=False)
+        _PLANS[key] = plan
+    return plan
+
+
+def decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    branches,
+    causal: bool,
+    scale: float,
+    *,
+    need_lse: bool = True,
+    reuse_workspace: bool = True,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    reduce_splits: int = 128,
+    reduce_cols: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Validated inputs (see ``decode.py``); same contract as :func:`torch_decode.decode_torch`.
+
+    q (B, T, H, D) and the caches (B, C, Hkv, D) need unit stride in the last dim.
+    ``cache_seqlens`` None: every row's valid slots are the whole cache (``dilated_attention``'s
+    decode route; no index tensor is read). ``branches``: a tuple of (w, r, head start, head
+    stop) tuples. ``need_lse`` False returns lse None (it is written to the workspace);
+    ``reuse_workspace`` False allocates the split partials' buffer for this call (the custom op
+    under torch.compile).
+
+    Runs through the configuration's :class:`DecodePlan`: one dict lookup, one or two fresh
+    buffers, two launches of the compiled kernels through their launchers (Triton's
+    ``kernel[grid](...)`` on the first call, under the interpreter, or for misaligned pointers).
+
+    Tuning knobs for benchmarks: ``block_n`` (keys per split) and ``num_warps`` of the split
+    pass; ``reduce_splits`` (partials per step) and ``reduce_cols`` (headdim columns per
+    program) of the reduction: one step over all partials where they fit (the LongNet branches
+    give 80 splits of 128 keys), and several programs per head so that the short grid of one
+    token still spreads over the SMs.
+    """
+    if type(branches) is not tuple:
+        branches = tuple(tuple(b) for b in branches)
+    key = (
+        q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), q.dtype, q.get_device(),
+        causal, scale, branches, cache_seqlens is None, cache_leftpad is not None,
+        block_n, num_warps, reduce_splits, reduce_cols,
+    )  # fmt: skip  (plan_key, inlined: this is the per-call path)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = get_plan(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
+                        block_n, num_warps, reduce_splits, reduce_cols)  # fmt: skip
+    return plan.run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, reuse_workspace)

@@ -23,8 +23,9 @@ import torch
 import triton
 
 from ..geometry import max_block_length, query_segments
-from .constants import int32_table
+from . import direct_launch
 from . import triton_kernels as kern
+from .constants import int32_table
 
 # Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton_kernels was
 # imported, the CPU then) or compiled (CUDA): triton.jit fixed it for the life of the process.
@@ -66,6 +67,15 @@ def resolve_configs(d: int, config: dict[str, Config] | None = None) -> dict[str
     if fb[0] % fb[1] or qb[0] % qb[1] or db[1] % db[0]:
         raise ValueError(f"Triton configs need fwd/dq BM % BN == 0 and dkdv BN % BM == 0: {cfg}")
     return cfg
+
+
+# the kernels behind their direct launchers (direct_launch.DirectKernel; the count is the number
+# of tensor arguments, which every call site passes first)
+_FWD_FOLDED = direct_launch.DirectKernel(kern.dilated_fwd_folded_kernel, 9)
+_FWD = direct_launch.DirectKernel(kern.dilated_fwd_kernel, 9)
+_DELTA = direct_launch.DirectKernel(kern.dilated_bwd_delta_kernel, 3)
+_DKDV = direct_launch.DirectKernel(kern.dilated_bwd_dkdv_kernel, 13)
+_DQ = direct_launch.DirectKernel(kern.dilated_bwd_dq_kernel, 11)
 
 
 def _launch_kw(cfg: Config) -> dict:
@@ -210,7 +220,7 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
     grid = (nt * rmax * triton.cdiv(lay.nk, wmin), lay.programs * nh)
     if grid[0] * grid[1] == 0:
         return out, lse
-    kern.dilated_fwd_folded_kernel[grid](
+    _FWD_FOLDED[grid](
         q, k, v, kp, out, lse, brs, lay.cu_q, lay.cu_k,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), skp,
@@ -263,7 +273,7 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
         grid = (nm * nseg, lay.programs * (he - hs))
         if grid[0] * grid[1] == 0:
             continue
-        kern.dilated_fwd_kernel[grid](
+        _FWD[grid](
             q, k, v, kp, acc_o, acc_o if acc_lo is None else acc_lo, acc_l, lay.cu_q, lay.cu_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), skp,
@@ -297,7 +307,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     nrows = bsz * nq * nh
     br = 16 if INTERPRET else 64
     if nrows > 0:
-        kern.dilated_bwd_delta_kernel[(triton.cdiv(nrows, br),)](
+        _DELTA[(triton.cdiv(nrows, br),)](
             out, dout, delta, nrows, nq, nh, D=d, BR=br
         )
     several_q, several_kv = _rows_with_several_branches(nh, hkv, head_ranges)
@@ -325,7 +335,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
         grid = (nnb * nseg, lay.programs * hkv * ni)
         if grid[0] * grid[1] == 0:
             continue
-        kern.dilated_bwd_dkdv_kernel[grid](
+        _DKDV[grid](
             q, k, v, kp, dout, lse, delta, dk, dv,
             dk if dk_lo is None else dk_lo, dv if dv_lo is None else dv_lo, lay.cu_q, lay.cu_k,
             *strides_in,
@@ -345,7 +355,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
         grid = (nm * nseg, lay.programs * (he - hs))
         if grid[0] * grid[1] == 0:
             continue
-        kern.dilated_bwd_dq_kernel[grid](
+        _DQ[grid](
             q, k, v, kp, dout, lse, delta, dq, dq if dq_lo is None else dq_lo,
             lay.cu_q, lay.cu_k, *strides_in,
             dq.stride(0), dq.stride(1), dq.stride(2),

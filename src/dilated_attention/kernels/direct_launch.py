@@ -1,0 +1,224 @@
+"""Launch an already compiled Triton kernel through its launcher, with no per-argument work (issue 23).
+
+``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` on every call: it binds ~45 arguments,
+specialises each one (integers on == 1 / divisible by 16 / int32, pointers on 16-byte alignment),
+hashes the result into a cache key, builds launch metadata and then calls the compiled kernel's
+C launcher. On the H100 host that is half of the ~200 us host time of an eager decode call
+(``benchmarks/results/profile_host_h100_2026-11-25.md``). A Python-side copy of the specialiser
+saves nothing (``results/overhead_direct_launch_h100_2026-11-25.md``): the per-argument work is
+the cost, whoever does it.
+
+So the work moves to *plans* (``triton_decode.DecodePlan``): a plan is built once per
+configuration (shapes, strides, dtype, device, options: everything an integer argument or a
+constexpr is derived from), holds the constant arguments, and runs its first call through
+``kernel[grid](...)`` (which compiles or fetches the binary and returns the ``CompiledKernel``).
+:func:`launcher` then turns that ``CompiledKernel`` into ``go(stream, args)``: a call of the
+kernel's C launcher with the grid, function handle and metadata bound once. The caller passes
+the same argument list Triton would (every parameter in signature order, constexpr values
+included; data pointers as ints) and guarantees the binary's specialisation holds: the integer
+arguments are the plan's (they are in its key) and every pointer is 16-byte aligned (checked per
+call with one ``|`` of the pointers; a misaligned view takes Triton's own path).
+
+Only one launcher layout is supported: Triton 3.6's NVIDIA launcher (``CudaLauncher``, whose C
+``launch`` parses ``_BASE_ARGS_FORMAT == "iiiKKppOOOOOO"``: grid x/y/z, stream, function,
+cooperative, PDL, global scratch, profile scratch, packed metadata, launch metadata, enter hook,
+exit hook, then the kernel arguments). Anything else (another Triton version, another backend,
+the interpreter, a kernel that needs global or profile scratch memory, an active launch hook such
+as Proton's) gives ``None`` or ``hooks_idle() is False``, and the caller keeps Triton's path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+
+from .. import flags
+
+# Triton 3.6's nvidia driver: the fixed leading arguments of the generated C ``launch``
+_LAYOUT_36 = "iiiKKppOOOOOO"
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why compiled kernels cannot be launched directly in this process (None if they can).
+    Decided once per process: the Triton version and backend do not change."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: kernels are interpreted, nothing is compiled"
+    try:
+        from triton import knobs  # noqa: F401
+        from triton.backends.nvidia import driver as nv
+    except Exception as e:  # noqa: BLE001 - any import problem means: use Triton's path
+        return f"Triton's nvidia driver module is not importable ({e})"
+    layout = getattr(nv, "_BASE_ARGS_FORMAT", None)
+    if layout != _LAYOUT_36:
+        return f"unknown Triton launcher layout {layout!r} (supported: Triton 3.6's {_LAYOUT_36!r})"
+    if getattr(nv, "CudaLauncher", None) is None:
+        return "Triton's nvidia driver has no CudaLauncher"
+    return None
+
+
+@functools.cache
+def _runtime_knobs():
+    """Triton's ``knobs.runtime`` (None where it does not exist), looked up once."""
+    try:
+        from triton import knobs
+
+        return knobs.runtime
+    except Exception:  # noqa: BLE001 - no knobs module: hooks cannot be checked
+        return None
+
+
+def hooks_idle() -> bool:
+    """True when no Triton launch hook is installed (Proton and friends install one): the direct
+    launch passes no hooks, so with a hook installed the caller must use Triton's path. Read at
+    each call (a hook may be added at any time)."""
+    rt = _runtime_knobs()
+    if rt is None:
+        return False
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is None:
+            continue
+        calls = getattr(h, "calls", None)  # Triton 3.6: a HookChain, idle when empty
+        if calls is None or calls:
+            return False
+    return True
+
+
+def compiled_of(ret):
+    """The ``CompiledKernel`` that ``kernel[grid](...)`` returned (None under the interpreter or
+    for anything else); resolves Triton's async-compile futures."""
+    if ret is None:
+        return None
+    if hasattr(ret, "result") and not hasattr(ret, "function"):
+        ret = ret.result()
+    if not hasattr(ret, "packed_metadata") or not hasattr(ret, "run"):
+        return None
+    return ret
+
+
+def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | None:
+    """``go(stream, args)`` launching ``compiled`` (a ``CompiledKernel``) on ``grid``, or None if
+    this process cannot launch it directly (see :func:`unavailable_reason`; also a kernel that needs
+    scratch memory). ``args``: every kernel parameter in signature order, as ``JITFunction.run``
+    passes them (``bound_args.values()``), data pointers as ints; ``stream``: a raw CUDA stream
+    handle (:func:`current_stream`)."""
+    if unavailable_reason() is not None:
+        return None
+    compiled = compiled_of(compiled)
+    if compiled is None:
+        return None
+    run = compiled.run  # loads the binary (CompiledKernel._init_handles) if not done yet
+    if type(run).__name__ != "CudaLauncher":
+        return None
+    launch = getattr(run, "launch", None)
+    if launch is None:
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None  # the kernel needs scratch memory per launch: Triton's path allocates it
+    if not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
+        return None
+    coop, pdl = bool(run.launch_cooperative_grid), bool(run.launch_pdl)
+    function, meta = compiled.function, compiled.packed_metadata
+    g = tuple(int(x) for x in grid) + (1, 1)
+    gx, gy, gz = g[0], g[1], g[2]
+
+    def go(stream: int, args: tuple) -> None:
+        launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
+
+    return go
+
+
+def current_stream(device_index: int) -> int:
+    """The raw handle of the current CUDA stream of ``device_index`` (what Triton launches on)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def current_device() -> int:
+    """The current CUDA device index (Triton launches on it, whatever the tensors' device)."""
+    return torch._C._cuda_getDevice()
+
+
+def tensor_device(t: torch.Tensor) -> int:
+    """The CUDA device index of ``t``, -1 on the CPU."""
+    return t.get_device()
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+class DirectKernel:
+    """``kernel[grid](*args, **options)`` for a call site that passes its ``n_ptr`` tensors first
+    and only non-tensor values after them (sizes, strides, scales, constexprs, in signature
+    order): after the first call with a given key, the compiled kernel is launched directly.
+
+    The key is a superset of what Triton specialises on, built without per-argument Python:
+    the grid, the argument tail itself (every integer by value, every constexpr by value), the
+    options, the tensors' dtypes and the device. The tensors' 16-byte alignment is checked per
+    call (all aligned, or Triton's path). Triton's path also runs under the interpreter, with the
+    A/B switch off (``flags.set_direct_launch(False)``), with a launch hook installed, when the
+    current device is not the tensors', and wherever :func:`launcher` gives None. At most
+    ``max_plans`` keys are kept per kernel (the oldest dropped first).
+
+    Used for the training kernels (``triton_launch.py``): their call sites already build the
+    argument lists, so the saving is Triton's ``JITFunction.run`` (binding, specialising and
+    hashing ~40 arguments, launch metadata): tens of microseconds per launch on the H100 host.
+    """
+
+    def __init__(self, kernel, n_ptr: int, max_plans: int = 64):
+        self.kernel = kernel
+        self.n_ptr = n_ptr
+        self.max_plans = max_plans
+        self.names = tuple(getattr(kernel, "arg_names", ()))  # the parameters, in signature order
+        self.plans: dict = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.launch(grid, args, options)
+
+    def _full_tail(self, args: tuple, options: dict) -> tuple | None:
+        """Every parameter after the tensors, in signature order (keyword constexprs put in
+        their places), or None when that cannot be built (a parameter left to its default, a
+        tensor after the first ``n_ptr`` arguments)."""
+        if not self.names or len(args) > len(self.names):
+            return None
+        rest = self.names[len(args) :]
+        if any(name not in options for name in rest):
+            return None
+        tail = args[self.n_ptr :] + tuple(options[name] for name in rest)
+        if any(isinstance(a, torch.Tensor) for a in tail):
+            return None
+        return tail
+
+    def launch(self, grid, args: tuple, options: dict):
+        n = self.n_ptr
+        ptrs = args[:n]
+        dev = tensor_device(ptrs[0])
+        if dev < 0 or not flags.direct_launch_enabled():
+            return self.kernel[grid](*args, **options)
+        key = (tuple(grid), args[n:], tuple(options.items()), tuple([t.dtype for t in ptrs]), dev)
+        addr = [t.data_ptr() for t in ptrs]
+        misaligned = 0
+        for a in addr:
+            misaligned |= a
+        ok = not misaligned & 15 and current_device() == dev and hooks_idle()
+        plan = self.plans.get(key) if ok else None
+        if plan:
+            go, tail = plan
+            go(current_stream(dev), (*addr, *tail))
+            return None
+        ret = self.kernel[grid](*args, **options)
+        if ok and plan is None:  # the first aligned call with this key: keep its compiled kernel
+            plan = False  # False: Triton's path for this key from now on
+            tail = self._full_tail(args, options)
+            if tail is not None and unavailable_reason() is None:
+                go = launcher(ret, grid)
+                if go is not None:
+                    plan = (go, tail)
+            if len(self.plans) >= self.max_plans:
+                self.plans.pop(next(iter(self.plans)), None)
+            self.plans[key] = plan
+        return ret

@@ -1,0 +1,727 @@
+"""Decode plans and the direct launch of compiled kernels (kernels/triton_decode.py, kernels/direct_launch.py).
+
+On the CPU (Triton's interpreter) a plan launches through ``kernel[grid](...)``: these tests
+check the plan logic itself (what its key separates, which arguments it passes, that a plan hit
+gives the per-call path's bits, that a misaligned pointer never reaches a compiled binary, the
+A/B switch) and the launcher builder against a stand-in of Triton 3.6's ``CompiledKernel``. The
+CUDA tests compare the direct launch with Triton's own launch bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention import dilated_attention, flags
+from dilated_attention.decode import dilated_attention_with_kvcache, triton_unavailable_reason
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _td():
+    if triton_unavailable_reason(torch.empty(1, 1, 1, 16, device=DEV)) is not None:
+        pytest.skip("triton decode unavailable")
+    from dilated_attention.kernels import triton_decode
+
+    return triton_decode
+
+
+@pytest.fixture(autouse=True)
+def _restore_flag():
+    yield
+    flags.set_direct_launch(None)
+
+
+ROWS = ((8, 1, 0, 4), (16, 2, 0, 4), (12, 5, 0, 4))
+
+
+def _inputs(b=2, nq=2, h=4, hkv=2, d=16, c=40, dtype=torch.float32, lens=(40, 23)):
+    q = torch.randn(b, nq, h, d, dtype=dtype, device=DEV)
+    k = torch.randn(b, c, hkv, d, dtype=dtype, device=DEV)
+    v = torch.randn(b, c, hkv, d, dtype=dtype, device=DEV)
+    return q, k, v, torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def _same(a, b):
+    assert torch.equal(a[0], b[0])
+    if a[1] is not None and b[1] is not None:
+        assert torch.equal(a[1], b[1])
+
+
+# ------------------------------------------------------------------------------ plan hits = JIT bits
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", ["plain", "leftpad", "full", "gqa1", "fp16"])
+def test_plan_hit_equals_per_call_path(seed, causal, case):
+    td = _td()
+    td._PLANS.clear()
+    kw = dict(dtype=torch.float16) if case == "fp16" else {}
+    if case == "gqa1":
+        kw.update(h=4, hkv=1)
+    q, k, v, sl = _inputs(**kw)
+    lp = torch.tensor([3, 0], dtype=torch.int32, device=DEV) if case == "leftpad" else None
+    if case == "full":
+        sl = None
+    want = td.decode_triton_jit(q, k, v, sl, lp, ROWS, causal, 0.3)
+    first = td.decode_triton(q, k, v, sl, lp, ROWS, causal, 0.3)  # builds the plan
+    assert len(td._PLANS) == 1
+    again = td.decode_triton(q, k, v, sl, lp, ROWS, causal, 0.3)  # hits it
+    assert len(td._PLANS) == 1
+    _same(first, want)
+    _same(again, want)
+    no_lse = td.decode_triton(q, k, v, sl, lp, ROWS, causal, 0.3, need_lse=False)
+    assert no_lse[1] is None and torch.equal(no_lse[0], want[0])
+    assert len(td._PLANS) == 1  # need_lse is not part of the configuration
+
+
+def test_plan_key_separates_what_the_binaries_depend_on(seed):
+    td = _td()
+    q, k, v, sl = _inputs()
+    base = td.plan_key(q, k, v, sl, None, ROWS, True, 0.3)
+    assert td.plan_key(q.clone(), k.clone(), v.clone(), sl.clone(), None, ROWS, True, 0.3) == base  # other data
+    kbig = torch.randn(2, 40, 4, 16, device=DEV)
+    k_strided = kbig[:, :, :2]  # same shape, other strides
+    assert k_strided.shape == k.shape
+    others = [
+        td.plan_key(q, k_strided, v, sl, None, ROWS, True, 0.3),  # cache stride
+        td.plan_key(q, k, k_strided, sl, None, ROWS, True, 0.3),  # v stride
+        td.plan_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, sl, None, ROWS, True, 0.3),  # q stride
+        td.plan_key(q.half(), k.half(), v.half(), sl, None, ROWS, True, 0.3),  # dtype
+        td.plan_key(q, k[:, :39], v[:, :39], sl, None, ROWS, True, 0.3),  # cache length
+        td.plan_key(q, k, v, sl, None, ROWS, False, 0.3),  # causal
+        td.plan_key(q, k, v, sl, None, ROWS, True, 0.31),  # scale
+        td.plan_key(q, k, v, sl, None, ROWS[:2], True, 0.3),  # branches
+        td.plan_key(q, k, v, sl, sl, ROWS, True, 0.3),  # leftpad given
+        td.plan_key(q, k, v, None, None, ROWS, True, 0.3),  # whole cache valid
+        td.plan_key(q, k, v, sl, None, ROWS, True, 0.3, block_n=32),  # tuning knob
+    ]
+    assert all(o != base for o in others)
+    assert len(set(others)) == len(others)
+
+
+def test_plan_arguments_follow_the_kernel_signature(seed):
+    # the argument list a plan hands to a launcher is Triton's: every parameter in signature
+    # order, constexpr values included, with the per-call strides and sizes
+    td = _td()
+    td._PLANS.clear()
+    q, k, v, sl = _inputs(b=2, nq=3, h=6, hkv=2, d=32, c=50, lens=(50, 31))
+    kbig = torch.randn(2, 50, 5, 32, device=DEV)
+    k = kbig[:, :, 1:3]  # a strided cache
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    plan = next(iter(td._PLANS.values()))
+    names = list(td._decode_split_kernel.arg_names)
+    args = dict(zip(names, ("Q", "K", "V", "SEQLENS", "LEFTPAD", "BR", "OP", "LP") + plan.split_tail, strict=True))
+    assert (args["sqb"], args["sqt"], args["sqh"]) == q.stride()[:3]
+    assert (args["skb"], args["skn"], args["skh"]) == k.stride()[:3]
+    assert (args["svb"], args["svn"], args["svh"]) == v.stride()[:3]
+    assert (args["T"], args["C"], args["H"], args["REP"], args["NB"]) == (3, 50, 6, 3, len(ROWS))
+    assert (args["D"], args["CAUSAL"], args["HAS_LEFTPAD"], args["SEQ_FULL"], args["PREC"]) == (32, True, False, False, "ieee")
+    rnames = list(td._decode_reduce_kernel.arg_names)
+    rargs = dict(zip(rnames, ("OP", "LP", "OUT", "LSE") + plan.reduce_tail, strict=True))
+    assert (rargs["T"], rargs["H"], rargs["NS"]) == (3, 6, plan.nsplit)
+    assert (rargs["sxb"], rargs["sxt"], rargs["sxh"]) == (3 * 6 * 32, 6 * 32, 32)
+    # workspace regions: 512-byte aligned, disjoint
+    assert plan.lp_off % 128 == 0 and plan.lse_off % 128 == 0
+    assert plan.lp_off >= 2 * 3 * 6 * plan.nsplit * 32
+    assert plan.lse_off >= plan.lp_off + 2 * 3 * 6 * plan.nsplit
+    assert plan.ws_numel == plan.lse_off + 2 * 6 * 3
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, stream, args):
+        self.calls.append((stream, args))
+
+
+def _fake_direct(monkeypatch, td, plan):
+    """Give a CPU plan stand-in launchers (a CPU run cannot launch compiled kernels) and the
+    device queries they need; returns the recorders."""
+    from dilated_attention.kernels import direct_launch
+
+    monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index)
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 1234)
+    monkeypatch.setattr(direct_launch, "capturing", lambda: False)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    plan.cuda = True  # the GPU branch (stream, reused workspace) on CPU tensors
+    split, red = _Recorder(), _Recorder()
+    plan.split_go, plan.reduce_go = split, red
+    return split, red
+
+
+def test_aligned_call_takes_the_launchers_with_the_plan_arguments(seed, monkeypatch):
+    td = _td()
+    td._PLANS.clear()
+    q, k, v, sl = _inputs()
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    plan = next(iter(td._PLANS.values()))
+    split, red = _fake_direct(monkeypatch, td, plan)
+    out, lse = td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    assert len(split.calls) == 1 and len(red.calls) == 1
+    stream, args = split.calls[0]
+    assert stream == 1234
+    assert args[:5] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), sl.data_ptr())
+    assert args[5] == plan.table_ptr and args[7] == args[6] + plan.lp_off * 4
+    assert args[8:] == plan.split_tail
+    _, rargs = red.calls[0]
+    assert rargs[:4] == (args[6], args[7], out.data_ptr(), lse.data_ptr())
+    assert rargs[4:] == plan.reduce_tail
+    # without lse: the reduction writes the LSE into the workspace's third region
+    out2, lse2 = td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3, need_lse=False)
+    assert lse2 is None and red.calls[-1][1][3] == split.calls[-1][1][6] + plan.lse_off * 4
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "seqlens", "leftpad"])
+def test_misaligned_pointer_never_reaches_a_compiled_binary(seed, monkeypatch, which):
+    td = _td()
+    td._PLANS.clear()
+    b, nq, h, hkv, d, c = 2, 1, 4, 2, 16, 40
+    q, k, v, sl = _inputs(b=b, nq=nq, h=h, hkv=hkv, d=d, c=c)
+    lp = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    td.decode_triton(q, k, v, sl, lp, ROWS, True, 0.3)
+    plan = next(iter(td._PLANS.values()))
+    split, red = _fake_direct(monkeypatch, td, plan)
+
+    def shifted(t):  # the same shape and strides, data_ptr 4 bytes past a 16-byte boundary
+        flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=DEV)
+        view = flat[1 : 1 + t.numel()].view(t.shape)
+        view.copy_(t)
+        assert view.stride() == t.stride() and view.data_ptr() % 16 != 0
+        return view
+
+    args = dict(q=q, k=k, v=v, seqlens=sl, leftpad=lp)
+    args[which] = shifted(args[which])
+    assert td.plan_key(args["q"], args["k"], args["v"], args["seqlens"], args["leftpad"], ROWS, True, 0.3) in td._PLANS
+    got = td.decode_triton(args["q"], args["k"], args["v"], args["seqlens"], args["leftpad"], ROWS, True, 0.3)
+    assert split.calls == [] and red.calls == []  # Triton's path, not the plan's binaries
+    _same(got, td.decode_triton_jit(q, k, v, sl, lp, ROWS, True, 0.3))
+
+
+def test_direct_path_needs_current_device_and_idle_hooks(seed, monkeypatch):
+    td = _td()
+    td._PLANS.clear()
+    q, k, v, sl = _inputs()
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    plan = next(iter(td._PLANS.values()))
+    split, _ = _fake_direct(monkeypatch, td, plan)
+    from dilated_attention.kernels import direct_launch
+
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: False)
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index + 1)
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    assert split.calls == []
+
+
+def test_workspace_reused_per_stream_fresh_while_capturing(seed, monkeypatch):
+    # the GPU branch of DecodePlan.workspace on CPU tensors: stand-in stream and capture queries
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    td._PLANS.clear()
+    td._WORKSPACES.clear()
+    q, k, v, sl = _inputs()
+    want = td.decode_triton_jit(q, k, v, sl, None, ROWS, True, 0.3)
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    plan = next(iter(td._PLANS.values()))
+    plan.cuda = True  # the GPU branch; the launches stay the interpreter's
+    stream = [7]
+    capturing = [False]
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: stream[0])
+    monkeypatch.setattr(direct_launch, "capturing", lambda: capturing[0])
+    monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index)
+    seen = []
+    orig = plan._launch_jit.__func__
+
+    def spy(self, ws, *a):
+        seen.append(ws.data_ptr())
+        return orig(self, ws, *a)
+
+    monkeypatch.setattr(td.DecodePlan, "_launch_jit", spy)
+    got = [td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3) for _ in range(2)]
+    stream[0] = 8
+    got.append(td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3))
+    assert seen[0] == seen[1] != seen[2]  # one workspace per stream, reused
+    assert len(td._WORKSPACES) == 2
+    capturing[0] = True
+    got.append(td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3))
+    got.append(td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3, reuse_workspace=False))
+    assert len(td._WORKSPACES) == 2 and seen[3] not in seen[:3]  # capture: a fresh buffer
+    for g in got:
+        _same(g, want)
+    td._WORKSPACES.clear()
+
+
+def test_launchers_kept_only_from_an_aligned_call_on_the_tensors_device(seed, monkeypatch):
+    # a plan keeps the binaries of its first launch only when they carry its specialisation:
+    # every pointer aligned and compiled for the tensors' device (Triton uses the current one)
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    td._PLANS.clear()
+    q, k, v, sl = _inputs()
+    key = td.plan_key(q, k, v, sl, None, ROWS, True, 0.3)
+    plan = td.get_plan(key, q, k, v, sl, None, ROWS, True, 0.3)
+    plan.cuda = True
+    dev = [plan.dev_index + 1]
+    made = []
+    monkeypatch.setattr(direct_launch, "current_device", lambda: dev[0])
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 5)
+    monkeypatch.setattr(direct_launch, "capturing", lambda: False)
+    monkeypatch.setattr(direct_launch, "launcher", lambda ck, grid: made.append(grid) or _Recorder())
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)  # foreign current device
+    assert made == [] and plan.split_go is None
+    dev[0] = plan.dev_index
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype, device=DEV)
+    qm = flat[1 : 1 + q.numel()].view(q.shape)
+    qm.copy_(q)
+    td.decode_triton(qm, k, v, sl, None, ROWS, True, 0.3)  # misaligned q
+    assert made == [] and plan.split_go is None
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    assert made == [plan.split_grid, plan.reduce_grid] and plan.split_go is not None
+
+
+def test_plans_are_bounded(seed, monkeypatch):
+    td = _td()
+    td._PLANS.clear()
+    monkeypatch.setattr(td, "_MAX_PLANS", 3)
+    q, k, v, sl = _inputs(b=1, nq=1, lens=(30,))
+    for scale in (0.1, 0.2, 0.3, 0.4, 0.5):
+        td.decode_triton(q, k, v, sl, None, ROWS[:1], True, scale)
+    assert len(td._PLANS) == 3
+    assert [key[8] for key in td._PLANS] == [0.3, 0.4, 0.5]  # the oldest went first
+
+
+# ------------------------------------------------------------------------------ public routes
+
+
+def test_public_routes_reach_one_plan(seed, monkeypatch):
+    td = _td()
+    td._PLANS.clear()
+    seg, dil = [8, 16], [1, 2]
+    q, k, v, _ = _inputs(b=1, nq=1, lens=(40,))
+    got = [dilated_attention(q, k, v, seg, dil, causal=True, impl="triton", return_lse=True) for _ in range(2)]
+    assert len(td._PLANS) == 1  # dilated_attention(q_one_row, k, v): the whole-cache plan
+    got += [dilated_attention_with_kvcache(q, k, v, 40, seg, dil, causal=True, impl="triton", return_lse=True) for _ in range(2)]
+    assert len(td._PLANS) == 2  # the kv-cache route reads cache_seqlens: its own plan
+    ref = dilated_attention(q.double(), k.double(), v.double(), seg, dil, causal=True, impl="reference", return_lse=True)
+    for o, lse in got:
+        torch.testing.assert_close(o.double(), ref[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse.double(), ref[1].double(), atol=1e-5, rtol=0)
+    _same(got[0], got[2])
+    # without return_lse the plan still runs (the LSE goes to its workspace)
+    out = dilated_attention(q, k, v, seg, dil, causal=True, impl="triton")
+    assert torch.equal(out, got[0][0])
+
+
+def test_auto_decode_route_uses_the_decode_rule(seed, monkeypatch):
+    # impl="auto" with a decode-shaped call: the decode route's rule (pick_decode_impl("auto"):
+    # the Triton decode kernel on CUDA), never the dense rule measured on training calls
+    from dilated_attention import api
+
+    picked, dense = [], []
+    orig = api.pick_decode_impl
+    monkeypatch.setattr(api, "pick_decode_impl", lambda impl, q: picked.append(impl) or orig(impl, q))
+    monkeypatch.setattr(api, "pick_impl", lambda *a, **kw: dense.append(1) or "torch")
+    q, k, v, _ = _inputs(b=1, nq=1, lens=(40,))
+    dilated_attention(q, k, v, [8, 16], [1, 2], causal=True)
+    assert picked == ["auto"] and dense == []
+    # an explicit impl still goes through pick_impl (which raises where it cannot run)
+    dilated_attention(q, k, v, [8, 16], [1, 2], causal=True, impl="torch")
+    assert picked == ["auto", "torch"] and dense == [1]
+
+
+def test_switch_routes_to_the_per_call_path(seed, monkeypatch):
+    td = _td()
+    calls = []
+    orig = td.decode_triton_jit
+    monkeypatch.setattr(td, "decode_triton_jit", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    q, k, v, sl = _inputs()
+    on = dilated_attention_with_kvcache(q, k, v, sl, [8, 16], [1, 2], impl="triton", return_lse=True)
+    assert calls == []
+    flags.set_direct_launch(False)
+    off = dilated_attention_with_kvcache(q, k, v, sl, [8, 16], [1, 2], impl="triton", return_lse=True)
+    assert calls == [1]
+    _same(on, off)
+    monkeypatch.setenv(flags.ENV_DIRECT_LAUNCH, "0")
+    flags.set_direct_launch(None)  # the environment, read at the next call
+    assert not flags.direct_launch_enabled()
+    monkeypatch.setenv(flags.ENV_DIRECT_LAUNCH, "1")
+    assert not flags.direct_launch_enabled()  # not re-read on every call
+    flags.set_direct_launch(None)
+    assert flags.direct_launch_enabled()
+    with pytest.raises(TypeError, match="set_direct_launch"):
+        flags.set_direct_launch("no")
+
+
+# ------------------------------------------------------------------------------ the launcher builder
+
+
+class _FakeLauncher:
+    """Stands in for Triton 3.6's ``CudaLauncher`` (class name and attributes)."""
+
+    def __init__(self):
+        self.global_scratch_size = 0
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = False
+        self.launch_pdl = False
+        self.calls = []
+        self.launch = lambda *a: self.calls.append(a)
+
+
+_FakeLauncher.__name__ = "CudaLauncher"
+
+
+class _FakeCompiled:
+    def __init__(self):
+        self.function = 77
+        self.packed_metadata = (4, 1, 0)
+        self._run = _FakeLauncher()
+
+    @property
+    def run(self):
+        return self._run
+
+
+def test_launcher_passes_triton_36_layout(monkeypatch):
+    from dilated_attention.kernels import direct_launch
+
+    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+    ck = _FakeCompiled()
+    go = direct_launch.launcher(ck, (5, 3))
+    assert go is not None
+    go(999, (10, 20, 1.5, "tf32"))
+    # Triton 3.6 (JITFunction.run / CompiledKernel.__getitem__ with no hook): grid x, y, z,
+    # stream, function, cooperative, pdl, global scratch, profile scratch, packed metadata,
+    # launch metadata, enter hook, exit hook, then every kernel argument
+    assert ck.run.calls == [(5, 3, 1, 999, 77, False, False, None, None, (4, 1, 0), None, None, None, 10, 20, 1.5, "tf32")]
+
+
+def test_launcher_refuses_what_it_cannot_launch(monkeypatch):
+    from dilated_attention.kernels import direct_launch
+
+    assert direct_launch.launcher(None, (1,)) is None  # the interpreter returns no kernel
+    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+    ck = _FakeCompiled()
+    ck.run.global_scratch_size = 128
+    assert direct_launch.launcher(ck, (1,)) is None  # needs scratch memory: Triton's path
+    ck = _FakeCompiled()
+    ck._run = object()  # another launcher class
+    assert direct_launch.launcher(ck, (1,)) is None
+
+
+class _JitSpy:
+    """Stands in for a ``triton.jit`` kernel on a GPU: runs the interpreted kernel and returns a
+    stand-in ``CompiledKernel``, recording the arguments Triton's path received."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.calls = []
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            self.kernel[grid](*args, **kwargs)
+            return self.compiled
+
+        return call
+
+
+@pytest.mark.parametrize("need_lse", [True, False])
+def test_direct_launch_repeats_tritons_arguments(seed, monkeypatch, need_lse):
+    # end to end on stand-ins: the plan's first call goes through "Triton" (a spy), whose
+    # compiled kernel is then launched directly; the direct launch must pass, position by
+    # position, what Triton's path was given (tensors as their data pointers)
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    td._PLANS.clear()
+    q, k, v, sl = _inputs()
+    lp = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    split, red = _JitSpy(td._decode_split_kernel), _JitSpy(td._decode_reduce_kernel)
+    monkeypatch.setattr(td, "_decode_split_kernel", split)
+    monkeypatch.setattr(td, "_decode_reduce_kernel", red)
+    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 3)
+    monkeypatch.setattr(direct_launch, "capturing", lambda: False)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    key = td.plan_key(q, k, v, sl, lp, ROWS, True, 0.3)
+    plan = td.get_plan(key, q, k, v, sl, lp, ROWS, True, 0.3)
+    plan.cuda = True
+    monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index)
+    first = td.decode_triton(q, k, v, sl, lp, ROWS, True, 0.3, need_lse=need_lse)
+    assert plan.split_go is not None and len(split.calls) == 1
+    td.decode_triton(q, k, v, sl, lp, ROWS, True, 0.3, need_lse=need_lse)
+    assert len(split.calls) == 1 and len(red.calls) == 1  # the second call did not use Triton's path
+    as_ptr = lambda a: a.data_ptr() if isinstance(a, torch.Tensor) else a  # noqa: E731
+    for spy in (split, red):
+        grid, jit_args, _ = spy.calls[0]
+        (direct,) = spy.compiled.run.calls
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        assert direct[:13] == (*g, 3, 77, False, False, None, None, (4, 1, 0), None, None, None)
+        want = tuple(as_ptr(a) for a in jit_args)
+        got = direct[13:]
+        assert len(got) == len(want) == len(spy.kernel.arg_names)
+        if spy is split:
+            assert got == want  # same workspace (one per stream), same inputs
+        else:  # out (and lse, if asked for) are fresh per call
+            fresh = {2, 3} if need_lse else {2}
+            assert all(got[i] == want[i] for i in range(len(want)) if i not in fresh)
+    ref = td.decode_triton_jit(q, k, v, sl, lp, ROWS, True, 0.3)
+    assert torch.equal(first[0], ref[0])
+
+
+def test_this_process_reports_why_it_cannot_launch_directly():
+    from dilated_attention.kernels import direct_launch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    assert isinstance(direct_launch.unavailable_reason(), str)  # interpreter: the plans use Triton's path
+    assert isinstance(direct_launch.hooks_idle(), bool)
+
+
+# ------------------------------------------------------------------------------ GPU: direct vs JIT
+
+
+def _cuda_cases():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seg, dil = [2048, 4096, 8192], [1, 2, 4]
+    cases = []
+    for b, nq, h, hkv, d, c, dt in [
+        (1, 1, 32, 8, 128, 4096, torch.bfloat16),
+        (2, 3, 8, 8, 64, 10000, torch.float16),
+        (3, 1, 12, 4, 128, 9000, torch.float32),
+    ]:
+        q = torch.randn(b, nq, h, d, dtype=dt, device="cuda", generator=g)
+        k = torch.randn(b, c, hkv, d, dtype=dt, device="cuda", generator=g)
+        v = torch.randn(b, c, hkv, d, dtype=dt, device="cuda", generator=g)
+        sl = torch.randint(nq, c + 1, (b,), dtype=torch.int32, device="cuda", generator=g)
+        cases.append((f"{b}x{nq}x{h}/{hkv}x{d} {dt}", q, k, v, sl))
+    # a non-contiguous cache (heads of a wider buffer, (batch, heads, seq, d) storage)
+    q, k, v, sl = cases[0][1:]
+    kw = torch.randn(1, 16, 4096, 128, dtype=torch.bfloat16, device="cuda", generator=g).transpose(1, 2)[:, :, 4:12]
+    vw = torch.randn(1, 16, 4096, 128, dtype=torch.bfloat16, device="cuda", generator=g).transpose(1, 2)[:, :, 2:10]
+    cases.append(("strided cache", q, kw, vw, sl))
+    # misaligned views (2 bytes past a 16-byte boundary)
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
+    qm = flat[1 : 1 + q.numel()].view(q.shape)
+    qm.copy_(q)
+    cases.append(("misaligned q", qm, k, v, sl))
+    flatk = torch.empty(k.numel() + 8, dtype=k.dtype, device="cuda")
+    km = flatk[8 : 8 + k.numel()].view(k.shape)  # 16 bytes: aligned again
+    km.copy_(k)
+    cases.append(("shifted but aligned k", q, km, v, sl))
+    return seg, dil, cases
+
+
+@pytest.mark.cuda
+def test_cuda_direct_launch_equals_triton_launch():
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    seg, dil, cases = _cuda_cases()
+    td._PLANS.clear()
+    for name, q, k, v, sl in cases:
+        for causal in (True, False):
+            for full in (False, True):
+                for _ in range(2):  # build the plan, then hit it
+                    flags.set_direct_launch(True)
+                    got = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=causal, return_lse=True) if not full else dilated_attention(q, k, v, seg, dil, causal=causal, return_lse=True, impl="triton")
+                    flags.set_direct_launch(False)
+                    want = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=causal, return_lse=True) if not full else dilated_attention(q, k, v, seg, dil, causal=causal, return_lse=True, impl="triton")
+                    assert torch.equal(got[0], want[0]), (name, causal, full)
+                    assert torch.equal(got[1], want[1]), (name, causal, full)
+                    flags.set_direct_launch(True)
+                    no_lse = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=causal) if not full else dilated_attention(q, k, v, seg, dil, causal=causal, impl="triton")
+                    assert torch.equal(no_lse, want[0]), (name, causal, full)  # the LSE in the workspace
+    flags.set_direct_launch(None)
+    if direct_launch.unavailable_reason() is None:
+        # every aligned plan found its compiled kernels' launchers
+        assert all(p.split_go is not None for p in td._PLANS.values()), [
+            (k[0], k[1]) for k, p in td._PLANS.items() if p.split_go is None
+        ]
+    else:
+        pytest.skip(f"direct launch unavailable here: {direct_launch.unavailable_reason()}")
+
+
+@pytest.mark.cuda
+def test_cuda_two_streams_and_graph_capture():
+    # workspaces per stream: interleaved calls on two streams give the single-stream bits; a
+    # captured call (its own workspace) replays to the eager bits
+    _td()
+    seg, dil, cases = _cuda_cases()
+    _, q, k, v, sl = cases[0]
+    want = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    s1.wait_stream(torch.cuda.current_stream())
+    s2.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(4):
+        with torch.cuda.stream(s1):
+            outs.append(dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True))
+        with torch.cuda.stream(s2):
+            outs.append(dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True))
+    torch.cuda.synchronize()
+    for o in outs:
+        assert torch.equal(o[0], want[0]) and torch.equal(o[1], want[1])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        og, lg = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True)
+    eager = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True)  # reuses the eager workspace
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(og, want[0]) and torch.equal(lg, want[1]) and torch.equal(eager, want[0])
+
+
+# ------------------------------------------------------------------------------ the A/B script
+
+
+def test_ab_decode_tiny_runs(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    out = tmp_path / "ab.md"
+    res = subprocess.run(
+        [sys.executable, str(root / "benchmarks/ab_decode.py"), "--tiny", "--iters", "1", "--rounds", "1",
+         "--warmup", "0", "--caches", "64", "--no-train", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = out.read_text()
+    assert "| 64 | kvcache |" in text and "| 64 | dilated_attention |" in text
+    assert "plans with launchers" in text and "wrote" in res.stdout
+
+
+# ------------------------------------------------------------------------------ training launches (DirectKernel)
+
+
+class _FakeJit:
+    """A stand-in ``triton.jit`` kernel with parameters (A, B, n, s, BLOCK): records Triton's
+    path and returns a stand-in compiled kernel."""
+
+    arg_names = ["A", "B", "n", "s", "BLOCK"]
+
+    def __init__(self):
+        self.calls = []
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, args, kw)) or self.compiled
+
+
+def _direct_kernel(monkeypatch):
+    from dilated_attention.kernels import direct_launch
+
+    monkeypatch.setattr(direct_launch, "tensor_device", lambda t: 0)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 9)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+    fake = _FakeJit()
+    return fake, direct_launch.DirectKernel(fake, 2, max_plans=4)
+
+
+def test_direct_kernel_launches_what_triton_was_given(monkeypatch):
+    fake, dk = _direct_kernel(monkeypatch)
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.float16)
+    dk[(3, 2)](a, b, 5, 7, BLOCK=16, num_warps=4)  # Triton's path, the compiled kernel kept
+    dk[(3, 2)](a, b, 5, 7, BLOCK=16, num_warps=4)  # direct
+    assert len(fake.calls) == 1
+    (direct,) = fake.compiled.run.calls
+    assert direct == (3, 2, 1, 9, 77, False, False, None, None, (4, 1, 0), None, None, None,
+                      a.data_ptr(), b.data_ptr(), 5, 7, 16)  # fmt: skip
+
+
+def test_direct_kernel_key_misses(monkeypatch):
+    fake, dk = _direct_kernel(monkeypatch)
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.float16)
+    dk[(3, 2)](a, b, 5, 7, BLOCK=16, num_warps=4)
+    variants = [
+        ((3, 2), (a, b, 5, 8), dict(BLOCK=16, num_warps=4)),  # an integer argument
+        ((3, 2), (a, b, 5, 7), dict(BLOCK=32, num_warps=4)),  # a constexpr
+        ((3, 2), (a, b, 5, 7), dict(BLOCK=16, num_warps=8)),  # a launch option
+        ((3, 2), (a, b.float(), 5, 7), dict(BLOCK=16, num_warps=4)),  # a dtype
+        ((4, 2), (a, b, 5, 7), dict(BLOCK=16, num_warps=4)),  # the grid
+    ]
+    for grid, args, kw in variants:
+        n = len(fake.calls)
+        dk[grid](*args, **kw)
+        assert len(fake.calls) == n + 1  # a new key: Triton's path
+    assert fake.compiled.run.calls == []
+    assert len(dk.plans) == 4  # bounded: the oldest key went
+    # a misaligned tensor takes Triton's path even for a known key
+    flat = torch.zeros(80)
+    am = flat[1:65]
+    assert am.data_ptr() % 16 != 0
+    n = len(fake.calls)
+    dk[(4, 2)](am, b, 5, 7, BLOCK=16, num_warps=4)
+    assert len(fake.calls) == n + 1 and fake.compiled.run.calls == []
+
+
+def test_direct_kernel_switch_and_unknown_layouts(monkeypatch):
+    fake, dk = _direct_kernel(monkeypatch)
+    a, b = torch.zeros(64), torch.zeros(64)
+    flags.set_direct_launch(False)
+    dk[(1,)](a, b, 5, 7, BLOCK=16)
+    dk[(1,)](a, b, 5, 7, BLOCK=16)
+    assert len(fake.calls) == 2 and dk.plans == {}
+    flags.set_direct_launch(None)
+    dk[(1,)](a, b, 5, 7)  # BLOCK left to its default: no argument list to keep
+    dk[(1,)](a, b, 5, 7)
+    assert len(fake.calls) == 4 and fake.compiled.run.calls == []
+    dk[(1,)](a, b, 5, a, BLOCK=16)  # a tensor after the first n_ptr arguments
+    dk[(1,)](a, b, 5, a, BLOCK=16)
+    assert len(fake.calls) == 6 and fake.compiled.run.calls == []
+
+
+def _train_case(g, b, n, h, hkv, d, dt, kpm):
+    q = torch.randn(b, n, h, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+    k = torch.randn(b, n, hkv, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+    v = torch.randn(b, n, hkv, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+    do = torch.randn(b, n, h, d, dtype=dt, device="cuda", generator=g)
+    mask = (torch.rand(b, n, device="cuda", generator=g) < 0.1) if kpm else None
+    return q, k, v, do, mask
+
+
+@pytest.mark.cuda
+def test_cuda_training_direct_launch_equals_triton_launch():
+    from dilated_attention.kernels import direct_launch, triton_launch
+
+    if direct_launch.unavailable_reason() is not None:
+        pytest.skip(f"direct launch unavailable here: {direct_launch.unavailable_reason()}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seg, dil = [512, 1024, 2048], [1, 2, 4]
+    for b, n, h, hkv, d, dt, kpm in [
+        (1, 4096, 8, 8, 64, torch.bfloat16, False),
+        (2, 2048, 8, 2, 128, torch.float16, True),
+        (1, 2048, 4, 4, 32, torch.float32, False),
+    ]:
+        q, k, v, do, mask = _train_case(g, b, n, h, hkv, d, dt, kpm)
+        for causal in (True, False):
+            res = {}
+            for direct in (True, False, True):  # the first True builds the plans, the last hits them
+                flags.set_direct_launch(direct)
+                out, lse = dilated_attention(q, k, v, seg, dil, causal=causal, key_padding_mask=mask,
+                                             impl="triton", return_lse=True)  # fmt: skip
+                grads = torch.autograd.grad(out, (q, k, v), do)
+                res.setdefault(direct, []).append((out, lse, *grads))
+            flags.set_direct_launch(None)
+            want = res[False][0]
+            for got in res[True]:
+                for x, y in zip(got, want, strict=True):
+                    assert torch.equal(x, y), (b, n, h, hkv, d, dt, kpm, causal)
+    assert any(p for p in triton_launch._FWD.plans.values()) or any(p for p in triton_launch._FWD_FOLDED.plans.values())
+    assert any(p for p in triton_launch._DKDV.plans.values()) and any(p for p in triton_launch._DQ.plans.values())
