@@ -28,6 +28,7 @@ def _td():
 
 @pytest.fixture(autouse=True)
 def _restore_flag():
+    flags.set_direct_launch(True)  # opt-in by default (flags.py): these tests are about the plans
     yield
     flags.set_direct_launch(None)
 
@@ -355,6 +356,9 @@ def test_switch_routes_to_the_per_call_path(seed, monkeypatch):
     assert not flags.direct_launch_enabled()  # not re-read on every call
     flags.set_direct_launch(None)
     assert flags.direct_launch_enabled()
+    monkeypatch.delenv(flags.ENV_DIRECT_LAUNCH)
+    flags.set_direct_launch(None)
+    assert not flags.direct_launch_enabled()  # off unless asked for (not yet verified on a GPU)
     with pytest.raises(TypeError, match="set_direct_launch"):
         flags.set_direct_launch("no")
 
