@@ -158,6 +158,65 @@ def _errors_worker(rank, world):
     _case(world, rank, [5, 7], layout="zigzag", causal=True, seed=3)
 
 
+def _model_worker(rank, world):
+    """LongNetLM (rotary positions per document) and MultiheadDilatedAttention made
+    sequence-parallel over one packed stream: this rank's logits, the global loss and the
+    all-reduced parameter gradients equal the single-device model on the whole stream."""
+    import copy
+
+    from dilated_attention import MultiheadDilatedAttention
+    from dilated_attention.models import LongNetConfig, LongNetLM, parallelize
+
+    group = dist.group.WORLD
+    lengths = STREAMS[world]
+    cu = torch.tensor(_cu(lengths), dtype=torch.int32)
+    n = int(cu[-1])
+    t = n // world
+    sl = slice(rank * t, (rank + 1) * t)
+    cfg = LongNetConfig(vocab_size=30, dim=16, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=24,
+                        segment_lengths=SEG, dilation_rates=DIL, impl="torch", dropout=0.0)
+    torch.manual_seed(0)
+    model = LongNetLM(cfg).double()
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (torch.randint(0, 30, (1, n), generator=g) for _ in range(2))
+    logits, loss = model(idx, tgt, cu_seqlens=cu)
+    loss.backward()
+    want = torch.cat([p.grad.flatten() for p in model.parameters()])
+    spm = parallelize(copy.deepcopy(model), group)
+    spm.zero_grad()
+    lg, ls = spm(idx[:, sl], tgt[:, sl], cu_seqlens=cu)
+    (ls / world).backward()  # equal tokens per rank: the global mean is the mean of the means
+    got = torch.cat([p.grad.flatten() for p in spm.parameters()])
+    dist.all_reduce(got)
+    total = ls.detach().clone()
+    dist.all_reduce(total)
+    name = f"P={world} rank={rank} LongNetLM"
+    check_close(f"{name} logits", lg, logits[:, sl], ATOL)
+    check_close(f"{name} loss", total / world, loss, ATOL)
+    check_close(f"{name} grads", got, want, ATOL)
+    # the module: (total, embed_dim) shards, causal, grads of the input
+    torch.manual_seed(2)
+    mha = MultiheadDilatedAttention(16, 4, SEG, DIL, num_kv_heads=2, impl="torch").double()
+    x = torch.randn(n, 16, dtype=torch.float64, requires_grad=True)
+    out, _ = mha(x, x, x, is_causal=True, cu_seqlens=cu)
+    gx = torch.autograd.grad(out.sum(), x)[0]
+    smha = copy.deepcopy(mha)
+    smha.attention.process_group = group
+    xl = x.detach()[sl].clone().requires_grad_()
+    outl, _ = smha(xl, xl, xl, is_causal=True, cu_seqlens=cu)
+    gxl = torch.autograd.grad(outl.sum(), xl)[0]
+    check_close(f"{name} MHA out", outl, out[sl], ATOL)
+    check_close(f"{name} MHA dx", gxl, gx[sl], ATOL)
+    with pytest.raises(ValueError, match="ONE packed stream, shape"):
+        spm(idx[:, sl].expand(2, -1), cu_seqlens=cu)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_sp_varlen_model(world):
+    run_distributed(_model_worker, world)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_sp_varlen_exact(world):
