@@ -53,6 +53,13 @@ need no gradient) and the torch kernels for non-causal training (the rule and it
 input dtype, so with fp16/bf16 inputs that partial result is rounded once more before the merge
 (one extra rounding of the input dtype, on the torch path's error scale).
 
+Packed stream (:func:`dilated_attention_sp_varlen`, from ``dilated_attention_varlen(group=)``
+and ``ring_attention(cu_seqlens=)``): each rank holds a "contiguous" or "zigzag" shard of one
+stream of documents with global offsets; the branch plans come from
+:func:`.sp_plan.plan_branch_packed` (segments per document, which may cross rank boundaries) and
+run through the same exchange, compute and autograd code as above (torch kernels for every
+block; the fused Triton shard call does not apply).
+
 Not supported with a group (clear errors): ``dropout_p > 0``, ``seqlen_q != seqlen_k`` (KV-cache
 decoding), ``impl="reference"``, and ``impl="triton"`` where the Triton kernel cannot run (no
 triton, not CUDA, headdim or dtype unsupported: the error gives the reason).
