@@ -15,6 +15,10 @@ bucket of equal padded length, :func:`_per_document`) and so read the offsets to
 (one sync per call). The fused ``"triton"`` path takes device offsets
 without reading them (no sync); pass ``check_offsets=True`` there to validate them at the cost
 of one sync, or pass the offsets on the CPU.
+
+With ``group=`` the tensors are this rank's shard of one packed stream and the offsets are the
+stream's global ones: :func:`..distributed.sequence_parallel.dilated_attention_sp_varlen` plans
+the exchange from their host values (read once).
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def dilated_attention_varlen(
             on the CPU, and the reference/torch paths (which read them once), are always checked.
         group: a ``torch.distributed`` process group (or 1-D DeviceMesh, or ``(mesh, dim)``) for
             sequence parallelism over ONE packed stream of N tokens (docs/spec.md, "Sequence
-            parallelism"): each rank passes its shard of the stream (``layout``) as q, k, v
+            parallelism over a packed stream"): each rank passes its shard of the stream (``layout``) as q, k, v
             ``(N/P, heads, headdim)`` and the GLOBAL offsets (the same on every rank; a CPU
             tensor, a device tensor or a list of ints: the plan is built from host values, so
             device offsets are read once, one sync), with ``cu_seqlens_q == cu_seqlens_k`` and
