@@ -179,3 +179,68 @@ def describe_call(
     if impl not in _IMPLS:  # the names of kernels/select.py's IMPLS (a leaf does not import it)
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     return Call(seg, dil, causal, scale, p, head_assignment, return_lse, impl)
+
+
+def check_cu_seqlens_meta(cu_q, cu_k, device, name: str = "dilated_attention_varlen",
+                          names: tuple[str, str] = ("cu_seqlens_q", "cu_seqlens_k")) -> None:
+    """Shape/dtype/device checks of packed-document offsets (no host synchronisation); errors
+    name the offsets (``names``) and are prefixed by the entry point ``name``."""
+    for n, t in ((names[0], cu_q), (names[1], cu_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{name}: {n} must be an integer tensor of document offsets (docs + 1,), got "
+                f"{type(t).__name__}; e.g. torch.tensor([0, 5, 12], dtype=torch.int32)"
+            )
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name}: {n} must be an integer tensor (int32 as flash-attn), got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] < 1:
+            raise ValueError(
+                f"{name}: {n} must be 1-D with docs + 1 >= 1 entries (0, then each document's end "
+                f"offset), got shape {tuple(t.shape)}"
+            )
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(f"{name}: {n} is on {t.device}, q on {device}; pass it on q's device or the CPU")
+    if cu_q is not cu_k and cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(
+            f"{name}: cu_seqlens_q has {cu_q.shape[0] - 1} documents and cu_seqlens_k "
+            f"{cu_k.shape[0] - 1}; each document needs both its query and its key offsets"
+        )
+
+
+def check_cu_seqlens_values(
+    cu_q: list[int], cu_k: list[int], total_q: int, total_k: int, max_q: int, max_k: int,
+    name: str = "dilated_attention_varlen", totals: tuple[str, str] | None = None,
+    names: tuple[str, str] = ("cu_seqlens_q", "cu_seqlens_k"),
+) -> None:
+    """Value checks of host offsets: start at 0, non-decreasing, end at the totals, no document
+    with more queries than keys, ``max_seqlen`` at least every document's length (``None``: not
+    checked). ``name``: the entry point, ``names``: the offsets' argument names, ``totals``: what
+    ``total_q``/``total_k`` are (default: dim 0 of q, of k and v), all for the messages."""
+    for n, cu, total in ((names[0], cu_q, total_q), (names[1], cu_k, total_k)):
+        if cu[0] != 0:
+            raise ValueError(f"{name}: {n} must start at 0, got {cu[0]} ({n} = {cu})")
+        for i in range(len(cu) - 1):
+            if cu[i + 1] < cu[i]:
+                raise ValueError(
+                    f"{name}: {n} must be non-decreasing (document offsets), but entry {i + 1} "
+                    f"({cu[i + 1]}) < entry {i} ({cu[i]})"
+                )
+        if cu[-1] != total:
+            what = (totals or ("dim 0 of q", "dim 0 of k and v"))[0 if n == names[0] else 1]
+            raise ValueError(
+                f"{name}: the last entry of {n} ({cu[-1]}) must equal the number of packed tokens "
+                f"({total}, {what})"
+            )
+    for i in range(len(cu_q) - 1):
+        nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if nq > nk:
+            raise ValueError(
+                f"{name}: document {i} has {nq} queries but {nk} keys (cu_seqlens_q, "
+                "cu_seqlens_k); queries may be fewer than keys (bottom-right aligned), not more"
+            )
+        for n, length, mx in (("max_seqlen_q", nq, max_q), ("max_seqlen_k", nk, max_k)):
+            if mx is not None and length > mx:
+                raise ValueError(
+                    f"{name}: {n} = {mx} but document {i} has {length} "
+                    f"{'queries' if n.endswith('q') else 'keys'}; pass the longest document's length"
+                )

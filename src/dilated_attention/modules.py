@@ -138,7 +138,10 @@ class DilatedAttention(nn.Module):
         (total, Hkv, D), or the same with a leading batch dimension of 1 (one packed row); the
         output has query's shape. Each document is its own sequence
         (:func:`dilated_attention.dilated_attention_varlen`). ``max_seqlen``: the longest
-        document (computed from ``cu_seqlens`` when None, one host sync).
+        document (computed from ``cu_seqlens`` when None, one host sync). With
+        ``process_group``, query/key/value are this rank's contiguous shard of ONE packed stream
+        and ``cu_seqlens`` its global offsets (the same on every rank; documents may cross rank
+        boundaries): ``dilated_attention_varlen(..., group=process_group)``.
         """
         if cu_seqlens is not None:
             return self._attend_packed(query, key, value, is_causal, key_padding_mask, cu_seqlens, max_seqlen)
@@ -160,10 +163,10 @@ class DilatedAttention(nn.Module):
                 "key_padding_mask with cu_seqlens: packed documents have no padding; leave the "
                 "padding out of the packed tensor (or make it a document of its own)"
             )
-        if self.process_group is not None or self.ordering is not None:
+        if self.ordering is not None:
             raise ValueError(
-                "cu_seqlens (packed documents) is not supported with process_group or ordering on "
-                "this module; use a module without them"
+                "cu_seqlens (packed documents) is not supported with ordering on this module; use "
+                "a module without it"
             )
         squeeze = isinstance(query, torch.Tensor) and query.dim() == 4
         if squeeze:
@@ -182,7 +185,7 @@ class DilatedAttention(nn.Module):
             query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, self.segment_lengths,
             self.dilation_rates, causal=is_causal, softmax_scale=self.softmax_scale,
             dropout_p=self.attention_dropout if self.training else 0.0,
-            head_assignment=self.head_assignment, impl=self.impl,
+            head_assignment=self.head_assignment, impl=self.impl, group=self.process_group,
         )  # fmt: skip
         return out[None] if squeeze else out
 

@@ -15,6 +15,10 @@ bucket of equal padded length, :func:`_per_document`) and so read the offsets to
 (one sync per call). The fused ``"triton"`` path takes device offsets
 without reading them (no sync); pass ``check_offsets=True`` there to validate them at the cost
 of one sync, or pass the offsets on the CPU.
+
+With ``group=`` the tensors are this rank's shard of one packed stream and the offsets are the
+stream's global ones: :func:`..distributed.sequence_parallel.dilated_attention_sp_varlen` plans
+the exchange from their host values (read once).
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ import torch
 
 from .autograd_rules import autocast_inputs
 from .branches import normalize_branches
-from .checks import check_bool, check_dropout, check_head_assignment, check_qkv, resolve_scale
+from .checks import (
+    check_bool,
+    check_cu_seqlens_meta,
+    check_cu_seqlens_values,
+    check_dropout,
+    check_head_assignment,
+    check_qkv,
+    resolve_scale,
+)
 from .kernels.select import MAX_DECODE_ROWS, check_impl, pick_decode_impl, triton_unavailable_reason
 
 __all__ = ["dilated_attention_varlen", "check_cu_seqlens_values"]
@@ -54,70 +66,12 @@ def _check_tensors(q, k, v) -> None:
         raise ValueError(f"{_NAME}: headdim is 0; q, k, v need at least one feature")
 
 
-def _check_offsets_meta(cu_q, cu_k, device) -> None:
-    """Shape/dtype/device checks of the offsets (no host synchronisation)."""
-    for n, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"{_NAME}: {n} must be an integer tensor of document offsets (docs + 1,), got "
-                f"{type(t).__name__}; e.g. torch.tensor([0, 5, 12], dtype=torch.int32)"
-            )
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"{_NAME}: {n} must be an integer tensor (int32 as flash-attn), got {t.dtype}")
-        if t.dim() != 1 or t.shape[0] < 1:
-            raise ValueError(
-                f"{_NAME}: {n} must be 1-D with docs + 1 >= 1 entries (0, then each document's end "
-                f"offset), got shape {tuple(t.shape)}"
-            )
-        if t.device != device and t.device.type != "cpu":
-            raise ValueError(f"{_NAME}: {n} is on {t.device}, q on {device}; pass it on q's device or the CPU")
-    if cu_q.shape[0] != cu_k.shape[0]:
-        raise ValueError(
-            f"{_NAME}: cu_seqlens_q has {cu_q.shape[0] - 1} documents and cu_seqlens_k "
-            f"{cu_k.shape[0] - 1}; each document needs both its query and its key offsets"
-        )
-
-
 def _check_max_seqlen(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{_NAME}: {name} must be a Python int (the longest document), got {value!r}")
     if value < 0:
         raise ValueError(f"{_NAME}: {name} must be >= 0, got {value}")
     return int(value)
-
-
-def check_cu_seqlens_values(
-    cu_q: list[int], cu_k: list[int], total_q: int, total_k: int, max_q: int, max_k: int
-) -> None:
-    """Value checks of host offsets: start at 0, non-decreasing, end at the totals, no document
-    with more queries than keys, ``max_seqlen`` at least every document's length."""
-    for n, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
-        if cu[0] != 0:
-            raise ValueError(f"{_NAME}: {n} must start at 0, got {cu[0]} ({n} = {cu})")
-        for i in range(len(cu) - 1):
-            if cu[i + 1] < cu[i]:
-                raise ValueError(
-                    f"{_NAME}: {n} must be non-decreasing (document offsets), but entry {i + 1} "
-                    f"({cu[i + 1]}) < entry {i} ({cu[i]})"
-                )
-        if cu[-1] != total:
-            raise ValueError(
-                f"{_NAME}: the last entry of {n} ({cu[-1]}) must equal the number of packed tokens "
-                f"({total}, dim 0 of {'q' if n.endswith('q') else 'k and v'})"
-            )
-    for i in range(len(cu_q) - 1):
-        nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        if nq > nk:
-            raise ValueError(
-                f"{_NAME}: document {i} has {nq} queries but {nk} keys (cu_seqlens_q, "
-                "cu_seqlens_k); queries may be fewer than keys (bottom-right aligned), not more"
-            )
-        for n, length, mx in (("max_seqlen_q", nq, max_q), ("max_seqlen_k", nk, max_k)):
-            if length > mx:
-                raise ValueError(
-                    f"{_NAME}: {n} = {mx} but document {i} has {length} "
-                    f"{'queries' if n.endswith('q') else 'keys'}; pass the longest document's length"
-                )
 
 
 def _host_list(t: torch.Tensor) -> list[int]:
@@ -142,6 +96,8 @@ def dilated_attention_varlen(
     return_lse: bool = False,
     impl: str = "auto",
     check_offsets: bool = False,
+    group=None,
+    layout: str = "contiguous",
 ):
     """Dilated attention over packed documents (flash-attn's ``flash_attn_varlen_func`` layout).
 
@@ -162,6 +118,20 @@ def dilated_attention_varlen(
             it can run and ``dropout_p == 0``, else ``"torch"``).
         check_offsets: validate device offsets on the fused path too (one host sync). Offsets
             on the CPU, and the reference/torch paths (which read them once), are always checked.
+        group: a ``torch.distributed`` process group (or 1-D DeviceMesh, or ``(mesh, dim)``) for
+            sequence parallelism over ONE packed stream of N tokens (docs/spec.md, "Sequence
+            parallelism over a packed stream"): each rank passes its shard of the stream (``layout``) as q, k, v
+            ``(N/P, heads, headdim)`` and the GLOBAL offsets (the same on every rank; a CPU
+            tensor, a device tensor or a list of ints: the plan is built from host values, so
+            device offsets are read once, one sync), with ``cu_seqlens_q == cu_seqlens_k`` and
+            ``max_seqlen_*`` the longest document of the whole stream. Documents may cross rank
+            boundaries; no document needs padding, only N must split over the ranks
+            (``N % P == 0``, zigzag ``N % 2P == 0``). Returns this rank's shard of the
+            single-device result (lse ``(nheads, N/P)``), with exact gradients. Not with
+            ``dropout_p > 0`` or ``impl`` "reference"/"triton".
+        layout: with ``group``: ``"contiguous"`` (rank r holds tokens ``[r*N/P, (r+1)*N/P)``)
+            or ``"zigzag"`` (2P chunks, rank r holds chunks r and 2P-1-r), as
+            :func:`dilated_attention.shard_sequence` cuts them (``dim=0``).
 
     Returns:
         out (total_q, nheads, headdim) in q's dtype, or ``(out, lse)``. Autocast follows
@@ -175,10 +145,12 @@ def dilated_attention_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
                 dilation_rates, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
                 head_assignment=head_assignment, return_lse=return_lse, impl=impl,
-                check_offsets=check_offsets,
+                check_offsets=check_offsets, group=group, layout=layout,
             )  # fmt: skip
     _check_tensors(q, k, v)
-    _check_offsets_meta(cu_seqlens_q, cu_seqlens_k, q.device)
+    if group is not None:  # host offsets are welcome: the plan is built from host values
+        cu_seqlens_q, cu_seqlens_k = _offsets_tensor(cu_seqlens_q), _offsets_tensor(cu_seqlens_k)
+    check_cu_seqlens_meta(cu_seqlens_q, cu_seqlens_k, q.device, _NAME)
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     seg, dil = normalize_branches(segment_lengths, dilation_rates)
@@ -189,6 +161,12 @@ def dilated_attention_varlen(
     check_bool("return_lse", return_lse)
     check_bool("check_offsets", check_offsets)
     check_impl(impl)
+    if group is not None:
+        out, lse = _sequence_parallel(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seg, dil, causal, scale, p,
+            head_assignment, impl, group, layout,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
 
     chosen = _pick(impl, q, k, p)
     on_host = cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu"
@@ -212,6 +190,59 @@ def dilated_attention_varlen(
         decode_impl="auto" if impl == "auto" else "torch",
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _offsets_tensor(cu):
+    """A list or tuple of ints -> an int64 CPU tensor (anything else is checked as it is)."""
+    if isinstance(cu, (list, tuple)) and all(
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu
+    ):
+        return torch.tensor([int(x) for x in cu], dtype=torch.int64)
+    return cu
+
+
+def _sequence_parallel(
+    q, k, v, cu_q, cu_k, max_q, max_k, seg, dil, causal, scale, p, head_assignment, impl, group,
+    layout,
+):
+    """``group=``: this rank's shard of one packed stream; the checks run on every rank inside
+    the cross-rank validation (one error everywhere, no hang)."""
+    from .distributed.comm import resolve_group, world_and_rank
+    from .distributed.layout import check_layout
+    from .distributed.sequence_parallel import dilated_attention_sp_varlen
+
+    group = resolve_group(group)
+    world, _ = world_and_rank(group)
+    host_q, host_k = _host_list(cu_q), _host_list(cu_k)  # one sync for device offsets
+    n_local = q.shape[0]
+    n = world * n_local
+
+    def checks():
+        check_layout(layout)
+        if p > 0:
+            raise ValueError(
+                f"{_NAME}: dropout_p > 0 is not supported with group= (sequence-parallel); "
+                "apply dropout outside attention or run without a group"
+            )
+        if host_q != host_k:
+            raise ValueError(
+                f"{_NAME}: with group= cu_seqlens_q must equal cu_seqlens_k (self-attention over "
+                f"one packed stream), got {host_q} and {host_k}"
+            )
+        where = f"the global stream: P = {world} ranks x {n_local} rows of this rank's shard"
+        check_cu_seqlens_values(host_q, host_k, n, n, max_q, max_k, _NAME, totals=(where, where))
+        if layout == "zigzag" and n_local % 2:
+            raise ValueError(
+                f"{_NAME}: layout='zigzag' cuts the stream into 2P = {2 * world} equal chunks, so "
+                f"the stream length N = {n} must be a multiple of {2 * world} (each rank an even "
+                f"shard, got {n_local}); append one filler document to the stream (with ignored "
+                "targets), or use layout='contiguous' (N % P == 0)"
+            )
+
+    return dilated_attention_sp_varlen(
+        q, k, v, host_q, seg, dil, causal=causal, scale=scale, head_assignment=head_assignment,
+        impl=impl, group=group, layout=layout, local_checks=checks, name=_NAME,
+    )  # fmt: skip
 
 
 def _pick(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:

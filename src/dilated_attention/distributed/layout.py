@@ -50,6 +50,24 @@ def chunk_ids(world: int, rank: int, layout: str) -> list[int]:
     return [rank, 2 * world - 1 - rank]
 
 
+def rank_chunks(n: int, world: int, rank: int, layout: str = "contiguous") -> list[tuple[int, int, int]]:
+    """``(global start, global end, local start)`` of each chunk rank ``rank`` holds, in local
+    order (which is also increasing global order, in both layouts)."""
+    check_divisible(n, world, layout)
+    ids = chunk_ids(world, rank, layout)
+    c = n // world // len(ids)
+    return [(i * c, (i + 1) * c, j * c) for j, i in enumerate(ids)]
+
+
+def chunk_owner(chunk: int, world: int, layout: str) -> int:
+    """The rank that holds global chunk ``chunk`` (chunks of N/P for "contiguous", N/2P for
+    "zigzag")."""
+    check_layout(layout)
+    if layout == "contiguous":
+        return chunk
+    return chunk if chunk < world else 2 * world - 1 - chunk
+
+
 def shard_positions(n: int, world: int, rank: int, layout: str = "contiguous", device=None) -> torch.Tensor:
     """Global positions (int64, shape (n // world,)) that rank ``rank`` holds, in local order."""
     check_divisible(n, world, layout)

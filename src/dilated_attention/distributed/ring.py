@@ -49,7 +49,13 @@ from __future__ import annotations
 import torch
 
 from ..autograd_rules import autocast_inputs, backward_context, no_double_backward
-from ..checks import check_bool, check_qkv, resolve_scale
+from ..checks import (
+    check_bool,
+    check_cu_seqlens_meta,
+    check_cu_seqlens_values,
+    check_qkv,
+    resolve_scale,
+)
 from ..kernels.block_attention import attn_bwd, attn_fwd
 from ..merge import acc_dtype, merge_partial_
 from .comm import (
@@ -62,6 +68,7 @@ from .comm import (
     world_and_rank,
 )
 from .layout import LAYOUTS, check_layout
+
 
 def _step_plan(rank: int, src: int, causal: bool, layout: str, n_local: int):
     """Which local query rows meet which rows of the block from rank ``src`` at this step.
@@ -418,6 +425,7 @@ def ring_attention(
     return_lse: bool = False,
     validate: bool = True,
     stats: dict | None = None,
+    cu_seqlens=None,
 ):
     """Exact dense attention over a sequence sharded along dim 1 across the ranks of ``group``.
 
@@ -443,7 +451,19 @@ def ring_attention(
             at once), ``kv_block_bytes`` (one local k plus v) and ``world``; the backward adds
             ``bwd_bytes_sent`` and ``bwd_peak_ring_bytes`` (received K/V blocks and dK/dV
             partials, and at P >= 3 this rank's fp32 dK/dV accumulators). Nothing is kept in the
-            module.
+            module. With ``cu_seqlens``: ``fwd_bytes_sent``, ``bwd_bytes_sent``, ``world``.
+        cu_seqlens: packed documents (flash-attn's varlen offsets): the GLOBAL offsets
+            (docs + 1,) of one packed stream of N tokens, the same on every rank, as a CPU or
+            device integer tensor or a list of ints (the plan is built from host values: device
+            offsets are read once, one sync). q is then this rank's shard ``(N/P, nheads,
+            headdim)`` (or one packed row ``(1, N/P, nheads, headdim)``) and the output and lse
+            (``(nheads, N/P)``, or ``(1, nheads, N/P)``) have the same form. Each query attends
+            to the keys of its own document only (causal: at or before it); documents may cross
+            rank boundaries and need no padding (only ``N % P == 0``, zigzag ``N % 2P == 0``).
+            The K/V rows of a document travel only to the other ranks that hold queries of that
+            document (with ``causal`` only to later positions), directly, not round the ring: a
+            document inside one shard costs no communication
+            (:func:`.sequence_parallel.dilated_attention_sp_varlen` with one dense branch).
 
     Returns:
         out (batch, N/P, nheads, headdim) in q's dtype, this rank's shard of the global output;
@@ -456,15 +476,77 @@ def ring_attention(
         with torch.autocast(amp_device, enabled=False):
             return ring_attention(
                 q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                return_lse=return_lse, validate=validate, stats=stats,
+                return_lse=return_lse, validate=validate, stats=stats, cu_seqlens=cu_seqlens,
             )
     group = resolve_group(group)
     world, rank = world_and_rank(group)
-    scale = resolve_scale(softmax_scale, q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() == 4 else 1.0
+    scale = resolve_scale(softmax_scale, q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 1.0
     causal = check_bool("causal", causal)
-    _validate(q, k, v, causal, scale, layout, group, validate)
-    # world and rank travel explicitly: group=None would mean the default group inside
     if stats is not None and not isinstance(stats, dict):
         raise TypeError(f"ring_attention: stats must be a dict to fill or None, got {type(stats).__name__}")
+    if cu_seqlens is not None:
+        return _packed(q, k, v, cu_seqlens, group, world, causal, scale, layout, return_lse,
+                       validate, stats)
+    _validate(q, k, v, causal, scale, layout, group, validate)
+    # world and rank travel explicitly: group=None would mean the default group inside
     out, lse = _RingAttentionFunction.apply(q, k, v, group, world, rank, scale, causal, layout, stats)
+    return (out, lse) if return_lse else out
+
+
+def _packed(q, k, v, cu_seqlens, group, world, causal, scale, layout, return_lse, validate, stats):
+    """``ring_attention(cu_seqlens=...)``: dense attention inside each document of a packed
+    stream, sharded over the ranks: one dense branch (w >= every document, r = 1) of the packed
+    sequence-parallel plan (:func:`.sequence_parallel.dilated_attention_sp_varlen`)."""
+    from .sequence_parallel import dilated_attention_sp_varlen
+
+    name = "ring_attention"
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
+    row = q.dim() == 4
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != q.dim() or t.dim() not in (3, 4) or (row and t.shape[0] != 1):
+            raise ValueError(
+                f"{name}: with cu_seqlens, q, k, v must be this rank's shard of one packed stream, "
+                f"(N/P, heads, headdim) or one packed row (1, N/P, heads, headdim); got {n} of "
+                f"shape {tuple(t.shape)} (q {tuple(q.shape)})"
+            )
+    q3, k3, v3 = (q[0], k[0], v[0]) if row else (q, k, v)
+    names = ("cu_seqlens", "cu_seqlens")
+    if isinstance(cu_seqlens, (list, tuple)) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens
+    ):
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+    check_cu_seqlens_meta(cu_seqlens, cu_seqlens, q.device, name, names)
+    cu = [int(x) for x in cu_seqlens.tolist()]  # one sync for device offsets
+    n_local = q3.shape[0]
+    n = world * n_local
+
+    def checks():
+        check_qkv(q3[None], k3[None], v3[None], name)
+        check_layout(layout)
+        if q3.shape[0] != k3.shape[0]:
+            raise ValueError(
+                f"{name}: each rank must pass q, k, v shards of one length, got {q3.shape[0]} "
+                f"query and {k3.shape[0]} key rows"
+            )
+        where = f"the global stream: P = {world} ranks x {n_local} rows of this rank's shard"
+        check_cu_seqlens_values(cu, cu, n, n, None, None, name, (where, where), names)
+        if layout == "zigzag" and n_local % 2:
+            raise ValueError(
+                f"{name}: layout='zigzag' cuts the stream into 2P = {2 * world} equal chunks, so "
+                f"the stream length N = {n} must be a multiple of {2 * world} (each rank an even "
+                f"shard, got {n_local}); append one filler document to the stream, or use "
+                "layout='contiguous' (N % P == 0)"
+            )
+
+    out, lse = dilated_attention_sp_varlen(
+        q3, k3, v3, cu, (max(n, 1),), (1,), causal=causal, scale=scale, head_assignment="all",
+        impl="torch", group=group, layout=layout, local_checks=checks, name=name, report=stats,
+        validate=validate,
+    )
+    if stats is not None:
+        stats.pop("branches", None)
+    if row:
+        out, lse = out[None], lse[None]
     return (out, lse) if return_lse else out

@@ -53,6 +53,13 @@ need no gradient) and the torch kernels for non-causal training (the rule and it
 input dtype, so with fp16/bf16 inputs that partial result is rounded once more before the merge
 (one extra rounding of the input dtype, on the torch path's error scale).
 
+Packed stream (:func:`dilated_attention_sp_varlen`, from ``dilated_attention_varlen(group=)``
+and ``ring_attention(cu_seqlens=)``): each rank holds a "contiguous" or "zigzag" shard of one
+stream of documents with global offsets; the branch plans come from
+:func:`.sp_plan.plan_branch_packed` (segments per document, which may cross rank boundaries) and
+run through the same exchange, compute and autograd code as above (torch kernels for every
+block; the fused Triton shard call does not apply).
+
 Not supported with a group (clear errors): ``dropout_p > 0``, ``seqlen_q != seqlen_k`` (KV-cache
 decoding), ``impl="reference"``, and ``impl="triton"`` where the Triton kernel cannot run (no
 triton, not CUDA, headdim or dtype unsupported: the error gives the reason).
@@ -79,7 +86,15 @@ from .comm import (
     validate_across_ranks,
     world_and_rank,
 )
-from .sp_plan import EXCHANGE_MODES, Jobs, kv_sizes, pack_kv, plan_branch, unpack_kv
+from .sp_plan import (
+    EXCHANGE_MODES,
+    Jobs,
+    kv_sizes,
+    pack_kv,
+    plan_branch,
+    plan_branch_packed,
+    unpack_kv,
+)
 
 _TAG_KV, _TAG_RET = 20, 21
 
@@ -602,3 +617,75 @@ def dilated_attention_sp(
         me, world, scale,
     )
     return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------ packed stream (varlen)
+
+
+def dilated_attention_sp_varlen(
+    q, k, v, cu_seqlens, segment_lengths, dilation_rates, *, causal, scale, head_assignment,
+    impl, group, layout, local_checks=None, name="dilated_attention_varlen", report=None,
+    validate=True,
+):
+    """Sequence-parallel dilated attention over a packed stream of documents.
+
+    q: (L, H, D), k, v: (L, Hkv, D): this rank's shard (``layout``: "contiguous" or "zigzag") of
+    a stream of N = P*L tokens; ``cu_seqlens``: the GLOBAL document offsets (docs + 1,) as a
+    list of host ints, identical on every rank (the caller read them to the host once; they are
+    checked across ranks here). Each document is its own sequence (docs/spec.md, "Packed
+    documents (varlen)"); documents may cross rank boundaries. ``local_checks``: the caller's
+    value checks, run inside the cross-rank validation so that a bad input raises the same error
+    on every rank. ``report``: a dict that receives the statistics (as :class:`SPCalls`).
+    ``validate=False`` skips the cross-rank descriptor check (``ring_attention(validate=False)``).
+
+    Returns out (L, H, D) in q's dtype and lse (H, L) float32.
+    """
+    group = resolve_group(group)
+    world, me = world_and_rank(group)
+    seg, dil = tuple(segment_lengths), tuple(dilation_rates)
+    cu = tuple(int(x) for x in cu_seqlens)
+
+    def checks():
+        if local_checks is not None:
+            local_checks()
+        if impl not in ("auto", "torch"):
+            raise ValueError(
+                f"{name}: impl={impl!r} is not available with group= over packed documents: the "
+                "local blocks run the torch kernels; use impl='torch' or 'auto'"
+            )
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(
+                f"{name}: with group= each rank passes q, k, v shards of one length, got "
+                f"{q.shape[0]} query and {k.shape[0]} key rows"
+            )
+
+    names = ["shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal",
+             "head_assignment", "branches", "softmax_scale", "layout", "documents",
+             "cu_seqlens (hash)"]
+
+    def describe():
+        bhash = hash((seg, dil)) & ((1 << 62) - 1)  # tuples of ints hash the same in every process
+        return [q.shape[0], q.shape[1], q.shape[2], k.shape[1], dtype_code(q.dtype), int(causal),
+                int(head_assignment == "split"), bhash, float_bits(scale),
+                int(layout == "zigzag"), len(cu) - 1, hash(cu) & ((1 << 62) - 1)]
+
+    validate_across_ranks(group, name, checks, describe, names, q, validate)
+    h = q.shape[1]
+    calls = _CALLS.get()
+    mode = calls.exchange if calls is not None else "auto"
+    if report is None and calls is not None:
+        report = calls.stats
+    ranges = branch_head_ranges(h, len(seg), head_assignment)
+    work, stats = [], []
+    for (w, r), (hs, he) in zip(zip(seg, dil, strict=True), ranges, strict=True):
+        if he <= hs:
+            continue
+        plan = plan_branch_packed(world, me, layout, cu, h, k.shape[1], w, r, hs, he, bool(causal),
+                                  mode, q.device)
+        work.append((len(stats), plan, True))
+        stats.append(dict(w=w, r=r, mode=plan.mode, peers=plan.peers, local_impl="torch"))
+    out, lse = _DilatedSPFunction.apply(
+        q[None], k[None], v[None], None, work, None, stats, report,
+        group if world > 1 else None, me, world, scale,
+    )
+    return out[0], lse[0]

@@ -566,8 +566,11 @@ class LongNetLM(_Trunk):
         int32 (docs + 1,) offsets into the flattened ``B * T`` tokens of ``idx``. Each document
         is its own sequence: its rotary positions and its segments restart at 0 and it attends
         only to itself, so its logits equal the document run alone. ``max_seqlen``: the longest
-        document (computed from ``cu_seqlens`` when None: one host sync). Not with a KV cache,
-        ``start_pos`` or sequence parallelism.
+        document (computed from ``cu_seqlens`` when None: one host sync). Not with a KV cache
+        or ``start_pos``. Sequence-parallel (:func:`parallelize`): ``idx`` (1, N/P) is this
+        rank's contiguous shard of ONE packed stream of N tokens and ``cu_seqlens`` the global
+        offsets (the same on every rank; documents may cross rank boundaries), as
+        ``dilated_attention_varlen(..., group=)`` takes them.
         """
         x = self.hidden_states(idx, start_pos=start_pos, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         logits = self.lm_head(x) if return_logits or targets is None else None  # (B, T, V)
@@ -599,10 +602,10 @@ class LongNetLM(_Trunk):
         return self.run_layers(x, start_pos)  # (B, T, E)
 
     def _hidden_packed(self, idx, start_pos, cu_seqlens, max_seqlen) -> torch.Tensor:
-        if start_pos is not None or self.has_cache or self.sp_group is not None:
+        if start_pos is not None or self.has_cache:
             raise ValueError(
-                "cu_seqlens (packed documents) runs on one device without a KV cache or "
-                "start_pos; call forward(idx, cu_seqlens=...) on a model without them"
+                "cu_seqlens (packed documents) runs without a KV cache or start_pos; call "
+                "forward(idx, cu_seqlens=...) on a model without them"
             )
         if (
             not isinstance(cu_seqlens, torch.Tensor)
@@ -616,8 +619,15 @@ class LongNetLM(_Trunk):
             )
         b, t = idx.shape
         dev = idx.device
+        if self.sp_group is not None and b != 1:
+            raise ValueError(
+                "with sequence parallelism and cu_seqlens, idx must be this rank's shard of ONE "
+                f"packed stream, shape (1, N/P), got {tuple(idx.shape)}; pack the batch into one "
+                "row (pack_documents(docs, seq_len=N) and concatenate its rows)"
+            )
         cu = cu_seqlens.to(device=dev, dtype=torch.long)
-        flat = torch.arange(b * t, device=dev)
+        # global stream positions of these tokens (this rank's contiguous shard under parallelize)
+        flat = self.position_offset(t) + torch.arange(b * t, device=dev)
         doc = torch.searchsorted(cu, flat, right=True) - 1  # document of each token
         pos = flat - cu[doc.clamp(0, cu.numel() - 1)]  # (B*T,) position inside its document
         if max_seqlen is None:
