@@ -16,6 +16,11 @@ last eval of each run; needs matplotlib)::
     # one H100, the recipe (about 10 minutes per run at most; stops at the target)
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe h100-32k --seeds 0,1,2 \\
         --attention dilated,local,dense --max-minutes 10 --out benchmarks/results/retrieval_32k
+    # one H100: N = 131072 (3 seeds, 5-minute cap each) and N = 524288 (docs/training.md)
+    PYTHONPATH=src python benchmarks/train_retrieval.py --recipe h100-128k --seeds 0,1,2 \\
+        --out benchmarks/results/retrieval_128k
+    PYTHONPATH=src python benchmarks/train_retrieval.py --recipe h100-512k --run-to-cap \\
+        --out benchmarks/results/retrieval_512k
     # CPU, the same structure at N = 2048 or 512 (tens of minutes / minutes on 2 cores)
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe cpu-2k --out /tmp/retrieval_2k
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe cpu-512 --out /tmp/retrieval_512
@@ -23,8 +28,10 @@ last eval of each run; needs matplotlib)::
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe tiny-check --out /tmp/rt
 
 Schedule: AdamW (betas 0.9/0.95, weight decay 0.01 on matrices), linear warmup then constant
-learning rate, gradient clipping at 1.0, bf16 autocast on GPU. A constant rate, because the
-length of a capped run is not known in advance.
+learning rate, gradient clipping at 1.0, bf16 autocast on GPU. A constant rate by default,
+because the number of steps of a capped run is not known in advance; ``--schedule cosine``
+decays it with the wall clock over the cap instead (the ``h100-512k`` recipe, with a warmup at
+every stage and a z-loss: docs/training.md).
 """
 
 from __future__ import annotations
@@ -338,6 +345,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             seq_len=n, num_pairs=r["num_pairs"], min_distance=r["min_distance"], max_distance=n
         )
         if st["s_step"] == 0:
+            st["recent"] = []  # the advance rule looks at this stage's losses only
             rec["stage_starts"].append({"N": n, "step": st["step"],
                                         "time_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
             log(f"  [{attention} seed {seed}] stage N={n} batch {bs} from step {st['step']}, "
@@ -491,6 +499,8 @@ def _plot(r: dict, runs: list[dict], path: str) -> bool:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     ds = r["eval_distances"]
     for run in runs:
+        if not run["evals"]:  # paused before its first eval
+            continue
         last = run["evals"][-1]
         ax.plot(ds, [last[f"acc@{d}"] for d in ds], marker="o",
                 label=f"{run['attention']} seed {run['seed']} ({run['steps']} steps)")  # fmt: skip

@@ -190,3 +190,42 @@ def test_retrieval_reach_rule_matches_reference_attention(heads):
         assert (got == want).all(), (i, got, want)
     rows = mod.reach(n, ws, rs, heads, [5, 29])
     assert rows[0]["value_pos"] == n - 3 and isinstance(rows[1]["two_hop"], int)
+
+
+def test_train_retrieval_stage_rule_schedule_and_resume(tmp_path, monkeypatch):
+    """The stage-advance rule looks at the current stage's losses only (50 of them); the
+    learning-rate factor (warmup, cosine over the cap, per-stage warmup); pause and resume
+    continue the same run (steps, stage, evals)."""
+    mod = _bench("train_retrieval")
+    r = dict(mod.RECIPES["tiny-check"], max_minutes=10.0, warmup=10, schedule="cosine",
+             min_lr_ratio=0.1, stage_warmup=5)  # fmt: skip
+    assert mod.lr_factor(r, 0, 0, 0, 0.0) == pytest.approx(0.1)
+    assert mod.lr_factor(r, 50, 0, 50, 0.0) == pytest.approx(1.0)
+    assert mod.lr_factor(r, 50, 0, 50, 300.0) == pytest.approx(0.55)
+    assert mod.lr_factor(r, 50, 0, 50, 600.0) == pytest.approx(0.1)
+    assert mod.lr_factor(r, 50, 1, 0, 0.0) == pytest.approx(0.2)  # a later stage warms up again
+    assert mod.lr_factor(dict(r, schedule="constant"), 50, 1, 9, 600.0) == pytest.approx(1.0)
+
+    def easy_loss(model, x, y, z_loss):  # every step "learned": each stage ends after 50 steps
+        ce = sum(p.sum() for p in model.parameters()) * 0.0 + 0.01
+        return ce, ce
+
+    monkeypatch.setattr(mod, "retrieval_loss", easy_loss)
+    rec = mod.train_one(dict(mod.RECIPES["tiny-check"], curriculum="64:4:200,128:2:200,128:2:60",
+                             target=2.0, impl="torch", advance_loss=0.2, max_minutes=5.0), "dilated", 0,
+                        log=lambda m: None)  # fmt: skip
+    assert [s["step"] for s in rec["stage_starts"]] == [0, 50, 100]
+    assert rec["steps"] == 160
+
+    base = ["--recipe", "tiny-check", "--attention", "dilated", "--impl", "torch", "--threads", "1",
+            "--curriculum", "64:4:200,128:2:200,128:2:60", "--target", "2", "--max-minutes", "5"]  # fmt: skip
+    ck = str(tmp_path / "ck.pt")
+    assert mod.main(base + ["--out", str(tmp_path / "a"), "--pause-after-minutes", "0",
+                            "--checkpoint", ck]) == 0  # fmt: skip
+    paused = json.loads((tmp_path / "a.json").read_text())["runs"][0]
+    assert paused["paused"] and paused["steps"] == 0
+    assert mod.main(base + ["--out", str(tmp_path / "b"), "--resume", ck]) == 0
+    done = json.loads((tmp_path / "b.json").read_text())["runs"][0]
+    assert done["resumed_at"] == [0] and done["steps"] == 160 and "paused" not in done
+    with pytest.raises(SystemExit):
+        mod.main(base + ["--out", str(tmp_path / "c"), "--pause-after-minutes", "1"])
