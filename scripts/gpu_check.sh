@@ -4,6 +4,10 @@
 #   bash scripts/gpu_check.sh overhead  benchmarks/bench_overhead.py (issue 23) + bench_varlen.py (issue 22)
 #   bash scripts/gpu_check.sh final     verify beside the CUDA tests (3 workers), then
 #                                       bench_overhead.py --no-e2e and profile_host.py on an idle GPU
+#   bash scripts/gpu_check.sh direct    issue 23's direct launch (off by default, flags.py): the CUDA
+#                                       tests of the decode plans and of every Triton path with it ON
+#                                       (bit-for-bit against Triton's own launch), then the same-process
+#                                       A/B benchmarks/ab_decode.py and the host profile
 # Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -29,5 +33,16 @@ case "${1:-tests}" in
     timeout 60 python3 benchmarks/profile_host.py --calls 200 --top 35 > "$OUT/profile_host.txt" 2>&1
     tail -4 "$OUT/cuda_tests.txt"; tail -14 "$OUT/verify.txt"; grep "^|" "$OUT/overhead.txt"
     grep -A3 "function calls" "$OUT/profile_host.txt" | grep "function calls"
+    ;;
+  direct)
+    # warm Triton's cache first (the first test run on a fresh machine compiles every kernel)
+    DILATED_ATTENTION_DIRECT_LAUNCH=1 timeout "${DIRECT_TEST_TIMEOUT:-300}" python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider -rfE \
+      tests/test_decode_plan.py tests/test_decode.py tests/test_decode_edges.py tests/test_overhead.py \
+      tests/test_triton.py tests/test_triton_determinism.py tests/test_triton_varlen.py > "$OUT/cuda_tests_direct.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests_direct.txt"
+    timeout "${AB_TIMEOUT:-180}" python3 benchmarks/ab_decode.py --out "$OUT/ab_decode.md" > "$OUT/ab_decode.txt" 2>&1
+    echo "ab_decode rc=$?" >> "$OUT/ab_decode.txt"
+    DILATED_ATTENTION_DIRECT_LAUNCH=1 timeout 60 python3 benchmarks/profile_host.py --calls 200 --top 30 > "$OUT/profile_host_direct.txt" 2>&1
+    tail -4 "$OUT/cuda_tests_direct.txt"; grep -E "^\||plans with launchers|rc=" "$OUT/ab_decode.txt" | tail -30
     ;;
 esac
