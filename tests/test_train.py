@@ -229,6 +229,12 @@ def test_train_retrieval_stage_rule_schedule_and_resume(tmp_path, monkeypatch):
     assert done["resumed_at"] == [0] and done["steps"] == 160 and "paused" not in done
     with pytest.raises(SystemExit):
         mod.main(base + ["--out", str(tmp_path / "c"), "--pause-after-minutes", "1"])
+    # the 1M recipe (issue 25 item 3): its last branch spans N, activations checkpointed
+    r1m = dict(mod.RECIPES["h100-1m"], impl="torch")
+    with torch.device("meta"):
+        m1 = mod.build_model(r1m, "dilated", torch.device("meta"))
+    assert m1.cfg.segment_lengths[-1] == r1m["seq_len"] == 1048576 and m1.cfg.checkpoint_activations
+    assert mod.parse_curriculum(r1m["curriculum"])[-1] == (1048576, 1, 0)
 
 
 def test_split_checkpoint_files_round_trip(tmp_path):
