@@ -10,7 +10,7 @@
 #                              dense, local; K = 1 starts the run, K = 2, 3 resume it (20 min of
 #                              training in 3 calls)
 #   stdlib128k-ATT-K           item 4: --preset h100-128k, ATT in dilated, local; K = 1, 2
-#                              (15 min of training in 2 calls)
+#                              (14 min of training in 2 calls)
 #   retrieval512k-seedS-K      item 2: train_retrieval.py --recipe h100-512k --run-to-cap, 20-min
 #                              cap (evals counted), S in 0, 1, 2; K = 1, 2, 3
 #   retrieval1m-K              item 3: --recipe h100-1m --target 0.9, 30-min cap, stops at the
