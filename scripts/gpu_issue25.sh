@@ -60,7 +60,8 @@ d = StdlibBytes(131072)
 print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_data), 'bytes;', len(d.val_files), 'validation files', len(d.val_data), 'bytes')"
       timeout -k 10 "$LIMIT" $PY benchmarks/bench_train.py --presets small \
         --lengths 131072,524288,1048576 --attention dilated,dense --dense-steps 1 \
-        --search-dense --budget-s 420 --out "$OUT/train_throughput_1m_h100"; } 2>&1 | tee "$OUT/log.txt"
+        --search-dense --search-probes 2 --budget-s 420 --out "$OUT/train_throughput_1m_h100"
+      echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
     ;;
   stdlib32k-*|stdlib128k-*)
     OUT=${OUT:?}; mkdir -p "$OUT"
