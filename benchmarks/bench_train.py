@@ -25,8 +25,8 @@ Writes ``OUT.md`` and ``OUT.json``; prints the table last. About 4 minutes on on
 
 Issue 25 item 5, ``small`` at 512K and 1M beside dense (about 5 minutes on one H100, est.)::
 
-    PYTHONPATH=src python benchmarks/bench_train.py --presets small \
-        --lengths 131072,524288,1048576 --dense-steps 1 --search-dense --search-probes 2 \
+    PYTHONPATH=src python benchmarks/bench_train.py --presets small \\
+        --lengths 131072,524288,1048576 --dense-steps 1 --search-dense --search-probes 2 \\
         --budget-s 420 --out benchmarks/results/train_throughput_1m_h100
 
 ``--dense-steps`` times dense with fewer steps than dilated (a dense step at 1M is a minute or
