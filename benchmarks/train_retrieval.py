@@ -24,7 +24,7 @@ last eval of each run; needs matplotlib)::
     # one H100: N = 1048576, 30-minute cap, in 4 calls of < 10 minutes (--pause-after-minutes,
     # --resume; the checkpoint is split into files of <= 15 MiB: scripts/gpu_issue25.sh)
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe h100-1m --target 0.9 \\
-        --pause-after-minutes 8.5 --checkpoint run.pt --out part1
+        --pause-after-minutes 8.3 --checkpoint run.pt --out part1
     # CPU, the same structure at N = 2048 or 512 (tens of minutes / minutes on 2 cores)
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe cpu-2k --out /tmp/retrieval_2k
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe cpu-512 --out /tmp/retrieval_512

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -247,19 +248,13 @@ def test_split_checkpoint_files_round_trip(tmp_path):
     path = str(tmp_path / "ck.pt")
     files = common.save_split(obj, path, max_bytes=40_000)
     assert len(files) == 4 and common.split_files(path) == files
-    assert all(pathlib_size(f) < 40_000 + 4096 for f in files)
+    assert all(os.path.getsize(f) < 40_000 + 4096 for f in files)
     back = common.load_split(path)
     assert torch.equal(back["a"], obj["a"]) and torch.equal(back["b"][0], obj["b"][0])
     assert back["b"][1:3] == [3, "x"] and back["b"][3][0].dtype == torch.bfloat16
     assert back["c"].item() == 5.0 and back["d"].shape == (0,)
     assert common.save_split({"x": torch.ones(3)}, path) == [path]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
-
-
-def pathlib_size(path: str) -> int:  # noqa: D103
-    import os
-
-    return os.path.getsize(path)
 
 
 def test_stdlib_trainer_pause_resume_and_presets(tmp_path):
