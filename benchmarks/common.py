@@ -92,3 +92,95 @@ def torchrun_header(title: str, dev: torch.device, world: int, extra=()) -> list
         title, dev, command=command_line(f"torchrun --nproc_per_node={world}"),
         extra=[f"ranks: {world}; backend {dist.get_backend()}; NCCL {nccl}", f"NCCL env: {env}", *extra],
     )
+
+
+# --- checkpoints that come back from a device call ------------------------------------------
+# A device call returns files of at most 16 MiB each (and at most 8 of them), so a run that
+# pauses in one call and resumes in the next saves its state split into files of at most
+# SPLIT_BYTES of tensor data: ``PATH`` (the structure, every tensor replaced by a reference, and
+# the first share of the tensors) and ``PATH.1``, ``PATH.2``, ... (the rest).
+
+SPLIT_BYTES = 15 * 2**20
+
+
+def _split_files(path: str, n: int) -> list[str]:
+    return [path] + [f"{path}.{i}" for i in range(1, n)]
+
+
+def save_split(obj, path: str, max_bytes: int = SPLIT_BYTES) -> list[str]:
+    """``torch.save`` ``obj`` (nested dicts, lists and tuples of tensors and plain values) as
+    files of at most ``max_bytes`` of tensor data each (a tensor larger than that is cut into
+    flat pieces). Every file is written under a temporary name first, then renamed; the files of
+    one save share a random tag that :func:`load_split` checks. Files of an earlier save with
+    more parts are removed. Returns the paths written."""
+    pieces: list[torch.Tensor] = []
+
+    def strip(o):
+        if isinstance(o, torch.Tensor):
+            t = o.detach().to("cpu").contiguous()
+            step = max(1, max_bytes // max(1, t.element_size()))
+            flat = t.reshape(-1)
+            idx = []
+            for a in range(0, max(1, flat.numel()), step):
+                idx.append(len(pieces))
+                pieces.append(flat[a : a + step].clone())
+            return {"__split_tensor__": idx, "shape": list(t.shape), "dtype": str(t.dtype)}
+        if isinstance(o, dict):
+            return {k: strip(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(strip(v) for v in o)
+        return o
+
+    skeleton = strip(obj)
+    files: list[list[int]] = [[]]
+    size = 0
+    for i, t in enumerate(pieces):
+        nb = t.numel() * t.element_size()
+        if files[-1] and size + nb > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(i)
+        size += nb
+    tag = os.urandom(8).hex()
+    paths = _split_files(path, len(files))
+    for k, (p, ids) in enumerate(zip(paths, files, strict=True)):
+        body = {"tag": tag, "part": k, "pieces": {i: pieces[i] for i in ids}}
+        if k == 0:
+            body.update(skeleton=skeleton, n_files=len(files))
+        torch.save(body, p + ".tmp")
+    for p in reversed(paths):  # the first file (the skeleton) last
+        os.replace(p + ".tmp", p)
+    k = len(files)
+    while os.path.exists(f"{path}.{k}"):  # parts of an earlier, larger save
+        os.remove(f"{path}.{k}")
+        k += 1
+    return paths
+
+
+def load_split(path: str, map_location="cpu"):
+    """The object saved by :func:`save_split` (tensors on ``map_location``)."""
+    head = torch.load(path, map_location="cpu", weights_only=False)
+    pieces = dict(head["pieces"])
+    for p in _split_files(path, head["n_files"])[1:]:
+        body = torch.load(p, map_location="cpu", weights_only=False)
+        if body["tag"] != head["tag"]:
+            raise ValueError(f"{p} is from another save than {path} (interrupted write?)")
+        pieces.update(body["pieces"])
+
+    def build(o):
+        if isinstance(o, dict) and "__split_tensor__" in o:
+            flat = torch.cat([pieces[i] for i in o["__split_tensor__"]])
+            return flat.reshape(o["shape"]).to(map_location)
+        if isinstance(o, dict):
+            return {k: build(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(build(v) for v in o)
+        return o
+
+    return build(head["skeleton"])
+
+
+def split_files(path: str) -> list[str]:
+    """The files of the checkpoint at ``path`` (to copy or carry them together)."""
+    head = torch.load(path, map_location="cpu", weights_only=False)
+    return _split_files(path, head["n_files"])

@@ -21,6 +21,10 @@ last eval of each run; needs matplotlib)::
         --out benchmarks/results/retrieval_128k
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe h100-512k --run-to-cap \\
         --out benchmarks/results/retrieval_512k
+    # one H100: N = 1048576, 30-minute cap, in 4 calls of < 10 minutes (--pause-after-minutes,
+    # --resume; the checkpoint is split into files of <= 15 MiB: scripts/gpu_issue25.sh)
+    PYTHONPATH=src python benchmarks/train_retrieval.py --recipe h100-1m --target 0.9 \\
+        --pause-after-minutes 8.3 --checkpoint run.pt --out part1
     # CPU, the same structure at N = 2048 or 512 (tens of minutes / minutes on 2 cores)
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe cpu-2k --out /tmp/retrieval_2k
     PYTHONPATH=src python benchmarks/train_retrieval.py --recipe cpu-512 --out /tmp/retrieval_512
@@ -49,7 +53,7 @@ from dilated_attention.data import IGNORE, RetrievalTask
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import results_header, run_info  # noqa: E402
+from common import load_split, results_header, run_info, save_split  # noqa: E402
 
 # Model: the `small` preset's branches (w = 1024, 4096, 16384, 32768; r = 1, 2, 4, 6; 6 heads
 # so every offset of r = 6 has a head), narrower and shallower for speed. Curriculum entries are
@@ -132,6 +136,37 @@ RECIPES: dict[str, dict] = {
         eval_batch=1,
         eval_every_s=60.0,
         max_minutes=20.0,
+        device="cuda",
+        dtype="bfloat16",
+    ),
+    # N = 1048576 (issue 25 item 3): the 512K recipe with its last branch at w = N (r = 16:
+    # 65536 keys a row) and one more stage; activation checkpointing per block (without it the
+    # activations of one 1M-token step are estimated at ~80 GB); evals on 16 sequences at 4
+    # distances every 150 s (~20 s each, est.); a 30-minute cap.
+    "h100-1m": dict(
+        seq_len=1048576,
+        segments=(1024, 4096, 16384, 65536, 1048576),
+        rates=(1, 2, 4, 8, 16),
+        dim=256,
+        n_layer=4,
+        n_head=16,
+        ffn_dim=1024,
+        curriculum="512:128:3000,2048:32:3000,8192:8:3000,32768:2:3000,131072:1:3000,"
+        "524288:1:3000,1048576:1:0",
+        lr=1e-3,
+        warmup=100,
+        schedule="cosine",
+        stage_warmup=50,
+        z_loss=1e-4,
+        num_pairs=1,
+        min_distance=16,
+        local_window=1024,
+        eval_distances=(512, 65536, 524288, 1048576),
+        eval_samples=16,
+        eval_batch=1,
+        eval_every_s=150.0,
+        max_minutes=30.0,
+        checkpoint_activations=True,
         device="cuda",
         dtype="bfloat16",
     ),
@@ -226,6 +261,7 @@ def build_model(r: dict, attention: str, device) -> LongNetLM:
         vocab_size=128, dim=r["dim"], n_layer=r["n_layer"], n_head=r["n_head"],
         ffn_dim=r["ffn_dim"], segment_lengths=r["segments"], dilation_rates=r["rates"],
         max_seq_len=r["seq_len"], impl=r["impl"],
+        checkpoint_activations=r.get("checkpoint_activations", False),
     )  # fmt: skip
     cfg = cfg.with_attention(attention, r["seq_len"], r["local_window"])
     return LongNetLM(cfg).to(device)
@@ -318,7 +354,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
     st = dict(step=0, si=0, s_step=0, recent=[], eval_s=0.0, last_eval=0.0,
               elapsed=0.0, reached=None)  # fmt: skip
     if resume:
-        ck = torch.load(resume, map_location=device, weights_only=False)
+        ck = load_split(resume, map_location=device)
         if (ck["attention"], ck["seed"]) != (attention, seed):
             raise ValueError(f"checkpoint {resume} is for {ck['attention']} seed {ck['seed']}")
         model.load_state_dict(ck["model"])
@@ -329,10 +365,14 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
     t_call = time.perf_counter()
     t0 = t_call - st["elapsed"]  # training time of earlier calls counts toward the cap
 
+    def save():  # split into files of <= 15 MiB: a device call returns files of <= 16 MiB
+        if checkpoint:
+            st["elapsed"] = time.perf_counter() - t0
+            save_split({"attention": attention, "seed": seed, "model": model.state_dict(),
+                        "opt": opt.state_dict(), "rec": rec, "state": st}, checkpoint)  # fmt: skip
+
     def save_and_pause():
-        st["elapsed"] = time.perf_counter() - t0
-        torch.save({"attention": attention, "seed": seed, "model": model.state_dict(),
-                    "opt": opt.state_dict(), "rec": rec, "state": st}, checkpoint)  # fmt: skip
+        save()
         rec.update(paused=True, steps=st["step"], wall_s=round(st["elapsed"], 1))
         log(f"  [{attention} seed {seed}] paused at step {st['step']}, t={st['elapsed']:.0f}s "
             f"-> {checkpoint}")
@@ -393,10 +433,12 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
                 rec["evals"].append(ev)
                 log(f"  [{attention} seed {seed}] step {step} N={n} t={st['last_eval']:.0f}s "
                     + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))  # fmt: skip
-                if progress is not None:
-                    progress(rec)
                 if min(acc.values()) >= r["target"] and st["reached"] is None:
                     st["reached"] = ev
+                save()  # a call killed later loses at most one eval interval
+                if progress is not None:
+                    progress(rec)
+                if st["reached"] is ev:
                     if not r.get("run_to_cap"):
                         stop = True
                         break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -229,3 +230,104 @@ def test_train_retrieval_stage_rule_schedule_and_resume(tmp_path, monkeypatch):
     assert done["resumed_at"] == [0] and done["steps"] == 160 and "paused" not in done
     with pytest.raises(SystemExit):
         mod.main(base + ["--out", str(tmp_path / "c"), "--pause-after-minutes", "1"])
+    # the 1M recipe (issue 25 item 3): its last branch spans N, activations checkpointed
+    r1m = dict(mod.RECIPES["h100-1m"], impl="torch")
+    with torch.device("meta"):
+        m1 = mod.build_model(r1m, "dilated", torch.device("meta"))
+    assert m1.cfg.segment_lengths[-1] == r1m["seq_len"] == 1048576 and m1.cfg.checkpoint_activations
+    assert mod.parse_curriculum(r1m["curriculum"])[-1] == (1048576, 1, 0)
+
+
+def test_split_checkpoint_files_round_trip(tmp_path):
+    """benchmarks/common.save_split: files of at most max_bytes of tensor data (a device call
+    returns files of at most 16 MiB), a tensor larger than that cut in pieces, the same object
+    back; a smaller later save removes the extra files of an earlier one."""
+    common = _bench("common")
+    obj = {"a": torch.randn(300, 100), "b": [torch.arange(7), 3, "x", (torch.ones(2, dtype=torch.bfloat16),)],
+           "c": torch.tensor(5.0), "d": torch.zeros(0)}  # fmt: skip
+    path = str(tmp_path / "ck.pt")
+    files = common.save_split(obj, path, max_bytes=40_000)
+    assert len(files) == 4 and common.split_files(path) == files
+    assert all(os.path.getsize(f) < 40_000 + 4096 for f in files)
+    back = common.load_split(path)
+    assert torch.equal(back["a"], obj["a"]) and torch.equal(back["b"][0], obj["b"][0])
+    assert back["b"][1:3] == [3, "x"] and back["b"][3][0].dtype == torch.bfloat16
+    assert back["c"].item() == 5.0 and back["d"].shape == (0,)
+    assert common.save_split({"x": torch.ones(3)}, path) == [path]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+
+
+def test_stdlib_trainer_pause_resume_and_presets(tmp_path):
+    """train_stdlib_bytes.py: a run paused after 6 of 12 steps and resumed ends at the same step
+    with the same losses and evals as one uninterrupted run, keeps the evals of its first call,
+    and a finished checkpoint trains no further; the issue-25 presets construct (same size for
+    every attention, the position buckets of the issue); --merge puts runs in one report."""
+    mod = _bench("train_stdlib_bytes")
+    base = ["--tiny", "--attention", "dilated", "--max-steps", "12", "--eval-every-steps", "4",
+            "--max-minutes", "10", "--threads", "1", "--impl", "torch", "--seq-len", "256"]  # fmt: skip
+    full, a, b = (str(tmp_path / n) for n in ("full", "a", "b"))
+    ck = str(tmp_path / "run.pt")
+    assert mod.main(base + ["--out", full]) == 0
+    assert mod.main(base + ["--out", a, "--pause-after-steps", "6", "--checkpoint", ck]) == 0
+    part = json.loads(open(a + ".json").read())["runs"][0]
+    assert part["paused"] and part["steps"] == 6 and [e["step"] for e in part["evals"]] == [4]
+    assert mod.main(base + ["--out", b, "--resume", ck, "--checkpoint", ck]) == 0
+    one = json.loads(open(full + ".json").read())["runs"][0]
+    two = json.loads(open(b + ".json").read())["runs"][0]
+    assert two["steps"] == one["steps"] == 12 and "paused" not in two and len(two["calls"]) == 2
+    assert [e["step"] for e in two["evals"]] == [4, 8, 12] and two["evals"][0] == part["evals"][0]
+    assert two["train_bpb_curve"] == one["train_bpb_curve"]
+    assert [e["bpb"] for e in two["evals"]] == [e["bpb"] for e in one["evals"]]
+    assert mod.main(base + ["--out", b, "--resume", ck]) == 0  # finished: nothing more
+    assert json.loads(open(b + ".json").read())["runs"][0]["steps"] == 12
+    with pytest.raises(ValueError, match="other settings"):
+        mod.main(base[:4] + ["13"] + base[5:] + ["--out", b, "--resume", ck])
+    with pytest.raises(SystemExit):  # pausing needs a checkpoint path
+        mod.main(base + ["--out", b, "--pause-after-steps", "1"])
+    assert mod.main(["--merge", f"{full}.json,{b}.json", "--out", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m.md").read_text().count("| dilated | 0 |") == 2
+
+    for name, n, want in (("h100-32k", 32768, ["dilated", "dense", "local"]),
+                          ("h100-128k", 131072, ["dilated", "local"])):  # fmt: skip
+        s = dict(mod.PRESETS[name], impl="torch", pack=False, device="cpu")
+        assert s["seq_len"] == n and s["attentions"].split(",") == want
+        assert s["max_minutes"] >= (20 if n == 32768 else 14) and s["schedule"] == "cosine"
+        sizes = set()
+        for att in want:
+            with torch.device("meta"):  # sizes and branches only: no initialisation
+                model, _ = mod.build(s, att, torch.device("meta"), 0)
+            sizes.add(model.num_params())
+            w = list(model.cfg.segment_lengths)
+            assert w == {"dilated": list(s["segments"]), "dense": [w[0]], "local": [1024]}[att]
+            assert att != "dense" or w[0] >= n
+        assert len(sizes) == 1 and 3e6 < sizes.pop() < 3.5e6
+    assert mod.buckets(32768, 1024) == [(0, 1024), (1024, 4096), (4096, 16384), (16384, 32768)]
+    bins = mod.position_bins(32768)
+    assert bins[0] == (0, 1) and bins[-1][1] == 32768 and all(a < b for a, b in bins)
+
+
+def test_bench_train_tiny_lengths_dense_steps_and_search(tmp_path, monkeypatch):
+    """bench_train.py at a tiny size on the CPU: a --lengths list, fewer timed dense steps, and
+    the search for the largest dense length that fits (out-of-memory simulated above 200)."""
+    mod = _bench("bench_train")
+    orig = mod.time_steps
+
+    def oom_above_200(model, opt, n, *a, **k):
+        if len(model.cfg.segment_lengths) == 1 and model.cfg.segment_lengths[0] >= n > 200:
+            raise torch.OutOfMemoryError("simulated")
+        return orig(model, opt, n, *a, **k)
+
+    monkeypatch.setattr(mod, "time_steps", oom_above_200)
+    assert mod.largest_fitting(128, 256, lambda n: n <= 200, 32, 4) == 192
+    assert mod.largest_fitting(0, 64, lambda n: False, 32, 4) is None
+    out = tmp_path / "bt"
+    assert mod.main(["--tiny", "--lengths", "128,256", "--steps", "1", "--dense-steps", "1",
+                     "--search-dense", "--search-grain", "32", "--threads", "1",
+                     "--out", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    got = [(r["N"], r["attention"], r.get("status"), r.get("note")) for r in rows]
+    assert got == [(128, "dilated", None, None), (128, "dense", None, None),
+                   (256, "dilated", None, None), (256, "dense", "OOM", None),
+                   (192, "dense", None, "largest dense")]  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 for r in rows if "status" not in r)
+    assert "dense (largest dense)" in out.with_suffix(".md").read_text()

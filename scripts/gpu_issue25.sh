@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Issue 25's remaining GPU runs, one device call per mode (one H100; run from the repository
+# root, $OUT set; every mode ends by its own `timeout` within 9.5 minutes). The plan, its order
+# and its time estimates: docs/training.md, "Next GPU runs for issue 25".
+#
+# Device modes (run these through the device tool, carry ["runs/issue25/ckpt"]):
+#   throughput                 item 5: bench_train.py, `small` at 128K, 512K, 1M beside dense
+#                              (+ the stdlib corpus of this python, checked before any stdlib run)
+#   stdlib32k-ATT-K            item 4: train_stdlib_bytes.py --preset h100-32k, ATT in dilated,
+#                              dense, local; K = 1 starts the run, K = 2, 3 resume it (20 min of
+#                              training in 3 calls)
+#   stdlib128k-ATT-K           item 4: --preset h100-128k, ATT in dilated, local; K = 1, 2
+#                              (14 min of training in 2 calls)
+#   retrieval512k-seedS-K      item 2: train_retrieval.py --recipe h100-512k --run-to-cap, 20-min
+#                              cap (evals counted), S in 0, 1, 2; K = 1, 2, 3
+#   retrieval1m-K              item 3: --recipe h100-1m --target 0.9, 30-min cap, stops at the
+#                              target; K = 1 .. 4
+# A K > 1 mode resumes from runs/issue25/ckpt/RUN.pt (+ .1, .2): the checkpoint files the
+# previous call of that run wrote under $OUT, put there by `collect`. Rerunning a K > 1 mode
+# after a killed call resumes from the checkpoint of its last eval (at most one eval interval
+# is lost); the mode number only says whether to start fresh (1) or resume (> 1).
+#
+# Local modes (this machine, no GPU):
+#   collect FILES_AT MODE      after each device call: keeps what came back under
+#                              runs/issue25/out/MODE/ and, unless the run finished, its checkpoint
+#                              in runs/issue25/ckpt/ (the only thing there: one run at a time)
+#   finalize [DATE]            merged reports into benchmarks/results/ (stdlib: one report and one
+#                              figure per preset; retrieval and throughput: the last call's files)
+set -uo pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+CK=runs/issue25/ckpt
+mode=${1:?mode: throughput, stdlib32k-ATT-K, stdlib128k-ATT-K, retrieval512k-seedS-K, retrieval1m-K, collect, finalize}
+LIMIT=${LIMIT:-565}   # seconds: the device call's own limit, under 9.5 minutes
+# EXTRA: more flags for the training scripts (a CPU check of this script: EXTRA="--tiny ...")
+PAUSE=${PAUSE:-8.3}   # minutes of a call (setup and evals included) before a run pauses
+
+env_line() {
+  $PY -c "import torch, platform; import triton; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"
+}
+
+resume_args() {  # RUN K -> the --resume flags of call K of RUN (none for K = 1)
+  if [ "$2" = 1 ]; then
+    if [ -e "$CK/$1.pt" ]; then echo "note: $CK/$1.pt exists; call 1 starts a fresh run anyway" >&2; fi
+    return 0
+  fi
+  if [ ! -e "$CK/$1.pt" ]; then
+    echo "no checkpoint $CK/$1.pt: run 'collect' on the previous call's files and carry $CK" >&2
+    return 1
+  fi
+  echo "--resume $CK/$1.pt"
+}
+
+case "$mode" in
+  throughput)
+    OUT=${OUT:?}; mkdir -p "$OUT"
+    { env_line; $PY -c "
+from dilated_attention.data import StdlibBytes
+d = StdlibBytes(131072)
+print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_data), 'bytes;', len(d.val_files), 'validation files', len(d.val_data), 'bytes')"
+      timeout -k 10 "$LIMIT" $PY benchmarks/bench_train.py --presets small \
+        --lengths 131072,524288,1048576 --attention dilated,dense --dense-steps 1 \
+        --search-dense --search-probes 2 --budget-s 420 --out "$OUT/train_throughput_1m_h100"
+      echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
+    ;;
+  stdlib32k-*|stdlib128k-*)
+    OUT=${OUT:?}; mkdir -p "$OUT"
+    IFS=- read -r size att k <<< "$mode"
+    run="$size-$att"
+    preset=h100-${size#stdlib}
+    res=$(resume_args "$run" "$k") || exit 2
+    { env_line
+      # shellcheck disable=SC2086
+      timeout -k 10 "$LIMIT" $PY benchmarks/train_stdlib_bytes.py --preset "$preset" \
+        --attention "$att" --pause-after-minutes "$PAUSE" --checkpoint "$OUT/$run.pt" \
+        --out "$OUT/$run" $res ${EXTRA:-}; echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
+    ;;
+  retrieval512k-seed*|retrieval1m-*)
+    OUT=${OUT:?}; mkdir -p "$OUT"
+    k=${mode##*-}
+    run=${mode%-*}
+    if [ "${run#retrieval1m}" != "$run" ]; then
+      flags="--recipe h100-1m --target 0.9"
+    else
+      seed=${run#retrieval512k-seed}
+      flags="--recipe h100-512k --seeds $seed --max-minutes 20 --run-to-cap"
+    fi
+    res=$(resume_args "$run" "$k") || exit 2
+    { env_line
+      # shellcheck disable=SC2086
+      timeout -k 10 "$LIMIT" $PY benchmarks/train_retrieval.py $flags \
+        --pause-after-minutes "$PAUSE" --checkpoint "$OUT/$run.pt" --out "$OUT/$run" $res ${EXTRA:-}
+      echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
+    ;;
+  collect)
+    src=${2:?collect FILES_AT MODE}; m=${3:?collect FILES_AT MODE}
+    run=${m%-*}
+    dest=runs/issue25/out/$m
+    mkdir -p "$dest" && cp -r "$src"/. "$dest"/
+    rm -rf "$CK"; mkdir -p "$CK"
+    if [ -e "$dest/$run.pt" ]; then
+      if $PY -c "
+import json, sys
+r = json.load(open(sys.argv[1]))['runs'][0]
+sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$dest/$run.json" 2>/dev/null; then
+        echo "$run finished: no checkpoint kept"
+      else
+        cp "$dest/$run".pt* "$CK"/
+        echo "kept for the next call: $(ls "$CK" | tr '\n' ' ')($(du -sh "$CK" | cut -f1))"
+      fi
+    fi
+    grep -h "^|" "$dest"/*.md 2>/dev/null | head -12
+    ;;
+  finalize)
+    date=${2:-$(date -u +%F)}
+    last() { ls -d runs/issue25/out/"$1"-* 2>/dev/null | sort -V | tail -1; }
+    for size in 32k 128k; do
+      jsons=""
+      for att in dilated dense local; do
+        d=$(last "stdlib$size-$att") || true
+        [ -n "$d" ] && jsons="$jsons,$d/stdlib$size-$att.json"
+      done
+      [ -n "$jsons" ] && $PY benchmarks/train_stdlib_bytes.py --merge "${jsons#,}" \
+        --out "benchmarks/results/stdlib_bytes_${size}_h100_$date" > /dev/null && echo "stdlib $size: ${jsons#,}"
+    done
+    for run in retrieval512k-seed0 retrieval512k-seed1 retrieval512k-seed2 retrieval1m; do
+      d=$(last "$run") || true
+      [ -z "$d" ] && continue
+      name=${run/retrieval512k-seed/retrieval_512k_h100_${date}_seed}
+      name=${name/retrieval1m/retrieval_1m_h100_$date}
+      for f in "$d/$run".md "$d/$run".json "$d/$run".png "$d/${run}_loss.png"; do
+        [ -e "$f" ] && cp "$f" "benchmarks/results/$name${f#"$d/$run"}"
+      done
+      echo "$run: $d"
+    done
+    d=runs/issue25/out/throughput
+    if [ -d "$d" ]; then
+      cp "$d/train_throughput_1m_h100.md" "benchmarks/results/train_throughput_1m_h100_$date.md"
+      cp "$d/train_throughput_1m_h100.json" "benchmarks/results/train_throughput_1m_h100_$date.json"
+    fi
+    ls -la benchmarks/results | grep "$date"
+    ;;
+  *)
+    echo "unknown mode $mode" >&2; exit 2
+    ;;
+esac
