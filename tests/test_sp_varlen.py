@@ -154,6 +154,13 @@ def _errors_worker(rank, world):
             call([0, 12], impl=impl)
     with pytest.raises(ValueError, match="layout must be one of"):
         call([0, 12], layout="striped")
+    # the module with a process group takes the offsets as a list of ints, as the function does,
+    # and computes max_seqlen from it (it used to pass 0 and fail on the longest document)
+    from dilated_attention import DilatedAttention
+
+    mod = DilatedAttention((4,), (1,), impl="torch", process_group=group)
+    want = mod(q, q, q, is_causal=True, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32))
+    check_close("module, list offsets", mod(q, q, q, is_causal=True, cu_seqlens=[0, 5, 12]), want, 0)
     # still healthy after the errors
     _case(world, rank, [5, 7], layout="zigzag", causal=True, seed=3)
 

@@ -179,6 +179,11 @@ class DilatedAttention(nn.Module):
             query, key, value = query[0], key[0], value[0]
         if max_seqlen is None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 1:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        elif (max_seqlen is None and isinstance(cu_seqlens, (list, tuple)) and len(cu_seqlens) > 1
+              and all(isinstance(c, int) for c in cu_seqlens)):
+            # a list of ints (accepted with a process group): its longest document, not 0 (which
+            # failed with "max_seqlen_q = 0 ... pass the longest document's length")
+            max_seqlen = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
         elif max_seqlen is None:
             max_seqlen = 0
         out = dilated_attention_varlen(
