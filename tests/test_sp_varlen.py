@@ -154,6 +154,25 @@ def _errors_worker(rank, world):
             call([0, 12], impl=impl)
     with pytest.raises(ValueError, match="layout must be one of"):
         call([0, 12], layout="striped")
+    # an argument error of one rank only (offsets' type/shape, q's dims: checks made before the
+    # cross-rank comparison) raises on every rank; the others used to wait in the collective
+    good = torch.tensor([0, 5, 12], dtype=torch.int32)
+    one_bad = [
+        (good.float(), q, TypeError, "integer tensor"),
+        (good[None], q, ValueError, "must be 1-D"),
+        ([0, 5.0, 12], q, TypeError, "integer tensor of document offsets"),
+        (good, q[None], ValueError, "q must have 3 dims"),
+    ]
+    for cu, qq, exc, msg in one_bad:
+        ring_too = qq is q  # (the same on both ranks)
+        if rank == 1:
+            cu, qq = good, q
+        want = (exc, msg) if rank == 0 else (ValueError, r"invalid inputs on rank\(s\) \[0\]")
+        with pytest.raises(want[0], match=want[1]):
+            dilated_attention_varlen(qq, qq, qq, cu, cu, 12, 12, (4,), (1,), group=group)
+        if ring_too:
+            with pytest.raises(want[0], match=want[1].replace("cu_seqlens_q", "cu_seqlens")):
+                ring_attention(q, q, q, group=group, cu_seqlens=cu)
     # the module with a process group takes the offsets as a list of ints, as the function does,
     # and computes max_seqlen from it (it used to pass 0 and fail on the longest document)
     from dilated_attention import DilatedAttention

@@ -80,6 +80,7 @@ from ..kernels.select import pick_sp_local_impl
 from ..merge import acc_dtype, merge_partial, merge_partial_
 from .comm import (
     PeerExchange,
+    check_same_across_ranks,
     dtype_code,
     float_bits,
     resolve_group,
@@ -622,6 +623,31 @@ def dilated_attention_sp(
 # ------------------------------------------------------------------ packed stream (varlen)
 
 
+# the descriptor that dilated_attention_sp_varlen compares across ranks
+SP_VARLEN_NAMES = ["shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal",
+                   "head_assignment", "branches", "softmax_scale", "layout", "documents",
+                   "cu_seqlens (hash)"]  # fmt: skip
+
+
+def sp_varlen_arg_error(group, err: Exception, tensors, name: str, validate: bool = True):
+    """Raise ``err``, an argument error found on this rank before the cross-rank check of
+    :func:`dilated_attention_sp_varlen` (a type, shape or device check of the tensors or the
+    offsets), after taking part in that check's one all-gather with it: the ranks whose
+    arguments passed then raise "invalid inputs on rank(s) [...]" instead of waiting in the
+    all-gather until the collective timeout. ``tensors``: the call's arguments, for the device
+    of the collective (the first CUDA tensor among them, else the CPU)."""
+    group = resolve_group(group)
+    world, _ = world_and_rank(group)
+    if world == 1 or not validate:
+        raise err
+    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
+    like = next((t for t in ts if t.is_cuda), torch.empty(0))
+    try:
+        check_same_across_ranks(group, [0] * len(SP_VARLEN_NAMES), SP_VARLEN_NAMES, like, name, str(err))
+    except ValueError as e:  # always: this rank's error, with the rank named
+        raise type(err)(str(e)) from err
+
+
 def dilated_attention_sp_varlen(
     q, k, v, cu_seqlens, segment_lengths, dilation_rates, *, causal, scale, head_assignment,
     impl, group, layout, local_checks=None, name="dilated_attention_varlen", report=None,
@@ -659,9 +685,7 @@ def dilated_attention_sp_varlen(
                 f"{q.shape[0]} query and {k.shape[0]} key rows"
             )
 
-    names = ["shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal",
-             "head_assignment", "branches", "softmax_scale", "layout", "documents",
-             "cu_seqlens (hash)"]
+    names = SP_VARLEN_NAMES
 
     def describe():
         bhash = hash((seg, dil)) & ((1 << 62) - 1)  # tuples of ints hash the same in every process
