@@ -235,6 +235,10 @@ def _model_worker(rank, world):
     check_close(f"{name} MHA dx", gxl, gx[sl], ATOL)
     with pytest.raises(ValueError, match="ONE packed stream, shape"):
         spm(idx[:, sl].expand(2, -1), cu_seqlens=cu)
+    # bad offsets on rank 0 only: every rank raises (the others used to wait in layer 1)
+    want = (TypeError, "1-D integer tensor") if rank == 0 else (ValueError, r"invalid inputs on rank\(s\) \[0\]")
+    with pytest.raises(want[0], match=want[1]):
+        spm(idx[:, sl], cu_seqlens=cu.float() if rank == 0 else cu)
 
 
 @pytest.mark.timeout(120)
