@@ -547,6 +547,11 @@ def _fusable(me: int, L: int, w: int) -> bool:
     return (me * L) % w == 0
 
 
+# the descriptor that _validate compares across ranks
+SP_NAMES = ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv",
+            "dtype", "causal", "key_padding_mask given", "head_assignment", "branches", "softmax_scale"]  # fmt: skip
+
+
 def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment, impl, group):
     """Check the inputs on every rank (same error everywhere); returns the local-block kernel
     (:func:`..kernels.select.pick_sp_local_impl`)."""
@@ -565,8 +570,7 @@ def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment
                 f"{q.shape[1]} and {k.shape[1]} (KV-cache decoding is single-device only)"
             )
 
-    names = ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv",
-             "dtype", "causal", "key_padding_mask given", "head_assignment", "branches", "softmax_scale"]
+    names = SP_NAMES
 
     def describe():
         bhash = hash((seg, dil)) & ((1 << 62) - 1)  # same on every rank: tuples of ints hash stably
@@ -636,6 +640,19 @@ def sp_varlen_arg_error(group, err: Exception, tensors, name: str, validate: boo
     arguments passed then raise "invalid inputs on rank(s) [...]" instead of waiting in the
     all-gather until the collective timeout. ``tensors``: the call's arguments, for the device
     of the collective (the first CUDA tensor among them, else the CPU)."""
+    _raise_on_every_rank(group, err, tensors, name, SP_VARLEN_NAMES, validate)
+
+
+def sp_arg_error(group, err: Exception, tensors):
+    """:func:`sp_varlen_arg_error` for ``dilated_attention(group=...)``: an argument error of
+    this rank (``describe_call``'s checks) raised after taking part in the all-gather of
+    :func:`_validate`, so that the other ranks raise too instead of waiting."""
+    _raise_on_every_rank(group, err, tensors, "dilated_attention(group=...)", SP_NAMES, True)
+
+
+def _raise_on_every_rank(group, err, tensors, name, names, validate):
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise err
     group = resolve_group(group)
     world, _ = world_and_rank(group)
     if world == 1 or not validate:
@@ -643,7 +660,7 @@ def sp_varlen_arg_error(group, err: Exception, tensors, name: str, validate: boo
     ts = [t for t in tensors if isinstance(t, torch.Tensor)]
     like = next((t for t in ts if t.is_cuda), torch.empty(0))
     try:
-        check_same_across_ranks(group, [0] * len(SP_VARLEN_NAMES), SP_VARLEN_NAMES, like, name, str(err))
+        check_same_across_ranks(group, [0] * len(names), names, like, name, str(err))
     except ValueError as e:  # always: this rank's error, with the rank named
         raise type(err)(str(e)) from err
 
