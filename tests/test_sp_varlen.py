@@ -235,6 +235,14 @@ def _model_worker(rank, world):
     check_close(f"{name} MHA dx", gxl, gx[sl], ATOL)
     with pytest.raises(ValueError, match="ONE packed stream, shape"):
         spm(idx[:, sl].expand(2, -1), cu_seqlens=cu)
+    # a bad input shape of the modules on rank 0 only: every rank raises (used to hang)
+    xb = x.detach()[sl].clone()
+    qh = xb.view(-1, 4, 4)
+    for fn, bad, good, msg in ((smha, xb.expand(2, -1, -1), xb, r"must be \(total, embed_dim"),
+                               (smha.attention, qh.expand(2, -1, -1, -1), qh, "one packed row")):  # fmt: skip
+        want = (ValueError, msg) if rank == 0 else (ValueError, r"invalid inputs on rank\(s\) \[0\]")
+        with pytest.raises(want[0], match=want[1]):
+            fn(bad if rank == 0 else good, good, good, cu_seqlens=cu)
     # bad offsets on rank 0 only: every rank raises (the others used to wait in layer 1)
     want = (TypeError, "1-D integer tensor") if rank == 0 else (ValueError, r"invalid inputs on rank\(s\) \[0\]")
     with pytest.raises(want[0], match=want[1]):
