@@ -662,7 +662,11 @@ def _raise_on_every_rank(group, err, tensors, name, names, validate):
     try:
         check_same_across_ranks(group, [0] * len(names), names, like, name, str(err))
     except ValueError as e:  # always: this rank's error, with the rank named
-        raise type(err)(str(e)) from err
+        try:
+            again = type(err)(str(e))
+        except Exception:  # an error type with another constructor
+            again = ValueError(str(e))
+        raise again from err
 
 
 def dilated_attention_sp_varlen(
