@@ -322,6 +322,34 @@ def retrieval_loss(model, x, y, z_loss: float):
     return ce, ce
 
 
+# what a resumed run must share with the paused one (the cap, evals and device may change)
+_RESUME_KEYS = ("seq_len", "segments", "rates", "dim", "n_layer", "n_head", "ffn_dim", "curriculum",
+                "lr", "warmup", "num_pairs", "min_distance", "local_window", "schedule",
+                "min_lr_ratio", "stage_warmup", "z_loss", "beta2", "advance_loss", "dtype")  # fmt: skip
+
+
+_DEFAULTS = dict(schedule="constant", min_lr_ratio=0.1, stage_warmup=0, z_loss=0.0, beta2=0.95)
+
+
+def _settings(r: dict) -> dict:
+    r = {**_DEFAULTS, **r}
+    return {k: (list(r[k]) if isinstance(r[k], tuple) else r[k]) for k in _RESUME_KEYS if k in r}
+
+
+def _resume_mismatch(ck: dict, r: dict) -> str | None:
+    """Why a checkpoint cannot continue under the settings ``r`` (None if it can; a checkpoint
+    written before settings were saved is not checked)."""
+    saved, now = ck.get("settings"), _settings(r)
+    if saved is None:
+        return None
+    diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    if not diff:
+        return None
+    return ("was written with other settings: "
+            + ", ".join(f"{k} {saved.get(k)!r} (now {now.get(k)!r})" for k in diff)
+            + "; resume with the flags of the paused run")  # fmt: skip
+
+
 def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resume=None,
               pause_s: float | None = None, checkpoint: str | None = None) -> dict:
     """One capped run; returns its record (evals, losses, steps, times).
@@ -357,6 +385,9 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
         ck = load_split(resume, map_location=device)
         if (ck["attention"], ck["seed"]) != (attention, seed):
             raise ValueError(f"checkpoint {resume} is for {ck['attention']} seed {ck['seed']}")
+        why = _resume_mismatch(ck, r)
+        if why:  # the rest of the run would silently train with other settings
+            raise ValueError(f"checkpoint {resume} {why}")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         rec, st = ck["rec"], ck["state"]
@@ -369,7 +400,8 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
         if checkpoint:
             st["elapsed"] = time.perf_counter() - t0
             save_split({"attention": attention, "seed": seed, "model": model.state_dict(),
-                        "opt": opt.state_dict(), "rec": rec, "state": st}, checkpoint)  # fmt: skip
+                        "opt": opt.state_dict(), "rec": rec, "state": st,
+                        "settings": _settings(r)}, checkpoint)  # fmt: skip
 
     def save_and_pause():
         save()
@@ -384,10 +416,11 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
         task = RetrievalTask(
             seq_len=n, num_pairs=r["num_pairs"], min_distance=r["min_distance"], max_distance=n
         )
-        if st["s_step"] == 0:
+        ss = rec["stage_starts"]
+        if st["s_step"] == 0 and not (ss and ss[-1]["step"] == st["step"] and ss[-1]["N"] == n):
+            # (a run paused before the first step of a stage resumes here again: recorded once)
             st["recent"] = []  # the advance rule looks at this stage's losses only
-            rec["stage_starts"].append({"N": n, "step": st["step"],
-                                        "time_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+            ss.append({"N": n, "step": st["step"], "time_s": round(time.perf_counter() - t0, 1)})
             log(f"  [{attention} seed {seed}] stage N={n} batch {bs} from step {st['step']}, "
                 f"t={time.perf_counter() - t0:.0f}s"
                 + (f", last loss {rec['losses'][-1][2]}" if rec["losses"] else ""))  # fmt: skip
@@ -575,6 +608,57 @@ def _plot(r: dict, runs: list[dict], path: str) -> bool:
     return True
 
 
+def _check_flags(p: argparse.ArgumentParser, args, r: dict) -> None:
+    """Bad values and combinations: one-line ``p.error`` (exit 2) before any training, instead
+    of a traceback mid-run or a silently wrong run (a negative stage warmup made the learning
+    rate negative, a min-lr-ratio above 1 made the cosine rise, --checkpoint alone was ignored)."""
+    if r["warmup"] < 1:
+        p.error(f"--warmup must be >= 1 step, got {r['warmup']}")
+    for key, lo in (("stage_warmup", 0), ("z_loss", 0.0)):
+        if r.get(key, 0) < lo:
+            p.error(f"--{key.replace('_', '-')} must be >= {lo}, got {r[key]}")
+    if not 0.0 <= r.get("min_lr_ratio", 0.1) <= 1.0:
+        p.error(f"--min-lr-ratio must be in [0, 1], got {r['min_lr_ratio']}")
+    if not r["max_minutes"] > 0:
+        p.error(f"--max-minutes must be > 0, got {r['max_minutes']}")
+    if r["lr"] <= 0:
+        p.error(f"--lr must be > 0, got {r['lr']}")
+    if args.pause_after_minutes is not None and args.pause_after_minutes < 0:
+        p.error(f"--pause-after-minutes must be >= 0, got {args.pause_after_minutes}")
+    if args.checkpoint and args.pause_after_minutes is None:
+        p.error("--checkpoint is where --pause-after-minutes saves the run; pass both")
+    if args.checkpoint and not os.path.isdir(os.path.dirname(os.path.abspath(args.checkpoint))):
+        p.error(f"--checkpoint {args.checkpoint}: its directory does not exist")
+    if args.resume and not os.path.isfile(args.resume):
+        p.error(f"--resume {args.resume}: no such file")
+    if args.resume:
+        ck = load_split(args.resume, map_location="cpu")
+        pair = (args.attention, int(args.seeds))  # one of each (checked above)
+        if pair != (ck["attention"], ck["seed"]):
+            p.error(f"--resume {args.resume} is for --attention {ck['attention']} --seeds {ck['seed']}, "
+                    f"not {pair[0]} {pair[1]}")  # fmt: skip
+        why = _resume_mismatch(ck, r)
+        if why:
+            p.error(f"--resume {args.resume} {why}")
+    bad = [a for a in args.attention.split(",") if a not in ("dilated", "local", "dense")]
+    if bad:
+        p.error(f"--attention takes a comma list of dilated, local, dense; got {', '.join(bad)}")
+    try:
+        stages = parse_curriculum(r["curriculum"])
+        if stages[-1][0] != r["seq_len"]:
+            raise ValueError(f"the last curriculum stage has N = {stages[-1][0]}; it must be "
+                             f"--seq-len {r['seq_len']} (the eval length)")  # fmt: skip
+        for n, _, _ in stages:
+            RetrievalTask(seq_len=n, num_pairs=r["num_pairs"], min_distance=r["min_distance"],
+                          max_distance=n)  # fmt: skip
+        for d in r["eval_distances"]:
+            if not 5 * r["num_pairs"] <= d <= r["seq_len"]:
+                raise ValueError(f"eval distance {d} must be in [5 * --num-pairs, --seq-len] = "
+                                 f"[{5 * r['num_pairs']}, {r['seq_len']}]")  # fmt: skip
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="h100-32k", choices=sorted(RECIPES))
@@ -632,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--pause-after-minutes / --resume take one --attention and one --seed")
     if args.pause_after_minutes is not None and not args.checkpoint:
         p.error("--pause-after-minutes needs --checkpoint PATH")
+    _check_flags(p, args, r)
     if r["device"] == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: running on cpu in float32", file=sys.stderr)
         r["device"], r["dtype"] = "cpu", "float32"

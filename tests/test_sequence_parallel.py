@@ -105,6 +105,17 @@ def _errors_worker(rank, world):
         dilated_attention(q, q, q, (4 + rank,), (1,), group=dist.group.WORLD)
     with pytest.raises(ValueError, match="dropout_p"):
         dilated_attention(q, q, q, (4,), (1,), dropout_p=0.1, group=dist.group.WORLD)
+    # an argument error of one rank only (found before the cross-rank check) raises on every
+    # rank; the other rank used to wait in the check's all-gather until the timeout
+    others = (ValueError, r"invalid inputs on rank\(s\) \[0\]")
+    for qq, seg, exc, msg in ((q[0], (4,), ValueError, "q must have 4 dims"),
+                              (q.long(), (4,), TypeError, "floating tensor"),
+                              (q, (0,), ValueError, "segment_lengths must be >= 1")):  # fmt: skip
+        if rank == 1:
+            qq, seg = q, (4,)
+        want_exc, want_msg = (exc, msg) if rank == 0 else others
+        with pytest.raises(want_exc, match=want_msg):
+            dilated_attention(qq, qq, qq, seg, (1,), group=dist.group.WORLD)
     with pytest.raises(ValueError, match="impl='reference' is not available"):
         dilated_attention(q, q, q, (4,), (1,), impl="reference", group=dist.group.WORLD)
     # the fused kernel cannot run on CPU tensors outside the interpreter (or without triton);

@@ -154,6 +154,32 @@ def _errors_worker(rank, world):
             call([0, 12], impl=impl)
     with pytest.raises(ValueError, match="layout must be one of"):
         call([0, 12], layout="striped")
+    # an argument error of one rank only (offsets' type/shape, q's dims: checks made before the
+    # cross-rank comparison) raises on every rank; the others used to wait in the collective
+    good = torch.tensor([0, 5, 12], dtype=torch.int32)
+    one_bad = [
+        (good.float(), q, TypeError, "integer tensor"),
+        (good[None], q, ValueError, "must be 1-D"),
+        ([0, 5.0, 12], q, TypeError, "integer tensor of document offsets"),
+        (good, q[None], ValueError, "q must have 3 dims"),
+    ]
+    for cu, qq, exc, msg in one_bad:
+        ring_too = qq is q  # (the same on both ranks)
+        if rank == 1:
+            cu, qq = good, q
+        want = (exc, msg) if rank == 0 else (ValueError, r"invalid inputs on rank\(s\) \[0\]")
+        with pytest.raises(want[0], match=want[1]):
+            dilated_attention_varlen(qq, qq, qq, cu, cu, 12, 12, (4,), (1,), group=group)
+        if ring_too:
+            with pytest.raises(want[0], match=want[1].replace("cu_seqlens_q", "cu_seqlens")):
+                ring_attention(q, q, q, group=group, cu_seqlens=cu)
+    # the module with a process group takes the offsets as a list of ints, as the function does,
+    # and computes max_seqlen from it (it used to pass 0 and fail on the longest document)
+    from dilated_attention import DilatedAttention
+
+    mod = DilatedAttention((4,), (1,), impl="torch", process_group=group)
+    want = mod(q, q, q, is_causal=True, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32))
+    check_close("module, list offsets", mod(q, q, q, is_causal=True, cu_seqlens=[0, 5, 12]), want, 0)
     # still healthy after the errors
     _case(world, rank, [5, 7], layout="zigzag", causal=True, seed=3)
 
@@ -209,6 +235,18 @@ def _model_worker(rank, world):
     check_close(f"{name} MHA dx", gxl, gx[sl], ATOL)
     with pytest.raises(ValueError, match="ONE packed stream, shape"):
         spm(idx[:, sl].expand(2, -1), cu_seqlens=cu)
+    # a bad input shape of the modules on rank 0 only: every rank raises (used to hang)
+    xb = x.detach()[sl].clone()
+    qh = xb.view(-1, 4, 4)
+    for fn, bad, good, msg in ((smha, xb.expand(2, -1, -1), xb, r"must be \(total, embed_dim"),
+                               (smha.attention, qh.expand(2, -1, -1, -1), qh, "one packed row")):  # fmt: skip
+        want = (ValueError, msg) if rank == 0 else (ValueError, r"invalid inputs on rank\(s\) \[0\]")
+        with pytest.raises(want[0], match=want[1]):
+            fn(bad if rank == 0 else good, good, good, cu_seqlens=cu)
+    # bad offsets on rank 0 only: every rank raises (the others used to wait in layer 1)
+    want = (TypeError, "1-D integer tensor") if rank == 0 else (ValueError, r"invalid inputs on rank\(s\) \[0\]")
+    with pytest.raises(want[0], match=want[1]):
+        spm(idx[:, sl], cu_seqlens=cu.float() if rank == 0 else cu)
 
 
 @pytest.mark.timeout(120)

@@ -230,6 +230,8 @@ def test_train_retrieval_stage_rule_schedule_and_resume(tmp_path, monkeypatch):
     assert done["resumed_at"] == [0] and done["steps"] == 160 and "paused" not in done
     with pytest.raises(SystemExit):
         mod.main(base + ["--out", str(tmp_path / "c"), "--pause-after-minutes", "1"])
+    # the stage of a run paused before its first step is recorded once, not again on resume
+    assert [s["step"] for s in done["stage_starts"]] == [0, 50, 100]
     # the 1M recipe (issue 25 item 3): its last branch spans N, activations checkpointed
     r1m = dict(mod.RECIPES["h100-1m"], impl="torch")
     with torch.device("meta"):
@@ -331,3 +333,73 @@ def test_bench_train_tiny_lengths_dense_steps_and_search(tmp_path, monkeypatch):
                    (192, "dense", None, "largest dense")]  # fmt: skip
     assert all(r["tokens_per_s"] > 0 for r in rows if "status" not in r)
     assert "dense (largest dense)" in out.with_suffix(".md").read_text()
+
+
+def test_train_retrieval_pause_resume_equals_one_run(tmp_path, monkeypatch):
+    """A run paused twice mid-stage and resumed gives the losses, steps and evals of the same
+    run uninterrupted (constant schedule; a fake clock, one second per reading, so that the
+    pauses fall on known steps and wall time decides nothing else)."""
+    mod = _bench("train_retrieval")
+
+    class Clock:
+        t = 0.0
+
+        def perf_counter(self):
+            self.t += 1.0
+            return self.t
+
+    r = dict(mod.RECIPES["tiny-check"], curriculum="64:4:12,128:2:12", target=2.0, impl="torch",
+             advance_loss=0.0, max_minutes=1e6, eval_every_s=1e9, stage_warmup=3, z_loss=1e-3)  # fmt: skip
+    monkeypatch.setattr(mod, "time", Clock())
+    whole = mod.train_one(r, "dilated", 0, log=lambda m: None)
+    ck = str(tmp_path / "ck.pt")
+    monkeypatch.setattr(mod, "time", Clock())
+    part = mod.train_one(r, "dilated", 0, log=lambda m: None, pause_s=20, checkpoint=ck)
+    assert part["paused"] and 0 < part["steps"] < 12
+    monkeypatch.setattr(mod, "time", Clock())
+    part = mod.train_one(r, "dilated", 0, log=lambda m: None, pause_s=30, checkpoint=ck, resume=ck)
+    assert part["paused"] and 12 < part["steps"] < 24  # the second pause is in the second stage
+    monkeypatch.setattr(mod, "time", Clock())
+    done = mod.train_one(r, "dilated", 0, log=lambda m: None, resume=ck)
+    assert done["steps"] == whole["steps"] == 24
+    assert done["losses"] == whole["losses"]
+    assert [s["step"] for s in done["stage_starts"]] == [s["step"] for s in whole["stage_starts"]]
+    strip = [{k: v for k, v in e.items() if k != "time_s"} for e in whole["evals"]]
+    assert [{k: v for k, v in e.items() if k != "time_s"} for e in done["evals"]] == strip
+
+
+def test_train_retrieval_bad_flags_one_line_errors(tmp_path, capsys):
+    """Bad values and combinations exit with one argparse line before training (they used to
+    raise mid-run, or train silently wrong: a negative stage warmup gave a negative learning
+    rate); a resume under other settings is refused."""
+    mod = _bench("train_retrieval")
+    base = ["--recipe", "tiny-check", "--impl", "torch", "--threads", "1", "--out", str(tmp_path / "o")]
+    ck = str(tmp_path / "ck.pt")
+    bad = [
+        (["--warmup", "0"], "--warmup must be >= 1"),
+        (["--stage-warmup", "-1"], "--stage-warmup must be >= 0"),
+        (["--z-loss", "-1"], "--z-loss must be >= 0"),
+        (["--min-lr-ratio", "2"], r"--min-lr-ratio must be in \[0, 1\]"),
+        (["--max-minutes", "0"], "--max-minutes must be > 0"),
+        (["--curriculum", "64:4:5,100:2:0"], "last curriculum stage has N = 100"),
+        (["--curriculum", "abc"], "must be N:batch:steps"),
+        (["--eval-distances", "16,4096"], "eval distance 4096"),
+        (["--attention", "foo"], "--attention takes"),
+        (["--checkpoint", ck], "--checkpoint is where --pause-after-minutes saves"),
+        (["--pause-after-minutes", "1", "--checkpoint", str(tmp_path / "no" / "ck.pt")], "does not exist"),
+        (["--resume", str(tmp_path / "none.pt")], "no such file"),
+    ]
+    for extra, msg in bad:
+        with pytest.raises(SystemExit) as e:
+            mod.main(base + extra)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "error:" in err and __import__("re").search(msg, err), (extra, err)
+    run = base + ["--curriculum", "64:4:5,128:2:5", "--max-minutes", "5"]
+    assert mod.main(run + ["--pause-after-minutes", "0", "--checkpoint", ck]) == 0
+    for extra, msg in ((["--lr", "3e-3"], r"other settings: lr 0.001 \(now 0.003\)"),
+                       (["--seeds", "1"], "is for --attention dilated --seeds 0")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            mod.main(run + ["--resume", ck] + extra)
+        assert __import__("re").search(msg, capsys.readouterr().err), extra
+    assert mod.main(run + ["--resume", ck]) == 0

@@ -87,11 +87,20 @@ def dilated_attention(
         A query with no key (all masked) gets out = 0 and lse = -inf.
     """
     q, k, v, amp_device = autocast_inputs(q, k, v)
-    call = describe_call(
-        q, k, v, segment_lengths, dilation_rates, causal=causal, softmax_scale=softmax_scale,
-        key_padding_mask=key_padding_mask, dropout_p=dropout_p, head_assignment=head_assignment,
-        return_lse=return_lse, impl=impl,
-    )
+    try:
+        call = describe_call(
+            q, k, v, segment_lengths, dilation_rates, causal=causal, softmax_scale=softmax_scale,
+            key_padding_mask=key_padding_mask, dropout_p=dropout_p, head_assignment=head_assignment,
+            return_lse=return_lse, impl=impl,
+        )
+    except (TypeError, ValueError) as e:
+        if group is None:
+            raise
+        # with a group: raise on every rank, not only here (the others would wait in the
+        # cross-rank check until the collective timeout)
+        from .distributed.sequence_parallel import sp_arg_error
+
+        sp_arg_error(group, e, (q, k, v))
     if amp_device is None:
         return _run(q, k, v, key_padding_mask, call, group)
     # the SDPA rule (docs/autocast.md): cast once (above), run with autocast off

@@ -51,6 +51,14 @@ def magneto_init_(
 _DECODE_IMPL = {"auto": "auto", "triton": "triton", "torch": "torch", "reference": "torch"}
 
 
+def _raise_everywhere(group, err, tensors):
+    """A packed call's argument error on this rank of a sequence-parallel module: raised on
+    every rank (the others would wait in dilated_attention_varlen's cross-rank check)."""
+    from .distributed.sequence_parallel import sp_varlen_arg_error
+
+    sp_varlen_arg_error(group, err, tensors, "dilated_attention_varlen")
+
+
 class DilatedAttention(nn.Module):
     """Dilated attention over (batch, seqlen, nheads, headdim) tensors.
 
@@ -158,6 +166,25 @@ class DilatedAttention(nn.Module):
     def _attend_packed(self, query, key, value, is_causal, key_padding_mask, cu_seqlens, max_seqlen):
         from .varlen import dilated_attention_varlen
 
+        try:
+            query, key, value, squeeze, max_seqlen = self._check_packed(
+                query, key, value, key_padding_mask, cu_seqlens, max_seqlen
+            )
+        except (TypeError, ValueError) as e:
+            if self.process_group is None:
+                raise
+            _raise_everywhere(self.process_group, e, (query, key, value, cu_seqlens))
+        out = dilated_attention_varlen(
+            query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, self.segment_lengths,
+            self.dilation_rates, causal=is_causal, softmax_scale=self.softmax_scale,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            head_assignment=self.head_assignment, impl=self.impl, group=self.process_group,
+        )  # fmt: skip
+        return out[None] if squeeze else out
+
+    def _check_packed(self, query, key, value, key_padding_mask, cu_seqlens, max_seqlen):
+        """The module's own checks of a packed call: (query, key, value as (total, H, D),
+        whether they came as one packed row, max_seqlen)."""
         if key_padding_mask is not None:
             raise ValueError(
                 "key_padding_mask with cu_seqlens: packed documents have no padding; leave the "
@@ -177,17 +204,17 @@ class DilatedAttention(nn.Module):
                         f"(1, total, heads, headdim), got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
                     )
             query, key, value = query[0], key[0], value[0]
-        if max_seqlen is None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 1:
+        if (max_seqlen is None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+                and cu_seqlens.numel() > 1 and cu_seqlens.dtype != torch.bool):  # (bool: varlen's error)
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        elif (max_seqlen is None and isinstance(cu_seqlens, (list, tuple)) and len(cu_seqlens) > 1
+              and all(isinstance(c, int) for c in cu_seqlens)):
+            # a list of ints (accepted with a process group): its longest document, not 0 (which
+            # failed with "max_seqlen_q = 0 ... pass the longest document's length")
+            max_seqlen = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
         elif max_seqlen is None:
             max_seqlen = 0
-        out = dilated_attention_varlen(
-            query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, self.segment_lengths,
-            self.dilation_rates, causal=is_causal, softmax_scale=self.softmax_scale,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            head_assignment=self.head_assignment, impl=self.impl, group=self.process_group,
-        )  # fmt: skip
-        return out[None] if squeeze else out
+        return query, key, value, squeeze, max_seqlen
 
     def _attend(self, query, key, value, is_causal, key_padding_mask):
         return dilated_attention(
@@ -387,6 +414,24 @@ class MultiheadDilatedAttention(nn.Module):
 
     def _forward_packed(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cu_seqlens, max_seqlen):
         """MultiheadDilatedAttention.forward over packed documents (see its docstring)."""
+        try:
+            shapes, flat = self._check_packed(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        except (TypeError, ValueError) as e:
+            if self.attention.process_group is None:
+                raise
+            _raise_everywhere(self.attention.process_group, e, (query, key, value, cu_seqlens))
+        n = flat[0].shape[0]
+        q = self.q_proj(flat[0]).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(flat[1]).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(flat[2]).view(n, self.num_kv_heads, self.head_dim)
+        x = self.attention(q, k, v, is_causal=is_causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        x = x.reshape(n, self.embed_dim)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out_proj(x).view(shapes[0]), None
+
+    def _check_packed(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+        """The module's own checks of a packed call: (input shapes, inputs as (total, E))."""
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
         if need_weights or attn_mask is not None or key_padding_mask is not None:
@@ -414,15 +459,7 @@ class MultiheadDilatedAttention(nn.Module):
                 f"with cu_seqlens (one set of offsets for queries and keys) query and key need the same "
                 f"number of tokens, got {flat[0].shape[0]} and {flat[1].shape[0]}"
             )
-        n = flat[0].shape[0]
-        q = self.q_proj(flat[0]).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(flat[1]).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(flat[2]).view(n, self.num_kv_heads, self.head_dim)
-        x = self.attention(q, k, v, is_causal=is_causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        x = x.reshape(n, self.embed_dim)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.out_proj(x).view(shapes[0]), None
+        return shapes, flat
 
 
 def _is_causal_mask(mask, nq: int, nk: int) -> bool:

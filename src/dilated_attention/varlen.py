@@ -147,20 +147,29 @@ def dilated_attention_varlen(
                 head_assignment=head_assignment, return_lse=return_lse, impl=impl,
                 check_offsets=check_offsets, group=group, layout=layout,
             )  # fmt: skip
-    _check_tensors(q, k, v)
-    if group is not None:  # host offsets are welcome: the plan is built from host values
-        cu_seqlens_q, cu_seqlens_k = _offsets_tensor(cu_seqlens_q), _offsets_tensor(cu_seqlens_k)
-    check_cu_seqlens_meta(cu_seqlens_q, cu_seqlens_k, q.device, _NAME)
-    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    seg, dil = normalize_branches(segment_lengths, dilation_rates)
-    check_head_assignment(head_assignment)
-    p = check_dropout(dropout_p)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
-    causal = check_bool("causal", causal)
-    check_bool("return_lse", return_lse)
-    check_bool("check_offsets", check_offsets)
-    check_impl(impl)
+    try:
+        _check_tensors(q, k, v)
+        if group is not None:  # host offsets are welcome: the plan is built from host values
+            cu_seqlens_q, cu_seqlens_k = _offsets_tensor(cu_seqlens_q), _offsets_tensor(cu_seqlens_k)
+        check_cu_seqlens_meta(cu_seqlens_q, cu_seqlens_k, q.device, _NAME)
+        max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        seg, dil = normalize_branches(segment_lengths, dilation_rates)
+        check_head_assignment(head_assignment)
+        p = check_dropout(dropout_p)
+        scale = resolve_scale(softmax_scale, q.shape[-1])
+        causal = check_bool("causal", causal)
+        check_bool("return_lse", return_lse)
+        check_bool("check_offsets", check_offsets)
+        check_impl(impl)
+    except (TypeError, ValueError) as e:
+        if group is None:
+            raise
+        # with a group: raise on every rank, not only here (the others would wait in the
+        # cross-rank check until the collective timeout)
+        from .distributed.sequence_parallel import sp_varlen_arg_error
+
+        sp_varlen_arg_error(group, e, (q, k, v, cu_seqlens_q, cu_seqlens_k), _NAME)
     if group is not None:
         out, lse = _sequence_parallel(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seg, dil, causal, scale, p,

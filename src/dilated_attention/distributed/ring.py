@@ -497,28 +497,14 @@ def _packed(q, k, v, cu_seqlens, group, world, causal, scale, layout, return_lse
     """``ring_attention(cu_seqlens=...)``: dense attention inside each document of a packed
     stream, sharded over the ranks: one dense branch (w >= every document, r = 1) of the packed
     sequence-parallel plan (:func:`.sequence_parallel.dilated_attention_sp_varlen`)."""
-    from .sequence_parallel import dilated_attention_sp_varlen
+    from .sequence_parallel import dilated_attention_sp_varlen, sp_varlen_arg_error
 
     name = "ring_attention"
-    for n, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
-    row = q.dim() == 4
-    for n, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != q.dim() or t.dim() not in (3, 4) or (row and t.shape[0] != 1):
-            raise ValueError(
-                f"{name}: with cu_seqlens, q, k, v must be this rank's shard of one packed stream, "
-                f"(N/P, heads, headdim) or one packed row (1, N/P, heads, headdim); got {n} of "
-                f"shape {tuple(t.shape)} (q {tuple(q.shape)})"
-            )
-    q3, k3, v3 = (q[0], k[0], v[0]) if row else (q, k, v)
     names = ("cu_seqlens", "cu_seqlens")
-    if isinstance(cu_seqlens, (list, tuple)) and all(
-        isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens
-    ):
-        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-    check_cu_seqlens_meta(cu_seqlens, cu_seqlens, q.device, name, names)
-    cu = [int(x) for x in cu_seqlens.tolist()]  # one sync for device offsets
+    try:
+        q3, k3, v3, row, cu = _packed_args(q, k, v, cu_seqlens, name, names)
+    except (TypeError, ValueError) as e:  # on every rank, not only here (the others would wait)
+        sp_varlen_arg_error(group, e, (q, k, v, cu_seqlens), name, validate)
     n_local = q3.shape[0]
     n = world * n_local
 
@@ -550,3 +536,27 @@ def _packed(q, k, v, cu_seqlens, group, world, causal, scale, layout, return_lse
     if row:
         out, lse = out[None], lse[None]
     return (out, lse) if return_lse else out
+
+
+def _packed_args(q, k, v, cu_seqlens, name, names):
+    """The type and shape checks of ``_packed`` that come before the offsets can be read:
+    (q, k, v as (N/P, heads, headdim), whether they came as one packed row, host offsets)."""
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
+    row = q.dim() == 4
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != q.dim() or t.dim() not in (3, 4) or (row and t.shape[0] != 1):
+            raise ValueError(
+                f"{name}: with cu_seqlens, q, k, v must be this rank's shard of one packed stream, "
+                f"(N/P, heads, headdim) or one packed row (1, N/P, heads, headdim); got {n} of "
+                f"shape {tuple(t.shape)} (q {tuple(q.shape)})"
+            )
+    q3, k3, v3 = (q[0], k[0], v[0]) if row else (q, k, v)
+    if isinstance(cu_seqlens, (list, tuple)) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens
+    ):
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+    check_cu_seqlens_meta(cu_seqlens, cu_seqlens, q.device, name, names)
+    cu = [int(x) for x in cu_seqlens.tolist()]  # one sync for device offsets
+    return q3, k3, v3, row, cu

@@ -80,6 +80,7 @@ from ..kernels.select import pick_sp_local_impl
 from ..merge import acc_dtype, merge_partial, merge_partial_
 from .comm import (
     PeerExchange,
+    check_same_across_ranks,
     dtype_code,
     float_bits,
     resolve_group,
@@ -546,6 +547,11 @@ def _fusable(me: int, L: int, w: int) -> bool:
     return (me * L) % w == 0
 
 
+# the descriptor that _validate compares across ranks
+SP_NAMES = ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv",
+            "dtype", "causal", "key_padding_mask given", "head_assignment", "branches", "softmax_scale"]  # fmt: skip
+
+
 def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment, impl, group):
     """Check the inputs on every rank (same error everywhere); returns the local-block kernel
     (:func:`..kernels.select.pick_sp_local_impl`)."""
@@ -564,8 +570,7 @@ def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment
                 f"{q.shape[1]} and {k.shape[1]} (KV-cache decoding is single-device only)"
             )
 
-    names = ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv",
-             "dtype", "causal", "key_padding_mask given", "head_assignment", "branches", "softmax_scale"]
+    names = SP_NAMES
 
     def describe():
         bhash = hash((seg, dil)) & ((1 << 62) - 1)  # same on every rank: tuples of ints hash stably
@@ -622,6 +627,48 @@ def dilated_attention_sp(
 # ------------------------------------------------------------------ packed stream (varlen)
 
 
+# the descriptor that dilated_attention_sp_varlen compares across ranks
+SP_VARLEN_NAMES = ["shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal",
+                   "head_assignment", "branches", "softmax_scale", "layout", "documents",
+                   "cu_seqlens (hash)"]  # fmt: skip
+
+
+def sp_varlen_arg_error(group, err: Exception, tensors, name: str, validate: bool = True):
+    """Raise ``err``, an argument error found on this rank before the cross-rank check of
+    :func:`dilated_attention_sp_varlen` (a type, shape or device check of the tensors or the
+    offsets), after taking part in that check's one all-gather with it: the ranks whose
+    arguments passed then raise "invalid inputs on rank(s) [...]" instead of waiting in the
+    all-gather until the collective timeout. ``tensors``: the call's arguments, for the device
+    of the collective (the first CUDA tensor among them, else the CPU)."""
+    _raise_on_every_rank(group, err, tensors, name, SP_VARLEN_NAMES, validate)
+
+
+def sp_arg_error(group, err: Exception, tensors):
+    """:func:`sp_varlen_arg_error` for ``dilated_attention(group=...)``: an argument error of
+    this rank (``describe_call``'s checks) raised after taking part in the all-gather of
+    :func:`_validate`, so that the other ranks raise too instead of waiting."""
+    _raise_on_every_rank(group, err, tensors, "dilated_attention(group=...)", SP_NAMES, True)
+
+
+def _raise_on_every_rank(group, err, tensors, name, names, validate):
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise err
+    group = resolve_group(group)
+    world, _ = world_and_rank(group)
+    if world == 1 or not validate:
+        raise err
+    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
+    like = next((t for t in ts if t.is_cuda), torch.empty(0))
+    try:
+        check_same_across_ranks(group, [0] * len(names), names, like, name, str(err))
+    except ValueError as e:  # always: this rank's error, with the rank named
+        try:
+            again = type(err)(str(e))
+        except Exception:  # an error type with another constructor
+            again = ValueError(str(e))
+        raise again from err
+
+
 def dilated_attention_sp_varlen(
     q, k, v, cu_seqlens, segment_lengths, dilation_rates, *, causal, scale, head_assignment,
     impl, group, layout, local_checks=None, name="dilated_attention_varlen", report=None,
@@ -659,9 +706,7 @@ def dilated_attention_sp_varlen(
                 f"{q.shape[0]} query and {k.shape[0]} key rows"
             )
 
-    names = ["shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal",
-             "head_assignment", "branches", "softmax_scale", "layout", "documents",
-             "cu_seqlens (hash)"]
+    names = SP_VARLEN_NAMES
 
     def describe():
         bhash = hash((seg, dil)) & ((1 << 62) - 1)  # tuples of ints hash the same in every process

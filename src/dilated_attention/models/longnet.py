@@ -602,6 +602,30 @@ class LongNetLM(_Trunk):
         return self.run_layers(x, start_pos)  # (B, T, E)
 
     def _hidden_packed(self, idx, start_pos, cu_seqlens, max_seqlen) -> torch.Tensor:
+        try:
+            self._check_packed(idx, start_pos, cu_seqlens)
+        except (TypeError, ValueError) as e:
+            if self.sp_group is None:
+                raise
+            # sequence-parallel: raise on every rank (the others would wait in the first
+            # attention layer's cross-rank check until the collective timeout)
+            from ..distributed.sequence_parallel import sp_varlen_arg_error
+
+            sp_varlen_arg_error(self.sp_group, e, (idx, cu_seqlens), "LongNetLM")
+        b, t = idx.shape
+        dev = idx.device
+        cu = cu_seqlens.to(device=dev, dtype=torch.long)
+        # global stream positions of these tokens (this rank's contiguous shard under parallelize)
+        flat = self.position_offset(t) + torch.arange(b * t, device=dev)
+        doc = torch.searchsorted(cu, flat, right=True) - 1  # document of each token
+        pos = flat - cu[doc.clamp(0, cu.numel() - 1)]  # (B*T,) position inside its document
+        if max_seqlen is None:
+            max_seqlen = int((cu[1:] - cu[:-1]).max())
+        x = self.emb_dropout(self.tok_emb(idx)).reshape(1, b * t, -1)  # (1, B*T, E)
+        x = self.run_layers(x, 0, (pos, cu_seqlens, max_seqlen))
+        return x.reshape(b, t, -1)  # (B, T, E)
+
+    def _check_packed(self, idx, start_pos, cu_seqlens) -> None:
         if start_pos is not None or self.has_cache:
             raise ValueError(
                 "cu_seqlens (packed documents) runs without a KV cache or start_pos; call "
@@ -617,24 +641,12 @@ class LongNetLM(_Trunk):
                 "cu_seqlens must be a 1-D integer tensor (docs + 1,) of document offsets into the "
                 f"flattened B * T tokens, got {cu_seqlens!r:.80}"
             )
-        b, t = idx.shape
-        dev = idx.device
-        if self.sp_group is not None and b != 1:
+        if self.sp_group is not None and idx.shape[0] != 1:
             raise ValueError(
                 "with sequence parallelism and cu_seqlens, idx must be this rank's shard of ONE "
                 f"packed stream, shape (1, N/P), got {tuple(idx.shape)}; pack the batch into one "
                 "row (pack_documents(docs, seq_len=N) and concatenate its rows)"
             )
-        cu = cu_seqlens.to(device=dev, dtype=torch.long)
-        # global stream positions of these tokens (this rank's contiguous shard under parallelize)
-        flat = self.position_offset(t) + torch.arange(b * t, device=dev)
-        doc = torch.searchsorted(cu, flat, right=True) - 1  # document of each token
-        pos = flat - cu[doc.clamp(0, cu.numel() - 1)]  # (B*T,) position inside its document
-        if max_seqlen is None:
-            max_seqlen = int((cu[1:] - cu[:-1]).max())
-        x = self.emb_dropout(self.tok_emb(idx)).reshape(1, b * t, -1)  # (1, B*T, E)
-        x = self.run_layers(x, 0, (pos, cu_seqlens, max_seqlen))
-        return x.reshape(b, t, -1)  # (B, T, E)
 
     # ---------------------------------------------------------------- KV cache and generation
 
