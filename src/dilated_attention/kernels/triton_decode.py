@@ -513,11 +513,8 @@ def decode_triton(
     """
     if type(branches) is not tuple:
         branches = tuple(tuple(b) for b in branches)
-    key = (
-        q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), q.dtype, q.get_device(),
-        causal, scale, branches, cache_seqlens is None, cache_leftpad is not None,
-        block_n, num_warps, reduce_splits, reduce_cols,
-    )  # fmt: skip  (plan_key, inlined: this is the per-call path)
+    key = plan_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
+                   block_n, num_warps, reduce_splits, reduce_cols)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = get_plan(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
