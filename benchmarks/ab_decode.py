@@ -46,7 +46,7 @@ import dilated_attention as da
 from dilated_attention import flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, results_header, run_info, utc_now  # noqa: E402
+from common import median_ms, results_header, run_info, training_calls, utc_now  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -150,26 +150,8 @@ def measure_train(n, cfg, device, args) -> list[dict]:
     direct launch vs Triton's launch, against causal SDPA."""
     h, d = cfg["train_heads"]
     seg, dil, dt = list(cfg["train_seg"]), list(cfg["train_dil"]), cfg["dtype"]
-    q, k, v = (torch.randn(1, n, h, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, n, h, d, device=device, dtype=dt)
-    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    dot = do.transpose(1, 2)
-
-    def fwd():
-        with torch.no_grad():
-            return da.dilated_attention(q, k, v, seg, dil, causal=True, impl="triton")
-
-    def fb():
-        out = da.dilated_attention(q, k, v, seg, dil, causal=True, impl="triton")
-        torch.autograd.grad(out, (q, k, v), do)
-
-    def dfwd():
-        with torch.no_grad():
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-
-    def dfb():
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        torch.autograd.grad(out, (qt, kt, vt), dot)
+    c = training_calls(n, h, d, dt, seg, dil, device, "triton")
+    fwd, fb, dfwd, dfb = c["fwd"], c["fb"], c["dense_fwd"], c["dense_fb"]
 
     arms = {
         ("fwd", "direct"): arm(True, fwd), ("fwd", "jit"): arm(False, fwd), ("fwd", "sdpa"): dfwd,

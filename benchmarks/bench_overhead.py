@@ -37,7 +37,7 @@ import dilated_attention as da
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import command_line, device_name, median_ms, results_header, utc_now  # noqa: E402
+from common import command_line, device_name, median_ms, results_header, training_calls, utc_now  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -103,26 +103,8 @@ def training_rows(cfg, device, iters, warmup):
     seg, dil = cfg["train_seg"], cfg["train_dil"]
     rows = []
     for n in cfg["train_lengths"]:
-        q, k, v = (torch.randn(1, n, h, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
-        do = torch.randn(1, n, h, d, device=device, dtype=dt)
-        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-        dot = do.transpose(1, 2)
-
-        def fwd():
-            with torch.no_grad():
-                return da.dilated_attention(q, k, v, seg, dil, causal=True, impl="auto")
-
-        def fb():
-            out = da.dilated_attention(q, k, v, seg, dil, causal=True, impl="auto")
-            torch.autograd.grad(out, (q, k, v), do)
-
-        def dfwd():
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-
-        def dfb():
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-            torch.autograd.grad(out, (qt, kt, vt), dot)
+        c = training_calls(n, h, d, dt, seg, dil, device, "auto")
+        fwd, fb, dfwd, dfb = c["fwd"], c["fb"], c["dense_fwd"], c["dense_fb"]
 
         r = {"N": n, "fwd_us": time_call(fwd, iters, warmup, device),
              "fb_us": time_call(fb, iters, warmup, device),

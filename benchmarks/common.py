@@ -103,6 +103,38 @@ def torchrun_header(title: str, dev: torch.device, world: int, extra=()) -> list
 SPLIT_BYTES = 15 * 2**20
 
 
+def training_calls(n: int, heads: int, headdim: int, dtype, seg, dil, device, impl: str) -> dict:
+    """The four callables the overhead benchmarks time for one causal training call of length n
+    (batch 1): ``fwd`` / ``fb`` (forward, forward + backward) through ``dilated_attention`` with
+    ``impl``, and ``dense_fwd`` / ``dense_fb`` through SDPA on the same data, (B, H, N, D) views."""
+    import torch.nn.functional as F
+
+    import dilated_attention as da
+
+    q, k, v = (torch.randn(1, n, heads, headdim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, n, heads, headdim, device=device, dtype=dtype)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2)
+
+    def fwd():
+        with torch.no_grad():
+            return da.dilated_attention(q, k, v, seg, dil, causal=True, impl=impl)
+
+    def fb():
+        out = da.dilated_attention(q, k, v, seg, dil, causal=True, impl=impl)
+        torch.autograd.grad(out, (q, k, v), do)
+
+    def dense_fwd():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def dense_fb():
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        torch.autograd.grad(out, (qt, kt, vt), dot)
+
+    return {"fwd": fwd, "fb": fb, "dense_fwd": dense_fwd, "dense_fb": dense_fb}
+
+
 def _split_files(path: str, n: int) -> list[str]:
     return [path] + [f"{path}.{i}" for i in range(1, n)]
 
