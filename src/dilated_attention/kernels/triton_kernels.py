@@ -238,7 +238,7 @@ def _dq_inner(
 @triton.jit
 def dilated_fwd_kernel(
     Q, K, V, KPM, ACC_O, ACC_LO, ACC_L, CU_Q, CU_K,
-    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh, slob, LO_SHIFT,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
     qk_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
@@ -268,7 +268,7 @@ def dilated_fwd_kernel(
         k_base = b64 * skb
         v_base = b64 * svb
         o_base = b64 * sob
-        lo_base = b64 * slob + LO_SHIFT
+        lo_base = b64 * slob
         l_base = (b64 * H + h) * NQ
     seg_start, o, L = _block_geometry(pid_s, h, W, R, nk)
     m_lo = pid_m * BM
@@ -316,9 +316,9 @@ def dilated_fwd_kernel(
     lse_b = tl.where(has, (m_i + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
     out_b = acc / l_safe[:, None]
     lptrs = ACC_L + l_base + qrow
-    roff = qrow[:, None] * son + h * soh + offs_d[None, :]
-    optrs = ACC_O + o_base + roff
-    lo_ptrs = ACC_LO + lo_base + roff
+    optrs = ACC_O + o_base + qrow[:, None] * son + h * soh + offs_d[None, :]
+    # the lo buffer holds the rows from LO_ROW0 on (one range of them: triton_launch.lo_chunks)
+    lo_ptrs = ACC_LO + lo_base + (qrow - LO_ROW0)[:, None] * son + h * soh + offs_d[None, :]
     if FIRST:
         new_lse = lse_b
         new_out = out_b
@@ -454,7 +454,7 @@ def dilated_bwd_delta_kernel(O, DO, DELTA, sob, son, soh, sdob, sdon, sdoh, NROW
 def dilated_bwd_dkdv_kernel(
     Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO, CU_Q, CU_K,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
-    sdkb, sdkn, sdkh, sdvb, sdvn, sdvh, slob, LO_SHIFT,
+    sdkb, sdkn, sdkh, sdvb, sdvn, sdvh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, W, R, S0, NNB,
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
@@ -495,7 +495,7 @@ def dilated_bwd_dkdv_kernel(
         v_base = b64 * svb
         dk_base = b64 * sdkb
         dv_base = b64 * sdvb
-        lo_base = b64 * slob + LO_SHIFT
+        lo_base = b64 * slob
     seg_start, o, L = _block_geometry(pid_s, h0, W, R, nk)
     n_lo = pid_n * BN
     if n_lo >= L:
@@ -547,20 +547,21 @@ def dilated_bwd_dkdv_kernel(
         D, BM, CAUSAL, HAS_KPM, PREC, False,
     )
     dk = dk * sm_scale
-    dk_off = pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
-    dv_off = pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
-    # DK_LO, DV_LO: same row and head strides as DK, DV (the launcher checks it)
-    _acc_store(DK + dk_base + dk_off, DK_LO + lo_base + dk_off, dk, valid_n[:, None], False,
-               COMP, STORE_LO)
-    _acc_store(DV + dv_base + dv_off, DV_LO + lo_base + dv_off, dv, valid_n[:, None], False,
-               COMP, STORE_LO)
+    dk_ptrs = DK + dk_base + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
+    dv_ptrs = DV + dv_base + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
+    # DK_LO, DV_LO: the rows from LO_ROW0 on, with the row and head strides of DK, DV
+    lo_row = (pos_n - LO_ROW0)[:, None]
+    dk_lo = DK_LO + lo_base + lo_row * sdkn + g * sdkh + offs_d[None, :]
+    dv_lo = DV_LO + lo_base + lo_row * sdvn + g * sdvh + offs_d[None, :]
+    _acc_store(dk_ptrs, dk_lo, dk, valid_n[:, None], False, COMP, STORE_LO)
+    _acc_store(dv_ptrs, dv_lo, dv, valid_n[:, None], False, COMP, STORE_LO)
 
 
 @triton.jit
 def dilated_bwd_dq_kernel(
     Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO, CU_Q, CU_K,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
-    sdqb, sdqn, sdqh, slob, LO_SHIFT,
+    sdqb, sdqn, sdqh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
@@ -590,7 +591,7 @@ def dilated_bwd_dq_kernel(
         q_base = b64 * sqb
         do_base = b64 * sdob
         dq_base = b64 * sdqb
-        lo_base = b64 * slob + LO_SHIFT
+        lo_base = b64 * slob
         hq = (b64 * H + h) * NQ
         k_base = b64 * skb
         v_base = b64 * svb
@@ -638,6 +639,7 @@ def dilated_bwd_dq_kernel(
         qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
     )
     dq = dq * sm_scale
-    dq_off = qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
-    _acc_store(DQ + dq_base + dq_off, DQ_LO + lo_base + dq_off, dq, valid_m[:, None], False,
-               COMP, STORE_LO)
+    dq_ptrs = DQ + dq_base + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
+    # DQ_LO: the rows from LO_ROW0 on, with the row and head strides of DQ
+    dq_lo = DQ_LO + lo_base + (qrow - LO_ROW0)[:, None] * sdqn + h * sdqh + offs_d[None, :]
+    _acc_store(dq_ptrs, dq_lo, dq, valid_m[:, None], False, COMP, STORE_LO)

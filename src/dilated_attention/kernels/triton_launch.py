@@ -124,14 +124,14 @@ def _rows_with_several_branches(nh: int, hkv: int, head_ranges) -> tuple[bool, b
 
 def _acc_buffers(shape, dtype, device, several: bool):
     """(hi, needs lo) for a result that ``several`` branches may add into: hi (zeros) in the
-    result dtype is the result itself; a lo buffer (:class:`_Lo`, same dtype) holds the rounding
-    residues when rows get several contributions in a dtype narrower than float32."""
+    result dtype is the result itself; a lo buffer (:func:`_lo_buffer`, same dtype) holds the
+    rounding residues when rows get several contributions in a dtype narrower than float32."""
     hi = torch.zeros(shape, dtype=dtype, device=device)
     return hi, several and dtype != torch.float32
 
 
-# Rows per lo buffer (see _Lo): at least LO_MIN_BYTES of them, else 1/LO_CHUNKS of the rows.
-# Below 2 chunks' worth the lo buffer covers every row (one launch per branch, as before).
+# Rows per lo range (lo_chunks): 1/LO_CHUNKS of the rows, but at least LO_MIN_BYTES of lo; a
+# result shorter than two such ranges keeps one lo buffer for every row (one launch per branch).
 LO_CHUNKS = 16
 LO_MIN_BYTES = 512 << 20
 
@@ -175,14 +175,14 @@ def _lo_buffer(result: torch.Tensor, needed: bool, chunks) -> torch.Tensor | Non
 
 
 def _lo_range(lo: torch.Tensor | None, result: torch.Tensor, row0: int, chunked: bool):
-    """(pointer, batch stride, shift) that a kernel adds to a result row's offset inside its
-    batch entry to address its lo element: result row i of batch b sits at ``b * sb + shift +
-    i * row stride`` of the pointer, the range's first row ``row0`` at the buffer's row 0. No lo:
-    the result as a dummy pointer (never read); one range: the result's own offsets."""
+    """(pointer, batch stride, first row) of the lo buffer for one range: the kernels address
+    the lo element of result row i, batch b at ``b * sb + (i - row0) * row stride`` (row and
+    head strides: the result's). The range's buffer is zeroed here. No lo: the result as a
+    dummy pointer (never read); one range: the result's own offsets (row0 = 0)."""
     if lo is None or not chunked:
         return (result if lo is None else lo), result.stride(0), 0
     lo.zero_()
-    return lo, lo.stride(0), -row0 * result.stride(1)
+    return lo, lo.stride(0), row0
 
 
 def fold_geometry(nq: int, nk: int, branches) -> tuple[int, int] | None:
@@ -342,7 +342,7 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     first = next((bi for bi, (w, _, hs, he) in enumerate(branches)
                   if nms[bi] * lay.segments(w)[1] * lay.programs * (he - hs)), -1)
     for c0, c1 in chunks:
-        lo, slob, lo_shift = _lo_range(acc_lo, acc_o, c0 - lay.qoff, len(chunks) > 1)
+        lo, slob, lo_row0 = _lo_range(acc_lo, acc_o, c0 - lay.qoff, len(chunks) > 1)
         for bi, (w, r, hs, he) in enumerate(branches):
             s0, nseg = _seg_range(lay, w, c0, c1)
             nm = nms[bi]
@@ -353,7 +353,7 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
                 q, k, v, kp, acc_o, lo, acc_l, lay.cu_q, lay.cu_k,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), skp,
-                acc_o.stride(0), acc_o.stride(1), acc_o.stride(2), slob, lo_shift,
+                acc_o.stride(0), acc_o.stride(1), acc_o.stride(2), slob, lo_row0,
                 lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
                 scale * kern.LOG2E.value,
                 D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=bi == first,
@@ -426,7 +426,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     bm, bn = cfgs["dkdv"][:2]
     for c0, c1 in chunks:
         # key rows: dk, dv row i is key position i (row0 = c0)
-        lk, slob, shift = _lo_range(dk_lo, dk, c0, len(chunks) > 1)
+        lk, slob, lo_row0 = _lo_range(dk_lo, dk, c0, len(chunks) > 1)
         lv, _, _ = _lo_range(dv_lo, dv, c0, len(chunks) > 1)
         for bi, (w, r, hs, he) in enumerate(branches):
             s0, nseg = _seg_range(lay, w, c0, c1)
@@ -439,7 +439,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
                 q, k, v, kp, dout, lse, delta, dk, dv, lk, lv, lay.cu_q, lay.cu_k,
                 *strides_in,
                 dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                slob, shift,
+                slob, lo_row0,
                 lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
                 qk_scale, scale,
                 D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
@@ -454,7 +454,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     bm, bn = cfgs["dq"][:2]
     for c0, c1 in chunks:
         # query rows: dq row i is key position i + qoff
-        lq, slob, shift = _lo_range(dq_lo, dq, c0 - lay.qoff, len(chunks) > 1)
+        lq, slob, lo_row0 = _lo_range(dq_lo, dq, c0 - lay.qoff, len(chunks) > 1)
         for bi, (w, r, hs, he) in enumerate(branches):
             s0, nseg = _seg_range(lay, w, c0, c1)
             nm = -(-geom(w, r) // bm)
@@ -464,7 +464,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
             _DQ[grid](
                 q, k, v, kp, dout, lse, delta, dq, lq,
                 lay.cu_q, lay.cu_k, *strides_in,
-                dq.stride(0), dq.stride(1), dq.stride(2), slob, shift,
+                dq.stride(0), dq.stride(1), dq.stride(2), slob, lo_row0,
                 lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, rep, w, r, s0, nm,
                 qk_scale, scale,
                 D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
