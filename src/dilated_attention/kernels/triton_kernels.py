@@ -316,9 +316,11 @@ def dilated_fwd_kernel(
     lse_b = tl.where(has, (m_i + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
     out_b = acc / l_safe[:, None]
     lptrs = ACC_L + l_base + qrow
-    optrs = ACC_O + o_base + qrow[:, None] * son + h * soh + offs_d[None, :]
-    # the lo buffer holds the rows from LO_ROW0 on (one range of them: triton_launch.lo_chunks)
-    lo_ptrs = ACC_LO + lo_base + (qrow - LO_ROW0)[:, None] * son + h * soh + offs_d[None, :]
+    ooff = o_base + qrow[:, None] * son + h * soh + offs_d[None, :]
+    optrs = ACC_O + ooff
+    # the lo buffer holds the rows from LO_ROW0 on (one range: triton_launch.lo_chunks) with
+    # the result's row and head strides: the result's offsets shifted by one scalar
+    lo_ptrs = ACC_LO + (lo_base - o_base - LO_ROW0 * son.to(tl.int64)) + ooff
     if FIRST:
         new_lse = lse_b
         new_out = out_b
@@ -547,14 +549,14 @@ def dilated_bwd_dkdv_kernel(
         D, BM, CAUSAL, HAS_KPM, PREC, False,
     )
     dk = dk * sm_scale
-    dk_ptrs = DK + dk_base + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
-    dv_ptrs = DV + dv_base + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
-    # DK_LO, DV_LO: the rows from LO_ROW0 on, with the row and head strides of DK, DV
-    lo_row = (pos_n - LO_ROW0)[:, None]
-    dk_lo = DK_LO + lo_base + lo_row * sdkn + g * sdkh + offs_d[None, :]
-    dv_lo = DV_LO + lo_base + lo_row * sdvn + g * sdvh + offs_d[None, :]
-    _acc_store(dk_ptrs, dk_lo, dk, valid_n[:, None], False, COMP, STORE_LO)
-    _acc_store(dv_ptrs, dv_lo, dv, valid_n[:, None], False, COMP, STORE_LO)
+    dk_off = dk_base + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
+    dv_off = dv_base + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
+    # DK_LO, DV_LO: the rows from LO_ROW0 on, with the row and head strides of DK, DV (equal:
+    # the launcher checks it): the results' offsets shifted by one scalar
+    dk_lo = DK_LO + (lo_base - dk_base - LO_ROW0 * sdkn.to(tl.int64)) + dk_off
+    dv_lo = DV_LO + (lo_base - dv_base - LO_ROW0 * sdvn.to(tl.int64)) + dv_off
+    _acc_store(DK + dk_off, dk_lo, dk, valid_n[:, None], False, COMP, STORE_LO)
+    _acc_store(DV + dv_off, dv_lo, dv, valid_n[:, None], False, COMP, STORE_LO)
 
 
 @triton.jit
@@ -639,7 +641,8 @@ def dilated_bwd_dq_kernel(
         qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
     )
     dq = dq * sm_scale
-    dq_ptrs = DQ + dq_base + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
-    # DQ_LO: the rows from LO_ROW0 on, with the row and head strides of DQ
-    dq_lo = DQ_LO + lo_base + (qrow - LO_ROW0)[:, None] * sdqn + h * sdqh + offs_d[None, :]
-    _acc_store(dq_ptrs, dq_lo, dq, valid_m[:, None], False, COMP, STORE_LO)
+    dq_off = dq_base + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
+    # DQ_LO: the rows from LO_ROW0 on, with the row and head strides of DQ: DQ's offsets
+    # shifted by one scalar
+    dq_lo = DQ_LO + (lo_base - dq_base - LO_ROW0 * sdqn.to(tl.int64)) + dq_off
+    _acc_store(DQ + dq_off, dq_lo, dq, valid_m[:, None], False, COMP, STORE_LO)

@@ -423,6 +423,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     row_bytes = bsz * hkv * d * k.element_size()
     chunks = lo_chunks(lay, branches, row_bytes, lo_rows) if comp else [(0, lay.nk)]
     dk_lo, dv_lo = _lo_buffer(dk, comp, chunks), _lo_buffer(dv, comp, chunks)
+    assert dk.stride() == dv.stride()  # one lo batch stride and row origin for both
     bm, bn = cfgs["dkdv"][:2]
     for c0, c1 in chunks:
         # key rows: dk, dv row i is key position i (row0 = c0)
