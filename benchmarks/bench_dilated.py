@@ -3,7 +3,9 @@
 Useful TFLOP/s as docs/spec.md ("Measuring speed") defines them (``dilated_attention.flops``: closed-form pair counts from the
 branch geometry; fwd+bwd = 3.5 x forward; dense SDPA counts 4*N^2*H*D, halved when causal),
 forward and forward+backward median times (triton.testing.do_bench), peak memory of one
-forward+backward and the memory ratio = peak / bytes of (q, k, v, out, dout, dq, dk, dv).
+forward+backward and the memory ratio = peak / bytes of (q, k, v, out, dout, dq, dk, dv), i.e.
+1/8 of the ratio to one q-sized tensor. The first call's peak in a fresh process (what decides
+whether N = 2M fits) and the CPU ledger of every buffer: ``benchmarks/mem_account.py``.
 
     PYTHONPATH=src python3 benchmarks/bench_dilated.py --max-n 262144 --out bench.md
 """

@@ -35,7 +35,7 @@ from triton._C.libtriton import ir  # noqa: E402
 
 PATH = "src/dilated_attention/kernels/triton_kernels.py"
 INTS = {"NQ", "NK", "QOFF", "HS", "NHB", "H", "REP", "W", "R", "S0", "NM", "HE", "HKV", "NI",
-        "NNB", "N", "NB", "WMIN", "RMAX", "NT", "NROWS"}
+        "NNB", "N", "NB", "WMIN", "RMAX", "NT", "NROWS", "LO_ROW0"}
 TARGET = GPUTarget("cuda", 90, 32)
 
 

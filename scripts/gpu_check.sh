@@ -4,16 +4,55 @@
 #   bash scripts/gpu_check.sh overhead  benchmarks/bench_overhead.py (issue 23) + bench_varlen.py (issue 22)
 #   bash scripts/gpu_check.sh final     verify beside the CUDA tests (3 workers), then
 #                                       bench_overhead.py --no-e2e and profile_host.py on an idle GPU
-#   bash scripts/gpu_check.sh direct    issue 23's direct launch (off by default, flags.py): the CUDA
+#   bash scripts/gpu_check.sh direct    issue 23's direct launch (on by default since 2026-11-25): the CUDA
 #                                       tests of the decode plans and of every Triton path with it ON
 #                                       (bit-for-bit against Triton's own launch), then the same-process
 #                                       A/B benchmarks/ab_decode.py and the host profile
+#   bash scripts/gpu_check.sh first     the CUDA tests as shipped, then the direct-launch subset ON
+#   bash scripts/gpu_check.sh measure   verify, the N = 131072 bench, ab_decode.py, host profile (ON)
+#   bash scripts/gpu_check.sh mem       benchmarks/mem_account.py at N = 2M, causal and not, fresh
+#                                       processes (issue 24 item 3)
 # Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
+# Triton's compile cache travels between calls: each call leaves it in $OUT/triton_cache.tgz
+# (when it fits the 16 MiB a device call returns); copy that to runs/triton_cache.tgz here and
+# pass carry ["runs/triton_cache.tgz"] so that the next machine starts warm.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-out}; mkdir -p "$OUT"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/da_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f runs/triton_cache.tgz ]; then
+  tar -xzf runs/triton_cache.tgz -C "$TRITON_CACHE_DIR" && echo "triton cache restored: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
+fi
+save_cache() {
+  tar -czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+  local size; size=$(stat -c %s "$OUT/triton_cache.tgz" 2>/dev/null || echo 0)
+  if [ "$size" -gt 15728640 ]; then rm -f "$OUT/triton_cache.tgz"; echo "triton cache too big to return ($size B)"; fi
+}
+trap save_cache EXIT
 python3 -c "import torch, triton, platform; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 case "${1:-tests}" in
+  first)
+    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -q -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=10 > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    DILATED_ATTENTION_DIRECT_LAUNCH=1 timeout "${DIRECT_TEST_TIMEOUT:-180}" python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider -rfE \
+      tests/test_decode_plan.py tests/test_decode.py tests/test_decode_edges.py tests/test_overhead.py \
+      tests/test_triton.py tests/test_triton_determinism.py tests/test_triton_varlen.py > "$OUT/cuda_tests_direct.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests_direct.txt"
+    tail -25 "$OUT/cuda_tests.txt"; tail -15 "$OUT/cuda_tests_direct.txt"
+    ;;
+  measure)
+    timeout "${VERIFY_TIMEOUT:-200}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
+    timeout 100 python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_131072.md" > "$OUT/bench_131072.txt" 2>&1
+    timeout "${AB_TIMEOUT:-180}" python3 benchmarks/ab_decode.py --out "$OUT/ab_decode.md" > "$OUT/ab_decode.txt" 2>&1
+    echo "ab_decode rc=$?" >> "$OUT/ab_decode.txt"
+    DILATED_ATTENTION_DIRECT_LAUNCH=1 timeout 60 python3 benchmarks/profile_host.py --calls 200 --top 30 > "$OUT/profile_host_direct.txt" 2>&1
+    tail -14 "$OUT/verify.txt"; tail -8 "$OUT/bench_131072.txt"; grep -E "^\||plans with launchers|rc=" "$OUT/ab_decode.txt" | tail -30
+    ;;
+  mem)
+    timeout "${MEM_TIMEOUT:-400}" python3 benchmarks/mem_account.py --device cuda --n 2097152 --fresh --causal both --out "$OUT/mem2m.md" > "$OUT/mem2m.txt" 2>&1
+    echo "mem_account rc=$?" >> "$OUT/mem2m.txt"; tail -30 "$OUT/mem2m.txt"
+    ;;
   tests)
     timeout 150 python3 -m dilated_attention verify 2>&1 | tee "$OUT/verify.txt" | tail -30
     timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -q -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=15 2>&1 \

@@ -116,7 +116,7 @@ def _with_fp32_accumulators(monkeypatch) -> list:
 
     def fp32_buffers(shape, dtype, device, several):
         made.append(several)
-        return torch.zeros(shape, dtype=torch.float32 if several else dtype, device=device), None
+        return torch.zeros(shape, dtype=torch.float32 if several else dtype, device=device), False
 
     def fwd(q, *a, **kw):
         out, lse = real_fwd(q, *a, **kw)

@@ -23,13 +23,15 @@ Triton's per-launch dispatch once their compiled kernel is known (``DirectKernel
 
 - ``set_direct_launch(False)`` turns the plans off for this process (``True`` on, ``None``: the
   environment decides);
-- without a call, ``DILATED_ATTENTION_DIRECT_LAUNCH=1`` turns them on; any other value or none
-  leaves them **off**: the direct launch passes Triton 3.6's launcher layout by hand and has
-  not yet run on a GPU (its CPU tests use stand-in launchers), so it stays opt-in until the
-  CUDA tests and ``benchmarks/ab_decode.py`` have shown it bit-identical to Triton's path on
-  an H100 (benchmarks/NOTES_triton.md). This one is on every decode call's path, so the environment is read at the
-  first call and again after each ``set_direct_launch(...)``, not at every call (reading
-  ``os.environ`` costs about a microsecond).
+- without a call, ``DILATED_ATTENTION_DIRECT_LAUNCH=0`` turns them off; any other value or none
+  leaves them **on** (the default since 2026-11-25: the CUDA tests ran bit-identical to
+  Triton's own launch on an H100 with torch 2.11 / Triton 3.6, and ``benchmarks/ab_decode.py``
+  measured decode 2.3-2.7x and small training calls 1.3-1.6x faster,
+  ``benchmarks/results/ab_decode_h100_2026-11-25.md``). Where Triton's launcher is not the
+  layout the direct launch knows (another Triton version or backend), ``direct_launch.launcher``
+  gives None and Triton's own path runs. This one is on every decode call's path, so the
+  environment is read at the first call and again after each ``set_direct_launch(...)``, not at
+  every call (reading ``os.environ`` costs about a microsecond).
 
 The switch exists for same-process A/B measurements (``benchmarks/ab_decode.py``).
 """
@@ -82,10 +84,10 @@ def set_direct_launch(enabled: bool | None) -> None:
 
 def direct_launch_enabled() -> bool:
     """Whether Triton kernels are launched directly (decode plans, training launches) now: the value set by
-    :func:`set_direct_launch`, else the environment (``DILATED_ATTENTION_DIRECT_LAUNCH=1`` turns
-    it on; off by default until verified on a GPU) as read at the first call since the last :func:`set_direct_launch`."""
+    :func:`set_direct_launch`, else the environment (``DILATED_ATTENTION_DIRECT_LAUNCH=0`` turns
+    it off; on by default) as read at the first call since the last :func:`set_direct_launch`."""
     if _direct_override is not None:
         return _direct_override
     if not _direct_env:
-        _direct_env.append(os.environ.get(ENV_DIRECT_LAUNCH, "0").strip() == "1")
+        _direct_env.append(os.environ.get(ENV_DIRECT_LAUNCH, "1").strip() != "0")
     return _direct_env[0]

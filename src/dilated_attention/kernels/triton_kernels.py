@@ -238,7 +238,7 @@ def _dq_inner(
 @triton.jit
 def dilated_fwd_kernel(
     Q, K, V, KPM, ACC_O, ACC_LO, ACC_L, CU_Q, CU_K,
-    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
     qk_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
@@ -259,6 +259,7 @@ def dilated_fwd_kernel(
         k_base = k0 * skn
         v_base = k0 * svn
         o_base = q0 * son
+        lo_base = o_base
         l_base = h * NQ + q0
     else:
         nk = NK
@@ -267,6 +268,7 @@ def dilated_fwd_kernel(
         k_base = b64 * skb
         v_base = b64 * svb
         o_base = b64 * sob
+        lo_base = b64 * slob
         l_base = (b64 * H + h) * NQ
     seg_start, o, L = _block_geometry(pid_s, h, W, R, nk)
     m_lo = pid_m * BM
@@ -316,6 +318,9 @@ def dilated_fwd_kernel(
     lptrs = ACC_L + l_base + qrow
     ooff = o_base + qrow[:, None] * son + h * soh + offs_d[None, :]
     optrs = ACC_O + ooff
+    # the lo buffer holds the rows from LO_ROW0 on (one range: triton_launch.lo_chunks) with
+    # the result's row and head strides: the result's offsets shifted by one scalar
+    lo_ptrs = ACC_LO + (lo_base - o_base - LO_ROW0 * son.to(tl.int64)) + ooff
     if FIRST:
         new_lse = lse_b
         new_out = out_b
@@ -323,7 +328,7 @@ def dilated_fwd_kernel(
         lse_a = tl.load(lptrs, mask=valid_m, other=float("-inf"))
         out_a = tl.load(optrs, mask=valid_m[:, None], other=0.0).to(tl.float32)
         if COMP:
-            out_a += tl.load(ACC_LO + ooff, mask=valid_m[:, None], other=0.0).to(tl.float32)
+            out_a += tl.load(lo_ptrs, mask=valid_m[:, None], other=0.0).to(tl.float32)
         mx = tl.maximum(lse_a, lse_b)
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
         wa = tl.exp(lse_a - mx_safe)
@@ -334,7 +339,7 @@ def dilated_fwd_kernel(
         new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / tot_safe[:, None]
     tl.store(lptrs, new_lse, mask=valid_m)
     # (the merge is a weighted mean, not a sum: _acc_store with FIRST=True stores it)
-    _acc_store(optrs, ACC_LO + ooff, new_out, valid_m[:, None], True, COMP, STORE_LO)
+    _acc_store(optrs, lo_ptrs, new_out, valid_m[:, None], True, COMP, STORE_LO)
 
 
 @triton.jit
@@ -429,17 +434,21 @@ def dilated_fwd_folded_kernel(
 
 
 @triton.jit
-def dilated_bwd_delta_kernel(O, DO, DELTA, NROWS, NQ, H, D: tl.constexpr, BR: tl.constexpr):
-    # O, DO contiguous (B, NQ, H, D); DELTA (B, H, NQ) float32
+def dilated_bwd_delta_kernel(O, DO, DELTA, sob, son, soh, sdob, sdon, sdoh, NROWS, NQ, H,
+                             D: tl.constexpr, BR: tl.constexpr):
+    # O, DO (B, NQ, H, D), last dim contiguous (DO may be a broadcast view: stride 0 elsewhere);
+    # DELTA (B, H, NQ) float32; one row = one (b, t, h)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     valid = rows < NROWS
     offs_d = tl.arange(0, D)
-    o = tl.load(O + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-    do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-    dl = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     h = rows % H
     t = (rows // H) % NQ
     b = rows // (H * NQ)
+    o = tl.load(O + (b * sob + t * son + h * soh)[:, None] + offs_d[None, :],
+                mask=valid[:, None], other=0.0)
+    do = tl.load(DO + (b * sdob + t * sdon + h * sdoh)[:, None] + offs_d[None, :],
+                 mask=valid[:, None], other=0.0)
+    dl = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (b * H + h) * NQ + t, dl, mask=valid)
 
 
@@ -447,7 +456,7 @@ def dilated_bwd_delta_kernel(O, DO, DELTA, NROWS, NQ, H, D: tl.constexpr, BR: tl
 def dilated_bwd_dkdv_kernel(
     Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO, CU_Q, CU_K,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
-    sdkb, sdkn, sdkh, sdvb, sdvn, sdvh,
+    sdkb, sdkn, sdkh, sdvb, sdvn, sdvh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, W, R, S0, NNB,
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
@@ -477,6 +486,7 @@ def dilated_bwd_dkdv_kernel(
         v_base = k0 * svn
         dk_base = k0 * sdkn
         dv_base = k0 * sdvn
+        lo_base = dk_base
     else:
         nk = NK
         qoff = QOFF
@@ -487,6 +497,7 @@ def dilated_bwd_dkdv_kernel(
         v_base = b64 * svb
         dk_base = b64 * sdkb
         dv_base = b64 * sdvb
+        lo_base = b64 * slob
     seg_start, o, L = _block_geometry(pid_s, h0, W, R, nk)
     n_lo = pid_n * BN
     if n_lo >= L:
@@ -540,15 +551,19 @@ def dilated_bwd_dkdv_kernel(
     dk = dk * sm_scale
     dk_off = dk_base + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
     dv_off = dv_base + pos_n[:, None] * sdvn + g * sdvh + offs_d[None, :]
-    _acc_store(DK + dk_off, DK_LO + dk_off, dk, valid_n[:, None], False, COMP, STORE_LO)
-    _acc_store(DV + dv_off, DV_LO + dv_off, dv, valid_n[:, None], False, COMP, STORE_LO)
+    # DK_LO, DV_LO: the rows from LO_ROW0 on, with the row and head strides of DK, DV (equal:
+    # the launcher checks it): the results' offsets shifted by one scalar
+    dk_lo = DK_LO + (lo_base - dk_base - LO_ROW0 * sdkn.to(tl.int64)) + dk_off
+    dv_lo = DV_LO + (lo_base - dv_base - LO_ROW0 * sdvn.to(tl.int64)) + dv_off
+    _acc_store(DK + dk_off, dk_lo, dk, valid_n[:, None], False, COMP, STORE_LO)
+    _acc_store(DV + dv_off, dv_lo, dv, valid_n[:, None], False, COMP, STORE_LO)
 
 
 @triton.jit
 def dilated_bwd_dq_kernel(
     Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO, CU_Q, CU_K,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
-    sdqb, sdqn, sdqh,
+    sdqb, sdqn, sdqh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
@@ -568,6 +583,7 @@ def dilated_bwd_dq_kernel(
         q_base = q0 * sqn
         do_base = q0 * sdon
         dq_base = q0 * sdqn
+        lo_base = dq_base
         hq = h * NQ + q0
         k_base = k0 * skn
         v_base = k0 * svn
@@ -577,6 +593,7 @@ def dilated_bwd_dq_kernel(
         q_base = b64 * sqb
         do_base = b64 * sdob
         dq_base = b64 * sdqb
+        lo_base = b64 * slob
         hq = (b64 * H + h) * NQ
         k_base = b64 * skb
         v_base = b64 * svb
@@ -625,4 +642,7 @@ def dilated_bwd_dq_kernel(
     )
     dq = dq * sm_scale
     dq_off = dq_base + qrow[:, None] * sdqn + h * sdqh + offs_d[None, :]
-    _acc_store(DQ + dq_off, DQ_LO + dq_off, dq, valid_m[:, None], False, COMP, STORE_LO)
+    # DQ_LO: the rows from LO_ROW0 on, with the row and head strides of DQ: DQ's offsets
+    # shifted by one scalar
+    dq_lo = DQ_LO + (lo_base - dq_base - LO_ROW0 * sdqn.to(tl.int64)) + dq_off
+    _acc_store(DQ + dq_off, dq_lo, dq, valid_m[:, None], False, COMP, STORE_LO)

@@ -2,8 +2,8 @@
 
 :func:`forward` and :func:`backward` take validated, last-dim-contiguous tensors and return
 plain tensors (no autograd); ``triton_ops.py`` wraps them in the custom ops, the only entry
-point other code should use. Tuning knobs are keyword arguments (``config=``, ``fold=``) for
-``benchmarks/tune_triton.py``; nothing here reads the environment at call time.
+point other code should use. Tuning knobs are keyword arguments (``config=``, ``fold=``,
+``lo_rows=``) for ``benchmarks/tune_triton.py``; nothing here reads the environment at call time.
 
 Accumulation across branches. A result row that more than one branch adds into is, in fp16 and
 bf16, accumulated as a compensated pair (hi, lo) of the result dtype: hi is the result buffer
@@ -11,12 +11,16 @@ itself (at every step the correctly rounded partial sum, so no final cast and no
 and lo the rounding residue (error per branch <= ~2^-17 relative for bf16, far below the final
 rounding). The forward's (out, lse) merge uses the same pair. float32 inputs accumulate in
 float32 directly; a row with a single contribution is written once in the result dtype. All
-dK/dV launches run before all dQ launches, so only one phase's lo buffers are alive at a time.
+dK/dV launches run before all dQ launches, so only one phase's lo buffers are alive at a time,
+and at long N a phase runs its launches range by range (:func:`lo_chunks`: 1/16 of the rows,
+whole segments of every branch), so a lo buffer holds one range's rows only. Memory ledger at
+2M tokens: benchmarks/NOTES_triton.md, "Memory at 2M tokens".
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -119,13 +123,66 @@ def _rows_with_several_branches(nh: int, hkv: int, head_ranges) -> tuple[bool, b
 
 
 def _acc_buffers(shape, dtype, device, several: bool):
-    """(hi, lo or None) for a result that ``several`` branches may add into: hi (zeros) in the
-    result dtype is the result itself; lo (zeros, same dtype) holds the rounding residues when
-    rows get several contributions in a dtype narrower than float32."""
+    """(hi, needs lo) for a result that ``several`` branches may add into: hi (zeros) in the
+    result dtype is the result itself; a lo buffer (:func:`_lo_buffer`, same dtype) holds the
+    rounding residues when rows get several contributions in a dtype narrower than float32."""
     hi = torch.zeros(shape, dtype=dtype, device=device)
-    if not several or dtype == torch.float32:
-        return hi, None
-    return hi, torch.zeros_like(hi)
+    return hi, several and dtype != torch.float32
+
+
+# Rows per lo range (lo_chunks): 1/LO_CHUNKS of the rows, but at least LO_MIN_BYTES of lo; a
+# result shorter than two such ranges keeps one lo buffer for every row (one launch per branch).
+LO_CHUNKS = 16
+LO_MIN_BYTES = 512 << 20
+
+
+def lo_chunks(lay: _Layout, branches, row_bytes: int, lo_rows: int | None = None):
+    """Key-position ranges ``[c0, c1)`` that the launches of a result with a lo buffer run one
+    after another, each with a lo buffer of its own rows only (1/``LO_CHUNKS`` of a result at
+    long N instead of a whole one: issue 24, 2M tokens on an 80 GB GPU).
+
+    Every range is a whole number of segments of every branch (a multiple of lcm(w)), so all
+    contributions to a row land in one range, in branch order, through the same (hi, lo) steps:
+    the sums are bitwise those of one range. ``row_bytes``: bytes of one position's lo rows
+    (batch x heads x headdim x itemsize); ``lo_rows``: rows per range (rounded up to lcm(w)),
+    None for the rule above. One range ``(0, nk)`` for packed documents (their segments start
+    at document offsets) and when no cut applies.
+    """
+    if lay.varlen or not branches:
+        return [(0, lay.nk)]
+    period = math.lcm(*(w for w, _, _, _ in branches))
+    if lo_rows is None:
+        lo_rows = max(-(-lay.nk // LO_CHUNKS), -(-LO_MIN_BYTES // max(row_bytes, 1)))
+    rows = -(-max(lo_rows, 1) // period) * period
+    if rows >= lay.nk:
+        return [(0, lay.nk)]
+    return [(c, min(c + rows, lay.nk)) for c in range(0, lay.nk, rows)]
+
+
+def _lo_buffer(result: torch.Tensor, needed: bool, chunks) -> torch.Tensor | None:
+    """The lo buffer of ``result`` (B, N, H, D), contiguous: None when not ``needed``, zeros
+    like the result for one range of :func:`lo_chunks`, else (B, rows of the longest range, H, D)
+    with the result's row and head strides, which :func:`_lo_range` zeroes for each range."""
+    if not needed:
+        return None
+    if len(chunks) == 1:
+        return torch.zeros_like(result)
+    b, _, h, d = result.shape
+    rows = max(c1 - c0 for c0, c1 in chunks)
+    lo = torch.empty(b, rows, h, d, dtype=result.dtype, device=result.device)
+    assert lo.stride()[1:] == result.stride()[1:], (lo.stride(), result.stride())
+    return lo
+
+
+def _lo_range(lo: torch.Tensor | None, result: torch.Tensor, row0: int, chunked: bool):
+    """(pointer, batch stride, first row) of the lo buffer for one range: the kernels address
+    the lo element of result row i, batch b at ``b * sb + (i - row0) * row stride`` (row and
+    head strides: the result's). The range's buffer is zeroed here. No lo: the result as a
+    dummy pointer (never read); one range: the result's own offsets (row0 = 0)."""
+    if lo is None or not chunked:
+        return (result if lo is None else lo), result.stride(0), 0
+    lo.zero_()
+    return lo, lo.stride(0), row0
 
 
 def fold_geometry(nq: int, nk: int, branches) -> tuple[int, int] | None:
@@ -204,6 +261,14 @@ def _layout(q: torch.Tensor, k: torch.Tensor, docs: Docs | None) -> _Layout:
     )
 
 
+def _seg_range(lay: _Layout, w: int, c0: int, c1: int) -> tuple[int, int]:
+    """(first segment, count) of branch w's segments that hold a query and lie in the key
+    positions [c0, c1) (c0 a multiple of w: see :func:`lo_chunks`)."""
+    s0, nseg = lay.segments(w)
+    a, b = max(s0, c0 // w), min(s0 + nseg, -(-c1 // w))
+    return a, max(b - a, 0)
+
+
 def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
     bsz, n, nh, d = q.shape
     bm, bn = cfg[:2]
@@ -235,7 +300,7 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
 
 
 def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, fold=None,
-            docs: Docs | None = None):
+            docs: Docs | None = None, lo_rows: int | None = None):
     """out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 of the branches given.
 
     q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D), last dim contiguous; kpm: (B, Nk) bool or None;
@@ -249,6 +314,9 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     ``docs``: packed documents (:class:`Docs`); then B = 1, q is (1, total_q, H, D), k, v
     (1, total_k, Hkv, D), kpm None, and each document is its own sequence. Folding needs
     queries and keys to share the offsets (:meth:`Docs.same_offsets`).
+
+    ``lo_rows``: rows per range of the per-branch launches when the output needs a lo buffer
+    (:func:`lo_chunks`; None: the rule there). The result does not depend on it.
     """
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
@@ -263,52 +331,77 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
         return _fwd_folded(q, k, v, kpm, causal, scale, branches, *geo, cfg, lay)
     bm, bn = cfg[:2]
     several = _rows_with_several_branches(nh, hkv, head_ranges)[0]
-    acc_o, acc_lo = _acc_buffers((bsz, nq, nh, d), q.dtype, q.device, several)
+    acc_o, comp = _acc_buffers((bsz, nq, nh, d), q.dtype, q.device, several)
+    row_bytes = bsz * nh * d * q.element_size()
+    chunks = lo_chunks(lay, branches, row_bytes, lo_rows) if comp else [(0, lay.nk)]
+    acc_lo = _lo_buffer(acc_o, comp, chunks)
     acc_l = torch.full((bsz, nh, nq), float("-inf"), dtype=torch.float32, device=q.device)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
-    first = True
-    for bi, (w, r, hs, he) in enumerate(branches):
-        s0, nseg = lay.segments(w)
-        nm = triton.cdiv(max_block_length(lay.nk, w, r), bm)
-        grid = (nm * nseg, lay.programs * (he - hs))
-        if grid[0] * grid[1] == 0:
-            continue
-        _FWD[grid](
-            q, k, v, kp, acc_o, acc_o if acc_lo is None else acc_lo, acc_l, lay.cu_q, lay.cu_k,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), skp,
-            acc_o.stride(0), acc_o.stride(1), acc_o.stride(2),
-            lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
-            scale * kern.LOG2E.value,
-            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=first, PREC=_prec(q.dtype),
-            COMP=acc_lo is not None, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-            **_launch_kw(cfg),
-        )
-        first = False
+    nms = [triton.cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
+    # FIRST: the first branch with a program (stores without reading), in every range alike
+    first = next((bi for bi, (w, _, hs, he) in enumerate(branches)
+                  if nms[bi] * lay.segments(w)[1] * lay.programs * (he - hs)), -1)
+    for c0, c1 in chunks:
+        lo, slob, lo_row0 = _lo_range(acc_lo, acc_o, c0 - lay.qoff, len(chunks) > 1)
+        for bi, (w, r, hs, he) in enumerate(branches):
+            s0, nseg = _seg_range(lay, w, c0, c1)
+            nm = nms[bi]
+            grid = (nm * nseg, lay.programs * (he - hs))
+            if grid[0] * grid[1] == 0:
+                continue
+            _FWD[grid](
+                q, k, v, kp, acc_o, lo, acc_l, lay.cu_q, lay.cu_k,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), skp,
+                acc_o.stride(0), acc_o.stride(1), acc_o.stride(2), slob, lo_row0,
+                lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
+                scale * kern.LOG2E.value,
+                D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=bi == first,
+                PREC=_prec(q.dtype), COMP=comp, STORE_LO=bi < len(branches) - 1,
+                VARLEN=lay.varlen,
+                **_launch_kw(cfg),
+            )
     return acc_o, acc_l
 
 
+def _broadcast_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit-stride last dim and the fewest bytes: a broadcast dim (stride 0, e.g.
+    the all-ones gradient of ``out.sum()``) stays broadcast, only the rest is copied."""
+    if x.stride(-1) == 1:
+        return x
+    if any(st == 0 and n > 1 for st, n in zip(x.stride()[:-1], x.shape[:-1], strict=True)):
+        idx = tuple(slice(0, 1) if st == 0 else slice(None) for st in x.stride()[:-1])
+        return x[idx].contiguous().expand(x.shape)
+    return x.contiguous()
+
+
 def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,
-             docs: Docs | None = None):
+             docs: Docs | None = None, lo_rows: int | None = None):
     """dq, dk, dv (input dtypes) of the branches given, with the FINAL out and lse (which may
     include branches not given here: every branch's share is independent).
 
-    Shapes as :func:`forward`; lse (B, H, Nq) float32 contiguous. ``config`` and ``docs`` as
-    there.
+    Shapes as :func:`forward`; lse (B, H, Nq) float32 contiguous; dout and out need a unit
+    stride along headdim only (a broadcast dout, e.g. from ``out.sum()``, is read in place).
+    ``config``, ``docs`` and ``lo_rows`` as there.
+
+    Memory (benchmarks/NOTES_triton.md, "Memory at 2M tokens"): besides the inputs, out, dout
+    and lse, the results dk, dv, dq (zeros, each written in place), delta (one float32 per
+    query row and head) and the lo buffers of one phase, each 1/LO_CHUNKS of a result at long N.
     """
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
     rep = nh // hkv
     cfgs = resolve_configs(d, config)
-    dout = dout.contiguous()
-    out = out.contiguous()
+    dout = _broadcast_view(dout)
+    out = _broadcast_view(out)
     delta = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
     nrows = bsz * nq * nh
     br = 16 if INTERPRET else 64
     if nrows > 0:
         _DELTA[(triton.cdiv(nrows, br),)](
-            out, dout, delta, nrows, nq, nh, D=d, BR=br
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2), nrows, nq, nh, D=d, BR=br
         )
     several_q, several_kv = _rows_with_several_branches(nh, hkv, head_ranges)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
@@ -320,49 +413,63 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     )
     branches = branch_list(seg, dil, head_ranges)
 
-    def geom(w, r):  # first segment with a query, number of such segments, longest block
-        return (*lay.segments(w), max_block_length(lay.nk, w, r))
+    def geom(w, r):  # longest block of the branch
+        return max_block_length(lay.nk, w, r)
 
-    # all dK/dV first, then all dQ, so that at most one phase's lo buffers are alive (peak: the
-    # inputs, out, dout, lse, delta, the results and 2 lo buffers, each the size of a result)
-    dk, dk_lo = _acc_buffers(k.shape, k.dtype, q.device, several_kv)
-    dv, dv_lo = _acc_buffers(v.shape, v.dtype, q.device, several_kv)
+    # all dK/dV first, then all dQ, so that one phase's lo buffers are alive at a time (peak:
+    # the inputs, out, dout, lse, delta, the three results and the dQ phase's lo buffer)
+    dk, comp = _acc_buffers(k.shape, k.dtype, q.device, several_kv)
+    dv, _ = _acc_buffers(v.shape, v.dtype, q.device, several_kv)
+    row_bytes = bsz * hkv * d * k.element_size()
+    chunks = lo_chunks(lay, branches, row_bytes, lo_rows) if comp else [(0, lay.nk)]
+    dk_lo, dv_lo = _lo_buffer(dk, comp, chunks), _lo_buffer(dv, comp, chunks)
+    assert dk.stride() == dv.stride()  # one lo batch stride and row origin for both
     bm, bn = cfgs["dkdv"][:2]
-    for bi, (w, r, hs, he) in enumerate(branches):
-        s0, nseg, lmax = geom(w, r)
-        nnb = -(-lmax // bn)
-        ni = min(rep, r)
-        grid = (nnb * nseg, lay.programs * hkv * ni)
-        if grid[0] * grid[1] == 0:
-            continue
-        _DKDV[grid](
-            q, k, v, kp, dout, lse, delta, dk, dv,
-            dk if dk_lo is None else dk_lo, dv if dv_lo is None else dv_lo, lay.cu_q, lay.cu_k,
-            *strides_in,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
-            qk_scale, scale,
-            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
-            COMP=dk_lo is not None, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-            **_launch_kw(cfgs["dkdv"]),
-        )
-    del dk_lo, dv_lo
-    dq, dq_lo = _acc_buffers(q.shape, q.dtype, q.device, several_q)
+    for c0, c1 in chunks:
+        # key rows: dk, dv row i is key position i (row0 = c0)
+        lk, slob, lo_row0 = _lo_range(dk_lo, dk, c0, len(chunks) > 1)
+        lv, _, _ = _lo_range(dv_lo, dv, c0, len(chunks) > 1)
+        for bi, (w, r, hs, he) in enumerate(branches):
+            s0, nseg = _seg_range(lay, w, c0, c1)
+            nnb = -(-geom(w, r) // bn)
+            ni = min(rep, r)
+            grid = (nnb * nseg, lay.programs * hkv * ni)
+            if grid[0] * grid[1] == 0:
+                continue
+            _DKDV[grid](
+                q, k, v, kp, dout, lse, delta, dk, dv, lk, lv, lay.cu_q, lay.cu_k,
+                *strides_in,
+                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                slob, lo_row0,
+                lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
+                qk_scale, scale,
+                D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
+                COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
+                **_launch_kw(cfgs["dkdv"]),
+            )
+    del dk_lo, dv_lo, lk, lv
+    dq, comp = _acc_buffers(q.shape, q.dtype, q.device, several_q)
+    row_bytes = bsz * nh * d * q.element_size()
+    chunks = lo_chunks(lay, branches, row_bytes, lo_rows) if comp else [(0, lay.nk)]
+    dq_lo = _lo_buffer(dq, comp, chunks)
     bm, bn = cfgs["dq"][:2]
-    for bi, (w, r, hs, he) in enumerate(branches):
-        s0, nseg, lmax = geom(w, r)
-        nm = -(-lmax // bm)
-        grid = (nm * nseg, lay.programs * (he - hs))
-        if grid[0] * grid[1] == 0:
-            continue
-        _DQ[grid](
-            q, k, v, kp, dout, lse, delta, dq, dq if dq_lo is None else dq_lo,
-            lay.cu_q, lay.cu_k, *strides_in,
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, rep, w, r, s0, nm,
-            qk_scale, scale,
-            D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
-            COMP=dq_lo is not None, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-            **_launch_kw(cfgs["dq"]),
-        )
+    for c0, c1 in chunks:
+        # query rows: dq row i is key position i + qoff
+        lq, slob, lo_row0 = _lo_range(dq_lo, dq, c0 - lay.qoff, len(chunks) > 1)
+        for bi, (w, r, hs, he) in enumerate(branches):
+            s0, nseg = _seg_range(lay, w, c0, c1)
+            nm = -(-geom(w, r) // bm)
+            grid = (nm * nseg, lay.programs * (he - hs))
+            if grid[0] * grid[1] == 0:
+                continue
+            _DQ[grid](
+                q, k, v, kp, dout, lse, delta, dq, lq,
+                lay.cu_q, lay.cu_k, *strides_in,
+                dq.stride(0), dq.stride(1), dq.stride(2), slob, lo_row0,
+                lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, rep, w, r, s0, nm,
+                qk_scale, scale,
+                D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
+                COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
+                **_launch_kw(cfgs["dq"]),
+            )
     return dq, dk, dv

@@ -142,6 +142,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse, bwd=None):
+    if dout is None:  # no gradient reached out (grads not materialized): none for the inputs
+        return (None,) * 9
     q, k, v, kpm, out, lse = ctx.saved_tensors
     seg, dil, hr, causal, scale = ctx.args
     with backward_context(q.device.type):
@@ -163,6 +165,9 @@ class _EagerFused(torch.autograd.Function):
     def forward(ctx, q, k, v, kpm, seg, dil, hr, causal, scale):
         out, lse = _fwd_impl(q, k, v, kpm, seg, dil, hr, causal, scale)
         _setup_context(ctx, (q, k, v, kpm, seg, dil, hr, causal, scale), (out, lse))
+        # lse's gradient is never used: without this autograd would allocate zeros for it
+        # at every backward (one float32 per query row and head)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
@@ -272,6 +277,8 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _varlen_backward(ctx, dout, _dlse, bwd=None):
+    if dout is None:  # as _backward
+        return (None,) * 12
     q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
     max_q, max_k, seg, dil, hr, causal, scale = ctx.args
     with backward_context(q.device.type):
@@ -292,6 +299,7 @@ class _EagerVarlen(torch.autograd.Function):
     def forward(ctx, *inputs):
         out, lse = _varlen_fwd_impl(*inputs)
         _varlen_setup_context(ctx, inputs, (out, lse))
+        ctx.set_materialize_grads(False)  # as _EagerFused
         return out, lse
 
     @staticmethod
