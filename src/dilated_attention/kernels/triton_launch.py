@@ -204,6 +204,16 @@ def fold_geometry(nq: int, nk: int, branches) -> tuple[int, int] | None:
     return wmin, rmax
 
 
+def fold_fills_tile(geo: tuple[int, int], bm: int) -> bool:
+    """Whether the folded forward is the default for :func:`fold_geometry`'s (w_min, r_max):
+    a folded tile holds the w_min / r_max rows of one residue class in a window, so fewer than
+    the forward's BM rows leave most of every tile masked. Measured on an H100
+    (``benchmarks/fold_rule.py``, results/fold_rule_h100_2026-11-25.md): w_min / r_max = 16 ran
+    6.5x slower than per-branch launches, 64 ran 1.8x slower; >= BM (128) folded ran 0-6%
+    faster."""
+    return geo[0] // geo[1] >= bm
+
+
 @functools.lru_cache(maxsize=64)
 def _branch_table(branches: tuple, device: torch.device) -> torch.Tensor:
     """(w, r, head start, head stop) per branch as an int32 device tensor, built once per
@@ -306,7 +316,8 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D), last dim contiguous; kpm: (B, Nk) bool or None;
     head_ranges: [(hs, he)] per branch. ``config``: {kernel: (BM, BN, warps, stages)} overrides
     (:func:`resolve_configs`). ``fold``: None folds the branches into one launch when
-    :func:`fold_geometry` allows it and the call is not causal (a folded tile's rows span a
+    :func:`fold_geometry` allows it, w_min / r_max fills the forward's BM rows and the call is
+    not causal (a folded tile's rows span a
     whole w_min window, so the causal diagonal crosses every key block: measured slower, see
     benchmarks/NOTES_triton.md); True folds whenever the geometry allows, causal too; False
     never (per-branch launches + merge).
@@ -327,6 +338,8 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
         geo = None
     else:
         geo = fold_geometry(lay.nq, lay.nk, branches)
+    if fold is None and geo is not None and not fold_fills_tile(geo, cfg[0]):
+        geo = None
     if geo is not None:
         return _fwd_folded(q, k, v, kpm, causal, scale, branches, *geo, cfg, lay)
     bm, bn = cfg[:2]
