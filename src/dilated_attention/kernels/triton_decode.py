@@ -23,8 +23,9 @@ in two blocks). A row with no key gets out = 0, lse = -inf.
 Cache slots: position p of row b is slot index ``cache_leftpad[b] + p`` and lives in slot
 ``(cache_leftpad[b] + p) % cache_len`` (a ring buffer; a cache at least as long as the sequence is
 the plain cache). Keys a row does not select are never loaded (masked loads), so garbage in
-unwritten slots cannot reach the result. Offsets are computed in int64 (a 1M-row cache of one batch
-entry holds 2^30 elements).
+unwritten slots cannot reach the result. Positions, slot indices and offsets are computed in int64
+(a 1M-row cache of one batch entry holds 2^30 elements; ``cache_seqlens`` may be up to 2^31 - 1,
+and a segment's end or a key's slot index past it must not wrap).
 """
 
 from __future__ import annotations
@@ -76,12 +77,15 @@ if triton is not None:
         hs = tl.load(BR + bi * 5 + 2)
         he = tl.load(BR + bi * 5 + 3)
         blk = sp - tl.load(BR + bi * 5 + 4)
+        # positions in int64: a row's segment end (seg0 + w), its key positions and their slot
+        # indices (j + lpad) pass 2^31 when cache_seqlens is within max(w) of it (int32 wrapped
+        # there: such rows got out 0, lse -inf)
         if SEQ_FULL:  # every row's valid slots are the whole cache (no SEQLENS tensor)
-            seqlen = C
+            seqlen = b * 0 + C  # int64 (b is), also when C is specialised to a constant
         else:
-            seqlen = tl.load(SEQLENS + b)
+            seqlen = tl.load(SEQLENS + b).to(tl.int64)
         if HAS_LEFTPAD:  # row b's sequence is slots [lpad, cache_seqlens[b]); negative counts as 0
-            lpad = tl.maximum(tl.load(LEFTPAD + b), 0)
+            lpad = tl.maximum(tl.load(LEFTPAD + b), 0).to(tl.int64)
             seqlen = seqlen - lpad
         else:
             lpad = 0
@@ -92,11 +96,11 @@ if triton is not None:
         h = g * REP + offs_h  # query heads of this kv head's group
         in_group = offs_h < REP
         for t in range(0, T):
-            i = seqlen - T + t  # absolute position of query row t
-            seg0 = (i // w) * w
-            c = (i - seg0) % r
+            ip = seqlen - T + t  # absolute position of query row t (int64; not `i`, the int32 loop index above)
+            seg0 = (ip // w) * w
+            c = (ip - seg0) % r
             if CAUSAL:
-                end = tl.minimum(seg0 + w, i + 1)
+                end = tl.minimum(seg0 + w, ip + 1)
             else:
                 end = tl.minimum(seg0 + w, seqlen)
             takes = in_group & (h >= hs) & (h < he) & (h % r == c)  # (BH,)
@@ -105,8 +109,8 @@ if triton is not None:
             lp_ptrs = LP + b * slb + t * slt + h * slh + sp
             n_take = tl.sum(takes.to(tl.int32), axis=0)
             # a row at a negative position (cache_seqlens < seqlen_q) has no key
-            if (n_take > 0) & (seg0 + c + r * blk * BN < end) & (i >= 0):
-                slot = ((j + lpad) % C).to(tl.int64)  # j >= 0 here
+            if (n_take > 0) & (seg0 + c + r * blk * BN < end) & (ip >= 0):
+                slot = (j + lpad) % C  # int64; j >= 0 here
                 q = tl.load(
                     Q + b * sqb + t * sqt + h[:, None] * sqh + offs_d[None, :],
                     mask=takes[:, None], other=0.0,
