@@ -316,7 +316,7 @@ class DecodePlan:
         "device", "dtype", "cuda", "dev_index", "nsplit", "table", "table_ptr",
         "split_grid", "split_tail", "split_opts", "reduce_grid", "reduce_tail", "reduce_opts",
         "out_shape", "lse_shape", "lse_stride", "op_shape", "op_stride", "lp_shape", "lp_stride",
-        "lp_off", "lse_off", "ws_numel", "has_lpad", "full", "split_go", "reduce_go", "tried_direct",
+        "lp_off", "lse_off", "ws_numel", "has_lpad", "full", "split_go", "reduce_go", "tried_direct", "out_like_q",
     )  # fmt: skip
 
     def __init__(self, q, k_cache, v_cache, has_lpad, full, branches, causal, scale, block_n, num_warps,
@@ -345,6 +345,10 @@ class DecodePlan:
         self.lse_off = _round_up(self.lp_off + n_lp, _REGION)
         self.ws_numel = self.lse_off + bsz * nh * nq
         out_stride = _contiguous_strides(self.out_shape)
+        # out has q's shape, dtype and device: where q's strides are the contiguous ones (they are
+        # in the key), torch.empty_like(q) gives the same tensor as torch.empty(out_shape, ...)
+        # for less host work (no dtype/device keyword parsing)
+        self.out_like_q = tuple(q.stride()) == out_stride
         self.split_grid = (nsplit, bsz * hkv)
         self.split_tail = (
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *self.op_stride[:4],
@@ -381,7 +385,10 @@ class DecodePlan:
                 ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
         else:
             ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.out_like_q:
+            out = torch.empty_like(q)
+        else:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else None
         split_go = self.split_go
         if split_go is not None:
@@ -451,7 +458,34 @@ def _workspace(dev_index: int, stream: int, numel: int, device: torch.device) ->
     return ws
 
 
-_PLANS: OrderedDict[tuple, DecodePlan] = OrderedDict()
+_PLAN_USERS: list = []  # callables that drop every other reference to plans (decode.py's fast path)
+
+
+def on_plans_dropped(fn) -> None:
+    """Call ``fn()`` whenever plans are dropped (the table cleared, or a plan evicted): a cache
+    that holds plans outside this table (``decode.py``'s per-call-configuration fast path) must
+    not keep serving a plan the table no longer has."""
+    if fn not in _PLAN_USERS:
+        _PLAN_USERS.append(fn)
+
+
+class _PlanTable(OrderedDict):
+    """The plans by key; dropping plans (``clear``, ``popitem``) also clears the caches registered
+    with :func:`on_plans_dropped`."""
+
+    def clear(self) -> None:
+        super().clear()
+        for fn in _PLAN_USERS:
+            fn()
+
+    def popitem(self, last: bool = True):
+        item = super().popitem(last)
+        for fn in _PLAN_USERS:
+            fn()
+        return item
+
+
+_PLANS: _PlanTable = _PlanTable()
 _MAX_PLANS = 64
 
 
@@ -491,6 +525,7 @@ def decode_triton(
     *,
     need_lse: bool = True,
     reuse_workspace: bool = True,
+    record: list | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     reduce_splits: int = 128,
@@ -503,7 +538,8 @@ def decode_triton(
     decode route; no index tensor is read). ``branches``: a tuple of (w, r, head start, head
     stop) tuples. ``need_lse`` False returns lse None (it is written to the workspace);
     ``reuse_workspace`` False allocates the split partials' buffer for this call (the custom op
-    under torch.compile).
+    under torch.compile). ``record``: a list the plan is appended to (``decode.py``'s fast path
+    keeps it for the next call of the same configuration).
 
     Runs through the configuration's :class:`DecodePlan`: one dict lookup, one or two fresh
     buffers, two launches of the compiled kernels through their launchers (Triton's
@@ -523,4 +559,6 @@ def decode_triton(
     if plan is None:
         plan = get_plan(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
                         block_n, num_warps, reduce_splits, reduce_cols)  # fmt: skip
+    if record is not None:
+        record.append(plan)
     return plan.run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, reuse_workspace)
