@@ -227,7 +227,19 @@ def test_autocast_takes_the_full_path(seed):
     _same(got, _full_path(lambda: _da(q.bfloat16(), k.bfloat16(), v.bfloat16())))
 
 
-def test_plans_dropped_drop_the_entries(seed):
+def test_an_evicted_plan_still_serves_its_entry(seed, monkeypatch):
+    from dilated_attention.kernels import triton_decode as td
+
+    monkeypatch.setattr(td, "_MAX_PLANS", 1)
+    td._PLANS.clear()
+    q, k, v, sl = _inputs()
+    first = _kv(q, k, v, sl)
+    _kv(q, k, v, sl, softmax_scale=0.2)  # evicts the first plan from the (bounded) table
+    assert len(td._PLANS) == 1 and len(decode._FAST) == 2
+    _same(_kv(q, k, v, sl), first)
+
+
+def test_clearing_the_plans_clears_the_entries(seed):
     from dilated_attention.kernels import triton_decode as td
 
     q, k, v, sl = _inputs()
@@ -257,9 +269,9 @@ def _kv_errors(q, k, v, sl):
         (TypeError, "causal must be a bool", lambda: _kv(q, k, v, sl, causal=1)),
         (TypeError, "softmax_scale must be a real number", lambda: _kv(q, k, v, sl, softmax_scale=True)),
         (ValueError, "softmax_scale must be a finite", lambda: _kv(q, k, v, sl, softmax_scale=float("nan"))),
-        (Exception, "", lambda: _kv(q, k, v, sl, seg=[8.0, 16])),
-        (Exception, "", lambda: _kv(q, k, v, sl, dil=[True, 2])),
-        (Exception, "", lambda: _kv(q, k, v, sl, seg=[[8], 16])),
+        (Exception, None, lambda: _kv(q, k, v, sl, seg=[8.0, 16])),
+        (Exception, None, lambda: _kv(q, k, v, sl, dil=[True, 2])),
+        (Exception, None, lambda: _kv(q, k, v, sl, seg=[[8], 16])),
         (ValueError, "impl must be one of", lambda: _kv(q, k, v, sl, impl="reference")),
         (ValueError, "head_assignment", lambda: _kv(q, k, v, sl, head_assignment="none")),
         (ValueError, "inference only", lambda: _kv(qg, k, v, sl)),
@@ -280,8 +292,8 @@ def _da_errors(q, k, v):
         (TypeError, "causal must be a bool", lambda: _da(q, k, v, causal=1)),
         (TypeError, "return_lse must be a bool", lambda: _da(q, k, v, return_lse=1)),
         (TypeError, "softmax_scale must be a real number", lambda: _da(q, k, v, softmax_scale=True)),
-        (Exception, "", lambda: _da(q, k, v, seg=[8.0, 16])),
-        (Exception, "", lambda: _da(q, k, v, dil=[True, 2])),
+        (Exception, None, lambda: _da(q, k, v, seg=[8.0, 16])),
+        (Exception, None, lambda: _da(q, k, v, dil=[True, 2])),
         (ValueError, "impl must be one of", lambda: _da(q, k, v, impl="fast")),
         (ValueError, "head_assignment", lambda: _da(q, k, v, head_assignment="none")),
         (ValueError, "dropout_p must be in", lambda: _da(q, k, v, dropout_p=1.5)),

@@ -61,7 +61,7 @@ def _triton_decode():
         return _TRITON_DECODE[0]
     from .kernels import triton_decode
 
-    triton_decode.on_plans_dropped(_FAST.clear)  # no fast-path entry outlives its plan's table
+    triton_decode.on_plans_cleared(_FAST.clear)  # clearing the plans clears the fast path's entries
     _TRITON_DECODE.append(triton_decode)
     return triton_decode
 

@@ -461,28 +461,22 @@ def _workspace(dev_index: int, stream: int, numel: int, device: torch.device) ->
 _PLAN_USERS: list = []  # callables that drop every other reference to plans (decode.py's fast path)
 
 
-def on_plans_dropped(fn) -> None:
-    """Call ``fn()`` whenever plans are dropped (the table cleared, or a plan evicted): a cache
-    that holds plans outside this table (``decode.py``'s per-call-configuration fast path) must
-    not keep serving a plan the table no longer has."""
+def on_plans_cleared(fn) -> None:
+    """Call ``fn()`` whenever the plan table is cleared: a cache that holds plans outside it
+    (``decode.py``'s fast path of repeated calls) drops them too, so that clearing the table
+    (tests, a user resetting state) leaves no plan in use. An evicted plan (the table is bounded)
+    stays valid: a cache that still holds it may keep running it."""
     if fn not in _PLAN_USERS:
         _PLAN_USERS.append(fn)
 
 
 class _PlanTable(OrderedDict):
-    """The plans by key; dropping plans (``clear``, ``popitem``) also clears the caches registered
-    with :func:`on_plans_dropped`."""
+    """The plans by key; ``clear`` also clears the caches registered with :func:`on_plans_cleared`."""
 
     def clear(self) -> None:
         super().clear()
         for fn in _PLAN_USERS:
             fn()
-
-    def popitem(self, last: bool = True):
-        item = super().popitem(last)
-        for fn in _PLAN_USERS:
-            fn()
-        return item
 
 
 _PLANS: _PlanTable = _PlanTable()
