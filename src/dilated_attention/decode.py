@@ -190,10 +190,11 @@ def decode_core(
 # caller's own tensors leaves that plan here, under a key of everything the checks and decisions
 # read, and the next call with an equal key runs the plan at once (DecodePlan.run still checks
 # the pointers' alignment and the current device per call). What can change between calls with
-# equal keys is checked on every call (fast_ok): gradient mode and requires_grad, the direct
-# launch switch, autocast, torch.compile, the element types of the branch lists (8.0 == 8).
-# Anything unusual (a subclass of Tensor, a numpy int, a strided index tensor, an int
-# cache_seqlens) gets no key: the full path, as before. Never under torch.compile.
+# equal keys is checked on every call (fast_lookup; autocast in api.py): gradient mode and
+# requires_grad, the direct launch switch, autocast, the element types of the branch lists
+# (8.0 == 8 and True == 1 hash alike). Anything unusual (a subclass of Tensor, a numpy int, a
+# strided index tensor, an int cache_seqlens) gets no key: the full path, as before. Never under
+# torch.compile (fast_key asks first).
 
 _FAST: dict = {}
 _MAX_FAST = 256
@@ -206,11 +207,11 @@ def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, imp
     torch.compile; other argument types than the common ones). Shapes, strides, dtypes and
     devices of q, k, v; the branch lists as tuples; the options; ``extra`` (the index tensors)."""
     if (
-        type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
+        torch.compiler.is_compiling()
+        or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
         or type(seg) not in _SEQ or type(dil) not in _SEQ or type(causal) is not bool
         or type(impl) is not str or type(head_assignment) is not str
         or (softmax_scale is not None and type(softmax_scale) is not float)
-        or torch.compiler.is_compiling()
     ):  # fmt: skip
         return None
     return (
