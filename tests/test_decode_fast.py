@@ -343,3 +343,23 @@ def test_a_branch_list_changed_in_place_is_checked_again(seed, route):
     run(tup)
     with pytest.raises((TypeError, ValueError)):
         run((8.0, 16))
+
+
+@pytest.mark.parametrize("route", ["kv", "da"])
+def test_a_stored_entry_is_never_used_under_compile(seed, route):
+    # eager calls store the plan; the same configuration compiled with fullgraph=True must trace
+    # the custom op (a plan run in the graph would be a graph break: fullgraph raises)
+    q, k, v, sl = _inputs()
+
+    def step(q, k, v, sl):
+        if route == "kv":
+            return dilated_attention_with_kvcache(q, k, v, sl, SEG, DIL, causal=True, impl="triton")
+        return dilated_attention(q, k, v, SEG, DIL, causal=True, impl="triton")
+
+    with torch.no_grad():
+        want = step(q, k, v, sl)
+        step(q, k, v, sl)
+        assert len(decode._FAST) == 1
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend="aot_eager" if DEV == "cpu" else "inductor")(q, k, v, sl)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
