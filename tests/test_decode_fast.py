@@ -101,6 +101,16 @@ def test_repeated_call_hits_and_gives_the_full_paths_bits(seed, monkeypatch, rou
     got = fn()
     assert seen == [route, route]  # the switch-off call took the full path; this one is a hit
     _same(got, _full_path(fn))
+    # new tensors (other storage), same configuration: a hit that reads the new tensors
+    fn()  # stores the entry again (_full_path left none)
+    q2, k2, v2, sl2 = _inputs()
+    sl2.fill_(30)
+    fn2 = (lambda: _kv(q2, k2, v2, sl2, return_lse=return_lse)) if route == "kv" else (lambda: _da(q2, k2, v2, return_lse=return_lse))
+    n = len(seen)
+    got2 = fn2()
+    assert len(seen) == n
+    _same(got2, _full_path(fn2))
+    assert not torch.equal(got2[0] if return_lse else got2, got[0] if return_lse else got)
 
 
 def test_routes_and_index_tensors_are_separate_entries(seed):
