@@ -354,3 +354,35 @@ def test_eager_calls_the_implementation_directly(seed, monkeypatch):
         out = dilated_attention_with_kvcache(q, k, k, 20, [4, 8], [1, 2], impl="torch")
     assert not calls
     _close((out, torch.zeros(1, 4, 1)), (_ref(q, k[:, :20], k[:, :20], [4, 8], [1, 2])[0], torch.zeros(1, 4, 1)), 1e-12)
+
+
+# ------------------------------------------------------------------ positions near 2^31
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_positions_near_int32_max_are_exact(seed, impl, causal, leftpad):
+    # a rolling cache of 20 slots at cache_seqlens within max(w) of 2^31: the Triton kernel once
+    # computed positions (seg0 + w, j, j + leftpad) in int32, which wrapped, and those rows
+    # silently got out 0 and lse -inf. Positions S and S % 40 + 80 have the same phase in every
+    # segment (lcm(w) = 8) and in the ring (20 slots), so they read the same slots: same result.
+    dtype = _dtype(impl)
+    seg, dil, nq, cap = [4, 8], [1, 2], 2, 20
+    q = torch.randn(2, nq, 4, 16, dtype=dtype, device=DEV)
+    k = torch.randn(2, cap, 2, 16, dtype=dtype, device=DEV)
+    v = torch.randn(2, cap, 2, 16, dtype=dtype, device=DEV)
+    big = [2**31 - 1, 2**31 - 5]
+    small = [s % 40 + 80 for s in big]
+    kw = dict(causal=causal, return_lse=True, impl=impl)
+    if leftpad:  # positions count from the pad (S - pad), slots from 0 (S): both keep their phase
+        kw["cache_leftpad"] = torch.tensor([3, 40], dtype=torch.int32, device=DEV)
+    got = dilated_attention_with_kvcache(q, k, v, torch.tensor(big, dtype=torch.int32, device=DEV), seg, dil, **kw)
+    want = dilated_attention_with_kvcache(q, k, v, torch.tensor(small, dtype=torch.int32, device=DEV), seg, dil, **kw)
+    assert torch.isfinite(got[1]).all()
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+    if impl == "triton":  # and the torch path (int64 positions) agrees at the large lengths
+        ref = dilated_attention_with_kvcache(q, k, v, torch.tensor(big, dtype=torch.int32, device=DEV), seg, dil,
+                                             **{**kw, "impl": "torch"})  # fmt: skip
+        _close(got, ref, 2e-5)

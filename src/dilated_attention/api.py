@@ -29,10 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .autograd_rules import autocast_inputs
+from .autograd_rules import autocast_dtype, autocast_inputs
 from .branches import branch_head_ranges
 from .checks import Call, describe_call
-from .decode import decode_core
+from .decode import decode_core, fast_key, fast_lookup, fast_store
 from .kernels.select import (
     IMPLS,
     available_impls,
@@ -86,6 +86,16 @@ def dilated_attention(
         (docs/autocast.md). Second-order gradients: impl="reference" only; the others raise.
         A query with no key (all masked) gets out = 0 and lse = -inf.
     """
+    key = None
+    if key_padding_mask is None and group is None and type(dropout_p) is float and dropout_p == 0.0 and type(return_lse) is bool:
+        # a repeated decode call (q_one_row against a cache): the plan the last identical call
+        # ran, with no checks or decisions re-derived (decode.fast_key says what is compared)
+        key = fast_key("da", q, k, v, segment_lengths, dilation_rates, causal, softmax_scale, head_assignment, impl)
+        if key is not None:
+            hit = fast_lookup(key, q, k, v, segment_lengths, dilation_rates)
+            if hit is not None and autocast_dtype(hit.device_type) is None:
+                out, lse = hit.plan.run(q, k, v, None, None, return_lse, True)
+                return (out, lse) if return_lse else out
     q, k, v, amp_device = autocast_inputs(q, k, v)
     try:
         call = describe_call(
@@ -102,14 +112,21 @@ def dilated_attention(
 
         sp_arg_error(group, e, (q, k, v))
     if amp_device is None:
-        return _run(q, k, v, key_padding_mask, call, group)
+        if key is None:
+            return _run(q, k, v, key_padding_mask, call, group)
+        record: list = []  # the decode plan this call runs, if any (kept for the next call)
+        res = _run(q, k, v, key_padding_mask, call, group, record)
+        if record:
+            fast_store(key, record[0], segment_lengths, dilation_rates, q.device.type)
+        return res
     # the SDPA rule (docs/autocast.md): cast once (above), run with autocast off
     with torch.autocast(amp_device, enabled=False):
         return _run(q, k, v, key_padding_mask, call, group)
 
 
-def _run(q, k, v, key_padding_mask, call: Call, group):
-    """The validated call: sequence-parallel, the empty and headdim-0 edge cases, or the core."""
+def _run(q, k, v, key_padding_mask, call: Call, group, record: list | None = None):
+    """The validated call: sequence-parallel, the empty and headdim-0 edge cases, or the core.
+    ``record`` gets the decode plan the core ran (see :func:`_run_decode`)."""
     if group is not None:
         from .distributed import sequence_parallel
 
@@ -132,13 +149,13 @@ def _run(q, k, v, key_padding_mask, call: Call, group):
         _, lse = _core(zq, zk, zk, key_padding_mask, call._replace(scale=1.0, dropout_p=0.0))
         out = q * 0 + (k.sum() + v.sum()) * 0
         return (out, lse) if call.return_lse else out
-    out, lse = _core(q, k, v, key_padding_mask, call, need_lse=call.return_lse)
+    out, lse = _core(q, k, v, key_padding_mask, call, need_lse=call.return_lse, record=record)
     return (out, lse) if call.return_lse else out
 
 
-def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True):
+def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True, record: list | None = None):
     """Pick the implementation once and run it: (out, lse float32). ``need_lse`` False lets the
-    decode path skip the LSE output (lse may then be None)."""
+    decode path skip the LSE output (lse may then be None); ``record`` gets the decode plan."""
     seg, dil = call.segment_lengths, call.dilation_rates
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     decode = call.impl != "reference" and decode_applies(
@@ -148,13 +165,13 @@ def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True):
         # the decode route's own auto rule (the Triton decode kernel on CUDA), not the dense
         # rule measured on training-shaped calls, which may say "torch" and so sent a 4K decode
         # call to the torch decode path
-        return _run_decode(q, k, v, call, "auto", need_lse)
+        return _run_decode(q, k, v, call, "auto", need_lse, record)
     chosen = pick_impl(
         call.impl, q, k, call.dropout_p, causal=call.causal, segment_lengths=seg,
         dilation_rates=dil, requires_grad=needs_grad,
     )
     if decode:
-        return _run_decode(q, k, v, call, chosen, need_lse)
+        return _run_decode(q, k, v, call, chosen, need_lse, record)
     if chosen == "torch":
         from .kernels import torch_dilated
 
@@ -193,7 +210,7 @@ def _head_ranges(nheads: int, nbranches: int, head_assignment: str):
     return r
 
 
-def _run_decode(q, k, v, call: Call, chosen: str, need_lse: bool):
+def _run_decode(q, k, v, call: Call, chosen: str, need_lse: bool, record: list | None = None):
     """The decode path for a short query against a longer cache (validated inputs; the whole
     cache is valid: ``cache_seqlens`` None, so the Triton kernel reads no index tensor and no
     tensor is built per call). The one place ``dilated_attention`` reaches the decode kernels:
@@ -202,5 +219,5 @@ def _run_decode(q, k, v, call: Call, chosen: str, need_lse: bool):
     return decode_core(
         q, k, v, None, None, call.segment_lengths, call.dilation_rates,
         causal=call.causal, scale=call.scale, head_assignment=call.head_assignment,
-        impl=pick_decode_impl(chosen, q), need_lse=need_lse,
+        impl=pick_decode_impl(chosen, q), need_lse=need_lse, record=record,
     )  # fmt: skip

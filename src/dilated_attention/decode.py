@@ -61,6 +61,7 @@ def _triton_decode():
         return _TRITON_DECODE[0]
     from .kernels import triton_decode
 
+    triton_decode.on_plans_cleared(_FAST.clear)  # clearing the plans clears the fast path's entries
     _TRITON_DECODE.append(triton_decode)
     return triton_decode
 
@@ -100,13 +101,14 @@ def _plan(nheads: int, seg: tuple, dil: tuple, head_assignment: str):
     return plan
 
 
-def _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl, need_lse=True, reuse=True):
+def _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl, need_lse=True, reuse=True,
+         record=None):  # fmt: skip
     if impl == "triton":
         td = _triton_decode()
         if flags.direct_launch_enabled():  # the plan of this configuration (kernels/triton_decode.py)
             return td.decode_triton(
                 q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale,
-                need_lse=need_lse, reuse_workspace=reuse,
+                need_lse=need_lse, reuse_workspace=reuse, record=record,
             )  # fmt: skip
         return td.decode_triton_jit(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale)
     if cache_seqlens is None:
@@ -156,25 +158,115 @@ def decode_core(
     head_assignment: str,
     impl: str,
     need_lse: bool = True,
+    record: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decode computation on validated inputs (the checks of
     :func:`dilated_attention_with_kvcache`; ``seg``/``dil`` normalised tuples, ``cache_seqlens``
     an int32 (batch,) tensor, or None: every row's valid slots are the whole cache) with an
     already chosen ``impl`` ("torch" or "triton"). No checks. Returns (out, lse); lse may be None
-    when ``need_lse`` is False."""
+    when ``need_lse`` is False. ``record``: a list that gets the Triton plan that ran, when the
+    call ran one on the caller's own tensors (no copy made here; see :func:`fast_lookup`)."""
     if impl == "triton":  # the kernel reads rows with unit stride in the last dim
         if q.stride(-1) != 1:
-            q = q.contiguous()
+            q, record = q.contiguous(), None
         if k_cache.stride(-1) != 1:
-            k_cache = k_cache.contiguous()
+            k_cache, record = k_cache.contiguous(), None
         if v_cache.stride(-1) != 1:
-            v_cache = v_cache.contiguous()
+            v_cache, record = v_cache.contiguous(), None
     flat, rows = _plan(q.shape[2], seg, dil, head_assignment)
     if torch.compiler.is_compiling():  # the custom op: traceable, with a fake implementation
         if cache_seqlens is None:
             cache_seqlens = _full_seqlens(q, k_cache)
         return _decode_op(q, k_cache, v_cache, cache_seqlens, cache_leftpad, flat, causal, scale, impl)
-    return _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl, need_lse)
+    return _run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, rows, causal, scale, impl, need_lse, record=record)
+
+
+# ------------------------------------------------------------------ the fast path of a repeated call
+#
+# A decode step repeats one configuration: the same shapes, strides, dtypes, devices, branch
+# lists and options on every call, only the data (and the position in cache_seqlens) change.
+# Everything both front doors derive from those (every check, the impl, the branch rows, the
+# plan key) is then the same as on the last call, so the first call that ran a Triton plan on the
+# caller's own tensors leaves that plan here, under a key of everything the checks and decisions
+# read, and the next call with an equal key runs the plan at once (DecodePlan.run still checks
+# the pointers' alignment and the current device per call). What can change between calls with
+# equal keys is checked on every call (fast_lookup; autocast in api.py): gradient mode and
+# requires_grad, the direct launch switch, autocast, the element types of the branch lists
+# (8.0 == 8 and True == 1 hash alike). Anything unusual (a subclass of Tensor, a numpy int, a
+# strided index tensor, an int cache_seqlens) gets no key: the full path, as before. Never under
+# torch.compile (fast_key asks first).
+
+_FAST: dict = {}
+_MAX_FAST = 256
+_Tensor = torch.Tensor
+_SEQ = (list, tuple)
+
+
+def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, impl, extra=None):
+    """The key of a call for :data:`_FAST`, or None where the fast path never applies (under
+    torch.compile; other argument types than the common ones). Shapes, strides, dtypes and
+    devices of q, k, v; the branch lists as tuples; the options; ``extra`` (the index tensors)."""
+    if (
+        torch.compiler.is_compiling()
+        or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
+        or type(seg) not in _SEQ or type(dil) not in _SEQ or type(causal) is not bool
+        or type(impl) is not str or type(head_assignment) is not str
+        or (softmax_scale is not None and type(softmax_scale) is not float)
+    ):  # fmt: skip
+        return None
+    return (
+        tag, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+        v.shape, v.stride(), v.dtype, v.device, tuple(seg), tuple(dil), causal, softmax_scale,
+        head_assignment, impl, extra,
+    )  # fmt: skip
+
+
+class _Fast:
+    __slots__ = ("plan", "seg", "dil", "device_type")
+
+    def __init__(self, plan, seg, dil, device_type):
+        self.plan, self.seg, self.dil, self.device_type = plan, seg, dil, device_type
+
+
+def fast_lookup(key, q, k, v, seg, dil):
+    """The plan stored for ``key`` if this call may run it directly, else None. Checked per call:
+    no gradient needed, the direct launch on, and the branch lists' elements plain ints (the same
+    tuple objects as when stored, or checked again: 8.0 == 8 and True == 1 hash alike)."""
+    try:
+        hit = _FAST.get(key)
+    except TypeError:  # an unhashable element in a branch list: the full path names it
+        return None
+    if hit is None:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    if not flags.direct_launch_enabled():
+        return None
+    if not (seg is hit.seg and dil is hit.dil) and {*map(type, seg), *map(type, dil)} != _INT_ONLY:
+        return None
+    return hit
+
+
+def fast_store(key, plan, seg, dil, device_type: str) -> None:
+    """Keep ``plan`` for ``key`` (a call that passed every check and ran it)."""
+    if {*map(type, seg), *map(type, dil)} != _INT_ONLY:
+        return  # e.g. numpy ints: accepted, but the next call's check could not tell them apart
+    if len(_FAST) >= _MAX_FAST:  # a bound for processes that sweep configurations
+        _FAST.clear()
+    # tuples are immutable: the same objects next time need no element check
+    _FAST[key] = _Fast(
+        plan, seg if type(seg) is tuple else None, dil if type(dil) is tuple else None, device_type
+    )
+
+
+def _index_key(t):
+    """The fast-path key part of an index tensor: None for None, False where the fast path does
+    not take it (not a plain contiguous tensor: the full path checks or copies it)."""
+    if t is None:
+        return None
+    if type(t) is not _Tensor or not t.is_contiguous():
+        return False
+    return (t.shape, t.dtype, t.device)
 
 
 def _check(q, k_cache, v_cache) -> None:
@@ -317,6 +409,17 @@ def dilated_attention_with_kvcache(
         out (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``. A row that no
         branch selects (no head of its residue) gets out = 0 and lse = -inf.
     """
+    key = None
+    if type(cache_seqlens) is _Tensor:  # the fast path (see fast_key); not for an int length
+        sk, lk = _index_key(cache_seqlens), _index_key(cache_leftpad)
+        if sk is not False and lk is not False:
+            key = fast_key("kv", q, k_cache, v_cache, segment_lengths, dilation_rates, causal, softmax_scale,
+                           head_assignment, impl, (sk, lk))  # fmt: skip
+            if key is not None:
+                hit = fast_lookup(key, q, k_cache, v_cache, segment_lengths, dilation_rates)
+                if hit is not None:
+                    out, lse = hit.plan.run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, return_lse, True)
+                    return (out, lse) if return_lse else out
     _check(q, k_cache, v_cache)
     seqlens = _cache_seqlens(cache_seqlens, q)
     if cache_leftpad is not None:
@@ -343,10 +446,14 @@ def dilated_attention_with_kvcache(
         )
     scale = resolve_scale(softmax_scale, q.shape[-1])
     chosen = pick_decode_impl(impl, q)
+    record = [] if key is not None else None
     out, lse = decode_core(
         q, k_cache, v_cache, seqlens, cache_leftpad, seg, dil,
         causal=causal, scale=scale, head_assignment=head_assignment, impl=chosen, need_lse=return_lse,
+        record=record,
     )  # fmt: skip
+    if record:
+        fast_store(key, record[0], segment_lengths, dilation_rates, q.device.type)
     return (out, lse) if return_lse else out
 
 

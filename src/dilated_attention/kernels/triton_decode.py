@@ -23,8 +23,9 @@ in two blocks). A row with no key gets out = 0, lse = -inf.
 Cache slots: position p of row b is slot index ``cache_leftpad[b] + p`` and lives in slot
 ``(cache_leftpad[b] + p) % cache_len`` (a ring buffer; a cache at least as long as the sequence is
 the plain cache). Keys a row does not select are never loaded (masked loads), so garbage in
-unwritten slots cannot reach the result. Offsets are computed in int64 (a 1M-row cache of one batch
-entry holds 2^30 elements).
+unwritten slots cannot reach the result. Positions, slot indices and offsets are computed in int64
+(a 1M-row cache of one batch entry holds 2^30 elements; ``cache_seqlens`` may be up to 2^31 - 1,
+and a segment's end or a key's slot index past it must not wrap).
 """
 
 from __future__ import annotations
@@ -76,12 +77,15 @@ if triton is not None:
         hs = tl.load(BR + bi * 5 + 2)
         he = tl.load(BR + bi * 5 + 3)
         blk = sp - tl.load(BR + bi * 5 + 4)
+        # positions in int64: a row's segment end (seg0 + w), its key positions and their slot
+        # indices (j + lpad) pass 2^31 when cache_seqlens is within max(w) of it (int32 wrapped
+        # there: such rows got out 0, lse -inf)
         if SEQ_FULL:  # every row's valid slots are the whole cache (no SEQLENS tensor)
-            seqlen = C
+            seqlen = b * 0 + C  # int64 (b is), also when C is specialised to a constant
         else:
-            seqlen = tl.load(SEQLENS + b)
+            seqlen = tl.load(SEQLENS + b).to(tl.int64)
         if HAS_LEFTPAD:  # row b's sequence is slots [lpad, cache_seqlens[b]); negative counts as 0
-            lpad = tl.maximum(tl.load(LEFTPAD + b), 0)
+            lpad = tl.maximum(tl.load(LEFTPAD + b), 0).to(tl.int64)
             seqlen = seqlen - lpad
         else:
             lpad = 0
@@ -92,11 +96,11 @@ if triton is not None:
         h = g * REP + offs_h  # query heads of this kv head's group
         in_group = offs_h < REP
         for t in range(0, T):
-            i = seqlen - T + t  # absolute position of query row t
-            seg0 = (i // w) * w
-            c = (i - seg0) % r
+            ip = seqlen - T + t  # absolute position of query row t (int64; not `i`, the int32 loop index above)
+            seg0 = (ip // w) * w
+            c = (ip - seg0) % r
             if CAUSAL:
-                end = tl.minimum(seg0 + w, i + 1)
+                end = tl.minimum(seg0 + w, ip + 1)
             else:
                 end = tl.minimum(seg0 + w, seqlen)
             takes = in_group & (h >= hs) & (h < he) & (h % r == c)  # (BH,)
@@ -105,8 +109,8 @@ if triton is not None:
             lp_ptrs = LP + b * slb + t * slt + h * slh + sp
             n_take = tl.sum(takes.to(tl.int32), axis=0)
             # a row at a negative position (cache_seqlens < seqlen_q) has no key
-            if (n_take > 0) & (seg0 + c + r * blk * BN < end) & (i >= 0):
-                slot = ((j + lpad) % C).to(tl.int64)  # j >= 0 here
+            if (n_take > 0) & (seg0 + c + r * blk * BN < end) & (ip >= 0):
+                slot = (j + lpad) % C  # int64; j >= 0 here
                 q = tl.load(
                     Q + b * sqb + t * sqt + h[:, None] * sqh + offs_d[None, :],
                     mask=takes[:, None], other=0.0,
@@ -312,7 +316,7 @@ class DecodePlan:
         "device", "dtype", "cuda", "dev_index", "nsplit", "table", "table_ptr",
         "split_grid", "split_tail", "split_opts", "reduce_grid", "reduce_tail", "reduce_opts",
         "out_shape", "lse_shape", "lse_stride", "op_shape", "op_stride", "lp_shape", "lp_stride",
-        "lp_off", "lse_off", "ws_numel", "has_lpad", "full", "split_go", "reduce_go", "tried_direct",
+        "lp_off", "lse_off", "ws_numel", "has_lpad", "full", "split_go", "reduce_go", "tried_direct", "out_like_q",
     )  # fmt: skip
 
     def __init__(self, q, k_cache, v_cache, has_lpad, full, branches, causal, scale, block_n, num_warps,
@@ -341,6 +345,10 @@ class DecodePlan:
         self.lse_off = _round_up(self.lp_off + n_lp, _REGION)
         self.ws_numel = self.lse_off + bsz * nh * nq
         out_stride = _contiguous_strides(self.out_shape)
+        # out has q's shape, dtype and device: where q's strides are the contiguous ones (they are
+        # in the key), torch.empty_like(q) gives the same tensor as torch.empty(out_shape, ...)
+        # for less host work (no dtype/device keyword parsing)
+        self.out_like_q = tuple(q.stride()) == out_stride
         self.split_grid = (nsplit, bsz * hkv)
         self.split_tail = (
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *self.op_stride[:4],
@@ -377,7 +385,10 @@ class DecodePlan:
                 ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
         else:
             ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.out_like_q:
+            out = torch.empty_like(q)
+        else:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else None
         split_go = self.split_go
         if split_go is not None:
@@ -447,7 +458,28 @@ def _workspace(dev_index: int, stream: int, numel: int, device: torch.device) ->
     return ws
 
 
-_PLANS: OrderedDict[tuple, DecodePlan] = OrderedDict()
+_PLAN_USERS: list = []  # callables that drop every other reference to plans (decode.py's fast path)
+
+
+def on_plans_cleared(fn) -> None:
+    """Call ``fn()`` whenever the plan table is cleared: a cache that holds plans outside it
+    (``decode.py``'s fast path of repeated calls) drops them too, so that clearing the table
+    (tests, a user resetting state) leaves no plan in use. An evicted plan (the table is bounded)
+    stays valid: a cache that still holds it may keep running it."""
+    if fn not in _PLAN_USERS:
+        _PLAN_USERS.append(fn)
+
+
+class _PlanTable(OrderedDict):
+    """The plans by key; ``clear`` also clears the caches registered with :func:`on_plans_cleared`."""
+
+    def clear(self) -> None:
+        super().clear()
+        for fn in _PLAN_USERS:
+            fn()
+
+
+_PLANS: _PlanTable = _PlanTable()
 _MAX_PLANS = 64
 
 
@@ -487,6 +519,7 @@ def decode_triton(
     *,
     need_lse: bool = True,
     reuse_workspace: bool = True,
+    record: list | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     reduce_splits: int = 128,
@@ -499,7 +532,8 @@ def decode_triton(
     decode route; no index tensor is read). ``branches``: a tuple of (w, r, head start, head
     stop) tuples. ``need_lse`` False returns lse None (it is written to the workspace);
     ``reuse_workspace`` False allocates the split partials' buffer for this call (the custom op
-    under torch.compile).
+    under torch.compile). ``record``: a list the plan is appended to (``decode.py``'s fast path
+    keeps it for the next call of the same configuration).
 
     Runs through the configuration's :class:`DecodePlan`: one dict lookup, one or two fresh
     buffers, two launches of the compiled kernels through their launchers (Triton's
@@ -519,4 +553,6 @@ def decode_triton(
     if plan is None:
         plan = get_plan(key, q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
                         block_n, num_warps, reduce_splits, reduce_cols)  # fmt: skip
+    if record is not None:
+        record.append(plan)
     return plan.run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, reuse_workspace)

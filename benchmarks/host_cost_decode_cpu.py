@@ -1,0 +1,118 @@
+"""Host cost of one eager Triton decode call on the CPU, with stand-in launchers (issue 23 item 2).
+
+What it times: the Python work of a decode call up to and including the two kernel launches,
+with the launches replaced by no-ops. The shapes are issue 23's (1 new token, 32 q / 8 kv heads
+x 128, bf16, LongNet branches (2048..32768)/(1..16), causal, batch 1, cache 4096); the tensors
+are CPU tensors and the plan is put on its GPU branch (``plan.cuda = True``: the per-stream
+workspace) with stand-in stream/device/capture queries, as ``tests/test_decode_plan.py`` does. So
+the numbers leave out the CUDA-only costs (``torch.empty`` on CUDA, the C launches, the current
+stream query) and are for before/after comparisons on one machine, not absolute GPU figures.
+
+Both routes: ``dilated_attention_with_kvcache(q, k, v, cache_seqlens_tensor, ...)`` and
+``dilated_attention(q_one_row, k, v, ...)``, each with ``impl="triton"`` (on the CPU ``"auto"``
+picks the torch path) and ``impl="auto"`` with the decode rule told that the device can run the
+kernel (``q.is_cuda`` is what differs on a GPU). Median per call over ``--calls`` calls, in
+``--rounds`` interleaved rounds; prints one table row per route::
+
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/host_cost_decode_cpu.py [--calls 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+import dilated_attention as da  # noqa: E402
+from dilated_attention.kernels import direct_launch, select  # noqa: E402
+from dilated_attention.kernels import triton_decode as td  # noqa: E402
+
+
+class _NoKernel:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing, returns None."""
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: None
+
+
+def _noop(stream, args):
+    return None
+
+
+def _stand_ins() -> None:
+    td._decode_split_kernel = _NoKernel()
+    td._decode_reduce_kernel = _NoKernel()
+    direct_launch.current_stream = lambda i: 7
+    direct_launch.capturing = lambda: False
+    direct_launch.current_device = lambda: -1  # a CPU tensor's get_device()
+    if not direct_launch.hooks_idle():  # keep the real query where it says "idle"
+        direct_launch.hooks_idle = lambda: True
+    # the decode rule's "auto" on a GPU: the kernel can run and q is on CUDA
+    orig = select.pick_decode_impl
+
+    def pick(impl, q):
+        return "triton" if impl == "auto" else orig(impl, q)
+
+    for mod in (select, da.api, da.decode):
+        if hasattr(mod, "pick_decode_impl"):
+            mod.pick_decode_impl = pick
+
+
+def _arm_plans() -> None:
+    for plan in td._PLANS.values():
+        plan.cuda = True
+        plan.split_go = plan.reduce_go = _noop
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cache", type=int, default=4096)
+    args = p.parse_args(argv)
+    _stand_ins()
+    dt = torch.bfloat16
+    seg, dil = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+    q = torch.randn(1, 1, 32, 128, dtype=dt)
+    k, v = (torch.randn(1, args.cache, 8, 128, dtype=dt) for _ in range(2))
+    lens = torch.full((1,), args.cache, dtype=torch.int32)
+    routes = {
+        "with_kvcache triton": lambda: da.dilated_attention_with_kvcache(q, k, v, lens, seg, dil, causal=True, impl="triton"),
+        "with_kvcache auto": lambda: da.dilated_attention_with_kvcache(q, k, v, lens, seg, dil, causal=True),
+        "dilated_attention triton": lambda: da.dilated_attention(q, k, v, seg, dil, causal=True, impl="triton"),
+        "dilated_attention auto": lambda: da.dilated_attention(q, k, v, seg, dil, causal=True),
+    }
+    with torch.no_grad():
+        for fn in routes.values():
+            fn()
+        _arm_plans()
+        for fn in routes.values():
+            for _ in range(200):
+                fn()
+        med: dict[str, list[float]] = {n: [] for n in routes}
+        mean: dict[str, list[float]] = {n: [] for n in routes}
+        per_round = max(1, args.calls // args.rounds)
+        clock = time.perf_counter_ns
+        for _ in range(args.rounds):
+            for name, fn in routes.items():
+                ts = []
+                t_all = clock()
+                for _ in range(per_round):
+                    t0 = clock()
+                    fn()
+                    ts.append(clock() - t0)
+                mean[name].append((clock() - t_all) / per_round / 1e3)
+                med[name].append(statistics.median(ts) / 1e3)
+    print(f"| route (CPU, stand-in launches, cache {args.cache}) | median us/call | mean us/call (loop) |")
+    print("|---|---|---|")
+    for name in routes:
+        print(f"| {name} | {statistics.median(med[name]):.2f} | {statistics.median(mean[name]):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
