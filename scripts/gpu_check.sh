@@ -10,6 +10,8 @@
 #                                       A/B benchmarks/ab_decode.py and the host profile
 #   bash scripts/gpu_check.sh first     the CUDA tests as shipped, then the direct-launch subset ON
 #   bash scripts/gpu_check.sh measure   verify, the N = 131072 bench, ab_decode.py, host profile (ON)
+#   bash scripts/gpu_check.sh close     the CUDA tests, then ab_decode.py and bench_overhead.py --no-e2e
+#                                       (the last call of a session: re-verify, re-measure issue 23)
 #   bash scripts/gpu_check.sh mem       benchmarks/mem_account.py at N = 2M, causal and not, fresh
 #                                       processes (issue 24 item 3)
 # Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
@@ -48,6 +50,15 @@ case "${1:-tests}" in
     echo "ab_decode rc=$?" >> "$OUT/ab_decode.txt"
     DILATED_ATTENTION_DIRECT_LAUNCH=1 timeout 60 python3 benchmarks/profile_host.py --calls 200 --top 30 > "$OUT/profile_host_direct.txt" 2>&1
     tail -14 "$OUT/verify.txt"; tail -8 "$OUT/bench_131072.txt"; grep -E "^\||plans with launchers|rc=" "$OUT/ab_decode.txt" | tail -30
+    ;;
+  close)
+    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -q -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=8 > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${AB_TIMEOUT:-150}" python3 benchmarks/ab_decode.py --out "$OUT/ab_decode.md" > "$OUT/ab_decode.txt" 2>&1
+    echo "ab_decode rc=$?" >> "$OUT/ab_decode.txt"
+    timeout 70 python3 benchmarks/bench_overhead.py --no-e2e --out "$OUT/overhead.md" > "$OUT/overhead.txt" 2>&1
+    echo "overhead rc=$?" >> "$OUT/overhead.txt"
+    grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -12; grep -E "^\\||rc=" "$OUT/ab_decode.txt" | tail -16; grep -E "^\\||rc=" "$OUT/overhead.txt"
     ;;
   mem)
     timeout "${MEM_TIMEOUT:-400}" python3 benchmarks/mem_account.py --device cuda --n 2097152 --fresh --causal both --out "$OUT/mem2m.md" > "$OUT/mem2m.txt" 2>&1
