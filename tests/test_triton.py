@@ -126,6 +126,7 @@ def _with_fp32_accumulators(monkeypatch) -> list:
         dq, dk, dv = real_bwd(dout, q, k, v, *a, **kw)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
+    monkeypatch.setattr(triton_launch, "USE_PLANS", False)  # the per-call path makes the buffers
     monkeypatch.setattr(triton_launch, "_acc_buffers", fp32_buffers)
     monkeypatch.setattr(triton_launch, "forward", fwd)
     monkeypatch.setattr(triton_launch, "backward", bwd)
@@ -383,8 +384,10 @@ def test_triton_folded_forward_interpreter(seed, monkeypatch, n, h, hkv, seg, di
     """The forward that folds all branches into one online softmax per residue-class tile (no
     merge pass) against the reference, and the per-branch path (fold=False) against it too."""
     calls = []
-    real = triton_launch._fwd_folded
-    monkeypatch.setattr(triton_launch, "_fwd_folded", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # count launches of the folded kernel (the plans and the per-call path both go through it)
+    folded = triton_launch._FWD_FOLDED
+    real = folded.launch
+    monkeypatch.setattr(folded, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     real_fwd = triton_launch.forward
     q, k, v, do, kpm = _inputs(2, n, n, h, hkv, 16, torch.float64, "cpu", 0.3 if pad else 0.0)
     kw = dict(causal=causal, key_padding_mask=kpm, head_assignment=head_assignment)
