@@ -125,11 +125,20 @@ def main(argv=None) -> None:
     p.add_argument("--headdim", type=int, default=64)
     p.add_argument("--small", action="store_true", help="N = 512, 8 heads x 16 (128 KiB buffers)")
     p.add_argument("--profile", action="store_true", help="cProfile 200 fwd+bwd calls, top 30")
+    p.add_argument("--no-plans", action="store_true",
+                   help="triton_launch.USE_PLANS = False: the per-call launch path (A/B)")  # fmt: skip
     args = p.parse_args(argv)
     if args.small:
         args.n, args.headdim = 512, 16
     torch.set_num_threads(1)
     install_stand_ins()
+    from dilated_attention.kernels import triton_launch
+
+    if args.no_plans:
+        if not hasattr(triton_launch, "USE_PLANS"):
+            raise SystemExit("this version has no training plans")
+        triton_launch.USE_PLANS = False
+    plans = getattr(triton_launch, "USE_PLANS", None)
     seg, dil = (512, 1024, 2048), (1, 2, 4)
     fns = training_calls(args.n, args.heads, args.headdim, torch.bfloat16, seg, dil, "cpu", "triton")
     rows = []
@@ -142,7 +151,8 @@ def main(argv=None) -> None:
         allocs = {k: v for k, v in c.ops.items() if k in _CountOps.ALLOC or k in _CountOps.FILL}
         rows.append((name, us, allocs))
     print(f"N={args.n} B=1 H={args.heads} D={args.headdim} bf16, branches {seg} / {dil}, causal, "
-          f"stand-in launches, {torch.get_num_threads()} thread")  # fmt: skip
+          f"stand-in launches, {torch.get_num_threads()} thread, training plans: "
+          f"{'n/a (before plans)' if plans is None else ('on' if plans else 'off')}")  # fmt: skip
     for name, us, allocs in rows:
         print(f"  {name:4s} median host time per call: {us:8.1f} us   allocation/fill ops: {allocs}")
     if args.profile:
