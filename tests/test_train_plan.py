@@ -235,6 +235,26 @@ def test_public_call_keeps_the_plan_for_the_backward(seed, monkeypatch):
 
 
 @interp_only
+def test_plans_hold_no_tensor_of_a_call(seed):
+    # a plan lives on after the call (64 kept): holding q would keep a long-N q alive
+    import gc
+    import weakref
+
+    q, k, v, do, kpm = _inputs(1, 32, 32, 4, 2, 16, torch.float16, pad=True)
+    seg, dil, hr = (8, 16), (1, 2), [(0, 4), (0, 4)]
+    refs = [weakref.ref(t) for t in (q, k, v, do, kpm)]
+    for fold in (None, False):
+        sink = []
+        out, lse = L.forward(q, k, v, kpm, seg, dil, False, 0.25, hr, fold=fold, plan_sink=sink)
+        grads = L.backward(do, q, k, v, kpm, out, lse, seg, dil, False, 0.25, hr, plan=sink[0])
+        refs += [weakref.ref(t) for t in (out, lse, *grads)]
+    assert len(L._PLANS) == 2
+    del q, k, v, do, kpm, out, lse, grads, sink
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@interp_only
 def test_varlen_takes_the_per_call_path(seed, monkeypatch):
     h, d, n = 2, 16, 40
     q, k, v = (torch.randn(n, h, d, dtype=torch.float16) for _ in range(3))

@@ -641,7 +641,8 @@ class TrainPlan:
         self.gpu = self.dev >= 0
         self.causal, self.scale = causal, scale
         self.config_key, self.lo_rows = _config_key(config), lo_rows
-        self.lay = _layout(q, k, None)
+        # without its dummy pointers (q): a plan holds no tensor of a call
+        self.lay = _layout(q, k, None)._replace(cu_q=None, cu_k=None)
         self.cfgs = resolve_configs(q.shape[-1], config)
         self.branches = branch_list(seg, dil, head_ranges)
         self.has_kpm = kpm is not None
