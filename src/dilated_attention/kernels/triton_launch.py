@@ -5,6 +5,10 @@ plain tensors (no autograd); ``triton_ops.py`` wraps them in the custom ops, the
 point other code should use. Tuning knobs are keyword arguments (``config=``, ``fold=``,
 ``lo_rows=``) for ``benchmarks/tune_triton.py``; nothing here reads the environment at call time.
 
+Launches run through a per-configuration :class:`TrainPlan` (built once: grids, argument
+lists, lo ranges, buffer shapes; see "training plans" below); :func:`forward_per_call` /
+:func:`backward_per_call` build everything per call (packed documents, the tests' oracle).
+
 Accumulation across branches. A result row that more than one branch adds into is, in fp16 and
 bf16, accumulated as a compensated pair (hi, lo) of the result dtype: hi is the result buffer
 itself (at every step the correctly rounded partial sum, so no final cast and no float32 copy)
@@ -310,26 +314,9 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
 
 def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None,
                      fold=None, docs: Docs | None = None, lo_rows: int | None = None):
-    """The per-call path of :func:`forward` (every argument and buffer built on this call):
-    packed documents take it, and it is the oracle of the plan tests. Contract as there.
-
-    out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 of the branches given.
-
-    q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D), last dim contiguous; kpm: (B, Nk) bool or None;
-    head_ranges: [(hs, he)] per branch. ``config``: {kernel: (BM, BN, warps, stages)} overrides
-    (:func:`resolve_configs`). ``fold``: None folds the branches into one launch when
-    :func:`fold_geometry` allows it and the call is not causal (a folded tile's rows span a
-    whole w_min window, so the causal diagonal crosses every key block: measured slower, see
-    benchmarks/NOTES_triton.md); True folds whenever the geometry allows, causal too; False
-    never (per-branch launches + merge).
-
-    ``docs``: packed documents (:class:`Docs`); then B = 1, q is (1, total_q, H, D), k, v
-    (1, total_k, Hkv, D), kpm None, and each document is its own sequence. Folding needs
-    queries and keys to share the offsets (:meth:`Docs.same_offsets`).
-
-    ``lo_rows``: rows per range of the per-branch launches when the output needs a lo buffer
-    (:func:`lo_chunks`; None: the rule there). The result does not depend on it.
-    """
+    """:func:`forward` with every argument and buffer built on this call (the code before the
+    training plans): packed documents take it, ``USE_PLANS = False`` routes every call to it,
+    and it is the oracle of the plan tests (tests/test_train_plan.py). Contract as there."""
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
@@ -389,19 +376,8 @@ def _broadcast_view(x: torch.Tensor) -> torch.Tensor:
 
 def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *,
                       config=None, docs: Docs | None = None, lo_rows: int | None = None):
-    """The per-call path of :func:`backward` (see :func:`forward_per_call`).
-
-    dq, dk, dv (input dtypes) of the branches given, with the FINAL out and lse (which may
-    include branches not given here: every branch's share is independent).
-
-    Shapes as :func:`forward`; lse (B, H, Nq) float32 contiguous; dout and out need a unit
-    stride along headdim only (a broadcast dout, e.g. from ``out.sum()``, is read in place).
-    ``config``, ``docs`` and ``lo_rows`` as there.
-
-    Memory (benchmarks/NOTES_triton.md, "Memory at 2M tokens"): besides the inputs, out, dout
-    and lse, the results dk, dv, dq (zeros, each written in place), delta (one float32 per
-    query row and head) and the lo buffers of one phase, each 1/LO_CHUNKS of a result at long N.
-    """
+    """:func:`backward` with every argument and buffer built on this call (see
+    :func:`forward_per_call`). Contract as there."""
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
