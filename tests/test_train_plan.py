@@ -255,16 +255,37 @@ def test_plans_hold_no_tensor_of_a_call(seed):
 
 
 @interp_only
-def test_varlen_takes_the_per_call_path(seed, monkeypatch):
-    h, d, n = 2, 16, 40
-    q, k, v = (torch.randn(n, h, d, dtype=torch.float16) for _ in range(3))
-    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
-    calls = []
-    real = L.forward_per_call
-    monkeypatch.setattr(L, "forward_per_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    triton_ops.dilated_attention_triton_varlen(q, k, v, cu, cu, 23, 23, (8, 16), (1, 2), causal=True,
-                                               scale=0.25, head_assignment="all")  # fmt: skip
-    assert calls == [1] and len(L._PLANS) == 0
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("same", [True, False], ids=["shared-offsets", "own-offsets"])
+def test_varlen_plan_equals_per_call_path(seed, monkeypatch, causal, same):
+    # packed documents: (1, total, H, D) with int32 offsets; folded when queries and keys share
+    # the offsets and the call is not causal
+    h, hkv, d = 4, 2, 16
+    qlens, klens = [17, 9, 14], ([17, 9, 14] if same else [20, 9, 30])
+    cu_q = torch.tensor([0, 17, 26, 40], dtype=torch.int32)
+    cu_k = cu_q if same else torch.tensor([0, 20, 29, 59], dtype=torch.int32)
+    q = torch.randn(1, sum(qlens), h, d, dtype=torch.float16)
+    k = torch.randn(1, sum(klens), hkv, d, dtype=torch.float16)
+    v = torch.randn_like(k)
+    do = torch.randn_like(q)
+    docs = L.Docs(cu_q, cu_k, max(qlens), max(klens))
+    seg, dil, hr = (8, 16), (1, 2), [(0, 4), (0, 4)]
+    want, (miss, hit) = _both_paths(q, k, v, do, None, seg, dil, causal, hr, monkeypatch, docs=docs)
+    _assert_same(want, miss, "miss")
+    _assert_same(want, hit, "hit")
+    plan = next(iter(L._PLANS.values()))
+    assert plan.varlen and plan.folded == (same and not causal)
+    # other offsets of the same layout: the same plan, their own result
+    cu2 = torch.tensor([0, 14, 23, 40], dtype=torch.int32)  # query lengths 14, 9, 17
+    docs2 = L.Docs(cu2, cu2 if same else cu_k, max(qlens) + 4, max(klens) + 4)
+    docs3 = L.Docs(cu2, cu2 if same else cu_k, max(qlens), max(klens))
+    assert L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs3) == L.plan_key(
+        q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs)
+    want2 = L.forward_per_call(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs3)
+    got2 = L.forward(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs3)
+    assert torch.equal(want2[0], got2[0]) and torch.equal(want2[1], got2[1])
+    assert L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs2) != L.plan_key(
+        q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs)  # max lengths size the grid
 
 
 # ------------------------------------------------------------ stand-in launchers (CPU, no GPU)

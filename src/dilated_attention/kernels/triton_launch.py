@@ -7,7 +7,7 @@ point other code should use. Tuning knobs are keyword arguments (``config=``, ``
 
 Launches run through a per-configuration :class:`TrainPlan` (built once: grids, argument
 lists, lo ranges, buffer shapes; see "training plans" below); :func:`forward_per_call` /
-:func:`backward_per_call` build everything per call (packed documents, the tests' oracle).
+:func:`backward_per_call` build everything per call (the tests' oracle, ``USE_PLANS = False``).
 
 Accumulation across branches. A result row that more than one branch adds into is, in fp16 and
 bf16, accumulated as a compensated pair (hi, lo) of the result dtype: hi is the result buffer
@@ -315,8 +315,8 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
 def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None,
                      fold=None, docs: Docs | None = None, lo_rows: int | None = None):
     """:func:`forward` with every argument and buffer built on this call (the code before the
-    training plans): packed documents take it, ``USE_PLANS = False`` routes every call to it,
-    and it is the oracle of the plan tests (tests/test_train_plan.py). Contract as there."""
+    training plans): ``USE_PLANS = False`` routes every call to it, and it is the oracle of the
+    plan tests (tests/test_train_plan.py). Contract as there."""
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
@@ -484,7 +484,8 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
 # empty. The backward kernels always add into dq, dk, dv and their lo buffers: zeros as before,
 # but the lo buffers of dk and dv are one allocation (one fill; they live and die together).
 # Bytes and lifetimes are those of the per-call path (NOTES_triton.md, "Memory at 2M tokens").
-# Packed documents (``docs``) take the per-call path.
+# Packed documents: the key adds their count, max lengths and shared-offsets flag; the offsets
+# are per-call pointers; their buffers are always filled (rows past the last document).
 
 USE_PLANS: bool = True  # False: every call takes the per-call path (tests, A/B)
 _MAX_PLANS = 64
@@ -579,16 +580,20 @@ def _config_key(config) -> tuple | None:
 
 
 def plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fold=None,
-             lo_rows=None) -> tuple:  # fmt: skip
+             lo_rows=None, docs: Docs | None = None) -> tuple:  # fmt: skip
     """The configuration a :class:`TrainPlan` is built for: every grid, integer argument,
     constexpr, buffer shape and fill of its launches is a function of it (with the module's
     ``LO_CHUNKS``, ``LO_MIN_BYTES`` and ``INTERPRET``, which it includes). Cheap: attribute
-    reads and one tuple. ``head_ranges``: [(start, stop)] per branch."""
+    reads and one tuple. ``head_ranges``: [(start, stop)] per branch. ``docs``: packed documents
+    (the grid sizes ``max_q`` / ``max_k``, the number of documents, whether queries and keys
+    share the offsets; the offsets themselves are per-call pointers)."""
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
         q.device, None if kpm is None else (kpm.shape, kpm.stride(), kpm.dtype),
         causal, scale, tuple(seg), tuple(dil), tuple(head_ranges), _config_key(config), fold,
         lo_rows, LO_CHUNKS, LO_MIN_BYTES, INTERPRET,
+        None if docs is None else (docs.cu_q.shape, docs.cu_k.shape, docs.cu_q.dtype,
+                                   docs.cu_k.dtype, docs.max_q, docs.max_k, docs.same_offsets()),
     )  # fmt: skip
 
 
@@ -603,13 +608,14 @@ class TrainPlan:
     """The launches of one training configuration (:func:`plan_key`), built once.
 
     Pointer slots of the forward: 0 q, 1 k, 2 v, 3 kpm (its uint8 view; q when none), 4 out,
-    5 out's lo buffer (out when none), 6 lse, 7 the branch table (folded). Backward: delta phase
-    0 out, 1 dout, 2 delta; dK/dV phase 0 q, 1 k, 2 v, 3 kpm, 4 dout, 5 lse, 6 delta, 7 dk,
-    8 dv, 9 dk's lo, 10 dv's lo (dk, dv when none), 11 the buffer holding both lo; dQ phase
-    0-6 as dK/dV, 7 dq, 8 dq's lo (dq when none). ``cu_q`` / ``cu_k`` get q (never read)."""
+    5 out's lo buffer (out when none), 6 lse, 7 the branch table (folded), 8 cu_q, 9 cu_k.
+    Backward: delta phase 0 out, 1 dout, 2 delta; dK/dV phase 0 q, 1 k, 2 v, 3 kpm, 4 dout,
+    5 lse, 6 delta, 7 dk, 8 dv, 9 dk's lo, 10 dv's lo (dk, dv when none), 11 the buffer holding
+    both lo, 12 cu_q, 13 cu_k; dQ phase 0-6 as dK/dV, 7 dq, 8 dq's lo (dq when none), 9 cu_q,
+    10 cu_k. Without packed documents cu_q / cu_k are q (dummies, never read)."""
 
     def __init__(self, q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fold=None,
-                 lo_rows=None):  # fmt: skip
+                 lo_rows=None, docs: Docs | None = None):  # fmt: skip
         if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
             raise _NoPlan("q, k, v of shape (B, N, H, D), k and v alike")
         self.device, self.dtype = q.device, q.dtype
@@ -618,7 +624,8 @@ class TrainPlan:
         self.causal, self.scale = causal, scale
         self.config_key, self.lo_rows = _config_key(config), lo_rows
         # without its dummy pointers (q): a plan holds no tensor of a call
-        self.lay = _layout(q, k, None)._replace(cu_q=None, cu_k=None)
+        self.lay = _layout(q, k, docs)._replace(cu_q=None, cu_k=None)
+        self.varlen = docs is not None
         self.cfgs = resolve_configs(q.shape[-1], config)
         self.branches = branch_list(seg, dil, head_ranges)
         self.has_kpm = kpm is not None
@@ -627,11 +634,11 @@ class TrainPlan:
             q.shape[2], k.shape[2], list(head_ranges)
         )
         self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-        self._build_forward(q, k, v, fold)
+        self._build_forward(q, k, v, fold, docs is not None and not docs.same_offsets())
         self._bwd: dict = {}
 
     # ---------------------------------------------------------------------------- forward
-    def _build_forward(self, q, k, v, fold):
+    def _build_forward(self, q, k, v, fold, no_fold: bool):
         lay, branches, causal = self.lay, self.branches, self.causal
         bsz, nq, nh, d = q.shape
         hkv = k.shape[2]
@@ -641,7 +648,7 @@ class TrainPlan:
         strides_in = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), self.skp)  # fmt: skip
         geo = None
-        if not (fold is False or (fold is None and causal)):
+        if not (fold is False or (fold is None and causal) or no_fold):
             geo = fold_geometry(lay.nq, lay.nk, branches)
         self.folded = geo is not None
         if self.folded:  # as _fwd_folded
@@ -653,7 +660,7 @@ class TrainPlan:
             steps = []
             if grid[0] * grid[1]:
                 steps.append(_Launch(
-                    _FWD_FOLDED, grid, (0, 1, 2, 3, 4, 6, 7, 0, 0),
+                    _FWD_FOLDED, grid, (0, 1, 2, 3, 4, 6, 7, 8, 9),
                     (*strides_in, ost[0], ost[1], ost[2],
                      nq, nh, nh // hkv, len(branches), wmin, rmax, nt, qk_scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm,
@@ -690,7 +697,7 @@ class TrainPlan:
                 if grid[0] * grid[1] == 0:
                     continue
                 steps.append(_Launch(
-                    _FWD, grid, (0, 1, 2, 3, 4, 5, 6, 0, 0),
+                    _FWD, grid, (0, 1, 2, 3, 4, 5, 6, 8, 9),
                     (*strides_in, ost[0], ost[1], ost[2], slob, lo_row0,
                      lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
                      qk_scale),
@@ -700,15 +707,19 @@ class TrainPlan:
                 ))  # fmt: skip
         self.fwd = _Seq(steps)
 
-    def forward(self, q, k, v, kpm):
+    def forward(self, q, k, v, kpm, docs: Docs | None = None):
         """(out, lse) of one call with tensors of the plan's configuration."""
         kp = q if kpm is None else kpm.contiguous().view(torch.uint8)
+        cq, ck = (q, q) if docs is None else (docs.cu_q, docs.cu_k)  # q: dummies, never read
         dev = self.device
         if self.folded:
             out = torch.empty_like(q)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+            if self.varlen:  # rows of no document keep these values
+                out.zero_()
+                lse.fill_(float("-inf"))
             if self.fwd.steps:
-                self._run(self.fwd, [q, k, v, kp, out, out, lse, self.brs], self._stream())
+                self._run(self.fwd, [q, k, v, kp, out, out, lse, self.brs, cq, ck], self._stream())
             return out, lse
         lo = None
         if self.fwd_fill:
@@ -722,7 +733,8 @@ class TrainPlan:
             if self.fwd_comp:
                 lo = torch.empty(self.fwd_lo_shape, dtype=q.dtype, device=dev)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
-        self._run(self.fwd, [q, k, v, kp, out, out if lo is None else lo, lse], self._stream())
+        self._run(self.fwd, [q, k, v, kp, out, out if lo is None else lo, lse, q, cq, ck],
+                  self._stream())  # fmt: skip
         return out, lse
 
     # --------------------------------------------------------------------------- backward
@@ -779,7 +791,7 @@ class TrainPlan:
                 if grid[0] * grid[1] == 0:
                     continue
                 steps.append(_Launch(
-                    _DKDV, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0),
+                    _DKDV, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13),
                     (*strides_in, kst[0], kst[1], kst[2], kst[0], kst[1], kst[2], slob, lo_row0,
                      lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
                      qk_scale, scale),
@@ -812,7 +824,7 @@ class TrainPlan:
                 if grid[0] * grid[1] == 0:
                     continue
                 steps.append(_Launch(
-                    _DQ, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0),
+                    _DQ, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
                     (*strides_in, qst[0], qst[1], qst[2], slob, lo_row0,
                      lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, rep, w, r, s0, nm,
                      qk_scale, scale),
@@ -823,7 +835,7 @@ class TrainPlan:
         b.dq = _Seq(steps)
         return b
 
-    def backward(self, dout, q, k, v, kpm, out, lse):
+    def backward(self, dout, q, k, v, kpm, out, lse, docs: Docs | None = None):
         """dq, dk, dv of one call (see :func:`backward`); the same buffers as
         :func:`backward_per_call` but for the one allocation holding dk's and dv's lo."""
         dout = _broadcast_view(dout)
@@ -833,6 +845,7 @@ class TrainPlan:
         if b is None:
             b = self._bwd[bkey] = self._build_backward(q, k, v, dout, out)
         kp = q if kpm is None else kpm.contiguous().view(torch.uint8)
+        cq, ck = (q, q) if docs is None else (docs.cu_q, docs.cu_k)
         dev = self.device
         stream = self._stream()
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
@@ -845,16 +858,17 @@ class TrainPlan:
             shape = (2, *b.kv_lo_shape)
             lo2 = (torch.empty(shape, dtype=k.dtype, device=dev) if b.kv_chunked
                    else torch.zeros(shape, dtype=k.dtype, device=dev))  # fmt: skip
-            self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, lo2[0], lo2[1], lo2], stream)
+            self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, lo2[0], lo2[1], lo2, cq, ck],
+                      stream)  # fmt: skip
             del lo2
         else:
-            self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, dk, dv, dk], stream)
+            self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, dk, dv, dk, cq, ck], stream)
         dq = torch.zeros(q.shape, dtype=q.dtype, device=dev)
         lq = dq
         if b.q_comp:
             lq = (torch.empty(b.q_lo_shape, dtype=q.dtype, device=dev) if b.q_chunked
                   else torch.zeros_like(dq))  # fmt: skip
-        self._run(b.dq, [q, k, v, kp, dout, lse, delta, dq, lq], stream)
+        self._run(b.dq, [q, k, v, kp, dout, lse, delta, dq, lq, cq, ck], stream)
         return dq, dk, dv
 
     # ------------------------------------------------------------------------------ launch
@@ -894,20 +908,22 @@ _PLANS: OrderedDict = OrderedDict()
 
 
 def get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fold=None,
-             lo_rows=None) -> TrainPlan | None:  # fmt: skip
+             lo_rows=None, docs: Docs | None = None) -> TrainPlan | None:  # fmt: skip
     """The plan of this configuration (built on a miss; the last ``_MAX_PLANS`` kept, the
     oldest built dropped first), or None where the per-call path runs it."""
     try:
-        key = plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows)
+        key = plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows,
+                       docs)  # fmt: skip
         plan = _PLANS.get(key, _PLANS)
     except TypeError:  # an unhashable entry (lists in head_ranges): normalise, once
         head_ranges = [tuple(x) for x in head_ranges]
-        key = plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows)
+        key = plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows,
+                       docs)  # fmt: skip
         plan = _PLANS.get(key, _PLANS)
     if plan is _PLANS:
         try:
             plan = TrainPlan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold,
-                             lo_rows)  # fmt: skip
+                             lo_rows, docs)  # fmt: skip
         except _NoPlan:
             plan = None
         if len(_PLANS) >= _MAX_PLANS:
@@ -935,19 +951,20 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     ``lo_rows``: rows per range of the per-branch launches when the output needs a lo buffer
     (:func:`lo_chunks`; None: the rule there). The result does not depend on it.
 
-    Runs through the configuration's :class:`TrainPlan` (packed documents and ``USE_PLANS``
-    False: :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
+    Runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
+    :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
     used (None for the per-call path), for a caller that passes it to :func:`backward`.
     """
     plan = None
-    if docs is None and USE_PLANS:
-        plan = get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows)
+    if USE_PLANS:
+        plan = get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows,
+                        docs)  # fmt: skip
     if plan_sink is not None:
         plan_sink.append(plan)
     if plan is None:
         return forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=config,
                                 fold=fold, docs=docs, lo_rows=lo_rows)  # fmt: skip
-    return plan.forward(q, k, v, kpm)
+    return plan.forward(q, k, v, kpm, docs)
 
 
 def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,
@@ -964,10 +981,12 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     and lse, the results dk, dv, dq (zeros, each written in place), delta (one float32 per
     query row and head) and the lo buffers of one phase, each 1/LO_CHUNKS of a result at long N.
     """
-    if docs is None and USE_PLANS:
-        if plan is None or plan.config_key != _config_key(config) or plan.lo_rows != lo_rows:
-            plan = get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, None, lo_rows)
+    if USE_PLANS:
+        if (plan is None or plan.config_key != _config_key(config) or plan.lo_rows != lo_rows
+                or plan.varlen != (docs is not None)):  # fmt: skip
+            plan = get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, None, lo_rows,
+                            docs)  # fmt: skip
         if plan is not None:
-            return plan.backward(dout, q, k, v, kpm, out, lse)
+            return plan.backward(dout, q, k, v, kpm, out, lse, docs)
     return backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
                              config=config, docs=docs, lo_rows=lo_rows)  # fmt: skip
