@@ -121,6 +121,8 @@ def test_fill_skipped_only_where_the_first_branch_writes_everything(seed):
     split = L.get_plan(q, k, v, *args, branch_head_ranges(4, 3, "split"))
     r2 = L.get_plan(q, k, v, None, (16, 8), (2, 1), True, 0.25, [(0, 4)] * 2)
     assert not allh.fwd_fill and split.fwd_fill and r2.fwd_fill
+    longq = L.get_plan(q, k[:, :40], v[:, :40], *args, branch_head_ranges(4, 3, "all"))
+    assert longq.fwd_fill  # more queries than keys (the front door refuses it): fill as before
     assert allh.fwd_comp  # the lo buffer is unfilled too
 
 

@@ -549,7 +549,7 @@ def _collect(seq: _Seq, table) -> None:
     seq.direct = True
 
 
-def _first_branch_writes_all(branches, first: int, nh: int, varlen: bool) -> bool:
+def _first_branch_writes_all(branches, first: int, nh: int, varlen: bool, qoff: int) -> bool:
     """Whether the forward's FIRST launch (branch ``first``, in every lo range) stores every
     query row of every head of out and lse, and of lo when there is one: then no later branch
     reads what the buffers were filled with, and they need no fill.
@@ -558,8 +558,9 @@ def _first_branch_writes_all(branches, first: int, nh: int, varlen: bool) -> boo
     is all of its rows; the launch covers every segment that holds a query (in each lo range:
     ranges are whole segments of every branch) with ceil(longest block / BM) query blocks, and a
     program stores every row of its block that is a query (out = 0, lse = -inf for a row with
-    no key). Packed documents: rows past the last document belong to no program."""
-    if varlen or first != 0 or not branches:
+    no key). Packed documents: rows past the last document belong to no program; more queries
+    than keys (qoff < 0, refused by the front door): the first rows are no position's."""
+    if varlen or first != 0 or not branches or qoff < 0:
         return False
     _, r, hs, he = branches[0]
     return r == 1 and hs == 0 and he == nh
@@ -681,7 +682,7 @@ class TrainPlan:
         nms = [_cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
         first = next((bi for bi, (w, _, hs, he) in enumerate(branches)
                       if nms[bi] * lay.segments(w)[1] * lay.programs * (he - hs)), -1)  # fmt: skip
-        self.fwd_fill = not _first_branch_writes_all(branches, first, nh, lay.varlen)
+        self.fwd_fill = not _first_branch_writes_all(branches, first, nh, lay.varlen, lay.qoff)
         steps = []
         for c0, c1 in chunks:
             if comp and chunked:  # _lo_range
