@@ -5,7 +5,10 @@ through ``dilated_attention_with_kvcache`` (1 token, 32 q / 8 kv x 128, bf16, ca
 branches) and a training call (N = 4096, 8 x 64, branches 512..2048 / 1..4, causal, fwd+bwd).
 Prints the top functions by self time and by cumulative time, per call::
 
-    python benchmarks/profile_host.py [--calls 200] [--top 30]
+    python benchmarks/profile_host.py [--calls 200] [--top 30] [--no-plans]
+
+``--no-plans``: the training call through the per-call launch path (``triton_launch.USE_PLANS``
+False), for an A/B of the training launch plans.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--no-plans", action="store_true",
+                   help="training calls through the per-call launch path (triton_launch.USE_PLANS = False)")
     args = p.parse_args(argv)
+    if args.no_plans:
+        from dilated_attention.kernels import triton_launch
+
+        triton_launch.USE_PLANS = False
     dev, dt = torch.device("cuda"), torch.bfloat16
     seg, dil = (2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16)
     q = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)

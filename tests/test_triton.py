@@ -126,6 +126,7 @@ def _with_fp32_accumulators(monkeypatch) -> list:
         dq, dk, dv = real_bwd(dout, q, k, v, *a, **kw)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
+    monkeypatch.setattr(triton_launch, "USE_PLANS", False)  # the per-call path makes the buffers
     monkeypatch.setattr(triton_launch, "_acc_buffers", fp32_buffers)
     monkeypatch.setattr(triton_launch, "forward", fwd)
     monkeypatch.setattr(triton_launch, "backward", bwd)
@@ -383,10 +384,14 @@ def test_triton_folded_forward_interpreter(seed, monkeypatch, n, h, hkv, seg, di
     """The forward that folds all branches into one online softmax per residue-class tile (no
     merge pass) against the reference, and the per-branch path (fold=False) against it too."""
     calls = []
-    real = triton_launch._fwd_folded
-    monkeypatch.setattr(triton_launch, "_fwd_folded", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # count launches of the folded kernel (the plans and the per-call path both go through it)
+    folded = triton_launch._FWD_FOLDED
+    real = folded.launch
+    monkeypatch.setattr(folded, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     # at these sizes w_min / r_max is below the interpreter's BM: fold as if it filled the tile
+    # (plans built under the real rule must not serve these calls: a fresh plan table)
     monkeypatch.setattr(triton_launch, "fold_fills_tile", lambda geo, bm: True)
+    monkeypatch.setattr(triton_launch, "_PLANS", type(triton_launch._PLANS)())
     real_fwd = triton_launch.forward
     q, k, v, do, kpm = _inputs(2, n, n, h, hkv, 16, torch.float64, "cpu", 0.3 if pad else 0.0)
     kw = dict(causal=causal, key_padding_mask=kpm, head_assignment=head_assignment)
@@ -426,8 +431,10 @@ def test_fold_only_when_the_residue_rows_fill_a_tile(seed, monkeypatch, seg, dil
     the result matches the reference, and fold=True still forces the folded kernel."""
     assert triton_launch.fold_fills_tile((64, 2), 32) and not triton_launch.fold_fills_tile((32, 2), 32)
     calls = []
-    real = triton_launch._fwd_folded
-    monkeypatch.setattr(triton_launch, "_fwd_folded", lambda *a, **k: calls.append(1) or real(*a, **k))
+    folded = triton_launch._FWD_FOLDED  # its launches (the plans and the per-call path alike)
+    real = folded.launch
+    monkeypatch.setattr(folded, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(triton_launch, "_PLANS", type(triton_launch._PLANS)())  # fresh plans
     bm = triton_launch.resolve_configs(16)["fwd"][0]
     assert bm == 32
     q, k, v, do, kpm = _inputs(1, 128, 128, 2, 1, 16, torch.float64, "cpu", 0.0)

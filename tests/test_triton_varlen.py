@@ -106,12 +106,13 @@ CASES = {
 def test_varlen_vs_per_document_reference(seed, monkeypatch, case, causal):
     qlens, klens, h, hkv, (seg, dil), same, head_assignment, dtype = CASES[case]
     klens = klens or qlens
-    folded = []
-    real = triton_launch._fwd_folded
-    monkeypatch.setattr(triton_launch, "_fwd_folded",
+    folded = []  # launches of the folded kernel (plans and the per-call path alike)
+    real = triton_launch._FWD_FOLDED.launch
+    monkeypatch.setattr(triton_launch._FWD_FOLDED, "launch",
                         lambda *a, **k: folded.append(1) or real(*a, **k))
     # at these sizes w_min / r_max is below the interpreter's BM: fold as if it filled the tile
     monkeypatch.setattr(triton_launch, "fold_fills_tile", lambda geo, bm: True)
+    monkeypatch.setattr(triton_launch, "_PLANS", type(triton_launch._PLANS)())  # plans under that rule
     q, k, v, do = _packed(qlens, klens, h, hkv, 16, torch.float64, "cpu")
     if dtype != torch.float32:  # the oracle sees the same rounded inputs
         q, k, v, do = (t.to(dtype).double() for t in (q, k, v, do))

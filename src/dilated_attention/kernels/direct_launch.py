@@ -193,13 +193,29 @@ class DirectKernel:
             return None
         return tail
 
+    @staticmethod
+    def key(grid, ptrs, tail: tuple, options: dict, dev: int) -> tuple:
+        """The key of a launch: grid, the tensors' dtypes, every non-tensor argument (``tail``:
+        the positional ones after the tensors), the keyword options in call order, the device."""
+        return (tuple(grid), tail, tuple(options.items()), tuple([t.dtype for t in ptrs]), dev)
+
+    def entry(self, grid, ptrs, tail: tuple, options: dict):
+        """What :meth:`launch` keeps for this launch: ``(go, full tail)`` (launched directly),
+        False (Triton's path for good) or None (no aligned call with this key on the tensors'
+        device yet, or the direct launch is off). For callers that hold launches of their own
+        (``triton_launch.TrainPlan``): they launch ``go(stream, (*pointers, *full tail))``."""
+        dev = tensor_device(ptrs[0])
+        if dev < 0:
+            return None
+        return self.plans.get(self.key(grid, ptrs, tail, options, dev))
+
     def launch(self, grid, args: tuple, options: dict):
         n = self.n_ptr
         ptrs = args[:n]
         dev = tensor_device(ptrs[0])
         if dev < 0 or not flags.direct_launch_enabled():
             return self.kernel[grid](*args, **options)
-        key = (tuple(grid), args[n:], tuple(options.items()), tuple([t.dtype for t in ptrs]), dev)
+        key = self.key(grid, ptrs, args[n:], options, dev)
         addr = [t.data_ptr() for t in ptrs]
         misaligned = 0
         for a in addr:

@@ -5,6 +5,10 @@ plain tensors (no autograd); ``triton_ops.py`` wraps them in the custom ops, the
 point other code should use. Tuning knobs are keyword arguments (``config=``, ``fold=``,
 ``lo_rows=``) for ``benchmarks/tune_triton.py``; nothing here reads the environment at call time.
 
+Launches run through a per-configuration :class:`TrainPlan` (built once: grids, argument
+lists, lo ranges, buffer shapes; see "training plans" below); :func:`forward_per_call` /
+:func:`backward_per_call` build everything per call (the tests' oracle, ``USE_PLANS = False``).
+
 Accumulation across branches. A result row that more than one branch adds into is, in fp16 and
 bf16, accumulated as a compensated pair (hi, lo) of the result dtype: hi is the result buffer
 itself (at every step the correctly rounded partial sum, so no final cast and no float32 copy)
@@ -21,11 +25,14 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 import triton
 
+from .. import flags
 from ..geometry import max_block_length, query_segments
 from . import direct_launch
 from . import triton_kernels as kern
@@ -74,12 +81,18 @@ def resolve_configs(d: int, config: dict[str, Config] | None = None) -> dict[str
 
 
 # the kernels behind their direct launchers (direct_launch.DirectKernel; the count is the number
-# of tensor arguments, which every call site passes first)
-_FWD_FOLDED = direct_launch.DirectKernel(kern.dilated_fwd_folded_kernel, 9)
-_FWD = direct_launch.DirectKernel(kern.dilated_fwd_kernel, 9)
-_DELTA = direct_launch.DirectKernel(kern.dilated_bwd_delta_kernel, 3)
-_DKDV = direct_launch.DirectKernel(kern.dilated_bwd_dkdv_kernel, 13)
-_DQ = direct_launch.DirectKernel(kern.dilated_bwd_dq_kernel, 11)
+# of tensor arguments, which every call site passes first). 256 keys each: a 2M-token call has
+# 16 lo ranges x 5 branches of launches per kernel, each its own key
+_FWD_FOLDED = direct_launch.DirectKernel(kern.dilated_fwd_folded_kernel, 9, max_plans=256)
+_FWD = direct_launch.DirectKernel(kern.dilated_fwd_kernel, 9, max_plans=256)
+_DELTA = direct_launch.DirectKernel(kern.dilated_bwd_delta_kernel, 3, max_plans=256)
+_DKDV = direct_launch.DirectKernel(kern.dilated_bwd_dkdv_kernel, 13, max_plans=256)
+_DQ = direct_launch.DirectKernel(kern.dilated_bwd_dq_kernel, 11, max_plans=256)
+
+
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv on ints (on Triton 3.6 a ConstexprFunction: a Python __call__ per use)
+    return -(-a // b)
 
 
 def _launch_kw(cfg: Config) -> dict:
@@ -291,8 +304,8 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
         lse.fill_(float("-inf"))
     brs = _branch_table(tuple(branches), q.device)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
-    nt = triton.cdiv(wmin // rmax, bm)
-    grid = (nt * rmax * triton.cdiv(lay.nk, wmin), lay.programs * nh)
+    nt = _cdiv(wmin // rmax, bm)
+    grid = (nt * rmax * _cdiv(lay.nk, wmin), lay.programs * nh)
     if grid[0] * grid[1] == 0:
         return out, lse
     _FWD_FOLDED[grid](
@@ -309,26 +322,11 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
     return out, lse
 
 
-def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, fold=None,
-            docs: Docs | None = None, lo_rows: int | None = None):
-    """out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 of the branches given.
-
-    q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D), last dim contiguous; kpm: (B, Nk) bool or None;
-    head_ranges: [(hs, he)] per branch. ``config``: {kernel: (BM, BN, warps, stages)} overrides
-    (:func:`resolve_configs`). ``fold``: None folds the branches into one launch when
-    :func:`fold_geometry` allows it, w_min / r_max fills the forward's BM rows and the call is
-    not causal (a folded tile's rows span a
-    whole w_min window, so the causal diagonal crosses every key block: measured slower, see
-    benchmarks/NOTES_triton.md); True folds whenever the geometry allows, causal too; False
-    never (per-branch launches + merge).
-
-    ``docs``: packed documents (:class:`Docs`); then B = 1, q is (1, total_q, H, D), k, v
-    (1, total_k, Hkv, D), kpm None, and each document is its own sequence. Folding needs
-    queries and keys to share the offsets (:meth:`Docs.same_offsets`).
-
-    ``lo_rows``: rows per range of the per-branch launches when the output needs a lo buffer
-    (:func:`lo_chunks`; None: the rule there). The result does not depend on it.
-    """
+def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None,
+                     fold=None, docs: Docs | None = None, lo_rows: int | None = None):
+    """:func:`forward` with every argument and buffer built on this call (the code before the
+    training plans): ``USE_PLANS = False`` routes every call to it, and it is the oracle of the
+    plan tests (tests/test_train_plan.py). Contract as there."""
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
@@ -350,7 +348,7 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     acc_lo = _lo_buffer(acc_o, comp, chunks)
     acc_l = torch.full((bsz, nh, nq), float("-inf"), dtype=torch.float32, device=q.device)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
-    nms = [triton.cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
+    nms = [_cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
     # FIRST: the first branch with a program (stores without reading), in every range alike
     first = next((bi for bi, (w, _, hs, he) in enumerate(branches)
                   if nms[bi] * lay.segments(w)[1] * lay.programs * (he - hs)), -1)
@@ -388,19 +386,10 @@ def _broadcast_view(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,
-             docs: Docs | None = None, lo_rows: int | None = None):
-    """dq, dk, dv (input dtypes) of the branches given, with the FINAL out and lse (which may
-    include branches not given here: every branch's share is independent).
-
-    Shapes as :func:`forward`; lse (B, H, Nq) float32 contiguous; dout and out need a unit
-    stride along headdim only (a broadcast dout, e.g. from ``out.sum()``, is read in place).
-    ``config``, ``docs`` and ``lo_rows`` as there.
-
-    Memory (benchmarks/NOTES_triton.md, "Memory at 2M tokens"): besides the inputs, out, dout
-    and lse, the results dk, dv, dq (zeros, each written in place), delta (one float32 per
-    query row and head) and the lo buffers of one phase, each 1/LO_CHUNKS of a result at long N.
-    """
+def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *,
+                      config=None, docs: Docs | None = None, lo_rows: int | None = None):
+    """:func:`backward` with every argument and buffer built on this call (see
+    :func:`forward_per_call`). Contract as there."""
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
@@ -412,7 +401,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     nrows = bsz * nq * nh
     br = 16 if INTERPRET else 64
     if nrows > 0:
-        _DELTA[(triton.cdiv(nrows, br),)](
+        _DELTA[(_cdiv(nrows, br),)](
             out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2), nrows, nq, nh, D=d, BR=br
         )
@@ -486,3 +475,534 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
                 **_launch_kw(cfgs["dq"]),
             )
     return dq, dk, dv
+
+
+
+# ------------------------------------------------------------------------------ training plans
+#
+# A plan holds everything of a training call that depends only on its configuration (issue 23
+# item 3; ``triton_decode.DecodePlan`` does the same for decode): the launches of the forward and
+# of the backward in their order, each with its kernel, grid, non-tensor arguments (strides,
+# sizes, scale, constexprs: exactly those the per-call path passes) and which per-call tensor
+# goes into each pointer slot; the lo ranges; the buffer shapes and which need a fill. A call is
+# one dict lookup, its allocations and its launches: on a GPU, once every launch of a phase has
+# been through ``DirectKernel`` (Triton's path, then its kept launcher), the launchers directly
+# with the call's pointers (one alignment check for all of them, one device/hook check per
+# call); anywhere else ``DirectKernel[grid](...)`` with the per-call path's very arguments.
+#
+# Fills. The forward's first branch stores without reading (``FIRST``): when it writes every
+# query row of every head of out, lse and lo (:func:`_first_branch_writes_all`: r == 1 over all
+# heads, as the LongNet branches with head_assignment="all"), the three buffers are allocated
+# empty. The backward kernels always add into dq, dk, dv and their lo buffers: zeros as before,
+# but the lo buffers of dk and dv are one allocation (one fill; they live and die together).
+# Bytes and lifetimes are those of the per-call path (NOTES_triton.md, "Memory at 2M tokens").
+# Packed documents: the key adds their count, max lengths and shared-offsets flag; the offsets
+# are per-call pointers; their buffers are always filled (rows past the last document).
+
+USE_PLANS: bool = True  # False: every call takes the per-call path (tests, A/B)
+_MAX_PLANS = 64
+
+
+class _NoPlan(Exception):
+    """A configuration the plans do not cover (it takes the per-call path)."""
+
+
+class _Launch:
+    """One step of a plan: ``kernel[grid](*table[slots], *tail, **opts)``, or, once collected,
+    ``go(stream, (*pointers[slots], *args))`` (``args``: every non-tensor parameter in
+    signature order, as ``DirectKernel`` keeps it). ``kernel`` None: ``table[slot].zero_()``
+    (a lo range's fill)."""
+
+    __slots__ = ("kernel", "grid", "slots", "take", "tail", "opts", "go", "args", "slot")
+
+    def __init__(self, kernel, grid, slots, tail, opts, slot: int = -1):
+        self.kernel, self.grid, self.slots, self.tail, self.opts = kernel, grid, slots, tail, opts
+        self.take = operator.itemgetter(*slots) if len(slots) > 1 else None
+        self.go = self.args = None
+        self.slot = slot
+
+
+def _zero_step(slot: int) -> _Launch:
+    return _Launch(None, None, (), (), {}, slot)
+
+
+class _Seq:
+    """The steps of one phase, in order. ``direct``: None (launchers not collected yet), True
+    (every launch has its launcher), False (Triton's path for good: ``DirectKernel`` kept no
+    launcher for one of them)."""
+
+    __slots__ = ("steps", "direct")
+
+    def __init__(self, steps):
+        self.steps = steps
+        self.direct = None
+
+    def launches(self) -> list[_Launch]:
+        return [st for st in self.steps if st.kernel is not None]
+
+
+def _collect(seq: _Seq, table) -> None:
+    """After a phase ran through ``DirectKernel`` on a GPU: take the launchers it kept."""
+    found = []
+    for st in seq.launches():
+        entry = getattr(st.kernel, "entry", None)
+        if entry is None:  # not a DirectKernel: Triton's path for good
+            seq.direct = False
+            return
+        e = entry(st.grid, st.take(table), st.tail, st.opts)
+        if e is None:
+            return  # not kept yet (misaligned, hooks, other device, switch off): next call
+        found.append(e)
+    if any(e is False for e in found):
+        seq.direct = False
+        return
+    for st, (go, args) in zip(seq.launches(), found, strict=True):
+        st.go, st.args = go, args
+    seq.direct = True
+
+
+def _first_branch_writes_all(branches, first: int, nh: int, varlen: bool, qoff: int) -> bool:
+    """Whether the forward's FIRST launch (branch ``first``, in every lo range) stores every
+    query row of every head of out and lse, and of lo when there is one: then no later branch
+    reads what the buffers were filled with, and they need no fill.
+
+    Branch (w, 1) over heads [0, nh): head h reads offset h % 1 = 0, so the block of a segment
+    is all of its rows; the launch covers every segment that holds a query (in each lo range:
+    ranges are whole segments of every branch) with ceil(longest block / BM) query blocks, and a
+    program stores every row of its block that is a query (out = 0, lse = -inf for a row with
+    no key). Packed documents: rows past the last document belong to no program; more queries
+    than keys (qoff < 0, refused by the front door): the first rows are no position's."""
+    if varlen or first != 0 or not branches or qoff < 0:
+        return False
+    _, r, hs, he = branches[0]
+    return r == 1 and hs == 0 and he == nh
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    st, acc = [], 1
+    for n in reversed(tuple(shape)):
+        st.append(acc)
+        acc *= n
+    return tuple(reversed(st))
+
+
+def _config_key(config) -> tuple | None:
+    if not config:
+        return None
+    return tuple(sorted((str(name), tuple(int(x) for x in vals)) for name, vals in config.items()))
+
+
+def plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fold=None,
+             lo_rows=None, docs: Docs | None = None) -> tuple:  # fmt: skip
+    """The configuration a :class:`TrainPlan` is built for: every grid, integer argument,
+    constexpr, buffer shape and fill of its launches is a function of it (with the module's
+    ``LO_CHUNKS``, ``LO_MIN_BYTES`` and ``INTERPRET``, which it includes). Cheap: attribute
+    reads and one tuple. ``head_ranges``: [(start, stop)] per branch. ``docs``: packed documents
+    (the grid sizes ``max_q`` / ``max_k``, the number of documents, whether queries and keys
+    share the offsets; the offsets themselves are per-call pointers)."""
+    return (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+        q.device, None if kpm is None else (kpm.shape, kpm.stride(), kpm.dtype),
+        causal, scale, tuple(seg), tuple(dil), tuple(head_ranges), _config_key(config), fold,
+        lo_rows, LO_CHUNKS, LO_MIN_BYTES, INTERPRET,
+        None if docs is None else (docs.cu_q.shape, docs.cu_k.shape, docs.cu_q.dtype,
+                                   docs.cu_k.dtype, docs.max_q, docs.max_k, docs.same_offsets()),
+    )  # fmt: skip
+
+
+class _BwdPlan:
+    """The backward's steps for one (dout, out) layout: delta, the dK/dV phase, the dQ phase."""
+
+    __slots__ = ("delta", "dkdv", "dq", "kv_comp", "kv_chunked", "kv_lo_shape", "q_comp",
+                 "q_chunked", "q_lo_shape")  # fmt: skip
+
+
+class TrainPlan:
+    """The launches of one training configuration (:func:`plan_key`), built once.
+
+    Pointer slots of the forward: 0 q, 1 k, 2 v, 3 kpm (its uint8 view; q when none), 4 out,
+    5 out's lo buffer (out when none), 6 lse, 7 the branch table (folded), 8 cu_q, 9 cu_k.
+    Backward: delta phase 0 out, 1 dout, 2 delta; dK/dV phase 0 q, 1 k, 2 v, 3 kpm, 4 dout,
+    5 lse, 6 delta, 7 dk, 8 dv, 9 dk's lo, 10 dv's lo (dk, dv when none), 11 the buffer holding
+    both lo, 12 cu_q, 13 cu_k; dQ phase 0-6 as dK/dV, 7 dq, 8 dq's lo (dq when none), 9 cu_q,
+    10 cu_k. Without packed documents cu_q / cu_k are q (dummies, never read)."""
+
+    def __init__(self, q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fold=None,
+                 lo_rows=None, docs: Docs | None = None):  # fmt: skip
+        if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+            raise _NoPlan("q, k, v of shape (B, N, H, D), k and v alike")
+        self.device, self.dtype = q.device, q.dtype
+        self.dev = direct_launch.tensor_device(q)
+        self.gpu = self.dev >= 0
+        self.causal, self.scale = causal, scale
+        self.config_key, self.lo_rows = _config_key(config), lo_rows
+        # without its dummy pointers (q): a plan holds no tensor of a call
+        self.lay = _layout(q, k, docs)._replace(cu_q=None, cu_k=None)
+        self.varlen = docs is not None
+        self.cfgs = resolve_configs(q.shape[-1], config)
+        self.branches = branch_list(seg, dil, head_ranges)
+        self.has_kpm = kpm is not None
+        self.skp = _kpm_arg(kpm, q)[1] if kpm is not None else 0
+        self.several_q, self.several_kv = _rows_with_several_branches(
+            q.shape[2], k.shape[2], list(head_ranges)
+        )
+        self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+        self._build_forward(q, k, v, fold, docs is not None and not docs.same_offsets())
+        self._bwd: dict = {}
+
+    # ---------------------------------------------------------------------------- forward
+    def _build_forward(self, q, k, v, fold, no_fold: bool):
+        lay, branches, causal = self.lay, self.branches, self.causal
+        bsz, nq, nh, d = q.shape
+        hkv = k.shape[2]
+        cfg = self.cfgs["fwd"]
+        bm, bn = cfg[:2]
+        qk_scale = self.scale * kern.LOG2E.value
+        strides_in = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                      v.stride(0), v.stride(1), v.stride(2), self.skp)  # fmt: skip
+        geo = None
+        if not (fold is False or (fold is None and causal) or no_fold):
+            geo = fold_geometry(lay.nq, lay.nk, branches)
+        if fold is None and geo is not None and not fold_fills_tile(geo, bm):
+            geo = None  # as forward_per_call
+        self.folded = geo is not None
+        if self.folded:  # as _fwd_folded
+            wmin, rmax = geo
+            self.brs = _branch_table(tuple(branches), q.device)
+            ost = torch.empty_like(q, device="meta").stride()  # out = torch.empty_like(q)
+            nt = _cdiv(wmin // rmax, bm)
+            grid = (nt * rmax * _cdiv(lay.nk, wmin), lay.programs * nh)
+            steps = []
+            if grid[0] * grid[1]:
+                steps.append(_Launch(
+                    _FWD_FOLDED, grid, (0, 1, 2, 3, 4, 6, 7, 8, 9),
+                    (*strides_in, ost[0], ost[1], ost[2],
+                     nq, nh, nh // hkv, len(branches), wmin, rmax, nt, qk_scale),
+                    dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm,
+                         PREC=_prec(q.dtype), VARLEN=lay.varlen, **_launch_kw(cfg)),
+                ))  # fmt: skip
+            self.fwd = _Seq(steps)
+            return
+        # per-branch launches + merge, as forward_per_call
+        self.out_shape = (bsz, nq, nh, d)
+        ost = _contiguous_strides(self.out_shape)
+        comp = self.several_q and q.dtype != torch.float32
+        row_bytes = bsz * nh * d * q.element_size()
+        chunks = lo_chunks(lay, branches, row_bytes, self.lo_rows) if comp else [(0, lay.nk)]
+        chunked = len(chunks) > 1
+        self.fwd_comp, self.fwd_chunked = comp, chunked
+        self.fwd_lo_shape = (bsz, max(c1 - c0 for c0, c1 in chunks), nh, d) if chunked else self.out_shape
+        lost = _contiguous_strides(self.fwd_lo_shape)
+        nms = [_cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
+        first = next((bi for bi, (w, _, hs, he) in enumerate(branches)
+                      if nms[bi] * lay.segments(w)[1] * lay.programs * (he - hs)), -1)  # fmt: skip
+        self.fwd_fill = not _first_branch_writes_all(branches, first, nh, lay.varlen, lay.qoff)
+        steps = []
+        for c0, c1 in chunks:
+            if comp and chunked:  # _lo_range
+                slob, lo_row0 = lost[0], c0 - lay.qoff
+                if self.fwd_fill:
+                    steps.append(_zero_step(5))
+            else:
+                slob, lo_row0 = ost[0], 0
+            for bi, (w, r, hs, he) in enumerate(branches):
+                s0, nseg = _seg_range(lay, w, c0, c1)
+                nm = nms[bi]
+                grid = (nm * nseg, lay.programs * (he - hs))
+                if grid[0] * grid[1] == 0:
+                    continue
+                steps.append(_Launch(
+                    _FWD, grid, (0, 1, 2, 3, 4, 5, 6, 8, 9),
+                    (*strides_in, ost[0], ost[1], ost[2], slob, lo_row0,
+                     lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
+                     qk_scale),
+                    dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm,
+                         FIRST=bi == first, PREC=_prec(q.dtype), COMP=comp,
+                         STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen, **_launch_kw(cfg)),
+                ))  # fmt: skip
+        self.fwd = _Seq(steps)
+
+    def forward(self, q, k, v, kpm, docs: Docs | None = None):
+        """(out, lse) of one call with tensors of the plan's configuration."""
+        kp = q if kpm is None else kpm.contiguous().view(torch.uint8)
+        cq, ck = (q, q) if docs is None else (docs.cu_q, docs.cu_k)  # q: dummies, never read
+        dev = self.device
+        if self.folded:
+            out = torch.empty_like(q)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+            if self.varlen:  # rows of no document keep these values
+                out.zero_()
+                lse.fill_(float("-inf"))
+            if self.fwd.steps:
+                self._run(self.fwd, [q, k, v, kp, out, out, lse, self.brs, cq, ck], self._stream())
+            return out, lse
+        lo = None
+        if self.fwd_fill:
+            out = torch.zeros(self.out_shape, dtype=q.dtype, device=dev)
+            if self.fwd_comp:  # _lo_buffer: zeros for one range, else a buffer zeroed per range
+                lo = (torch.empty(self.fwd_lo_shape, dtype=q.dtype, device=dev) if self.fwd_chunked
+                      else torch.zeros_like(out))  # fmt: skip
+            lse = torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=dev)
+        else:  # the first branch writes every element of all three
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+            if self.fwd_comp:
+                lo = torch.empty(self.fwd_lo_shape, dtype=q.dtype, device=dev)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        self._run(self.fwd, [q, k, v, kp, out, out if lo is None else lo, lse, q, cq, ck],
+                  self._stream())  # fmt: skip
+        return out, lse
+
+    # --------------------------------------------------------------------------- backward
+    def _build_backward(self, q, k, v, dout, out) -> _BwdPlan:
+        lay, branches, causal, scale, cfgs = self.lay, self.branches, self.causal, self.scale, self.cfgs
+        bsz, nq, nh, d = q.shape
+        hkv = k.shape[2]
+        rep = nh // hkv
+        b = _BwdPlan()
+        nrows = bsz * nq * nh
+        br = 16 if INTERPRET else 64
+        steps = []
+        if nrows > 0:
+            steps.append(_Launch(
+                _DELTA, (_cdiv(nrows, br),), (0, 1, 2),
+                (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+                 dout.stride(2), nrows, nq, nh),
+                dict(D=d, BR=br),
+            ))  # fmt: skip
+        b.delta = _Seq(steps)
+        prec = _prec(q.dtype)
+        qk_scale = scale * kern.LOG2E.value
+        strides_in = (
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), self.skp, dout.stride(0), dout.stride(1),
+            dout.stride(2),
+        )  # fmt: skip
+
+        def geom(w, r):  # longest block of the branch
+            return max_block_length(lay.nk, w, r)
+
+        # dK/dV: dk, dv zeros (k's shape, contiguous), their lo buffers one allocation
+        kst = _contiguous_strides(k.shape)
+        comp = self.several_kv and k.dtype != torch.float32
+        row_bytes = bsz * hkv * d * k.element_size()
+        chunks = lo_chunks(lay, branches, row_bytes, self.lo_rows) if comp else [(0, lay.nk)]
+        chunked = len(chunks) > 1
+        b.kv_comp, b.kv_chunked = comp, chunked
+        b.kv_lo_shape = (bsz, max(c1 - c0 for c0, c1 in chunks), hkv, d) if chunked else tuple(k.shape)
+        lost = _contiguous_strides(b.kv_lo_shape)
+        bm, bn = cfgs["dkdv"][:2]
+        steps = []
+        for c0, c1 in chunks:
+            if comp and chunked:
+                slob, lo_row0 = lost[0], c0
+                steps.append(_zero_step(11))
+            else:
+                slob, lo_row0 = kst[0], 0
+            for bi, (w, r, hs, he) in enumerate(branches):
+                s0, nseg = _seg_range(lay, w, c0, c1)
+                nnb = -(-geom(w, r) // bn)
+                ni = min(rep, r)
+                grid = (nnb * nseg, lay.programs * hkv * ni)
+                if grid[0] * grid[1] == 0:
+                    continue
+                steps.append(_Launch(
+                    _DKDV, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13),
+                    (*strides_in, kst[0], kst[1], kst[2], kst[0], kst[1], kst[2], slob, lo_row0,
+                     lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
+                     qk_scale, scale),
+                    dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
+                         COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
+                         **_launch_kw(cfgs["dkdv"])),
+                ))  # fmt: skip
+        b.dkdv = _Seq(steps)
+        # dQ
+        qst = _contiguous_strides(q.shape)
+        comp = self.several_q and q.dtype != torch.float32
+        row_bytes = bsz * nh * d * q.element_size()
+        chunks = lo_chunks(lay, branches, row_bytes, self.lo_rows) if comp else [(0, lay.nk)]
+        chunked = len(chunks) > 1
+        b.q_comp, b.q_chunked = comp, chunked
+        b.q_lo_shape = (bsz, max(c1 - c0 for c0, c1 in chunks), nh, d) if chunked else tuple(q.shape)
+        lost = _contiguous_strides(b.q_lo_shape)
+        bm, bn = cfgs["dq"][:2]
+        steps = []
+        for c0, c1 in chunks:
+            if comp and chunked:
+                slob, lo_row0 = lost[0], c0 - lay.qoff
+                steps.append(_zero_step(8))
+            else:
+                slob, lo_row0 = qst[0], 0
+            for bi, (w, r, hs, he) in enumerate(branches):
+                s0, nseg = _seg_range(lay, w, c0, c1)
+                nm = -(-geom(w, r) // bm)
+                grid = (nm * nseg, lay.programs * (he - hs))
+                if grid[0] * grid[1] == 0:
+                    continue
+                steps.append(_Launch(
+                    _DQ, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
+                    (*strides_in, qst[0], qst[1], qst[2], slob, lo_row0,
+                     lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, rep, w, r, s0, nm,
+                     qk_scale, scale),
+                    dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
+                         COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
+                         **_launch_kw(cfgs["dq"])),
+                ))  # fmt: skip
+        b.dq = _Seq(steps)
+        return b
+
+    def backward(self, dout, q, k, v, kpm, out, lse, docs: Docs | None = None):
+        """dq, dk, dv of one call (see :func:`backward`); the same buffers as
+        :func:`backward_per_call` but for the one allocation holding dk's and dv's lo."""
+        dout = _broadcast_view(dout)
+        out = _broadcast_view(out)
+        bkey = (dout.shape, dout.stride(), out.shape, out.stride(), dout.dtype, out.dtype, lse.dtype)
+        b = self._bwd.get(bkey)
+        if b is None:
+            b = self._bwd[bkey] = self._build_backward(q, k, v, dout, out)
+        kp = q if kpm is None else kpm.contiguous().view(torch.uint8)
+        cq, ck = (q, q) if docs is None else (docs.cu_q, docs.cu_k)
+        dev = self.device
+        stream = self._stream()
+        delta = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        if b.delta.steps:
+            self._run(b.delta, [out, dout, delta], stream)
+        # all dK/dV first, then all dQ: one phase's lo buffers alive at a time
+        dk = torch.zeros(k.shape, dtype=k.dtype, device=dev)
+        dv = torch.zeros(v.shape, dtype=v.dtype, device=dev)
+        if b.kv_comp:
+            shape = (2, *b.kv_lo_shape)
+            lo2 = (torch.empty(shape, dtype=k.dtype, device=dev) if b.kv_chunked
+                   else torch.zeros(shape, dtype=k.dtype, device=dev))  # fmt: skip
+            self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, lo2[0], lo2[1], lo2, cq, ck],
+                      stream)  # fmt: skip
+            del lo2
+        else:
+            self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, dk, dv, dk, cq, ck], stream)
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=dev)
+        lq = dq
+        if b.q_comp:
+            lq = (torch.empty(b.q_lo_shape, dtype=q.dtype, device=dev) if b.q_chunked
+                  else torch.zeros_like(dq))  # fmt: skip
+        self._run(b.dq, [q, k, v, kp, dout, lse, delta, dq, lq, cq, ck], stream)
+        return dq, dk, dv
+
+    # ------------------------------------------------------------------------------ launch
+    def _stream(self):
+        """The raw stream to launch on directly, or None for Triton's path (CPU, the switch off,
+        another current device, a launch hook installed): checked once per call."""
+        if not self.gpu or not flags.direct_launch_enabled():
+            return None
+        if direct_launch.current_device() != self.dev or not direct_launch.hooks_idle():
+            return None
+        return direct_launch.current_stream(self.dev)
+
+    @staticmethod
+    def _run(seq: _Seq, table: list, stream) -> None:
+        if stream is not None and seq.direct:
+            ptrs = [t.data_ptr() for t in table]
+            misaligned = 0
+            for p in ptrs:
+                misaligned |= p
+            if not misaligned & 15:  # the kept binaries assume 16-byte aligned pointers
+                for st in seq.steps:
+                    if st.kernel is None:
+                        table[st.slot].zero_()
+                    else:
+                        st.go(stream, st.take(ptrs) + st.args)
+                return
+        for st in seq.steps:
+            if st.kernel is None:
+                table[st.slot].zero_()
+            else:
+                st.kernel[st.grid](*st.take(table), *st.tail, **st.opts)
+        if seq.direct is None and stream is not None:
+            _collect(seq, table)
+
+
+_PLANS: OrderedDict = OrderedDict()
+
+
+def get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fold=None,
+             lo_rows=None, docs: Docs | None = None) -> TrainPlan | None:  # fmt: skip
+    """The plan of this configuration (built on a miss; the last ``_MAX_PLANS`` kept, the
+    oldest built dropped first), or None where the per-call path runs it."""
+    try:
+        key = plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows,
+                       docs)  # fmt: skip
+        plan = _PLANS.get(key, _PLANS)
+    except TypeError:  # an unhashable entry (lists in head_ranges): normalise, once
+        head_ranges = [tuple(x) for x in head_ranges]
+        key = plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows,
+                       docs)  # fmt: skip
+        plan = _PLANS.get(key, _PLANS)
+    if plan is _PLANS:
+        try:
+            plan = TrainPlan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold,
+                             lo_rows, docs)  # fmt: skip
+        except _NoPlan:
+            plan = None
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.popitem(last=False)
+        _PLANS[key] = plan
+    return plan
+
+
+def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, fold=None,
+            docs: Docs | None = None, lo_rows: int | None = None, plan_sink: list | None = None):
+    """out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 of the branches given.
+
+    q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D), last dim contiguous; kpm: (B, Nk) bool or None;
+    head_ranges: [(hs, he)] per branch. ``config``: {kernel: (BM, BN, warps, stages)} overrides
+    (:func:`resolve_configs`). ``fold``: None folds the branches into one launch when
+    :func:`fold_geometry` allows it, w_min / r_max fills the forward's BM rows
+    (:func:`fold_fills_tile`) and the call is not causal (a folded tile's rows span a
+    whole w_min window, so the causal diagonal crosses every key block: measured slower, see
+    benchmarks/NOTES_triton.md); True folds whenever the geometry allows, causal too; False
+    never (per-branch launches + merge).
+
+    ``docs``: packed documents (:class:`Docs`); then B = 1, q is (1, total_q, H, D), k, v
+    (1, total_k, Hkv, D), kpm None, and each document is its own sequence. Folding needs
+    queries and keys to share the offsets (:meth:`Docs.same_offsets`).
+
+    ``lo_rows``: rows per range of the per-branch launches when the output needs a lo buffer
+    (:func:`lo_chunks`; None: the rule there). The result does not depend on it.
+
+    Runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
+    :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
+    used (None for the per-call path), for a caller that passes it to :func:`backward`.
+    """
+    plan = None
+    if USE_PLANS:
+        plan = get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows,
+                        docs)  # fmt: skip
+    if plan_sink is not None:
+        plan_sink.append(plan)
+    if plan is None:
+        return forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=config,
+                                fold=fold, docs=docs, lo_rows=lo_rows)  # fmt: skip
+    return plan.forward(q, k, v, kpm, docs)
+
+
+def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,
+             docs: Docs | None = None, lo_rows: int | None = None, plan: TrainPlan | None = None):
+    """dq, dk, dv (input dtypes) of the branches given, with the FINAL out and lse (which may
+    include branches not given here: every branch's share is independent).
+
+    Shapes as :func:`forward`; lse (B, H, Nq) float32 contiguous; dout and out need a unit
+    stride along headdim only (a broadcast dout, e.g. from ``out.sum()``, is read in place).
+    ``config``, ``docs`` and ``lo_rows`` as there. ``plan``: the forward's plan (from its
+    ``plan_sink``) for these very q, k, v, kpm and arguments: skips the lookup.
+
+    Memory (benchmarks/NOTES_triton.md, "Memory at 2M tokens"): besides the inputs, out, dout
+    and lse, the results dk, dv, dq (zeros, each written in place), delta (one float32 per
+    query row and head) and the lo buffers of one phase, each 1/LO_CHUNKS of a result at long N.
+    """
+    if USE_PLANS:
+        if (plan is None or plan.config_key != _config_key(config) or plan.lo_rows != lo_rows
+                or plan.varlen != (docs is not None)):  # fmt: skip
+            plan = get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, None, lo_rows,
+                            docs)  # fmt: skip
+        if plan is not None:
+            return plan.backward(dout, q, k, v, kpm, out, lse, docs)
+    return backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
+                             config=config, docs=docs, lo_rows=lo_rows)  # fmt: skip

@@ -70,19 +70,23 @@ def _pairs(flat: list[int]) -> list[tuple[int, int]]:
 
 
 def _fwd_impl(q, k, v, key_padding_mask, segment_lengths, dilation_rates, head_ranges, causal,
-              scale):
+              scale, plan_sink=None):
+    # plan_sink: a list that gets the launch plan used (triton_launch.forward), for the backward
+    kw = {} if plan_sink is None else dict(plan_sink=plan_sink)
     return _launch.forward(
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-        key_padding_mask, segment_lengths, dilation_rates, causal, scale, _pairs(head_ranges),
+        key_padding_mask, segment_lengths, dilation_rates, causal, scale, _pairs(head_ranges), **kw,
     )
 
 
 def _bwd_impl(dout, q, k, v, key_padding_mask, out, lse, segment_lengths, dilation_rates,
-              head_ranges, causal, scale):
+              head_ranges, causal, scale, plan=None):
+    # plan: the forward's launch plan for these q, k, v (None: looked up)
+    kw = {} if plan is None else dict(plan=plan)
     return _launch.backward(
         dout, _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
         key_padding_mask, out, lse.contiguous(), segment_lengths, dilation_rates, causal, scale,
-        _pairs(head_ranges),
+        _pairs(head_ranges), **kw,
     )
 
 
@@ -147,7 +151,11 @@ def _backward(ctx, dout, _dlse, bwd=None):
     q, k, v, kpm, out, lse = ctx.saved_tensors
     seg, dil, hr, causal, scale = ctx.args
     with backward_context(q.device.type):
-        grads = (bwd or _triton_bwd_op)(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
+        if bwd is None:
+            grads = _triton_bwd_op(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
+        else:  # eager: the forward's launch plan, if it kept one
+            grads = bwd(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale,
+                        plan=getattr(ctx, "plan", None))  # fmt: skip
     dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
     return dq, dk, dv, None, None, None, None, None, None
 
@@ -163,8 +171,12 @@ class _EagerFused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kpm, seg, dil, hr, causal, scale):
-        out, lse = _fwd_impl(q, k, v, kpm, seg, dil, hr, causal, scale)
+        sink: list = []
+        out, lse = _fwd_impl(q, k, v, kpm, seg, dil, hr, causal, scale, plan_sink=sink)
         _setup_context(ctx, (q, k, v, kpm, seg, dil, hr, causal, scale), (out, lse))
+        # the launch plan of this configuration (triton_launch.TrainPlan): the backward runs
+        # its launches without looking it up again
+        ctx.plan = sink[0] if sink else None
         # lse's gradient is never used: without this autograd would allocate zeros for it
         # at every backward (one float32 per query row and head)
         ctx.set_materialize_grads(False)
