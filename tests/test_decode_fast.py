@@ -373,3 +373,17 @@ def test_a_stored_entry_is_never_used_under_compile(seed, route):
         torch._dynamo.reset()
         got = torch.compile(step, fullgraph=True, backend="aot_eager" if DEV == "cpu" else "inductor")(q, k, v, sl)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_training_shaped_calls_build_no_key():
+    """Only a decode-shaped dilated_attention call (a few rows against more keys) builds a fast-path
+    key: a training or prefill call pays no key and no miss."""
+    from dilated_attention.decode import fast_key
+
+    def key(nq, nk):
+        q = torch.randn(1, nq, 2, 8)
+        kv = torch.randn(1, nk, 2, 8)
+        return fast_key("da", q, kv, kv, (4, 8), (1, 2), False, None, "all", "auto")
+
+    assert key(1, 64) is not None and key(64, 65) is not None
+    assert key(64, 64) is None and key(65, 200) is None and key(128, 128) is None

@@ -214,6 +214,8 @@ def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, imp
         or (softmax_scale is not None and type(softmax_scale) is not float)
     ):  # fmt: skip
         return None
+    if tag == "da" and not (q.dim() == 4 and k.dim() == 4 and k.shape[1] > q.shape[1] and q.shape[1] <= MAX_DECODE_ROWS):
+        return None  # not decode-shaped (select.decode_applies): a training or prefill call builds no key
     return (
         tag, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
         v.shape, v.stride(), v.dtype, v.device, tuple(seg), tuple(dil), causal, softmax_scale,
