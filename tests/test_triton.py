@@ -443,6 +443,8 @@ def test_fold_only_when_the_residue_rows_fill_a_tile(seed, monkeypatch, seg, dil
     assert len(calls) == (1 if folds else 0)
     _close("out", got[0], ref[0], 2e-5)
     _close("lse", got[1], ref[1], 2e-5)
+    for nm, g, r in zip("qkv", got[2], ref[2], strict=True):
+        _close(f"d{nm}", g, r, 5e-5)
     hr = [(0, 2)] * len(seg)
     calls.clear()
     out, lse = triton_launch.forward(*(t.float() for t in (q, k, v)), None, seg, dil, False, 16**-0.5, hr, fold=True)

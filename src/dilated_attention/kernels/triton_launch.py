@@ -753,6 +753,17 @@ class TrainPlan:
         return out, lse
 
     # --------------------------------------------------------------------------- backward
+    def _lo_ranges(self, x, several: bool):
+        """(comp, chunked, row ranges, lo shape) of one gradient's lo accumulator (x: q for dq,
+        k for dk and dv): as ``_acc_buffers`` / ``lo_chunks`` / ``_lo_buffer`` decide per call."""
+        bsz, _, heads, d = x.shape
+        comp = several and x.dtype != torch.float32
+        row_bytes = bsz * heads * d * x.element_size()
+        chunks = lo_chunks(self.lay, self.branches, row_bytes, self.lo_rows) if comp else [(0, self.lay.nk)]
+        chunked = len(chunks) > 1
+        shape = (bsz, max(c1 - c0 for c0, c1 in chunks), heads, d) if chunked else tuple(x.shape)
+        return comp, chunked, chunks, shape
+
     def _build_backward(self, q, k, v, dout, out) -> _BwdPlan:
         lay, branches, causal, scale, cfgs = self.lay, self.branches, self.causal, self.scale, self.cfgs
         bsz, nq, nh, d = q.shape
@@ -783,12 +794,8 @@ class TrainPlan:
 
         # dK/dV: dk, dv zeros (k's shape, contiguous), their lo buffers one allocation
         kst = _contiguous_strides(k.shape)
-        comp = self.several_kv and k.dtype != torch.float32
-        row_bytes = bsz * hkv * d * k.element_size()
-        chunks = lo_chunks(lay, branches, row_bytes, self.lo_rows) if comp else [(0, lay.nk)]
-        chunked = len(chunks) > 1
+        comp, chunked, chunks, b.kv_lo_shape = self._lo_ranges(k, self.several_kv)
         b.kv_comp, b.kv_chunked = comp, chunked
-        b.kv_lo_shape = (bsz, max(c1 - c0 for c0, c1 in chunks), hkv, d) if chunked else tuple(k.shape)
         lost = _contiguous_strides(b.kv_lo_shape)
         bm, bn = cfgs["dkdv"][:2]
         steps = []
@@ -817,12 +824,8 @@ class TrainPlan:
         b.dkdv = _Seq(steps)
         # dQ
         qst = _contiguous_strides(q.shape)
-        comp = self.several_q and q.dtype != torch.float32
-        row_bytes = bsz * nh * d * q.element_size()
-        chunks = lo_chunks(lay, branches, row_bytes, self.lo_rows) if comp else [(0, lay.nk)]
-        chunked = len(chunks) > 1
+        comp, chunked, chunks, b.q_lo_shape = self._lo_ranges(q, self.several_q)
         b.q_comp, b.q_chunked = comp, chunked
-        b.q_lo_shape = (bsz, max(c1 - c0 for c0, c1 in chunks), nh, d) if chunked else tuple(q.shape)
         lost = _contiguous_strides(b.q_lo_shape)
         bm, bn = cfgs["dq"][:2]
         steps = []
