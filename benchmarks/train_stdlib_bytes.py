@@ -7,11 +7,14 @@ on the Python version, which the report records.
 
 Trains the same model with each attention given (``dilated``: the preset's branches; ``dense``:
 one branch w >= N, r = 1; ``local``: one branch of the smallest segment length, r = 1) for the
-same training time each, then scores fixed validation crops of N bytes (the same crops for every
-attention: ``StdlibBytes.val_batches``): bits per byte overall, by position bucket in the context
-(does the model use context beyond its local window?) and as a curve over log-spaced position
-bins. Writes ``OUT.md``, ``OUT.json`` and ``OUT.png`` (bits per byte against position at the
-last eval and against training time, every run on one figure; needs matplotlib)::
+same training time each, then scores the held-out files (``val = "files"``: every validation
+file from its first byte, each its own document, ``StdlibBytes.val_packed``; the first setting,
+``val = "crops"``, scored crops of the concatenated split): bits per byte overall, by position
+bucket in the file (does the model use context beyond its local window?) and as a curve over
+log-spaced position bins, at every eval; the report names the best eval (lowest bits per byte:
+the early-stopping point, since a 20-minute run passes over the ~10 MB split a hundred times and
+more). Writes ``OUT.md``, ``OUT.json`` and ``OUT.png`` (bits per byte against position at the
+best eval and against training time, every run on one figure; needs matplotlib)::
 
     # issue 25, item 4: presets h100-32k (dilated, dense, local) and h100-128k (dilated, local)
     PYTHONPATH=src python benchmarks/train_stdlib_bytes.py --preset h100-32k --attention dilated \\
@@ -36,7 +39,7 @@ eval interval. ``--resume PATH`` continues (batches are a pure function of (seed
 data position is the step); a finished run's checkpoint says so and resuming it only rewrites the
 report.
 
-Schedule: AdamW (betas 0.9/0.95, weight decay 0.01 on matrices), linear warmup, then constant
+Schedule: AdamW (betas 0.9/0.95, the preset's weight decay on matrices), linear warmup, then constant
 or (``schedule="cosine"``) cosine to ``min_lr_ratio`` over the cap (training time, or steps when
 ``--max-steps`` is set), clipping at 1.0, bf16 autocast on GPU.
 """
@@ -53,7 +56,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dilated_attention.data import StdlibBytes
+from dilated_attention.data import IGNORE, StdlibBytes
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -63,35 +66,44 @@ PRESETS = {
     # issue 25 item 4: N = 32K, dilated vs dense vs local, 20 minutes of training each. Branches
     # up to the whole context, 8 heads so every offset of r = 8 has one (head dim 32); 3.2M
     # parameters; 128K bytes a step. Activations fit without checkpointing (~10 GB est.).
-    # Validation: 16 crops of 32K = ~the whole validation split (0.54 MB on python 3.11).
+    # Validation: every validation file from its first byte (val="files": position = position
+    # in the file). Regularised (dropout 0.1, weight decay 0.1) and trained on packed files:
+    # the first H100 run (dropout 0, weight decay 0.01, crops across files) saw 82 passes over
+    # the 9.7 MB split in 8 minutes and its validation loss rose after 4 minutes
+    # (stdlib_bytes_32k_h100_2026-11-25_overfit.md).
     "h100-32k": dict(seq_len=32768, batch=4, dim=256, n_layer=4, n_head=8, ffn_dim=1024,
                      segments=(1024, 4096, 16384, 32768), rates=(1, 2, 4, 8), local_window=1024,
-                     lr=1e-3, warmup=100, schedule="cosine", min_lr_ratio=0.1, dropout=0.0,
+                     lr=1e-3, warmup=100, schedule="cosine", min_lr_ratio=0.1, dropout=0.1,
+                     weight_decay=0.1, pack=True, val="files",
                      checkpoint_activations=False, val_seqs=16, eval_every_min=2.0,
                      eval_every_steps=None, max_minutes=20.0, max_steps=None,
                      attentions="dilated,dense,local", device="cuda", dtype="bfloat16"),
     # issue 25 item 4: N = 131072, dilated vs local. The geometry of train_retrieval's
     # h100-128k recipe (w x4 and r x2 per branch, 16 heads of dim 16 so every offset of r = 16
     # has one), the same width as h100-32k (3.2M parameters); batch 1 = 128K bytes a step.
-    # Validation: 8 crops of 128K (overlapping: the split is ~4 crops long). 14 minutes of
-    # training each (the issue names no time for 128K): two device calls of < 9.5 minutes.
+    # Validation and regularisation as h100-32k (no validation file is longer than ~106K bytes
+    # on python 3.11: the last bucket may be thin or empty; the report gives its byte count).
+    # 14 minutes of training each (the issue names no time for 128K): two device calls.
     "h100-128k": dict(seq_len=131072, batch=1, dim=256, n_layer=4, n_head=16, ffn_dim=1024,
                       segments=(1024, 4096, 16384, 65536, 131072), rates=(1, 2, 4, 8, 16),
                       local_window=1024, lr=1e-3, warmup=100, schedule="cosine", min_lr_ratio=0.1,
-                      dropout=0.0, checkpoint_activations=False, val_seqs=8, eval_every_min=2.5,
+                      dropout=0.1, weight_decay=0.1, pack=True, val="files",
+                      checkpoint_activations=False, val_seqs=8, eval_every_min=2.5,
                       eval_every_steps=None, max_minutes=14.0, max_steps=None,
                       attentions="dilated,local", device="cuda", dtype="bfloat16"),
     # the first GPU setting (N = 64K, 4 minutes, dilated vs local, one eval at the end)
     "h100-64k": dict(seq_len=65536, batch=2, dim=256, n_layer=4, n_head=8, ffn_dim=1024,
                      segments=(1024, 4096, 16384, 65536), rates=(1, 2, 4, 8), local_window=1024,
                      lr=1e-3, warmup=50, schedule="constant", min_lr_ratio=0.1, dropout=0.0,
+                     weight_decay=0.01, pack=False, val="crops",
                      checkpoint_activations=True, val_seqs=8, eval_every_min=None,
                      eval_every_steps=None, max_minutes=4.0, max_steps=None,
                      attentions="dilated,local", device="cuda", dtype="bfloat16"),
     # CPU check: seconds
     "tiny": dict(seq_len=1024, batch=2, dim=32, n_layer=2, n_head=4, ffn_dim=64,
                  segments=(32, 128, 1024), rates=(1, 2, 4), local_window=32, lr=2e-3, warmup=5,
-                 schedule="cosine", min_lr_ratio=0.1, dropout=0.0, checkpoint_activations=True,
+                 schedule="cosine", min_lr_ratio=0.1, dropout=0.0, weight_decay=0.1, pack=True,
+                 val="files", checkpoint_activations=True,
                  val_seqs=2, eval_every_min=None, eval_every_steps=None, max_minutes=0.1,
                  max_steps=None, attentions="dilated,local", device="cpu", dtype="float32"),
 }  # fmt: skip
@@ -100,7 +112,8 @@ SETTINGS = PRESETS  # the old name
 # settings a resumed run must share with its checkpoint
 RESUME_KEYS = ("seq_len", "batch", "dim", "n_layer", "n_head", "ffn_dim", "segments", "rates",
                "local_window", "lr", "warmup", "schedule", "min_lr_ratio", "dropout", "val_seqs",
-               "eval_every_min", "eval_every_steps", "max_minutes", "max_steps", "pack")  # fmt: skip
+               "eval_every_min", "eval_every_steps", "max_minutes", "max_steps", "pack",
+               "weight_decay", "val")  # fmt: skip
 
 
 def buckets(n: int, window: int) -> list[tuple[int, int]]:
@@ -133,29 +146,60 @@ def _jsonable(s: dict) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()}
 
 
+def bucket_counts(data: StdlibBytes, s: dict) -> dict:
+    """The number of scored bytes per position bucket of the validation (for the report)."""
+    n = s["seq_len"]
+    if s["val"] == "crops":
+        return {f"[{a},{b})": s["val_seqs"] * (b - a) for a, b in buckets(n, s["local_window"])}
+    pos = torch.cat([p[y[0] != IGNORE] for _, y, _, _, p in data.val_packed(n)])
+    return {f"[{a},{b})": int(((pos >= a) & (pos < b)).sum()) for a, b in buckets(n, s["local_window"])}
+
+
 @torch.no_grad()
 def evaluate(model, data: StdlibBytes, s: dict, device, autocast) -> dict:
-    """Bits per byte over the validation crops: overall, per position bucket, and as a curve
-    over :func:`position_bins` (``curve``: [lo, hi, bpb] rows)."""
+    """Bits per byte on the validation split: overall, per position bucket, and as a curve over
+    :func:`position_bins` (``curve``: [lo, hi, bpb] rows; empty bins left out).
+
+    ``val = "files"``: every validation file from its first byte, cut to N bytes, packed whole
+    into rows (``StdlibBytes.val_packed``; each file its own document), so position p is the
+    p-th byte of a file and the model sees only that file; each byte counts once. ``val =
+    "crops"`` (the first setting): ``val_seqs`` fixed crops of N bytes of the concatenated
+    split, position = position in the crop (crops cross file boundaries)."""
     model.eval()
     n = s["seq_len"]
     total = torch.zeros(n, dtype=torch.float64)
-    count = 0
-    for x, y in data.val_batches(s["val_seqs"]):
+    count = torch.zeros(n, dtype=torch.float64)
+    if s["val"] == "files":
+        rows = [(x, y, {"cu_seqlens": cu.to(device), "max_seqlen": mx}, pos)
+                for x, y, cu, mx, pos in data.val_packed(n)]  # fmt: skip
+    else:
+        rows = [(x, y, {}, torch.arange(n)) for x, y in data.val_batches(s["val_seqs"])]
+    for x, y, kw, pos in rows:
         x, y = x.to(device), y.to(device)
         with autocast:
-            h = model.hidden_states(x)  # (1, N, E)
+            h = model.hidden_states(x, **kw)  # (1, N, E)
             logits = model.lm_head(h)  # (1, N, 256): 256-byte vocabulary, small
-        nll = F.cross_entropy(logits.float()[0], y[0], reduction="none")  # (N,)
-        total += nll.double().cpu()
-        count += 1
-    per_pos = total / count / math.log(2)  # bits per byte at each position
-    out = {"bpb": float(per_pos.mean())}
+        nll = F.cross_entropy(logits.float()[0], y[0], reduction="none").double().cpu()  # (N,)
+        keep = (y[0] != IGNORE).cpu() & (pos >= 0)
+        total.index_add_(0, pos[keep], nll[keep])
+        count.index_add_(0, pos[keep], torch.ones_like(nll[keep]))
+    ln2 = math.log(2)
+
+    def mean(a, b):
+        c = float(count[a:b].sum())
+        return float(total[a:b].sum()) / c / ln2 if c else float("nan")
+
+    out = {"bpb": mean(0, n)}
     for a, b in buckets(n, s["local_window"]):
-        out[f"bpb[{a},{b})"] = float(per_pos[a:b].mean())
-    out["curve"] = [[a, b, round(float(per_pos[a:b].mean()), 5)] for a, b in position_bins(n)]
+        out[f"bpb[{a},{b})"] = mean(a, b)
+    out["curve"] = [[a, b, round(mean(a, b), 5)] for a, b in position_bins(n) if count[a:b].sum() > 0]
     model.train()
     return out
+
+
+def best_eval(r: dict) -> dict:
+    """The eval with the lowest validation bits per byte (the run's early-stopping point)."""
+    return min(r["evals"], key=lambda ev: ev["bpb"])
 
 
 def build(s: dict, attention: str, device, seed: int):
@@ -170,7 +214,7 @@ def build(s: dict, attention: str, device, seed: int):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": decay, "weight_decay": s["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
         lr=s["lr"], betas=(0.9, 0.95), fused=device.type == "cuda",
     )  # fmt: skip
     return model, opt
@@ -365,7 +409,7 @@ def markdown(s: dict, runs: list[dict], env: dict) -> str:
         f"{env['val_files']} validation files ({env['val_bytes']} bytes) under "
         f"`{env['stdlib_root']}` (rule: `dilated_attention.data.stdlib_source_files`)",
         f"preset `{s.get('preset')}`: dim {s['dim']}, {s['n_layer']} layers, {s['n_head']} heads, "
-        f"ffn {s['ffn_dim']}, dropout {s['dropout']}; dilated w = {list(s['segments'])}, "
+        f"ffn {s['ffn_dim']}, dropout {s['dropout']}, weight decay {s['weight_decay']}; dilated w = {list(s['segments'])}, "
         f"r = {list(s['rates'])}; dense w >= N, r = 1; local w = {s['local_window']}, r = 1; "
         f"N = {s['seq_len']}, batch {s['batch']}, lr {s['lr']} ({s['schedule']}"
         + (f" to {s['min_lr_ratio']} x" if s["schedule"] == "cosine" else "")
@@ -375,28 +419,36 @@ def markdown(s: dict, runs: list[dict], env: dict) -> str:
         + ("; training crops packed (each file its own document)" if s["pack"] else ""),
         "training time: the training steps only, summed over the calls of a paused run (evals, "
         "checkpoint writes and one untimed warm-up step per call left out: `eval s`, `setup s`)",
-        f"validation: {s['val_seqs']} fixed crops of N bytes at offsets {env.get('val_starts')} "
-        "of the validation split (the same for every attention); bits per byte by position "
-        "in the context (the first bucket is inside the local window)",
+        (f"validation: {s['val_seqs']} fixed crops of N bytes at offsets {env.get('val_starts')} "
+         "of the validation split (the same for every attention); bits per byte by position "
+         "in the context (crops cross file boundaries; the first bucket is inside the local window)"
+         if s["val"] == "crops" else
+         f"validation: every validation file from its first byte (cut to N bytes), each its own "
+         f"document (packed whole into {env.get('val_rows')} rows of N); bits per byte by position "
+         f"in the file, the model seeing only that file (the first bucket is inside the local "
+         f"window); scored bytes per bucket: {env.get('bucket_bytes')}"),
+        "best = the eval with the lowest validation bits per byte (the early-stopping point); "
+        "last = the final eval",
     ])  # fmt: skip
     done = [r for r in runs if r["evals"]]
-    bk = [k for k in done[0] if k.startswith("bpb[")] if done else []
+    bk = [k for k in done[0]["evals"][-1] if k.startswith("bpb[")] if done else []
     lines += [
         "",
         "| attention | seed | params | steps | train min | eval s | setup s | calls | epochs | "
-        "val bpb | " + " | ".join(bk) + " |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+        "last val bpb | best val bpb (train min) | " + " | ".join(f"best {k}" for k in bk) + " |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
         + " | ".join("---" for _ in bk) + " |",
     ]
     for r in done:
-        last = r["evals"][-1]
+        last, best = r["evals"][-1], best_eval(r)
         state = " (paused)" if r.get("paused") else ("" if "epochs" in r else " (in progress)")
         setup = sum(c.get("setup_s", 0.0) for c in r["calls"])
         lines.append(
             f"| {r['attention']}{state} | {r['seed']} | {r['params'] / 1e6:.2f}M | "
             f"{r.get('steps', last['step'])} | {r.get('train_s', last['train_s']) / 60:.1f} | "
             f"{r.get('eval_s', '')} | {setup:.0f} | {len(r['calls'])} | {r.get('epochs', '')} | "
-            f"{last['bpb']:.4f} | " + " | ".join(f"{last[k]:.4f}" for k in bk) + " |"
+            f"{last['bpb']:.4f} | {best['bpb']:.4f} ({best['train_s'] / 60:.1f}) | "
+            + " | ".join(f"{best[k]:.4f}" for k in bk) + " |"
         )
     lines += ["", "## Every eval", ""]
     for r in done:
@@ -422,7 +474,7 @@ def markdown(s: dict, runs: list[dict], env: dict) -> str:
 
 
 def plot(s: dict, runs: list[dict], path: str) -> bool:
-    """Bits per byte against position (last eval of each run, log-spaced bins) and validation
+    """Bits per byte against position (best eval of each run, log-spaced bins) and validation
     bits per byte against training time, every run on one figure."""
     try:
         import matplotlib
@@ -436,14 +488,15 @@ def plot(s: dict, runs: list[dict], path: str) -> bool:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in runs:
-        last = r["evals"][-1]
-        rows = [row for row in last["curve"] if row[0] > 0]  # position 0 has no context
-        lab = f"{r['attention']} seed {r['seed']} ({last['train_s'] / 60:.0f} min, {last['step']} steps)"
+        best = best_eval(r)
+        rows = [row for row in best["curve"] if row[0] > 0]  # position 0 has no context
+        lab = f"{r['attention']} seed {r['seed']} (best: {best['train_s'] / 60:.0f} min, {best['step']} steps)"
         ax1.plot([math.sqrt(a * b) for a, b, _ in rows], [v for _, _, v in rows], lw=1.2, label=lab)
         ax2.plot([ev["train_s"] / 60 for ev in r["evals"]], [ev["bpb"] for ev in r["evals"]],
                  marker="o", ms=3, label=f"{r['attention']} seed {r['seed']}")  # fmt: skip
     ax1.axvline(s["local_window"], color="gray", ls=":", lw=0.8, label="local window")
-    ax1.set(xscale="log", xlabel="position in the context (bytes)", ylabel="bits per byte",
+    where = "file" if s.get("val", "crops") == "files" else "context"
+    ax1.set(xscale="log", xlabel=f"position in the {where} (bytes)", ylabel="bits per byte",
             title=f"held-out stdlib files, N = {s['seq_len']}")  # fmt: skip
     ax2.set(xlabel="training time (min)", ylabel="validation bits per byte", title="during training")
     ax1.legend(fontsize=7)
@@ -467,7 +520,7 @@ def merge(paths: list[str], out: str) -> int:
     reps = [json.load(open(p)) for p in paths]
     s = reps[0]["settings"]
     for p, rep in zip(paths[1:], reps[1:], strict=True):
-        other = {k: rep["settings"].get(k) for k in ("seq_len", "val_seqs", "local_window")}
+        other = {k: rep["settings"].get(k) for k in ("seq_len", "val_seqs", "local_window", "val")}
         if other != {k: s.get(k) for k in other}:
             raise ValueError(f"{p}: settings {other} differ from {paths[0]}'s")
     runs = [r for rep in reps for r in rep["runs"]]
@@ -493,12 +546,16 @@ def main(argv=None) -> int:
     p.add_argument("--val-seqs", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--dropout", type=float)
+    p.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices")
+    p.add_argument("--val", choices=("files", "crops"),
+                   help="validation: whole files by position in the file, or crops of the split")
     p.add_argument("--impl", default="auto")
     p.add_argument("--threads", type=int)
     p.add_argument(
-        "--pack", action="store_true",
+        "--pack", action=argparse.BooleanOptionalAction, default=None,
         help="train on packed documents: each source file in a crop is its own sequence (no byte "
-        "attends to or predicts a byte of another file; dilated_attention_varlen)",
+        "attends to or predicts a byte of another file; dilated_attention_varlen); default: the "
+        "preset's",
     )  # fmt: skip
     p.add_argument("--pause-after-minutes", type=float,
                    help="stop this call after so many minutes (its wall clock), saving to --checkpoint")
@@ -510,9 +567,9 @@ def main(argv=None) -> int:
     if args.merge:
         return merge(args.merge.split(","), args.out)
     preset = "tiny" if args.tiny else args.preset
-    s = dict(PRESETS[preset], preset=preset, impl=args.impl, pack=args.pack)
+    s = dict(PRESETS[preset], preset=preset, impl=args.impl)
     for key in ("max_minutes", "max_steps", "eval_every_min", "eval_every_steps", "seq_len",
-                "batch", "val_seqs", "lr", "dropout"):  # fmt: skip
+                "batch", "val_seqs", "lr", "dropout", "weight_decay", "val", "pack"):  # fmt: skip
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
     attentions = (args.attention or s["attentions"]).split(",")
@@ -532,8 +589,12 @@ def main(argv=None) -> int:
         **run_info(dev),  # command, device, versions, date
         "stdlib_root": data.root, "train_files": len(data.train_files),
         "val_files": len(data.val_files), "train_bytes": len(data.train_data),
-        "val_bytes": len(data.val_data), "val_starts": val_starts(data, s["val_seqs"]),
+        "val_bytes": len(data.val_data), "bucket_bytes": bucket_counts(data, s),
     }  # fmt: skip
+    if s["val"] == "crops":
+        env["val_starts"] = val_starts(data, s["val_seqs"])
+    else:
+        env["val_rows"] = len(data.val_packed(s["seq_len"]))
     runs: list[dict] = []
 
     def write(extra=None):  # after every eval (no plot) and every run: a killed call keeps its results

@@ -26,6 +26,7 @@ tokens with the ``cu_seqlens`` offsets that ``LongNetLM.forward(x, y, cu_seqlens
 
 from __future__ import annotations
 
+import itertools
 import os
 import sysconfig
 import zlib
@@ -216,7 +217,8 @@ class StdlibBytes:
         self.root, self.train_files, self.val_files = stdlib_source_files(root)
         self.train_starts: list[int] = []  # offset of each train file in train_data
         self.train_data = _read_concat(self.root, self.train_files, self.train_starts)
-        self.val_data = _read_concat(self.root, self.val_files)
+        self.val_starts: list[int] = []  # offset of each validation file in val_data
+        self.val_data = _read_concat(self.root, self.val_files, self.val_starts)
         for name, d in (("train", self.train_data), ("validation", self.val_data)):
             if len(d) < seq_len + 1:
                 raise ValueError(
@@ -267,6 +269,59 @@ class StdlibBytes:
         for s in starts:
             c = self.val_data[s : s + self.seq_len + 1][None]
             yield c[:, :-1].contiguous(), c[:, 1:].contiguous()
+
+
+    def val_documents(self, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each validation file as one document, cut to its first ``max_len`` bytes: ``(x, y)``
+        int64 pairs of equal length, ``y`` the next byte of the same file (``IGNORE`` after the
+        file's last byte). Position ``p`` of a document is position ``p`` of its file."""
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        ends = [*self.val_starts[1:], len(self.val_data)]
+        docs = []
+        for a, b in zip(self.val_starts, ends, strict=True):
+            f = self.val_data[a : b - 1]  # the file's bytes (the separating newline left out)
+            if f.numel() == 0:
+                continue
+            x = f[:max_len]
+            y = torch.cat([f[1 : max_len + 1], f.new_full((max(0, max_len + 1 - f.numel()),), IGNORE)])
+            docs.append((x, y[: x.numel()]))
+        return docs
+
+    def val_packed(self, seq_len: int) -> list[tuple[torch.Tensor, ...]]:
+        """The validation files as packed rows of ``seq_len`` bytes, no file split across rows:
+        :meth:`val_documents` (each file cut to ``seq_len`` bytes), longest first, each into the
+        first row with room (first-fit decreasing); the rest of a row is one padding document
+        with ignored targets. A list of ``(x (1, N), y (1, N), cu_seqlens (docs + 1,) int32,
+        max_seqlen, pos (N,))`` for ``LongNetLM.forward(x, y, cu_seqlens=..., max_seqlen=...)``;
+        ``pos`` is each byte's position in its file (-1 on padding). The same rows for every
+        model: a pure function of the corpus and ``seq_len``."""
+        docs = sorted(self.val_documents(seq_len), key=lambda d: -d[0].numel())
+        rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        room: list[int] = []
+        for d in docs:
+            n = d[0].numel()
+            i = next((j for j, r in enumerate(room) if r >= n), None)
+            if i is None:
+                rows.append([])
+                room.append(seq_len)
+                i = len(rows) - 1
+            rows[i].append(d)
+            room[i] -= n
+        out = []
+        for row, left in zip(rows, room, strict=True):
+            xs = [d[0] for d in row]
+            ys = [d[1] for d in row]
+            ps = [torch.arange(d[0].numel()) for d in row]
+            lens = [d[0].numel() for d in row]
+            if left:
+                xs.append(torch.zeros(left, dtype=torch.long))
+                ys.append(torch.full((left,), IGNORE, dtype=torch.long))
+                ps.append(torch.full((left,), -1, dtype=torch.long))
+                lens.append(left)
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            out.append((torch.cat(xs)[None], torch.cat(ys)[None], cu, max(lens), torch.cat(ps)))
+        return out
 
 
 def pack_documents(documents, seq_len: int, *, pad_id: int = 0):
