@@ -35,8 +35,12 @@ SEG, DIL = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 CANDIDATES = {
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 4, 3),
             (128, 32, 8, 3)],
-    "dkdv": [(32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 3), (64, 64, 4, 2),
-             (32, 64, 4, 3), (16, 128, 8, 2), (64, 128, 4, 2)],
+    # dK/dV: 50% of the headline fwd+bwd at 339 TF/s of executed FLOPs (dQ 533; NOTES_triton.md,
+    # 2026-11-25); the default (64, 64, 4, 2) first, then wider key blocks, deeper pipelines
+    "dkdv": [(64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 3),
+             (32, 64, 4, 3), (16, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4),
+             (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (32, 64, 4, 4), (128, 128, 8, 2),
+             (64, 64, 8, 3)],
     "dq": [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
            (128, 32, 4, 3)],
 }
@@ -89,8 +93,14 @@ def main():
     p.add_argument("--candidates", default=None,
                    help="replace the built-in list, e.g. 'dkdv=64,64,4,3;dq=128,64,8,2' (the default "
                         "config of each kernel named is always timed too)")
+    p.add_argument("--kernels", default="fwd,dkdv,dq",
+                   help="comma list of the kernels whose built-in candidates run (default all)")
     a = p.parse_args()
-    cands = CANDIDATES
+    want = [x.strip() for x in a.kernels.split(",") if x.strip()]
+    bad = [x for x in want if x not in CANDIDATES]
+    if bad:
+        p.error(f"--kernels: unknown {bad}; choose from {sorted(CANDIDATES)}")
+    cands = {x: CANDIDATES[x] for x in want}
     if a.candidates:
         default = triton_launch.default_configs(128)
         cands = {}

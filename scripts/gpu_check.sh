@@ -14,6 +14,9 @@
 #                                       (the last call of a session: re-verify, re-measure issue 23)
 #   bash scripts/gpu_check.sh mem       benchmarks/mem_account.py at N = 2M, causal and not, fresh
 #                                       processes (issue 24 item 3)
+#   bash scripts/gpu_check.sh tune-dkdv benchmarks/tune_triton.py --kernels dkdv (issue 24: the dK/dV
+#                                       kernel's block configs at D = 128, N = 131072), then the
+#                                       per-kernel profile of the headline shape
 # Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
 # Triton's compile cache travels between calls: each call leaves it in $OUT/triton_cache.tgz
 # (when it fits the 16 MiB a device call returns); copy that to runs/triton_cache.tgz here and
@@ -94,5 +97,12 @@ case "${1:-tests}" in
     echo "ab_decode rc=$?" >> "$OUT/ab_decode.txt"
     DILATED_ATTENTION_DIRECT_LAUNCH=1 timeout 60 python3 benchmarks/profile_host.py --calls 200 --top 30 > "$OUT/profile_host_direct.txt" 2>&1
     tail -4 "$OUT/cuda_tests_direct.txt"; grep -E "^\||plans with launchers|rc=" "$OUT/ab_decode.txt" | tail -30
+    ;;
+  tune-dkdv)
+    timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune_triton.py --kernels dkdv --max-seconds "${TUNE_SECONDS:-330}" \
+      --out "$OUT/tune_dkdv.md" > "$OUT/tune_dkdv.txt" 2>&1
+    echo "tune rc=$?" >> "$OUT/tune_dkdv.txt"
+    timeout 90 python3 benchmarks/profile_impl.py --impl triton --n 131072 > "$OUT/profile_impl.txt" 2>&1
+    grep -E "^\||best|rc=" "$OUT/tune_dkdv.txt" | tail -30; tail -20 "$OUT/profile_impl.txt"
     ;;
 esac
