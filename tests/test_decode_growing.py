@@ -130,7 +130,7 @@ def test_growing_cache_keeps_its_plan_and_its_bits(seed, monkeypatch, route, gro
         causal = n % 2 == 0
         q = torch.randn(b, 1, h, d, device=DEV)
         lens = torch.tensor([n, max(n - 3, 1)], dtype=torch.int32, device=DEV) if route == "kv" else None
-        configs.add((causal, direct_launch.cache_classes(k, v)))
+        configs.add((causal, direct_launch.cache_classes(k.shape[1], k.stride(), v.stride())))
         before = len(misses)
         got = _call(route, q, k, v, lens, causal)
         n_miss += len(misses) - before
@@ -272,7 +272,7 @@ def test_cuda_growing_cache_direct_launch_equals_triton_launch():
                     for n, k, v in _growing(growth, b, hkv, d, range(3000, 3040), dtype=dt):
                         q = torch.randn(b, 1, h, d, dtype=dt, device="cuda", generator=g)
                         lens = torch.tensor([n, n - 5], dtype=torch.int32, device="cuda")
-                        classes.add(direct_launch.cache_classes(k, v))
+                        classes.add(direct_launch.cache_classes(k.shape[1], k.stride(), v.stride()))
 
                         def call(q=q, k=k, v=v, lens=lens, route=route, causal=causal):
                             if route == "kv":

@@ -533,7 +533,7 @@ def test_direct_launch_of_a_growing_cache_passes_each_steps_length_and_strides(s
         direct = dict(zip(names, split.compiled.run.calls[-1][13:], strict=True))
         td.decode_triton_jit(q, k, v, sl, None, ROWS, True, 0.3)  # what Triton's path gets
         _, jit_args, jit_kw = split.calls.pop()
-        jit = dict(zip(names, jit_args)) | {a: jit_kw[a] for a in names if a in jit_kw}
+        jit = dict(zip(names, jit_args, strict=False)) | {a: jit_kw[a] for a in names if a in jit_kw}  # constexprs by name
         assert (direct["C"], direct["skb"], direct["svb"]) == (n, k.stride(0), v.stride(0))
         for a in names:
             if a in ("OP", "LP"):  # the plan's workspace, the per-call path's fresh buffers

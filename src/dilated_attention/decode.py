@@ -231,7 +231,7 @@ def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, imp
     # decision of the full path reads them only through these classes (the length: >= 1, and
     # > seqlen_q for "da", required above; the last stride: == 1, or decode_core copies)
     return (
-        tag, q.shape, q.stride(), q.dtype, q.device, ks[0], ks[2], ks[3], cache_classes(k, v), k.dtype, k.device,
+        tag, q.shape, q.stride(), q.dtype, q.device, ks[0], ks[2], ks[3], cache_classes(ks[1], k.stride(), v.stride()), k.dtype, k.device,
         v.dtype, v.device, tuple(seg), tuple(dil), causal, softmax_scale, head_assignment, impl, extra,
     )  # fmt: skip
 

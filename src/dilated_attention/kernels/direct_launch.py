@@ -143,17 +143,25 @@ def int_class(x: int) -> int:
     return 4 if x == 1 else (x & 15 == 0) + 2 * (x > 0x7FFFFFFF)
 
 
-def cache_classes(k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
-    """:func:`int_class` of a KV cache's length (``k.shape[1]``) and of every stride of both
-    caches: what a decode plan and the decode fast path key on instead of the values, which the
-    plan passes per call. A cache that grows by one token per step (a view ``k[:, :filled]`` of
-    one buffer, or a fresh ``torch.cat``, whose batch stride grows too; a transposed
-    ``(batch, heads, seq, dim)`` buffer, whose head stride does) so keeps its plan and its
-    binaries within a class; a length that becomes a multiple of 16 gets another plan."""
-    ks, vs = k.stride(), v.stride()
-    return tuple(
-        [4 if x == 1 else (x & 15 == 0) + 2 * (x > 0x7FFFFFFF) for x in (k.shape[1], *ks, *vs)]
-    )
+def cache_classes(c: int, k_stride: tuple, v_stride: tuple):
+    """:func:`int_class` of a 4-D KV cache's length ``c`` (``k.shape[1]``) and of every stride
+    of both caches (``k.stride()``, ``v.stride()``): what a decode plan and the decode fast path
+    key on instead of the values, which the plan passes per call. A cache that grows by one
+    token per step (a view ``k[:, :filled]`` of one buffer, or a fresh ``torch.cat``, whose batch
+    stride grows too; a transposed ``(batch, heads, seq, dim)`` buffer, whose head stride does)
+    so keeps its plan and its binaries within a class; a length that becomes a multiple of 16
+    gets another plan.
+
+    Two forms, a function of the classes (so equal classes give equal results): where every
+    stride but the last is an int32 multiple of 16 and both last strides are 1 (the usual
+    layouts, headdim a multiple of 16), the length's class alone (an int); otherwise the tuple
+    of the nine classes. The first is cheaper per call (a few integer operations)."""
+    k0, k1, k2, k3 = k_stride
+    v0, v1, v2, v3 = v_stride
+    s = k0 | k1 | k2 | v0 | v1 | v2  # strides are >= 0: s < 2^31 iff each one is
+    if k3 == 1 and v3 == 1 and not s & 15 and s <= 0x7FFFFFFF:
+        return 4 if c == 1 else (c & 15 == 0) + 2 * (c > 0x7FFFFFFF)
+    return tuple([4 if x == 1 else (x & 15 == 0) + 2 * (x > 0x7FFFFFFF) for x in (c, k0, k1, k2, k3, v0, v1, v2, v3)])
 
 
 def current_stream(device_index: int) -> int:

@@ -382,8 +382,8 @@ class DecodePlan:
         constants with this call's cache strides and length (of the plan's classes: the key)."""
         ks, vs = k_cache.stride(), v_cache.stride()
         return (
-            self.split_q + (ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]) + self.split_mid
-            + (k_cache.shape[1],) + self.split_rest
+            *self.split_q, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *self.split_mid, k_cache.shape[1],
+            *self.split_rest,
         )  # fmt: skip
 
     def run(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse: bool, reuse_workspace: bool):
@@ -419,7 +419,11 @@ class DecodePlan:
                 and direct_launch.hooks_idle()
             ):
                 lpw = wp + self.lp_off * _F32
-                split_go(stream, (qp, kp, vp, sp, lpp, self.table_ptr, wp, lpw) + self.split_tail(k_cache, v_cache))
+                ks, vs = k_cache.stride(), v_cache.stride()
+                split_go(stream, (
+                    qp, kp, vp, sp, lpp, self.table_ptr, wp, lpw, *self.split_q, ks[0], ks[1], ks[2],
+                    vs[0], vs[1], vs[2], *self.split_mid, k_cache.shape[1], *self.split_rest,
+                ))  # fmt: skip  (the pointers, then split_tail(k_cache, v_cache), inlined)
                 self.reduce_go(stream, (wp, lpw, outp, lsep) + self.reduce_tail)
                 return out, lse
         self._launch_jit(ws, q, k_cache, v_cache, cache_seqlens, cache_leftpad, out, lse)
@@ -508,7 +512,7 @@ def plan_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal
     multiple of 16) gets another plan, as it needs another binary."""
     ks = k_cache.shape
     return (
-        q.shape, q.stride(), ks[0], ks[2], ks[3], direct_launch.cache_classes(k_cache, v_cache), q.dtype, q.get_device(),
+        q.shape, q.stride(), ks[0], ks[2], ks[3], direct_launch.cache_classes(ks[1], k_cache.stride(), v_cache.stride()), q.dtype, q.get_device(),
         causal, scale, branches, cache_seqlens is None, cache_leftpad is not None,
         block_n, num_warps, reduce_splits, reduce_cols,
     )  # fmt: skip
