@@ -82,14 +82,20 @@ def test_plan_key_separates_what_the_binaries_depend_on(seed):
     base = td.plan_key(q, k, v, sl, None, ROWS, True, 0.3)
     assert td.plan_key(q.clone(), k.clone(), v.clone(), sl.clone(), None, ROWS, True, 0.3) == base  # other data
     kbig = torch.randn(2, 40, 4, 16, device=DEV)
-    k_strided = kbig[:, :, :2]  # same shape, other strides
-    assert k_strided.shape == k.shape
+    k_wide = kbig[:, :, :2]  # same shape, other strides of the same specialisation classes
+    assert k_wide.shape == k.shape and k_wide.stride() != k.stride()
+    # the cache length and the caches' strides are passed per call: only their classes count
+    assert td.plan_key(q, k_wide, kbig[:, :, 2:], sl, None, ROWS, True, 0.3) == base
+    assert td.plan_key(q, k[:, :39], v[:, :39], sl, None, ROWS, True, 0.3) == base  # 40 -> 39
+    kodd = torch.randn(2, 40, 2, 17, device=DEV)[..., :16]  # strides (1360, 34, 17, 1)
     others = [
-        td.plan_key(q, k_strided, v, sl, None, ROWS, True, 0.3),  # cache stride
-        td.plan_key(q, k, k_strided, sl, None, ROWS, True, 0.3),  # v stride
+        td.plan_key(q, kodd, v, sl, None, ROWS, True, 0.3),  # cache stride class
+        td.plan_key(q, k, kodd, sl, None, ROWS, True, 0.3),  # v stride class
+        td.plan_key(q, torch.randn(2, 40, 16, 2, device=DEV).transpose(2, 3), v, sl, None, ROWS, True, 0.3),  # headdim stride 2
         td.plan_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, sl, None, ROWS, True, 0.3),  # q stride
         td.plan_key(q.half(), k.half(), v.half(), sl, None, ROWS, True, 0.3),  # dtype
-        td.plan_key(q, k[:, :39], v[:, :39], sl, None, ROWS, True, 0.3),  # cache length
+        td.plan_key(q, k[:, :32], v[:, :32], sl, None, ROWS, True, 0.3),  # cache length % 16 == 0
+        td.plan_key(q, k[:, :1], v[:, :1], sl, None, ROWS, True, 0.3),  # cache length 1 (a constant)
         td.plan_key(q, k, v, sl, None, ROWS, False, 0.3),  # causal
         td.plan_key(q, k, v, sl, None, ROWS, True, 0.31),  # scale
         td.plan_key(q, k, v, sl, None, ROWS[:2], True, 0.3),  # branches
@@ -112,12 +118,22 @@ def test_plan_arguments_follow_the_kernel_signature(seed):
     td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
     plan = next(iter(td._PLANS.values()))
     names = list(td._decode_split_kernel.arg_names)
-    args = dict(zip(names, ("Q", "K", "V", "SEQLENS", "LEFTPAD", "BR", "OP", "LP") + plan.split_tail, strict=True))
+    tail = plan.split_tail(k, v)
+    args = dict(zip(names, ("Q", "K", "V", "SEQLENS", "LEFTPAD", "BR", "OP", "LP") + tail, strict=True))
     assert (args["sqb"], args["sqt"], args["sqh"]) == q.stride()[:3]
     assert (args["skb"], args["skn"], args["skh"]) == k.stride()[:3]
     assert (args["svb"], args["svn"], args["svh"]) == v.stride()[:3]
     assert (args["T"], args["C"], args["H"], args["REP"], args["NB"]) == (3, 50, 6, 3, len(ROWS))
     assert (args["D"], args["CAUSAL"], args["HAS_LEFTPAD"], args["SEQ_FULL"], args["PREC"]) == (32, True, False, False, "ieee")
+    # another cache of the plan's classes: its own length and strides in the same places
+    k2, v2 = kbig[:, :45, 3:5], torch.randn(2, 61, 2, 32, device=DEV)[:, 16:]
+    args2 = dict(zip(names, ("Q", "K", "V", "SEQLENS", "LEFTPAD", "BR", "OP", "LP") + plan.split_tail(k2, v2), strict=True))
+    assert (args2["skb"], args2["skn"], args2["skh"], args2["svb"], args2["svn"], args2["svh"], args2["C"]) == (
+        *k2.stride()[:3], *v2.stride()[:3], 45,
+    )
+    assert {n: a for n, a in args2.items() if n[:2] not in ("sk", "sv") and n != "C"} == {
+        n: a for n, a in args.items() if n[:2] not in ("sk", "sv") and n != "C"
+    }
     rnames = list(td._decode_reduce_kernel.arg_names)
     rargs = dict(zip(rnames, ("OP", "LP", "OUT", "LSE") + plan.reduce_tail, strict=True))
     assert (rargs["T"], rargs["H"], rargs["NS"]) == (3, 6, plan.nsplit)
@@ -166,7 +182,7 @@ def test_aligned_call_takes_the_launchers_with_the_plan_arguments(seed, monkeypa
     assert stream == 1234
     assert args[:5] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), sl.data_ptr())
     assert args[5] == plan.table_ptr and args[7] == args[6] + plan.lp_off * 4
-    assert args[8:] == plan.split_tail
+    assert args[8:] == plan.split_tail(k, v)
     _, rargs = red.calls[0]
     assert rargs[:4] == (args[6], args[7], out.data_ptr(), lse.data_ptr())
     assert rargs[4:] == plan.reduce_tail
@@ -295,7 +311,7 @@ def test_plans_are_bounded(seed, monkeypatch):
     for scale in (0.1, 0.2, 0.3, 0.4, 0.5):
         td.decode_triton(q, k, v, sl, None, ROWS[:1], True, scale)
     assert len(td._PLANS) == 3
-    assert [key[8] for key in td._PLANS] == [0.3, 0.4, 0.5]  # the oldest went first
+    assert [key[9] for key in td._PLANS] == [0.3, 0.4, 0.5]  # the oldest went first
 
 
 # ------------------------------------------------------------------------------ public routes
@@ -480,6 +496,52 @@ def test_direct_launch_repeats_tritons_arguments(seed, monkeypatch, need_lse):
             assert all(got[i] == want[i] for i in range(len(want)) if i not in fresh)
     ref = td.decode_triton_jit(q, k, v, sl, lp, ROWS, True, 0.3)
     assert torch.equal(first[0], ref[0])
+
+
+def test_direct_launch_of_a_growing_cache_passes_each_steps_length_and_strides(seed, monkeypatch):
+    # a cache that grows by views of one buffer, then by fresh tensors (whose batch stride grows
+    # too): the plan of the first step launches its kept binary on every later step of the same
+    # specialisation classes, with that step's cache pointers, length and strides: parameter by
+    # parameter what Triton's own path gets for that step. A length of another class (32) takes
+    # Triton's path, through a plan of its own.
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    td._PLANS.clear()
+    q, kb, vb, sl = _inputs(b=2, nq=1, c=40, lens=(17, 20))
+    split, red = _JitSpy(td._decode_split_kernel), _JitSpy(td._decode_reduce_kernel)
+    monkeypatch.setattr(td, "_decode_split_kernel", split)
+    monkeypatch.setattr(td, "_decode_reduce_kernel", red)
+    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 3)
+    monkeypatch.setattr(direct_launch, "capturing", lambda: False)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    k, v = kb[:, :20], vb[:, :20]
+    plan = td.get_plan(td.plan_key(q, k, v, sl, None, ROWS, True, 0.3), q, k, v, sl, None, ROWS, True, 0.3)
+    plan.cuda = True
+    monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index)
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)  # Triton's path: keeps the binary
+    assert plan.split_go is not None and len(split.calls) == 1
+    names = list(split.kernel.arg_names)
+    steps = [(kb[:, :n], vb[:, :n]) for n in (21, 22, 23)]
+    steps += [(torch.randn(2, n, 2, 16, device=DEV), torch.randn(2, n, 2, 16, device=DEV)) for n in (24, 25)]
+    for k, v in steps:
+        n = k.shape[1]
+        td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+        assert len(split.calls) == 1 and len(td._PLANS) == 1, n  # the direct launch, the same plan
+        direct = dict(zip(names, split.compiled.run.calls[-1][13:], strict=True))
+        td.decode_triton_jit(q, k, v, sl, None, ROWS, True, 0.3)  # what Triton's path gets
+        _, jit_args, jit_kw = split.calls.pop()
+        jit = dict(zip(names, jit_args, strict=False)) | {a: jit_kw[a] for a in names if a in jit_kw}  # constexprs by name
+        assert (direct["C"], direct["skb"], direct["svb"]) == (n, k.stride(0), v.stride(0))
+        for a in names:
+            if a in ("OP", "LP"):  # the plan's workspace, the per-call path's fresh buffers
+                continue
+            want = jit[a].data_ptr() if isinstance(jit[a], torch.Tensor) else jit[a]
+            assert direct[a] == want, (n, a)
+    td.decode_triton(q, kb[:, :32], vb[:, :32], sl, None, ROWS, True, 0.3)  # C % 16 == 0
+    assert len(split.calls) == 2 and len(td._PLANS) == 2
 
 
 def test_this_process_reports_why_it_cannot_launch_directly():

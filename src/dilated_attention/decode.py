@@ -45,6 +45,7 @@ from . import flags
 from .branches import branch_head_ranges, normalize_branches
 from .checks import FLOAT_DTYPES, check_bool, check_head_assignment, resolve_scale
 from .kernels import torch_decode
+from .kernels.direct_launch import cache_classes
 from .kernels.select import DECODE_IMPLS, MAX_DECODE_ROWS, backend_reason, pick_decode_impl
 
 _INT32_MAX = 2**31 - 1
@@ -184,7 +185,10 @@ def decode_core(
 # ------------------------------------------------------------------ the fast path of a repeated call
 #
 # A decode step repeats one configuration: the same shapes, strides, dtypes, devices, branch
-# lists and options on every call, only the data (and the position in cache_seqlens) change.
+# lists and options on every call, only the data (and the position in cache_seqlens) change; a
+# caller whose cache grows (a view k[:, :filled], a fresh torch.cat per step) also changes the
+# cache length and maybe the caches' strides, which the key holds only by their Triton
+# specialisation classes (the plan passes the values per call), so the same entry serves it.
 # Everything both front doors derive from those (every check, the impl, the branch rows, the
 # plan key) is then the same as on the last call, so the first call that ran a Triton plan on the
 # caller's own tensors leaves that plan here, under a key of everything the checks and decisions
@@ -204,8 +208,11 @@ _SEQ = (list, tuple)
 
 def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, impl, extra=None):
     """The key of a call for :data:`_FAST`, or None where the fast path never applies (under
-    torch.compile; other argument types than the common ones). Shapes, strides, dtypes and
-    devices of q, k, v; the branch lists as tuples; the options; ``extra`` (the index tensors)."""
+    torch.compile; other argument types than the common ones; k and v of other shapes or not 4-D,
+    an empty cache). Shape, strides, dtype and device of q; the batch, head and headdim sizes,
+    dtypes and devices of k and v, and the specialisation classes of the cache length and of the
+    caches' strides (:func:`.kernels.direct_launch.cache_classes`); the branch lists as tuples;
+    the options; ``extra`` (the index tensors)."""
     if (
         torch.compiler.is_compiling()
         or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
@@ -214,12 +221,18 @@ def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, imp
         or (softmax_scale is not None and type(softmax_scale) is not float)
     ):  # fmt: skip
         return None
-    if tag == "da" and not (q.dim() == 4 and k.dim() == 4 and k.shape[1] > q.shape[1] and q.shape[1] <= MAX_DECODE_ROWS):
+    ks = k.shape
+    if len(ks) != 4 or v.shape != ks or ks[1] < 1:
+        return None  # the full path checks these and names what is wrong
+    if tag == "da" and not (q.dim() == 4 and ks[1] > q.shape[1] and q.shape[1] <= MAX_DECODE_ROWS):
         return None  # not decode-shaped (select.decode_applies): a training or prefill call builds no key
+    # the cache length and the caches' strides by their specialisation classes, not their values
+    # (a growing cache keeps its entry; the plan passes the values per call): every check and
+    # decision of the full path reads them only through these classes (the length: >= 1, and
+    # > seqlen_q for "da", required above; the last stride: == 1, or decode_core copies)
     return (
-        tag, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-        v.shape, v.stride(), v.dtype, v.device, tuple(seg), tuple(dil), causal, softmax_scale,
-        head_assignment, impl, extra,
+        tag, q.shape, q.stride(), q.dtype, q.device, ks[0], ks[2], ks[3], cache_classes(ks[1], k.stride(), v.stride()), k.dtype, k.device,
+        v.dtype, v.device, tuple(seg), tuple(dil), causal, softmax_scale, head_assignment, impl, extra,
     )  # fmt: skip
 
 

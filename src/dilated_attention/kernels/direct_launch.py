@@ -16,8 +16,10 @@ constexpr is derived from), holds the constant arguments, and runs its first cal
 kernel's C launcher with the grid, function handle and metadata bound once. The caller passes
 the same argument list Triton would (every parameter in signature order, constexpr values
 included; data pointers as ints) and guarantees the binary's specialisation holds: the integer
-arguments are the plan's (they are in its key) and every pointer is 16-byte aligned (checked per
-call with one ``|`` of the pointers; a misaligned view takes Triton's own path).
+arguments are the plan's (they are in its key) or, for those a plan takes per call (a decode
+cache's length and strides), of the classes in its key (:func:`int_class`), and every pointer
+is 16-byte aligned (checked per call with one ``|`` of the pointers; a misaligned view takes
+Triton's own path).
 
 Only one launcher layout is supported: Triton 3.6's NVIDIA launcher (``CudaLauncher``, whose C
 ``launch`` parses ``_BASE_ARGS_FORMAT == "iiiKKppOOOOOO"``: grid x/y/z, stream, function,
@@ -129,6 +131,37 @@ def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | 
         launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
 
     return go
+
+
+def int_class(x: int) -> int:
+    """The class of an integer kernel argument under Triton's specialisation (``JITFunction``'s
+    ``specialize_impl`` for a plain int without ``do_not_specialize``): 4 for the value 1
+    (compiled as a constant), else 0 (int32), 1 (int32, divisible by 16), 2 (int64) or 3 (int64,
+    divisible by 16). Values of one class get one binary; a binary must never run values of
+    another class. For tensor sizes and strides, which lie in [0, 2^63): the int32 / int64 split
+    is at 2^31 (Triton's uint64 class, from 2^63, cannot occur)."""
+    return 4 if x == 1 else (x & 15 == 0) + 2 * (x > 0x7FFFFFFF)
+
+
+def cache_classes(c: int, k_stride: tuple, v_stride: tuple):
+    """:func:`int_class` of a 4-D KV cache's length ``c`` (``k.shape[1]``) and of every stride
+    of both caches (``k.stride()``, ``v.stride()``): what a decode plan and the decode fast path
+    key on instead of the values, which the plan passes per call. A cache that grows by one
+    token per step (a view ``k[:, :filled]`` of one buffer, or a fresh ``torch.cat``, whose batch
+    stride grows too; a transposed ``(batch, heads, seq, dim)`` buffer, whose head stride does)
+    so keeps its plan and its binaries within a class; a length that becomes a multiple of 16
+    gets another plan.
+
+    Two forms, a function of the classes (so equal classes give equal results): where every
+    stride but the last is an int32 multiple of 16 and both last strides are 1 (the usual
+    layouts, headdim a multiple of 16), the length's class alone (an int); otherwise the tuple
+    of the nine classes. The first is cheaper per call (a few integer operations)."""
+    k0, k1, k2, k3 = k_stride
+    v0, v1, v2, v3 = v_stride
+    s = k0 | k1 | k2 | v0 | v1 | v2  # strides are >= 0: s < 2^31 iff each one is
+    if k3 == 1 and v3 == 1 and not s & 15 and s <= 0x7FFFFFFF:
+        return 4 if c == 1 else (c & 15 == 0) + 2 * (c > 0x7FFFFFFF)
+    return tuple([4 if x == 1 else (x & 15 == 0) + 2 * (x > 0x7FFFFFFF) for x in (c, k0, k1, k2, k3, v0, v1, v2, v3)])
 
 
 def current_stream(device_index: int) -> int:

@@ -299,14 +299,19 @@ _REGION = 128  # workspace regions start at multiples of 128 elements (512 bytes
 class DecodePlan:
     """Everything of a decode call that depends only on its configuration, built once.
 
-    The key (:func:`plan_key`) holds the shapes and strides of q and the caches, the dtype, the
-    device, causal, scale, the branch rows, which index tensors are given (``cache_seqlens`` or
-    the whole cache, ``cache_leftpad`` or none) and the tuning knobs. Every integer argument of
-    both kernels and every constexpr is a function of the key, so two calls with one key need
-    the same compiled binaries; the remaining specialisation fact, 16-byte alignment of the data
-    pointers, is checked per call (a misaligned pointer takes Triton's path, never the binaries).
+    The key (:func:`plan_key`) holds the shape and strides of q, the caches' batch, head and
+    headdim sizes, the specialisation classes (:func:`.direct_launch.cache_classes`) of the cache length and of
+    the caches' strides, the dtype, the device, causal, scale, the branch rows, which index
+    tensors are given (``cache_seqlens`` or the whole cache, ``cache_leftpad`` or none) and the
+    tuning knobs. The cache length and the caches' strides are passed per call (a cache that
+    grows by one token per step keeps its plan); every other integer argument of both kernels,
+    every constexpr and both grids are functions of the key (the grid and the number of splits
+    depend only on the branch rows and the block size, never on the cache length). So two calls
+    with one key need the same compiled binaries; the remaining specialisation fact, 16-byte
+    alignment of the data pointers, is checked per call (a misaligned pointer takes Triton's
+    path, never the binaries).
 
-    Holds: the grids, the constant argument tails of both kernels, the split table, the layout of
+    Holds: the grids, the constant parts of both kernels' argument tails, the split table, the layout of
     the fp32 workspace (split partials ``op``, their LSEs ``lp``, and the LSE output when the
     caller does not want it: one buffer, three regions at 512-byte boundaries) and, after the
     first launch on a GPU, the direct launchers of the two compiled kernels.
@@ -314,7 +319,7 @@ class DecodePlan:
 
     __slots__ = (
         "device", "dtype", "cuda", "dev_index", "nsplit", "table", "table_ptr",
-        "split_grid", "split_tail", "split_opts", "reduce_grid", "reduce_tail", "reduce_opts",
+        "split_grid", "split_q", "split_mid", "split_rest", "split_opts", "reduce_grid", "reduce_tail", "reduce_opts",
         "out_shape", "lse_shape", "lse_stride", "op_shape", "op_stride", "lp_shape", "lp_stride",
         "lp_off", "lse_off", "ws_numel", "has_lpad", "full", "split_go", "reduce_go", "tried_direct", "out_like_q",
     )  # fmt: skip
@@ -322,7 +327,7 @@ class DecodePlan:
     def __init__(self, q, k_cache, v_cache, has_lpad, full, branches, causal, scale, block_n, num_warps,
                  reduce_splits, reduce_cols):  # fmt: skip
         bsz, nq, nh, d = q.shape
-        cap, hkv = k_cache.shape[1], k_cache.shape[2]
+        hkv = k_cache.shape[2]
         rep = nh // hkv
         self.device, self.dtype = q.device, q.dtype
         self.cuda = q.device.type == "cuda"
@@ -350,14 +355,16 @@ class DecodePlan:
         # for less host work (no dtype/device keyword parsing)
         self.out_like_q = tuple(q.stride()) == out_stride
         self.split_grid = (nsplit, bsz * hkv)
-        self.split_tail = (
-            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *self.op_stride[:4],
-            *self.lp_stride[:3],
-            nq, cap, nh, rep, len(branches),
+        # the split kernel's parameters after the 8 pointers, in signature order, constexprs
+        # included: split_q + (the caches' strides) + split_mid + (C,) + split_rest (split_tail)
+        self.split_q = tuple(q.stride()[:3])
+        self.split_mid = (*self.op_stride[:4], *self.lp_stride[:3], nq)
+        self.split_rest = (
+            nh, rep, len(branches),
             scale * _LOG2E,
             d, block_n, max(16, triton.next_power_of_2(rep)), causal,
             "ieee" if q.dtype == torch.float32 else "tf32", has_lpad, full,
-        )  # fmt: skip  (signature order: every parameter after the 8 pointers, constexprs included)
+        )  # fmt: skip
         self.split_opts = {} if interp else dict(num_warps=num_warps, num_stages=1)
         bd = min(d, reduce_cols)
         self.reduce_grid = (bsz * nq * nh, d // bd)
@@ -369,6 +376,15 @@ class DecodePlan:
         self.reduce_opts = {} if interp else dict(num_warps=4, num_stages=1)
         self.split_go = self.reduce_go = None
         self.tried_direct = False
+
+    def split_tail(self, k_cache, v_cache) -> tuple:
+        """The split kernel's parameters after its 8 pointers for these caches: the plan's
+        constants with this call's cache strides and length (of the plan's classes: the key)."""
+        ks, vs = k_cache.stride(), v_cache.stride()
+        return (
+            *self.split_q, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *self.split_mid, k_cache.shape[1],
+            *self.split_rest,
+        )  # fmt: skip
 
     def run(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse: bool, reuse_workspace: bool):
         """One call: (out, lse or None). ``need_lse`` False: the LSE goes to the workspace.
@@ -403,7 +419,11 @@ class DecodePlan:
                 and direct_launch.hooks_idle()
             ):
                 lpw = wp + self.lp_off * _F32
-                split_go(stream, (qp, kp, vp, sp, lpp, self.table_ptr, wp, lpw) + self.split_tail)
+                ks, vs = k_cache.stride(), v_cache.stride()
+                split_go(stream, (
+                    qp, kp, vp, sp, lpp, self.table_ptr, wp, lpw, *self.split_q, ks[0], ks[1], ks[2],
+                    vs[0], vs[1], vs[2], *self.split_mid, k_cache.shape[1], *self.split_rest,
+                ))  # fmt: skip  (the pointers, then split_tail(k_cache, v_cache), inlined)
                 self.reduce_go(stream, (wp, lpw, outp, lsep) + self.reduce_tail)
                 return out, lse
         self._launch_jit(ws, q, k_cache, v_cache, cache_seqlens, cache_leftpad, out, lse)
@@ -420,7 +440,8 @@ class DecodePlan:
         seqlens = self.table if self.full else cache_seqlens
         lpad = cache_leftpad if self.has_lpad else seqlens
         ck1 = _decode_split_kernel[self.split_grid](
-            q, k_cache, v_cache, seqlens, lpad, self.table, op, lp, *self.split_tail, **self.split_opts
+            q, k_cache, v_cache, seqlens, lpad, self.table, op, lp, *self.split_tail(k_cache, v_cache),
+            **self.split_opts,
         )
         ck2 = _decode_reduce_kernel[self.reduce_grid](op, lp, out, lse, *self.reduce_tail, **self.reduce_opts)
         if self.tried_direct or not self.cuda:
@@ -485,9 +506,13 @@ _MAX_PLANS = 64
 
 def plan_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
              block_n=None, num_warps=None, reduce_splits=128, reduce_cols=32) -> tuple:  # fmt: skip
-    """The configuration a plan is built for (see :class:`DecodePlan`); cheap: a few C calls."""
+    """The configuration a plan is built for (see :class:`DecodePlan`); cheap: a few C calls.
+    Not the cache length nor the caches' strides (passed per call), only their specialisation
+    classes: a growing cache keeps its plan, a change of class (e.g. a length that becomes a
+    multiple of 16) gets another plan, as it needs another binary."""
+    ks = k_cache.shape
     return (
-        q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), q.dtype, q.get_device(),
+        q.shape, q.stride(), ks[0], ks[2], ks[3], direct_launch.cache_classes(ks[1], k_cache.stride(), v_cache.stride()), q.dtype, q.get_device(),
         causal, scale, branches, cache_seqlens is None, cache_leftpad is not None,
         block_n, num_warps, reduce_splits, reduce_cols,
     )  # fmt: skip
