@@ -99,12 +99,10 @@ def compiled_of(ret):
     return ret
 
 
-def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | None:
-    """``go(stream, args)`` launching ``compiled`` (a ``CompiledKernel``) on ``grid``, or None if
-    this process cannot launch it directly (see :func:`unavailable_reason`; also a kernel that needs
-    scratch memory). ``args``: every kernel parameter in signature order, as ``JITFunction.run``
-    passes them (``bound_args.values()``), data pointers as ints; ``stream``: a raw CUDA stream
-    handle (:func:`current_stream`)."""
+def _launch_parts(compiled):
+    """(C launch, function, cooperative, PDL, packed metadata) of ``compiled`` (a
+    ``CompiledKernel``), or None where this process cannot launch it directly (see
+    :func:`launcher`)."""
     if unavailable_reason() is not None:
         return None
     compiled = compiled_of(compiled)
@@ -121,11 +119,38 @@ def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | 
     if not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
         return None
     coop, pdl = bool(run.launch_cooperative_grid), bool(run.launch_pdl)
-    function, meta = compiled.function, compiled.packed_metadata
+    return launch, compiled.function, coop, pdl, compiled.packed_metadata
+
+
+def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | None:
+    """``go(stream, args)`` launching ``compiled`` (a ``CompiledKernel``) on ``grid``, or None if
+    this process cannot launch it directly (see :func:`unavailable_reason`; also a kernel that needs
+    scratch memory). ``args``: every kernel parameter in signature order, as ``JITFunction.run``
+    passes them (``bound_args.values()``), data pointers as ints; ``stream``: a raw CUDA stream
+    handle (:func:`current_stream`)."""
+    parts = _launch_parts(compiled)
+    if parts is None:
+        return None
+    launch, function, coop, pdl, meta = parts
     g = tuple(int(x) for x in grid) + (1, 1)
     gx, gy, gz = g[0], g[1], g[2]
 
     def go(stream: int, args: tuple) -> None:
+        launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
+
+    return go
+
+
+def grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] | None:
+    """:func:`launcher` with the grid given per call: ``go(gx, gy, gz, stream, args)`` (a grid is
+    no part of a binary's specialisation; packed documents launch the same binary over as many
+    documents as each call has). None where :func:`launcher` gives None."""
+    parts = _launch_parts(compiled)
+    if parts is None:
+        return None
+    launch, function, coop, pdl, meta = parts
+
+    def go(gx: int, gy: int, gz: int, stream: int, args: tuple) -> None:
         launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
 
     return go
@@ -200,7 +225,8 @@ class DirectKernel:
         return (tuple(grid), tail, tuple(options.items()), tuple([t.dtype for t in ptrs]), dev)
 
     def entry(self, grid, ptrs, tail: tuple, options: dict):
-        """What :meth:`launch` keeps for this launch: ``(go, full tail)`` (launched directly),
+        """What :meth:`launch` keeps for this launch: ``(go, full tail, compiled kernel)``
+        (launched directly; the compiled kernel for :func:`grid_launcher`),
         False (Triton's path for good) or None (no aligned call with this key on the tensors'
         device yet, or the direct launch is off). For callers that hold launches of their own
         (``triton_launch.TrainPlan``): they launch ``go(stream, (*pointers, *full tail))``."""
@@ -223,7 +249,7 @@ class DirectKernel:
         ok = not misaligned & 15 and current_device() == dev and hooks_idle()
         plan = self.plans.get(key) if ok else None
         if plan:
-            go, tail = plan
+            go, tail, _ = plan
             go(current_stream(dev), (*addr, *tail))
             return None
         ret = self.kernel[grid](*args, **options)
@@ -233,7 +259,7 @@ class DirectKernel:
             if tail is not None and unavailable_reason() is None:
                 go = launcher(ret, grid)
                 if go is not None:
-                    plan = (go, tail)
+                    plan = (go, tail, ret)
             if len(self.plans) >= self.max_plans:
                 self.plans.pop(next(iter(self.plans)), None)
             self.plans[key] = plan
