@@ -75,9 +75,13 @@ def _noop_go(stream, args):
     return None
 
 
+def _noop_grid_go(gx, gy, gz, stream, args):
+    return None
+
+
 def install_stand_ins() -> None:
     """CPU tensors count as CUDA device 0, the five training kernels are no-ops, and their
-    launchers (``direct_launch.launcher``) are no-op ``go(stream, args)`` functions."""
+    launchers (``direct_launch.launcher``, ``grid_launcher``) are no-op functions."""
     from dilated_attention.kernels import direct_launch, triton_launch
 
     direct_launch.tensor_device = lambda t: 0
@@ -85,6 +89,7 @@ def install_stand_ins() -> None:
     direct_launch.current_stream = lambda i: 0
     direct_launch.unavailable_reason = lambda: None
     direct_launch.launcher = lambda compiled, grid: _noop_go
+    direct_launch.grid_launcher = lambda compiled: _noop_grid_go  # packed documents' plans
     for name in ("_FWD_FOLDED", "_FWD", "_DELTA", "_DKDV", "_DQ"):
         dk = getattr(triton_launch, name)
         if not isinstance(dk.kernel, _NoKernel):

@@ -282,15 +282,134 @@ def test_varlen_plan_equals_per_call_path(seed, monkeypatch, causal, same):
     assert plan.varlen and plan.folded == (same and not causal)
     # other offsets of the same layout: the same plan, their own result
     cu2 = torch.tensor([0, 14, 23, 40], dtype=torch.int32)  # query lengths 14, 9, 17
-    docs2 = L.Docs(cu2, cu2 if same else cu_k, max(qlens) + 4, max(klens) + 4)
     docs3 = L.Docs(cu2, cu2 if same else cu_k, max(qlens), max(klens))
-    assert L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs3) == L.plan_key(
-        q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs)
+    key = L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs)
+    assert L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs3) == key
     want2 = L.forward_per_call(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs3)
     got2 = L.forward(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs3)
     assert torch.equal(want2[0], got2[0]) and torch.equal(want2[1], got2[1])
-    assert L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs2) != L.plan_key(
-        q, k, v, None, seg, dil, causal, 0.25, hr, docs=docs)  # max lengths size the grid
+    # max lengths size the grid through their bucket (17 and 21 -> 32, 33 -> 48); the number
+    # of documents is no part of the key (a call's grids count them)
+    same_bucket = L.Docs(cu2, cu2 if same else cu_k, max(qlens) + 4, max(klens) + (4 if same else 2))
+    assert L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=same_bucket) == key
+    c2 = cu2[[0, 2, 3]]  # two documents
+    two = L.Docs(c2, c2 if same else cu_k[[0, 2, 3]], 23, 23 if same else 30)
+    assert L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=two) == key
+    other = L.Docs(cu2, cu2 if same else cu_k, 33, 33 if same else 49)
+    assert L.plan_key(q, k, v, None, seg, dil, causal, 0.25, hr, docs=other) != key
+
+
+# ------------------------------------------------------ packed training steps (varying docs)
+
+# one packed stream of 48 rows per step, as LongNetLM flattens a batch: the documents' count and
+# the longest one change from step to step (empty and one-token documents included); the
+# longest lengths fall in three buckets (grid_bucket: 48, 32, 16)
+STEP_DOCS = [[20, 0, 28], [1, 30, 1, 16], [5, 7, 9, 11, 16], [17, 31], [0, 48, 0]]
+
+
+def test_grid_bucket():
+    assert [L.grid_bucket(n) for n in (0, 1, 16, 17, 32, 33, 48, 49)] == [0, 16, 16, 32, 32, 48, 48, 64]
+    for n in range(1, 5000):
+        b = L.grid_bucket(n)
+        assert n <= b <= max(n * 5 // 4, n + 15) and b % 16 == 0
+    assert len({L.grid_bucket(n) for n in range(16385, 32769)}) == 4  # 4 per octave
+
+
+def _count_plan_builds(monkeypatch) -> list:
+    built = []
+    real = L.TrainPlan.__init__
+
+    def init(self, *a, **kw):
+        built.append(kw.get("docs") if "docs" in kw else a[-1])
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(L.TrainPlan, "__init__", init)
+    return built
+
+
+@interp_only
+@pytest.mark.parametrize("causal,fold", [(True, None), (False, None), (False, True)],
+                         ids=["causal", "non-causal", "non-causal-folded"])  # fmt: skip
+def test_packed_training_steps_reuse_plans(seed, monkeypatch, causal, fold):
+    """Steps of a packed training loop (documents and max_seqlen varying): forward and backward
+    through the public varlen call equal the per-call path (USE_PLANS False) bit for bit and
+    the reference closely, with one plan per bucket of the longest length, not one per step."""
+    from dilated_attention import dilated_attention_varlen
+
+    if fold:  # fold at these sizes (w_min / r_max is below the interpreter's BM)
+        monkeypatch.setattr(L, "fold_fills_tile", lambda geo, bm: True)
+    built = _count_plan_builds(monkeypatch)
+    h, hkv, d = 4, 2, 16
+    seg, dil = (8, 16), (1, 2)
+    for step, lens in enumerate(STEP_DOCS):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        mx = max(lens)
+        q = torch.randn(48, h, d, requires_grad=True)
+        k = torch.randn(48, hkv, d, requires_grad=True)
+        v = torch.randn(48, hkv, d, requires_grad=True)
+        do = torch.randn(48, h, d)
+        res = {}
+        for impl, plans in (("triton", True), ("triton", False), ("reference", True)):
+            monkeypatch.setattr(L, "USE_PLANS", plans)
+            out = dilated_attention_varlen(q, k, v, cu, cu, mx, mx, seg, dil, causal=causal,
+                                           impl=impl)  # fmt: skip
+            res[impl, plans] = (out, *torch.autograd.grad(out, (q, k, v), do))
+        for name, a, b, r in zip(("out", "dq", "dk", "dv"), res["triton", True],
+                                 res["triton", False], res["reference", True], strict=True):  # fmt: skip
+            assert torch.equal(a, b), f"step {step} {lens} {name}: plan != per-call path"
+            torch.testing.assert_close(a, r, atol=2e-5, rtol=2e-5, msg=f"step {step} {name}")
+    buckets = {L.grid_bucket(max(lens)) for lens in STEP_DOCS}
+    assert len(built) == len(buckets) < len(STEP_DOCS), "one plan per bucket, not per step"
+    assert all(p is not None and p.varlen and p.folded == bool(fold) for p in L._PLANS.values())
+
+
+@interp_only
+def test_packed_plan_direct_launches_scale_the_grid_per_call(seed, monkeypatch):
+    """A packed plan's kept launchers take the call's grid: documents x programs per document
+    (stand-in launchers), with the arguments Triton's path was given."""
+    spies = _stand_ins(monkeypatch)
+    try:
+        h, hkv, d = 4, 2, 16
+        seg, dil, hr = (8, 16), (1, 2), [(0, 4), (0, 4)]
+        q = torch.randn(1, 48, h, d)
+        k, v = torch.randn(1, 48, hkv, d), torch.randn(1, 48, hkv, d)
+        do = torch.randn_like(q)
+        calls = []
+        for lens in ([20, 0, 28], [1, 30, 1, 16], [17, 31]):  # one bucket (32)
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+            docs = L.Docs(cu, cu, max(lens), max(lens))
+            sink = []
+            out, lse = L.forward(q, k, v, None, seg, dil, True, 0.25, hr, docs=docs, plan_sink=sink)
+            L.backward(do, q, k, v, None, out, lse, seg, dil, True, 0.25, hr, docs=docs, plan=sink[0])
+            calls.append(len(lens))
+        assert len(L._PLANS) == 1
+        plan = sink[0]
+        bw = next(iter(plan._bwd.values()))
+        assert plan.fwd.direct and bw.dkdv.direct and bw.dq.direct
+        # the first call ran Triton's path (3 documents); the next two the launchers
+        n_jit = {name: len(s.calls) for name, s in spies.items()}
+        for name in ("_FWD", "_DKDV", "_DQ"):
+            s = spies[name]
+            direct = s.compiled.run.calls
+            assert len(direct) == 2 * len(s.calls), name
+            per_call = len(s.calls)
+            for i, ndocs in enumerate(calls[1:]):
+                for (grid, args, kwargs), dcall in zip(s.calls, direct[i * per_call:(i + 1) * per_call],
+                                                       strict=True):  # fmt: skip
+                    assert grid[1] % calls[0] == 0
+                    assert dcall[:3] == (grid[0], grid[1] // calls[0] * ndocs, 1), name
+                    n_ptr = getattr(L, name).n_ptr
+                    tail = tuple(args[n_ptr:]) + tuple(kwargs[nm] for nm in s.arg_names[len(args):])
+                    assert dcall[13 + n_ptr:] == tail, name
+        assert n_jit == {name: len(s.calls) for name, s in spies.items()}
+        # no document: nothing launched, the buffers as the per-call path leaves them
+        empty = torch.zeros(1, dtype=torch.int32)
+        n_direct = len(_direct_calls(spies))
+        out, lse = L.forward(q[:, :0], k[:, :0], v[:, :0], None, seg, dil, True, 0.25, hr,
+                             docs=L.Docs(empty, empty, 0, 0))  # fmt: skip
+        assert len(_direct_calls(spies)) == n_direct and out.shape == (1, 0, h, d)
+    finally:
+        flags.set_direct_launch(None)
 
 
 # ------------------------------------------------------------ stand-in launchers (CPU, no GPU)
@@ -471,6 +590,51 @@ def test_cuda_plans_equal_per_call_path():
             want = res[False][0]
             for got in res[True]:
                 _assert_same(want, got, f"{b}x{n}x{h}/{hkv}x{d} {dt} pad={pad} {ha} causal={causal}")
+    if direct_launch.unavailable_reason() is None:
+        assert all(p.fwd.direct for p in L._PLANS.values() if p is not None)
+        assert all(bw.dq.direct and bw.dkdv.direct for p in L._PLANS.values() if p for bw in p._bwd.values())
+
+
+@pytest.mark.cuda
+def test_cuda_packed_steps_reuse_plans_and_equal_per_call_path():
+    """Packed training steps on a GPU (documents and max_seqlen varying per step, as
+    StdlibBytes.packed_batch makes them): plans (first call through Triton, later ones through
+    the kept launchers with per-call grids) against the per-call path, bit for bit; one plan
+    per bucket of max_seqlen."""
+    from dilated_attention import dilated_attention_varlen
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seg, dil = [1024, 4096, 16384], [1, 2, 4]
+    total, h, hkv, d = 16384, 8, 4, 32
+    steps = [[16384], [3000, 0, 7000, 6384], [1, 9000, 1, 7382], [4096] * 4, [8191, 8193],
+             [5000, 5000, 6384], [2, 16382]]  # fmt: skip
+    L._PLANS.clear()
+    for dt in (torch.bfloat16, torch.float32):
+        for causal in (True, False):
+            for lens in steps:
+                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                  device="cuda")  # fmt: skip
+                mx = max(lens)
+                q = torch.randn(total, h, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+                k = torch.randn(total, hkv, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+                v = torch.randn(total, hkv, d, dtype=dt, device="cuda", generator=g, requires_grad=True)
+                do = torch.randn(total, h, d, dtype=dt, device="cuda", generator=g)
+                res = {}
+                for use in (True, False, True):  # (build or hit), per-call, hit
+                    L.USE_PLANS = use
+                    try:
+                        out = dilated_attention_varlen(q, k, v, cu, cu, mx, mx, seg, dil,
+                                                       causal=causal, impl="triton")  # fmt: skip
+                        grads = torch.autograd.grad(out, (q, k, v), do)
+                    finally:
+                        L.USE_PLANS = True
+                    res.setdefault(use, []).append((out, *grads))
+                want = res[False][0]
+                for got in res[True]:
+                    for name, x, y in zip(("out", "dq", "dk", "dv"), want, got, strict=True):
+                        assert torch.equal(x, y), f"{dt} causal={causal} {lens} {name}"
+    buckets = {L.grid_bucket(max(lens)) for lens in steps}
+    assert len(L._PLANS) <= 4 * len(buckets) < 4 * len(steps)  # (dtype, causal) x buckets
     if direct_launch.unavailable_reason() is None:
         assert all(p.fwd.direct for p in L._PLANS.values() if p is not None)
         assert all(bw.dq.direct and bw.dkdv.direct for p in L._PLANS.values() if p for bw in p._bwd.values())

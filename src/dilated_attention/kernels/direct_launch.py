@@ -101,12 +101,10 @@ def compiled_of(ret):
     return ret
 
 
-def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | None:
-    """``go(stream, args)`` launching ``compiled`` (a ``CompiledKernel``) on ``grid``, or None if
-    this process cannot launch it directly (see :func:`unavailable_reason`; also a kernel that needs
-    scratch memory). ``args``: every kernel parameter in signature order, as ``JITFunction.run``
-    passes them (``bound_args.values()``), data pointers as ints; ``stream``: a raw CUDA stream
-    handle (:func:`current_stream`)."""
+def _launch_parts(compiled):
+    """(C launch, function, cooperative, PDL, packed metadata) of ``compiled`` (a
+    ``CompiledKernel``), or None where this process cannot launch it directly (see
+    :func:`launcher`)."""
     if unavailable_reason() is not None:
         return None
     compiled = compiled_of(compiled)
@@ -123,7 +121,19 @@ def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | 
     if not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
         return None
     coop, pdl = bool(run.launch_cooperative_grid), bool(run.launch_pdl)
-    function, meta = compiled.function, compiled.packed_metadata
+    return launch, compiled.function, coop, pdl, compiled.packed_metadata
+
+
+def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | None:
+    """``go(stream, args)`` launching ``compiled`` (a ``CompiledKernel``) on ``grid``, or None if
+    this process cannot launch it directly (see :func:`unavailable_reason`; also a kernel that needs
+    scratch memory). ``args``: every kernel parameter in signature order, as ``JITFunction.run``
+    passes them (``bound_args.values()``), data pointers as ints; ``stream``: a raw CUDA stream
+    handle (:func:`current_stream`)."""
+    parts = _launch_parts(compiled)
+    if parts is None:
+        return None
+    launch, function, coop, pdl, meta = parts
     g = tuple(int(x) for x in grid) + (1, 1)
     gx, gy, gz = g[0], g[1], g[2]
 
@@ -162,6 +172,21 @@ def cache_classes(c: int, k_stride: tuple, v_stride: tuple):
     if k3 == 1 and v3 == 1 and not s & 15 and s <= 0x7FFFFFFF:
         return 4 if c == 1 else (c & 15 == 0) + 2 * (c > 0x7FFFFFFF)
     return tuple([4 if x == 1 else (x & 15 == 0) + 2 * (x > 0x7FFFFFFF) for x in (c, k0, k1, k2, k3, v0, v1, v2, v3)])
+
+
+def grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] | None:
+    """:func:`launcher` with the grid given per call: ``go(gx, gy, gz, stream, args)`` (a grid is
+    no part of a binary's specialisation; packed documents launch the same binary over as many
+    documents as each call has). None where :func:`launcher` gives None."""
+    parts = _launch_parts(compiled)
+    if parts is None:
+        return None
+    launch, function, coop, pdl, meta = parts
+
+    def go(gx: int, gy: int, gz: int, stream: int, args: tuple) -> None:
+        launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
+
+    return go
 
 
 def current_stream(device_index: int) -> int:
@@ -233,7 +258,8 @@ class DirectKernel:
         return (tuple(grid), tail, tuple(options.items()), tuple([t.dtype for t in ptrs]), dev)
 
     def entry(self, grid, ptrs, tail: tuple, options: dict):
-        """What :meth:`launch` keeps for this launch: ``(go, full tail)`` (launched directly),
+        """What :meth:`launch` keeps for this launch: ``(go, full tail, compiled kernel)``
+        (launched directly; the compiled kernel for :func:`grid_launcher`),
         False (Triton's path for good) or None (no aligned call with this key on the tensors'
         device yet, or the direct launch is off). For callers that hold launches of their own
         (``triton_launch.TrainPlan``): they launch ``go(stream, (*pointers, *full tail))``."""
@@ -256,7 +282,7 @@ class DirectKernel:
         ok = not misaligned & 15 and current_device() == dev and hooks_idle()
         plan = self.plans.get(key) if ok else None
         if plan:
-            go, tail = plan
+            go, tail, _ = plan
             go(current_stream(dev), (*addr, *tail))
             return None
         ret = self.kernel[grid](*args, **options)
@@ -266,7 +292,7 @@ class DirectKernel:
             if tail is not None and unavailable_reason() is None:
                 go = launcher(ret, grid)
                 if go is not None:
-                    plan = (go, tail)
+                    plan = (go, tail, ret)
             if len(self.plans) >= self.max_plans:
                 self.plans.pop(next(iter(self.plans)), None)
             self.plans[key] = plan

@@ -511,15 +511,27 @@ class _Launch:
     """One step of a plan: ``kernel[grid](*table[slots], *tail, **opts)``, or, once collected,
     ``go(stream, (*pointers[slots], *args))`` (``args``: every non-tensor parameter in
     signature order, as ``DirectKernel`` keeps it). ``kernel`` None: ``table[slot].zero_()``
-    (a lo range's fill)."""
+    (a lo range's fill).
 
-    __slots__ = ("kernel", "grid", "slots", "take", "tail", "opts", "go", "args", "slot")
+    ``per_doc`` (packed documents): the grid's second axis counts documents, which vary per
+    call: ``grid[1]`` holds the programs per document and a call launches
+    ``(grid[0], grid[1] * documents)`` (:meth:`grid_for`), once collected through ``go`` of
+    ``direct_launch.grid_launcher`` (``go(gx, gy, gz, stream, args)``)."""
 
-    def __init__(self, kernel, grid, slots, tail, opts, slot: int = -1):
+    __slots__ = ("kernel", "grid", "slots", "take", "tail", "opts", "go", "args", "slot", "per_doc")
+
+    def __init__(self, kernel, grid, slots, tail, opts, slot: int = -1, per_doc: bool = False):
         self.kernel, self.grid, self.slots, self.tail, self.opts = kernel, grid, slots, tail, opts
         self.take = operator.itemgetter(*slots) if len(slots) > 1 else None
         self.go = self.args = None
         self.slot = slot
+        self.per_doc = per_doc
+
+    def grid_for(self, ndocs: int) -> tuple:
+        """The grid of a call over ``ndocs`` documents (the plan's own grid if not per_doc)."""
+        if not self.per_doc:
+            return self.grid
+        return (self.grid[0], self.grid[1] * ndocs)
 
 
 def _zero_step(slot: int) -> _Launch:
@@ -541,22 +553,29 @@ class _Seq:
         return [st for st in self.steps if st.kernel is not None]
 
 
-def _collect(seq: _Seq, table) -> None:
-    """After a phase ran through ``DirectKernel`` on a GPU: take the launchers it kept."""
+def _collect(seq: _Seq, table, ndocs: int) -> None:
+    """After a phase ran through ``DirectKernel`` on a GPU (over ``ndocs`` documents, packed;
+    else unused): take the launchers it kept (per-document steps: a launcher with the grid per
+    call, of the same compiled kernel)."""
     found = []
     for st in seq.launches():
         entry = getattr(st.kernel, "entry", None)
         if entry is None:  # not a DirectKernel: Triton's path for good
             seq.direct = False
             return
-        e = entry(st.grid, st.take(table), st.tail, st.opts)
+        if st.per_doc and not ndocs:
+            return  # not launched in this call (no document): next call
+        e = entry(st.grid_for(ndocs), st.take(table), st.tail, st.opts)
         if e is None:
             return  # not kept yet (misaligned, hooks, other device, switch off): next call
+        if e is not False and st.per_doc:
+            go = direct_launch.grid_launcher(e[2])
+            e = False if go is None else (go, e[1], None)
         found.append(e)
     if any(e is False for e in found):
         seq.direct = False
         return
-    for st, (go, args) in zip(seq.launches(), found, strict=True):
+    for st, (go, args, _) in zip(seq.launches(), found, strict=True):
         st.go, st.args = go, args
     seq.direct = True
 
@@ -592,21 +611,39 @@ def _config_key(config) -> tuple | None:
     return tuple(sorted((str(name), tuple(int(x) for x in vals)) for name, vals in config.items()))
 
 
+def grid_bucket(n: int) -> int:
+    """The length a packed-documents plan sizes its grids for when the longest document has
+    ``n`` rows: n rounded up to a multiple of 1/8 of the power of two above it, at least 16
+    (0 stays 0): 4 buckets per octave, at most 25% more rows (n > 128; at most 15 below).
+
+    Exact: every program of a grid sized for more rows than a document has finds its block or
+    segment empty (``m_lo >= L`` / ``n_lo >= L``, or no row below ``n`` in the folded kernel)
+    and returns before any load of q, k, v or store, as the programs past a shorter
+    document's end do already; the integer arguments of the launches (``NK``, blocks per
+    segment) are the bucket's, so a plan never meets another specialisation of them."""
+    if n <= 0:
+        return 0
+    step = max(1 << max((n - 1).bit_length() - 3, 0), 16)
+    return -(-n // step) * step
+
+
 def plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fold=None,
              lo_rows=None, docs: Docs | None = None) -> tuple:  # fmt: skip
     """The configuration a :class:`TrainPlan` is built for: every grid, integer argument,
     constexpr, buffer shape and fill of its launches is a function of it (with the module's
     ``LO_CHUNKS``, ``LO_MIN_BYTES`` and ``INTERPRET``, which it includes). Cheap: attribute
-    reads and one tuple. ``head_ranges``: [(start, stop)] per branch. ``docs``: packed documents
-    (the grid sizes ``max_q`` / ``max_k``, the number of documents, whether queries and keys
-    share the offsets; the offsets themselves are per-call pointers)."""
+    reads and one tuple. ``head_ranges``: [(start, stop)] per branch. ``docs``: packed documents:
+    the buckets of ``max_q`` / ``max_k`` (:func:`grid_bucket`: a plan sizes its grids and integer
+    arguments from them, so that steps whose longest document differs share a plan), whether
+    queries and keys share the offsets, the offsets' dtype; neither the number of documents (a
+    call's grids count them: :meth:`_Launch.grid_for`) nor the offsets (per-call pointers)."""
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
         q.device, None if kpm is None else (kpm.shape, kpm.stride(), kpm.dtype),
         causal, scale, tuple(seg), tuple(dil), tuple(head_ranges), _config_key(config), fold,
         lo_rows, LO_CHUNKS, LO_MIN_BYTES, INTERPRET,
-        None if docs is None else (docs.cu_q.shape, docs.cu_k.shape, docs.cu_q.dtype,
-                                   docs.cu_k.dtype, docs.max_q, docs.max_k, docs.same_offsets()),
+        None if docs is None else (docs.cu_q.dtype, docs.cu_k.dtype, grid_bucket(docs.max_q),
+                                   grid_bucket(docs.max_k), docs.same_offsets()),
     )  # fmt: skip
 
 
@@ -639,6 +676,11 @@ class TrainPlan:
         # without its dummy pointers (q): a plan holds no tensor of a call
         self.lay = _layout(q, k, docs)._replace(cu_q=None, cu_k=None)
         self.varlen = docs is not None
+        if self.varlen:
+            # grids and integer arguments for the buckets of the longest lengths (plan_key), one
+            # program row per document (_Launch.per_doc: a call multiplies by its documents)
+            self.lay = self.lay._replace(programs=1, nq=grid_bucket(docs.max_q),
+                                         nk=grid_bucket(docs.max_k))  # fmt: skip
         self.cfgs = resolve_configs(q.shape[-1], config)
         self.branches = branch_list(seg, dil, head_ranges)
         self.has_kpm = kpm is not None
@@ -680,6 +722,7 @@ class TrainPlan:
                      nq, nh, nh // hkv, len(branches), wmin, rmax, nt, qk_scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm,
                          PREC=_prec(q.dtype), VARLEN=lay.varlen, **_launch_kw(cfg)),
+                    per_doc=self.varlen,
                 ))  # fmt: skip
             self.fwd = _Seq(steps)
             return
@@ -719,6 +762,7 @@ class TrainPlan:
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm,
                          FIRST=bi == first, PREC=_prec(q.dtype), COMP=comp,
                          STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen, **_launch_kw(cfg)),
+                    per_doc=self.varlen,
                 ))  # fmt: skip
         self.fwd = _Seq(steps)
 
@@ -726,6 +770,7 @@ class TrainPlan:
         """(out, lse) of one call with tensors of the plan's configuration."""
         kp = q if kpm is None else kpm.contiguous().view(torch.uint8)
         cq, ck = (q, q) if docs is None else (docs.cu_q, docs.cu_k)  # q: dummies, never read
+        nd = 1 if docs is None else docs.cu_q.shape[0] - 1  # documents: a shape, no sync
         dev = self.device
         if self.folded:
             out = torch.empty_like(q)
@@ -734,7 +779,8 @@ class TrainPlan:
                 out.zero_()
                 lse.fill_(float("-inf"))
             if self.fwd.steps:
-                self._run(self.fwd, [q, k, v, kp, out, out, lse, self.brs, cq, ck], self._stream())
+                self._run(self.fwd, [q, k, v, kp, out, out, lse, self.brs, cq, ck], self._stream(),
+                          nd)  # fmt: skip
             return out, lse
         lo = None
         if self.fwd_fill:
@@ -749,7 +795,7 @@ class TrainPlan:
                 lo = torch.empty(self.fwd_lo_shape, dtype=q.dtype, device=dev)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
         self._run(self.fwd, [q, k, v, kp, out, out if lo is None else lo, lse, q, cq, ck],
-                  self._stream())  # fmt: skip
+                  self._stream(), nd)  # fmt: skip
         return out, lse
 
     # --------------------------------------------------------------------------- backward
@@ -820,6 +866,7 @@ class TrainPlan:
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
                          COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
                          **_launch_kw(cfgs["dkdv"])),
+                    per_doc=self.varlen,
                 ))  # fmt: skip
         b.dkdv = _Seq(steps)
         # dQ
@@ -849,6 +896,7 @@ class TrainPlan:
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
                          COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
                          **_launch_kw(cfgs["dq"])),
+                    per_doc=self.varlen,
                 ))  # fmt: skip
         b.dq = _Seq(steps)
         return b
@@ -864,6 +912,7 @@ class TrainPlan:
             b = self._bwd[bkey] = self._build_backward(q, k, v, dout, out)
         kp = q if kpm is None else kpm.contiguous().view(torch.uint8)
         cq, ck = (q, q) if docs is None else (docs.cu_q, docs.cu_k)
+        nd = 1 if docs is None else docs.cu_q.shape[0] - 1
         dev = self.device
         stream = self._stream()
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
@@ -877,16 +926,16 @@ class TrainPlan:
             lo2 = (torch.empty(shape, dtype=k.dtype, device=dev) if b.kv_chunked
                    else torch.zeros(shape, dtype=k.dtype, device=dev))  # fmt: skip
             self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, lo2[0], lo2[1], lo2, cq, ck],
-                      stream)  # fmt: skip
+                      stream, nd)  # fmt: skip
             del lo2
         else:
-            self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, dk, dv, dk, cq, ck], stream)
+            self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, dk, dv, dk, cq, ck], stream, nd)
         dq = torch.zeros(q.shape, dtype=q.dtype, device=dev)
         lq = dq
         if b.q_comp:
             lq = (torch.empty(b.q_lo_shape, dtype=q.dtype, device=dev) if b.q_chunked
                   else torch.zeros_like(dq))  # fmt: skip
-        self._run(b.dq, [q, k, v, kp, dout, lse, delta, dq, lq, cq, ck], stream)
+        self._run(b.dq, [q, k, v, kp, dout, lse, delta, dq, lq, cq, ck], stream, nd)
         return dq, dk, dv
 
     # ------------------------------------------------------------------------------ launch
@@ -900,7 +949,8 @@ class TrainPlan:
         return direct_launch.current_stream(self.dev)
 
     @staticmethod
-    def _run(seq: _Seq, table: list, stream) -> None:
+    def _run(seq: _Seq, table: list, stream, ndocs: int = 1) -> None:
+        # ndocs: the call's documents (packed; per_doc steps launch grid[1] * ndocs programs)
         if stream is not None and seq.direct:
             ptrs = [t.data_ptr() for t in table]
             misaligned = 0
@@ -910,16 +960,20 @@ class TrainPlan:
                 for st in seq.steps:
                     if st.kernel is None:
                         table[st.slot].zero_()
-                    else:
+                    elif not st.per_doc:
                         st.go(stream, st.take(ptrs) + st.args)
+                    elif ndocs:
+                        st.go(st.grid[0], st.grid[1] * ndocs, 1, stream, st.take(ptrs) + st.args)
                 return
         for st in seq.steps:
             if st.kernel is None:
                 table[st.slot].zero_()
-            else:
+            elif not st.per_doc:
                 st.kernel[st.grid](*st.take(table), *st.tail, **st.opts)
+            elif ndocs:
+                st.kernel[st.grid[0], st.grid[1] * ndocs](*st.take(table), *st.tail, **st.opts)
         if seq.direct is None and stream is not None:
-            _collect(seq, table)
+            _collect(seq, table, ndocs)
 
 
 _PLANS: OrderedDict = OrderedDict()
