@@ -171,7 +171,7 @@ def cache_classes(c: int, k_stride: tuple, v_stride: tuple):
     s = k0 | k1 | k2 | v0 | v1 | v2  # strides are >= 0: s < 2^31 iff each one is
     if k3 == 1 and v3 == 1 and not s & 15 and s <= 0x7FFFFFFF:
         return 4 if c == 1 else (c & 15 == 0) + 2 * (c > 0x7FFFFFFF)
-    return tuple([4 if x == 1 else (x & 15 == 0) + 2 * (x > 0x7FFFFFFF) for x in (c, k0, k1, k2, k3, v0, v1, v2, v3)])
+    return tuple(map(int_class, (c, k0, k1, k2, k3, v0, v1, v2, v3)))
 
 
 def grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] | None:

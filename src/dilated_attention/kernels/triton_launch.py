@@ -968,10 +968,8 @@ class TrainPlan:
         for st in seq.steps:
             if st.kernel is None:
                 table[st.slot].zero_()
-            elif not st.per_doc:
-                st.kernel[st.grid](*st.take(table), *st.tail, **st.opts)
-            elif ndocs:
-                st.kernel[st.grid[0], st.grid[1] * ndocs](*st.take(table), *st.tail, **st.opts)
+            elif ndocs or not st.per_doc:
+                st.kernel[st.grid_for(ndocs)](*st.take(table), *st.tail, **st.opts)
         if seq.direct is None and stream is not None:
             _collect(seq, table, ndocs)
 
