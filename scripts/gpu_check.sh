@@ -14,25 +14,31 @@
 #                                       (the last call of a session: re-verify, re-measure issue 23)
 #   bash scripts/gpu_check.sh mem       benchmarks/mem_account.py at N = 2M, causal and not, fresh
 #                                       processes (issue 24 item 3)
+#   bash scripts/gpu_check.sh profile   where the time goes: profile_host.py --gpu-time (issue 23: host vs GPU
+#                                       per call), profile_varlen.py (issue 22: causal varlen per launch
+#                                       and block-config variants), then the CUDA tests named in
+#                                       $PROFILE_TESTS (default: the plan / varlen / decode files)
 #   bash scripts/gpu_check.sh tune-dkdv benchmarks/tune_triton.py --kernels dkdv (issue 24: the dK/dV
 #                                       kernel's block configs at D = 128, N = 131072), then the
 #                                       per-kernel profile of the headline shape
 # Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
-# Triton's compile cache travels between calls: each call leaves it in $OUT/triton_cache.tgz
-# (when it fits the 16 MiB a device call returns); copy that to runs/triton_cache.tgz here and
-# pass carry ["runs/triton_cache.tgz"] so that the next machine starts warm.
+# Triton's compile cache travels between calls: each call leaves it in $OUT/triton_cache.tgz.partNN
+# (15 MiB parts, at most CACHE_PARTS_MAX=4 of them; SAVE_CACHE=0: none); copy those to runs/ here
+# and pass carry ["runs"] so that the next machine starts warm (kernels whose source changed
+# compile again).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/da_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -f runs/triton_cache.tgz ]; then
-  tar -xzf runs/triton_cache.tgz -C "$TRITON_CACHE_DIR" && echo "triton cache restored: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
+if ls runs/triton_cache.tgz.part* >/dev/null 2>&1; then
+  cat runs/triton_cache.tgz.part* | tar -xz -C "$TRITON_CACHE_DIR" && echo "triton cache restored: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
 fi
-save_cache() {
-  tar -czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
-  local size; size=$(stat -c %s "$OUT/triton_cache.tgz" 2>/dev/null || echo 0)
-  if [ "$size" -gt 15728640 ]; then rm -f "$OUT/triton_cache.tgz"; echo "triton cache too big to return ($size B)"; fi
+save_cache() {  # split in 15 MiB parts (a device call returns files of <= 16 MiB, 8 at most)
+  [ "${SAVE_CACHE:-1}" = 1 ] || return 0
+  tar -cz -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15m -d -a 2 - "$OUT/triton_cache.tgz.part"
+  local n; n=$(ls "$OUT"/triton_cache.tgz.part* 2>/dev/null | wc -l)
+  if [ "$n" -gt "${CACHE_PARTS_MAX:-4}" ]; then rm -f "$OUT"/triton_cache.tgz.part*; echo "triton cache too big to return ($n parts)"; fi
 }
 trap save_cache EXIT
 python3 -c "import torch, triton, platform; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name())" | tee "$OUT/env.txt"
@@ -97,6 +103,19 @@ case "${1:-tests}" in
     echo "ab_decode rc=$?" >> "$OUT/ab_decode.txt"
     DILATED_ATTENTION_DIRECT_LAUNCH=1 timeout 60 python3 benchmarks/profile_host.py --calls 200 --top 30 > "$OUT/profile_host_direct.txt" 2>&1
     tail -4 "$OUT/cuda_tests_direct.txt"; grep -E "^\||plans with launchers|rc=" "$OUT/ab_decode.txt" | tail -30
+    ;;
+  profile)
+    timeout "${HOST_TIMEOUT:-120}" python3 benchmarks/profile_host.py --calls 200 --top 25 --gpu-time > "$OUT/profile_host.txt" 2>&1
+    echo "profile_host rc=$?" >> "$OUT/profile_host.txt"
+    timeout "${VARLEN_TIMEOUT:-200}" python3 benchmarks/profile_varlen.py --out "$OUT/profile_varlen.md" > "$OUT/profile_varlen.txt" 2>&1
+    echo "profile_varlen rc=$?" >> "$OUT/profile_varlen.txt"
+    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider -rfE \
+      ${PROFILE_TESTS:-tests/test_decode_growing.py tests/test_decode_plan.py tests/test_train_plan.py tests/test_triton_varlen.py} \
+      > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    grep -A8 "^| call" "$OUT/profile_host.txt"; grep -E "rc=" "$OUT/profile_host.txt"
+    grep -E "^- |^\| [a-z0-9]" "$OUT/profile_varlen.txt" | tail -24; tail -3 "$OUT/profile_varlen.txt"
+    tail -6 "$OUT/cuda_tests.txt"
     ;;
   tune-dkdv)
     timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune_triton.py --kernels dkdv --max-seconds "${TUNE_SECONDS:-330}" \

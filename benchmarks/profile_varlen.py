@@ -1,0 +1,133 @@
+"""Where the causal packed-documents (varlen) step loses to one sequence: per-launch GPU times
+and block-config variants (issue 22 item 2).
+
+The packed batch of ``bench_varlen.py`` (131072 tokens, lognormal documents, mean 8K, 16 x 128,
+bf16, LongNet branches). For (a) the packed stream and (b) one sequence of the same tokens, one
+fwd+bwd through ``triton_launch.forward`` / ``backward`` (the launches the library makes, no
+autograd) under ``torch.profiler``: every kernel launch in order with its GPU time, then the
+sums per kernel name. Then fwd+bwd median times per block-config variant (``--configs``), (a)
+and (b) with the same variant, and the ratio per useful FLOP (the issue's measure)::
+
+    PYTHONPATH=src python3 benchmarks/profile_varlen.py [--causal yes|no] [--out f.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dilated_attention.branches import branch_head_ranges
+from dilated_attention.flops import dilated_flops, dilated_flops_varlen
+from dilated_attention.kernels import triton_launch as L
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_varlen import _offsets, document_lengths  # noqa: E402
+from common import results_header  # noqa: E402
+
+VARIANTS = {
+    "default": None,
+    "dq64": dict(dq=(64, 64, 4, 3)),
+    "dq64x32": dict(dq=(64, 32, 4, 3)),
+    "fwd64": dict(fwd=(64, 64, 4, 3)),
+    "dkdv32x64": dict(dkdv=(32, 64, 4, 2)),
+    "dkdv64x128": dict(dkdv=(64, 128, 8, 2)),
+    "dkdv32x128": dict(dkdv=(32, 128, 4, 3)),
+    "small": dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 2)),
+}
+
+
+def _step(q, k, v, do, seg, dil, causal, scale, ranges, docs, config):
+    out, lse = L.forward(q, k, v, None, seg, dil, causal, scale, ranges, config=config, docs=docs)
+    return L.backward(do, q, k, v, None, out, lse, seg, dil, causal, scale, ranges, config=config,
+                      docs=docs)
+
+
+def _kernels(prof) -> list[tuple[str, float]]:
+    evs = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+           and str(e.device_type).endswith("CUDA") and e.name and not e.name.startswith("aten::")]
+    evs.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in evs]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--causal", choices=["yes", "no"], default="yes")
+    p.add_argument("--configs", default=",".join(VARIANTS))
+    p.add_argument("--total", type=int, default=131072)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    import triton.testing
+
+    causal = a.causal == "yes"
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    seg, dil = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+    h, d, total = 16, 128, a.total
+    lens = document_lengths(total, 8192, 1.0, 0)
+    longest = max(lens)
+    cu = _offsets(lens, dev)
+    docs = L.Docs(cu, cu, longest, longest)
+    ranges = branch_head_ranges(h, len(seg), "all")
+    scale = d**-0.5
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, total, h, d, device=dev, dtype=dt) for _ in range(4))
+    f_var = dilated_flops_varlen(lens, lens, h, d, seg, dil, causal)
+    f_one = dilated_flops(1, total, total, h, d, seg, dil, causal)
+    lines = results_header(
+        f"varlen vs one sequence, per launch (causal={causal})", dev,
+        f"PYTHONPATH=src python3 benchmarks/profile_varlen.py {' '.join(argv or sys.argv[1:])}",
+        [f"{total} tokens in {len(lens)} documents (lognormal mean 8192, sigma 1, seed 0; longest "
+         f"{longest}), 16 x 128 bf16, branches {seg} / {dil}"],
+    )
+    rows = {}
+    for name, dd in (("varlen", docs), ("one", None)):
+        fn = lambda dd=dd: _step(q, k, v, do, seg, dil, causal, scale, ranges, dd, None)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        rows[name] = _kernels(prof)
+    lines += ["", "## Per launch, in order (us)", "",
+              "| # | varlen kernel | varlen us | one-sequence kernel | one us |", "|---|---|---:|---|---:|"]
+    va, on = rows["varlen"], rows["one"]
+    for i in range(max(len(va), len(on))):
+        x = va[i] if i < len(va) else ("", 0.0)
+        y = on[i] if i < len(on) else ("", 0.0)
+        lines.append(f"| {i} | {x[0][:48]} | {x[1]:.1f} | {y[0][:48]} | {y[1]:.1f} |")
+    lines += ["", "## Sums per kernel (us): varlen / one / ratio per useful FLOP", ""]
+    names = sorted({n for n, _ in va} | {n for n, _ in on})
+    for n in names:
+        sv = sum(t for m, t in va if m == n)
+        so = sum(t for m, t in on if m == n)
+        ratio = (sv / f_var) / (so / f_one) if so else float("nan")
+        lines.append(f"- `{n[:60]}`: {sv:.0f} / {so:.0f} us, {ratio:.3f}x")
+    tv, to = sum(t for _, t in va), sum(t for _, t in on)
+    lines.append(f"- total: {tv:.0f} / {to:.0f} us, {(tv / f_var) / (to / f_one):.3f}x per useful FLOP")
+    lines += ["", "## Block-config variants: fwd+bwd median ms (do_bench), ratio per useful FLOP", "",
+              "| variant | config | varlen ms | one ms | varlen / one per FLOP |", "|---|---|---:|---:|---:|"]
+    for name in a.configs.split(","):
+        cfg = VARIANTS[name]
+        try:
+            tv_ = triton.testing.do_bench(
+                lambda: _step(q, k, v, do, seg, dil, causal, scale, ranges, docs, cfg),
+                warmup=25, rep=150, return_mode="median")
+            to_ = triton.testing.do_bench(
+                lambda: _step(q, k, v, do, seg, dil, causal, scale, ranges, None, cfg),
+                warmup=25, rep=150, return_mode="median")
+            lines.append(f"| {name} | {cfg} | {tv_:.3f} | {to_:.3f} | {(tv_ / f_var) / (to_ / f_one):.3f} |")
+        except Exception as e:  # a variant that does not compile says so; the others still run
+            lines.append(f"| {name} | {cfg} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
