@@ -5,13 +5,17 @@ Compiles every kernel variant (causal x key padding) of the current ``triton_ker
 an sm_90 target, without a GPU (no launch: nothing needs CUDA), and compares the multisets of
 operations (SSA names ignored: the varlen change added two unused pointer arguments, which
 renumbers values). ``--ptx`` also lowers the causal fwd and dq kernels to PTX and prints the
-instructions that differ.
+instructions that differ. ``--varlen`` also compiles the packed-documents variants
+(``VARLEN=True``) of the current file to PTX (that they compile for sm_90, no comparison).
+An old file that has ``VARLEN`` already is compiled with ``VARLEN=False``.
 
-    python benchmarks/compare_kernel_ir.py --rev 8d86ec6 [--ptx]
+    python benchmarks/compare_kernel_ir.py --rev 8d86ec6 [--ptx] [--varlen]
 
 Result at the varlen commit (2026-11-24, triton 3.9, CPU): TTIR op multisets equal for all 16
 variants; PTX differs only in 3-4 scalar int64 address instructions of the program prologue
 (the batch offset ``b * stride`` is computed once instead of per tensor), none in the loops.
+At the flat varlen grid (``--rev daab233``, 2026-11-26, triton 3.9, CPU): TTIR equal for all 16,
+PTX of the causal fwd and dq identical (the new ``NDOCS`` argument is unused there).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from triton._C.libtriton import ir  # noqa: E402
 
 PATH = "src/dilated_attention/kernels/triton_kernels.py"
 INTS = {"NQ", "NK", "QOFF", "HS", "NHB", "H", "REP", "W", "R", "S0", "NM", "HE", "HKV", "NI",
-        "NNB", "N", "NB", "WMIN", "RMAX", "NT", "NROWS", "LO_ROW0"}
+        "NNB", "N", "NB", "WMIN", "RMAX", "NT", "NROWS", "LO_ROW0", "NDOCS"}
 TARGET = GPUTarget("cuda", 90, 32)
 
 
@@ -97,6 +101,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rev", default="8d86ec6", help="git revision of the old kernels")
     ap.add_argument("--ptx", action="store_true", help="also compare PTX of two variants")
+    ap.add_argument("--varlen", action="store_true",
+                    help="also compile the VARLEN=True variants of the current file to PTX")
     args = ap.parse_args()
     old_src = subprocess.run(["git", "show", f"{args.rev}:{PATH}"], check=True,
                              capture_output=True, text=True).stdout
@@ -116,8 +122,12 @@ def main():
                       ("dilated_bwd_dkdv_kernel", dict(c, BM=64, COMP=True, STORE_LO=True)),
                       ("dilated_bwd_dq_kernel", dict(c, COMP=True, STORE_LO=False))]
     bad = 0
+    def old_consts(fn, c):  # an old file that already had VARLEN (from 2026-11-24): batch path
+        return dict(c, VARLEN=False) if "VARLEN" in fn.arg_names else c
+
     for name, c in cases:
-        a = _ops(compile_to(getattr(old, name), c, "ttir"), False)
+        fn = getattr(old, name)
+        a = _ops(compile_to(fn, old_consts(fn, c), "ttir"), False)
         b = _ops(compile_to(getattr(new, name), dict(c, VARLEN=False), "ttir"), False)
         same = a == b
         bad += not same
@@ -127,10 +137,16 @@ def main():
         c = dict(base, CAUSAL=True, HAS_KPM=False, COMP=True)
         for name, cc in (("dilated_fwd_kernel", dict(c, FIRST=False, STORE_LO=True)),
                          ("dilated_bwd_dq_kernel", dict(c, STORE_LO=False))):
-            a = _ops(compile_to(getattr(old, name), cc, "ptx"), True)
+            fn = getattr(old, name)
+            a = _ops(compile_to(fn, old_consts(fn, cc), "ptx"), True)
             b = _ops(compile_to(getattr(new, name), dict(cc, VARLEN=False), "ptx"), True)
             print(f"PTX {name}: {sum(a.values())} vs {sum(b.values())} instructions; "
                   f"only old: {dict(a - b)}; only new: {dict(b - a)}")
+    if args.varlen:
+        for name, c in cases:
+            ptx = compile_to(getattr(new, name), dict(c, VARLEN=True), "ptx")
+            print(f"PTX VARLEN=True {name:28s} causal={c['CAUSAL']!s:5s} kpm={c['HAS_KPM']!s:5s} "
+                  f"{sum(_ops(ptx, True).values())} instructions")
     sys.exit(1 if bad else 0)
 
 

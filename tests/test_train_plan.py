@@ -301,10 +301,12 @@ def test_varlen_plan_equals_per_call_path(seed, monkeypatch, causal, same):
 
 # ------------------------------------------------------ packed training steps (varying docs)
 
-# one packed stream of 48 rows per step, as LongNetLM flattens a batch: the documents' count and
-# the longest one change from step to step (empty and one-token documents included); the
-# longest lengths fall in three buckets (grid_bucket: 48, 32, 16)
-STEP_DOCS = [[20, 0, 28], [1, 30, 1, 16], [5, 7, 9, 11, 16], [17, 31], [0, 48, 0]]
+# one packed stream of 48 rows per step, as LongNetLM flattens a batch: the documents' count (1
+# to 24: the flat grids' slots per call) and the longest one change from step to step (empty and
+# one-token documents included); the longest lengths fall in three buckets (grid_bucket: 48,
+# 32, 16)
+STEP_DOCS = [[20, 0, 28], [1, 30, 1, 16], [5, 7, 9, 11, 16], [17, 31], [0, 48, 0], [48],
+             [0, 2, 1, 0, 0, 3, 1, 4, 2, 0, 5, 1, 1, 0, 8, 2, 3, 0, 1, 6, 2, 0, 6, 0]]  # fmt: skip
 
 
 def test_grid_bucket():
@@ -340,7 +342,7 @@ def test_packed_training_steps_reuse_plans(seed, monkeypatch, causal, fold):
         monkeypatch.setattr(L, "fold_fills_tile", lambda geo, bm: True)
     built = _count_plan_builds(monkeypatch)
     h, hkv, d = 4, 2, 16
-    seg, dil = (8, 16), (1, 2)
+    seg, dil = (10, 20), (1, 2)  # 48 rows: no multiple of w, so a last slot need not be spare
     for step, lens in enumerate(STEP_DOCS):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         mx = max(lens)
@@ -365,8 +367,10 @@ def test_packed_training_steps_reuse_plans(seed, monkeypatch, causal, fold):
 
 @interp_only
 def test_packed_plan_direct_launches_scale_the_grid_per_call(seed, monkeypatch):
-    """A packed plan's kept launchers take the call's grid: documents x programs per document
-    (stand-in launchers), with the arguments Triton's path was given."""
+    """A packed plan's kept launchers take the call's grid, the flat grid of (document,
+    segment) slots: blocks per segment x (total // w + documents) on the first axis, heads on
+    the second (stand-in launchers), with the arguments Triton's path was given but the call's
+    document count (NDOCS)."""
     spies = _stand_ins(monkeypatch)
     try:
         h, hkv, d = 4, 2, 16
@@ -393,14 +397,18 @@ def test_packed_plan_direct_launches_scale_the_grid_per_call(seed, monkeypatch):
             direct = s.compiled.run.calls
             assert len(direct) == 2 * len(s.calls), name
             per_call = len(s.calls)
+            n_ptr = getattr(L, name).n_ptr
             for i, ndocs in enumerate(calls[1:]):
                 for (grid, args, kwargs), dcall in zip(s.calls, direct[i * per_call:(i + 1) * per_call],
                                                        strict=True):  # fmt: skip
-                    assert grid[1] % calls[0] == 0
-                    assert dcall[:3] == (grid[0], grid[1] // calls[0] * ndocs, 1), name
-                    n_ptr = getattr(L, name).n_ptr
                     tail = tuple(args[n_ptr:]) + tuple(kwargs[nm] for nm in s.arg_names[len(args):])
-                    assert dcall[13 + n_ptr:] == tail, name
+                    a = dict(zip(s.arg_names[n_ptr:], tail, strict=True))
+                    per_seg = a["NNB"] if name == "_DKDV" else a["NM"]
+                    heads = a["HKV"] * a["NI"] if name == "_DKDV" else a["NHB"]
+                    assert a["NDOCS"] == calls[0] and a["VARLEN"]
+                    assert grid == (per_seg * (48 // a["W"] + calls[0]), heads), name
+                    assert dcall[:3] == (per_seg * (48 // a["W"] + ndocs), heads, 1), name
+                    assert dcall[13 + n_ptr:] == (ndocs, *tail[1:]), name
         assert n_jit == {name: len(s.calls) for name, s in spies.items()}
         # no document: nothing launched, the buffers as the per-call path leaves them
         empty = torch.zeros(1, dtype=torch.int32)

@@ -42,14 +42,22 @@ compensated (hi, lo) accumulation of a result across branches (:func:`_acc_store
 first branch (nothing to add to).
 
 Packed documents (``VARLEN``, a constexpr of every kernel but the delta one): q, k, v are one
-(1, total, heads, headdim) stream and the batch index of the grid is a document index; the
-program reads the document's rows from the int32 offsets ``CU_Q`` / ``CU_K``
-(:func:`_doc_bounds`) and runs the same geometry with the document's own ``NK`` and
-``QOFF = nk - nq`` (segments start at its first key row, queries bottom-right aligned in it),
-base pointers at its first rows and the LSE / delta stride ``NQ`` = total_q. The grid is sized
-from the largest document (``max_seqlen``): programs past a document's end return at once. With
-``VARLEN=False`` the offsets are the implicit ``b * stride`` of the batch and the kernels compile
-to the code they compiled to before varlen existed (benchmarks/compare_kernel_ir.py: same TTIR).
+(1, total, heads, headdim) stream cut by the int32 offsets ``CU_Q`` / ``CU_K``, and the grid is
+flat: per branch (segments of W rows) the first axis holds (blocks per segment) x
+``total_k // W + NDOCS`` programs, the second the heads only. Document d owns the slots
+``[a_d, a_{d+1})``, ``a_d = CU_K[d] // W + d``: one per segment and at most one spare (an empty
+document: one spare only); a program finds its slot's document and segment by a binary search
+over ``CU_K`` (:func:`_doc_slot`, log2(NDOCS) scalar loads; no host work per call) and returns at
+once on a spare slot. It then reads the document's rows (:func:`_doc_bounds`) and runs the same
+geometry with the document's own ``NK`` and ``QOFF = nk - nq`` (segments start at its first key
+row, queries bottom-right aligned in it), base pointers at its first rows and the LSE / delta
+stride ``NQ`` = total_q. The blocks per segment are sized from the largest document
+(``max_seqlen``, bucketed by the plans): blocks past a shorter segment's end return at once.
+The folded forward does the same with windows of W = WMIN rows. ``NDOCS`` (the documents of
+the call; unused without VARLEN) is not specialised on (``do_not_specialize``), so a call's
+document count never selects another binary. With ``VARLEN=False`` the offsets are the
+implicit ``b * stride`` of the batch and the kernels compile to the code they compiled to
+before varlen existed (benchmarks/compare_kernel_ir.py: same TTIR).
 
 LSE contract: float32, natural log, ``(batch, nheads, seqlen_q)`` (varlen: ``(1, nheads,
 total_q)``); a query with no key gets ``out = 0`` and ``lse = -inf`` and zero gradients (never
@@ -91,6 +99,24 @@ def _doc_bounds(CU_Q, CU_K, doc):
     nk = k1 - k0
     qoff = nk - (q1 - q0)
     return q0.to(tl.int64), k0.to(tl.int64), nk, qoff
+
+
+@triton.jit
+def _doc_slot(CU_K, g, W, NDOCS):
+    # packed documents on the flat grid of a branch with segments (or windows) of W rows:
+    # document d owns the slots [a_d, a_{d+1}), a_d = CU_K[d] // W + d, i.e. ceil(nk_d / W)
+    # slots or one more (one for an empty document); a_d grows strictly with d, so slot g
+    # belongs to the largest d < NDOCS with a_d <= g (binary search: log2(NDOCS) scalar
+    # loads) and is its segment g - a_d. Returns (d, segment); the segment may start at or
+    # past the document's end (the extra slot): the caller returns then
+    lo = NDOCS * 0
+    hi = NDOCS - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        up = tl.load(CU_K + mid) // W + mid <= g
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    return lo, g - (tl.load(CU_K + lo) // W + lo)
 
 
 @triton.jit
@@ -235,9 +261,9 @@ def _dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NDOCS"])
 def dilated_fwd_kernel(
-    Q, K, V, KPM, ACC_O, ACC_LO, ACC_L, CU_Q, CU_K,
+    Q, K, V, KPM, ACC_O, ACC_LO, ACC_L, CU_Q, CU_K, NDOCS,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
     qk_scale,
@@ -253,8 +279,11 @@ def dilated_fwd_kernel(
     h = HS + pid_bh % NHB
     kvh = h // REP
     b64 = b.to(tl.int64)
-    if VARLEN:
+    if VARLEN:  # flat grid: pid0 // NM is a (document, segment) slot, pid_bh the head
+        b, pid_s = _doc_slot(CU_K, pid0 // NM, W, NDOCS)
         q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
+        if pid_s * W >= nk:
+            return
         q_base = q0 * sqn
         k_base = k0 * skn
         v_base = k0 * svn
@@ -342,9 +371,9 @@ def dilated_fwd_kernel(
     _acc_store(optrs, lo_ptrs, new_out, valid_m[:, None], True, COMP, STORE_LO)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NDOCS"])
 def dilated_fwd_folded_kernel(
-    Q, K, V, KPM, OUT, LSE, BRS, CU_Q, CU_K,
+    Q, K, V, KPM, OUT, LSE, BRS, CU_Q, CU_K, NDOCS,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh,
     N, H, REP, NB, WMIN, RMAX, NT,
     qk_scale,
@@ -355,7 +384,8 @@ def dilated_fwd_folded_kernel(
     # window; every branch takes all of them or none (see triton_launch.fold_geometry), so ONE
     # online softmax runs over the concatenated key lists of its branches: no merge, one write.
     # VARLEN: every document has as many queries as keys (the launcher folds only then); N is
-    # the total row count (the LSE stride) and n the document's length
+    # the total row count (the LSE stride) and n the document's length; the grid is flat, its
+    # window index a (document, window) slot (_doc_slot with W = WMIN)
     pid0 = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_t = pid0 % NT
@@ -367,7 +397,10 @@ def dilated_fwd_folded_kernel(
     kvh = h // REP
     b64 = b.to(tl.int64)
     if VARLEN:
+        b, win = _doc_slot(CU_K, win, WMIN, NDOCS)
         q0, k0, n, _qoff = _doc_bounds(CU_Q, CU_K, b)
+        if win * WMIN >= n:
+            return
         q_base = q0 * sqn
         k_base = k0 * skn
         v_base = k0 * svn
@@ -452,9 +485,9 @@ def dilated_bwd_delta_kernel(O, DO, DELTA, sob, son, soh, sdob, sdon, sdoh, NROW
     tl.store(DELTA + (b * H + h) * NQ + t, dl, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NDOCS"])
 def dilated_bwd_dkdv_kernel(
-    Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO, CU_Q, CU_K,
+    Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO, CU_Q, CU_K, NDOCS,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
     sdkb, sdkn, sdkh, sdvb, sdvn, sdvh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, W, R, S0, NNB,
@@ -477,8 +510,11 @@ def dilated_bwd_dkdv_kernel(
     if h_start >= h_end:
         return
     b64 = b.to(tl.int64)
-    if VARLEN:
+    if VARLEN:  # flat grid: pid0 // NNB is a (document, segment) slot
+        b, pid_s = _doc_slot(CU_K, pid0 // NNB, W, NDOCS)
         q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
+        if pid_s * W >= nk:
+            return
         q_base = q0 * sqn
         do_base = q0 * sdon
         l_base = q0
@@ -559,9 +595,9 @@ def dilated_bwd_dkdv_kernel(
     _acc_store(DV + dv_off, dv_lo, dv, valid_n[:, None], False, COMP, STORE_LO)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NDOCS"])
 def dilated_bwd_dq_kernel(
-    Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO, CU_Q, CU_K,
+    Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO, CU_Q, CU_K, NDOCS,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
     sdqb, sdqn, sdqh, slob, LO_ROW0,
     NQ, NK, QOFF, HS, NHB, H, REP, W, R, S0, NM,
@@ -578,8 +614,11 @@ def dilated_bwd_dq_kernel(
     h = HS + pid_bh % NHB
     kvh = h // REP
     b64 = b.to(tl.int64)
-    if VARLEN:
+    if VARLEN:  # flat grid: pid0 // NM is a (document, segment) slot, pid_bh the head
+        b, pid_s = _doc_slot(CU_K, pid0 // NM, W, NDOCS)
         q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
+        if pid_s * W >= nk:
+            return
         q_base = q0 * sqn
         do_base = q0 * sdon
         dq_base = q0 * sdqn

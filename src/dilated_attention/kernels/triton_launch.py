@@ -237,8 +237,9 @@ def _branch_table(branches: tuple, device: torch.device) -> torch.Tensor:
 class Docs(NamedTuple):
     """Packed documents (varlen): document i holds query rows ``cu_q[i]:cu_q[i+1]`` and key
     rows ``cu_k[i]:cu_k[i+1]`` of a (1, total, heads, headdim) tensor; int32 device tensors of
-    shape (docs + 1); ``max_q``/``max_k`` bound every document's lengths (they size the grid:
-    the launch never reads the offsets on the host)."""
+    shape (docs + 1); ``max_q``/``max_k`` bound every document's lengths (they size the blocks
+    per segment; the grids count the documents from the offsets' shape, :func:`_axis0`: the
+    launch never reads the offsets on the host)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
@@ -257,39 +258,63 @@ class Docs(NamedTuple):
 
 class _Layout(NamedTuple):
     # what a launch needs to know of the batch or of the packed documents
-    programs: int  # batch entries or documents: the grid's second axis counts them
-    nq: int  # batch: seqlen_q; varlen: max_seqlen_q (grid sizing only)
-    nk: int  # batch: seqlen_k; varlen: max_seqlen_k (grid sizing only)
+    batch: int  # the grid's second axis counts it: batch entries; packed documents: 1 (their
+    #             documents are on the first axis), 0 for a call without a document
+    nq: int  # batch: seqlen_q; varlen: max_seqlen_q (blocks per segment only)
+    nk: int  # batch: seqlen_k; varlen: max_seqlen_k (blocks per segment only)
     nq_stride: int  # the LSE / delta row stride: seqlen_q, or total_q
     qoff: int  # batch: nk - nq (varlen: per document, read in the kernel)
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     varlen: bool
-
-    def segments(self, w: int) -> tuple[int, int]:
-        # first segment that holds a query, number of segments to launch; varlen: a document's
-        # first query segment is known only in the kernel (which skips the segments before it)
-        if self.varlen:
-            return 0, -(-self.nk // w)
-        return query_segments(self.nq, self.nk, w)
+    ndocs: int  # the kernels' NDOCS: packed, the call's documents (a plan's: 0); batch: 0
+    total_k: int  # key rows of k (packed: a branch has total_k // w + documents slots)
 
 
 def _layout(q: torch.Tensor, k: torch.Tensor, docs: Docs | None) -> _Layout:
     if docs is None:
         bsz, nq = q.shape[:2]
         nk = k.shape[1]
-        return _Layout(bsz, nq, nk, nq, nk - nq, q, q, False)  # q: dummy pointers, never read
+        return _Layout(bsz, nq, nk, nq, nk - nq, q, q, False, 0, nk)  # q: dummies, never read
+    nd = docs.cu_q.shape[0] - 1
     return _Layout(
-        docs.cu_q.shape[0] - 1, docs.max_q, docs.max_k, q.shape[1], 0, docs.cu_q, docs.cu_k, True
+        min(nd, 1), docs.max_q, docs.max_k, q.shape[1], 0, docs.cu_q, docs.cu_k, True, nd,
+        k.shape[1],
     )
 
 
 def _seg_range(lay: _Layout, w: int, c0: int, c1: int) -> tuple[int, int]:
     """(first segment, count) of branch w's segments that hold a query and lie in the key
-    positions [c0, c1) (c0 a multiple of w: see :func:`lo_chunks`)."""
-    s0, nseg = lay.segments(w)
+    positions [c0, c1) (c0 a multiple of w: see :func:`lo_chunks`); batch only."""
+    s0, nseg = query_segments(lay.nq, lay.nk, w)
     a, b = max(s0, c0 // w), min(s0 + nseg, -(-c1 // w))
     return a, max(b - a, 0)
+
+
+def _axis0(lay: _Layout, w: int, per_seg: int, c0: int, c1: int) -> tuple[int, int, int]:
+    """(first segment S0, fixed programs, programs per document) of the grid's first axis of
+    branch w's launch over key positions [c0, c1), ``per_seg`` programs per segment: a call
+    over d documents launches ``fixed + per_document * d`` of them.
+
+    Batch: the segments that hold a query in [c0, c1) (:func:`_seg_range`), nothing per
+    document. Packed documents (one range): the flat grid of ``total_k // w + d`` (document,
+    segment) slots, which the kernels map back by a binary search over the key offsets
+    (``triton_kernels._doc_slot``): document i owns ``cu_k[i] // w + i`` onwards, one slot per
+    segment and at most one spare (which returns at once). No host work and no offset read per
+    call; the spares are at most one per document, where a grid of documents x the longest
+    document's segments left most programs without a segment (issue 22, item 2)."""
+    if lay.varlen:
+        return 0, per_seg * (lay.total_k // w), per_seg
+    s0, nseg = _seg_range(lay, w, c0, c1)
+    return s0, per_seg * nseg, 0
+
+
+def _first_launch(lay: _Layout, branches, nms) -> int:
+    """The forward's FIRST branch: the first with a program (it stores without reading), in
+    every lo range alike (ranges are whole segments of every branch); -1 if none."""
+    return next((bi for bi, (w, _, hs, he) in enumerate(branches)
+                 if nms[bi] * lay.batch * (he - hs)
+                 and (lay.varlen or _seg_range(lay, w, 0, lay.nk)[1])), -1)  # fmt: skip
 
 
 def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
@@ -305,11 +330,12 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
     brs = _branch_table(tuple(branches), q.device)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
     nt = _cdiv(wmin // rmax, bm)
-    grid = (nt * rmax * _cdiv(lay.nk, wmin), lay.programs * nh)
+    _, fixed, per_doc = _axis0(lay, wmin, nt * rmax, 0, lay.nk)  # windows of wmin rows
+    grid = (fixed + per_doc * lay.ndocs, lay.batch * nh)
     if grid[0] * grid[1] == 0:
         return out, lse
     _FWD_FOLDED[grid](
-        q, k, v, kp, out, lse, brs, lay.cu_q, lay.cu_k,
+        q, k, v, kp, out, lse, brs, lay.cu_q, lay.cu_k, lay.ndocs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), skp,
         out.stride(0), out.stride(1), out.stride(2),
@@ -349,19 +375,17 @@ def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, conf
     acc_l = torch.full((bsz, nh, nq), float("-inf"), dtype=torch.float32, device=q.device)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
     nms = [_cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
-    # FIRST: the first branch with a program (stores without reading), in every range alike
-    first = next((bi for bi, (w, _, hs, he) in enumerate(branches)
-                  if nms[bi] * lay.segments(w)[1] * lay.programs * (he - hs)), -1)
+    first = _first_launch(lay, branches, nms)
     for c0, c1 in chunks:
         lo, slob, lo_row0 = _lo_range(acc_lo, acc_o, c0 - lay.qoff, len(chunks) > 1)
         for bi, (w, r, hs, he) in enumerate(branches):
-            s0, nseg = _seg_range(lay, w, c0, c1)
             nm = nms[bi]
-            grid = (nm * nseg, lay.programs * (he - hs))
+            s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
+            grid = (fixed + per_doc * lay.ndocs, lay.batch * (he - hs))
             if grid[0] * grid[1] == 0:
                 continue
             _FWD[grid](
-                q, k, v, kp, acc_o, lo, acc_l, lay.cu_q, lay.cu_k,
+                q, k, v, kp, acc_o, lo, acc_l, lay.cu_q, lay.cu_k, lay.ndocs,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), skp,
                 acc_o.stride(0), acc_o.stride(1), acc_o.stride(2), slob, lo_row0,
@@ -432,14 +456,14 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
         lk, slob, lo_row0 = _lo_range(dk_lo, dk, c0, len(chunks) > 1)
         lv, _, _ = _lo_range(dv_lo, dv, c0, len(chunks) > 1)
         for bi, (w, r, hs, he) in enumerate(branches):
-            s0, nseg = _seg_range(lay, w, c0, c1)
             nnb = -(-geom(w, r) // bn)
             ni = min(rep, r)
-            grid = (nnb * nseg, lay.programs * hkv * ni)
+            s0, fixed, per_doc = _axis0(lay, w, nnb, c0, c1)
+            grid = (fixed + per_doc * lay.ndocs, lay.batch * hkv * ni)
             if grid[0] * grid[1] == 0:
                 continue
             _DKDV[grid](
-                q, k, v, kp, dout, lse, delta, dk, dv, lk, lv, lay.cu_q, lay.cu_k,
+                q, k, v, kp, dout, lse, delta, dk, dv, lk, lv, lay.cu_q, lay.cu_k, lay.ndocs,
                 *strides_in,
                 dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
                 slob, lo_row0,
@@ -459,14 +483,14 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
         # query rows: dq row i is key position i + qoff
         lq, slob, lo_row0 = _lo_range(dq_lo, dq, c0 - lay.qoff, len(chunks) > 1)
         for bi, (w, r, hs, he) in enumerate(branches):
-            s0, nseg = _seg_range(lay, w, c0, c1)
             nm = -(-geom(w, r) // bm)
-            grid = (nm * nseg, lay.programs * (he - hs))
+            s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
+            grid = (fixed + per_doc * lay.ndocs, lay.batch * (he - hs))
             if grid[0] * grid[1] == 0:
                 continue
             _DQ[grid](
                 q, k, v, kp, dout, lse, delta, dq, lq,
-                lay.cu_q, lay.cu_k, *strides_in,
+                lay.cu_q, lay.cu_k, lay.ndocs, *strides_in,
                 dq.stride(0), dq.stride(1), dq.stride(2), slob, lo_row0,
                 lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, rep, w, r, s0, nm,
                 qk_scale, scale,
@@ -496,8 +520,10 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
 # empty. The backward kernels always add into dq, dk, dv and their lo buffers: zeros as before,
 # but the lo buffers of dk and dv are one allocation (one fill; they live and die together).
 # Bytes and lifetimes are those of the per-call path (NOTES_triton.md, "Memory at 2M tokens").
-# Packed documents: the key adds their count, max lengths and shared-offsets flag; the offsets
-# are per-call pointers; their buffers are always filled (rows past the last document).
+# Packed documents: the key adds the buckets of their max lengths and the shared-offsets flag
+# (not their count: each call adds its documents' slots to the flat grids, ``_Launch.per_doc``);
+# the offsets are per-call pointers; their buffers are always filled (rows past the last
+# document).
 
 USE_PLANS: bool = True  # False: every call takes the per-call path (tests, A/B)
 _MAX_PLANS = 64
@@ -513,14 +539,16 @@ class _Launch:
     signature order, as ``DirectKernel`` keeps it). ``kernel`` None: ``table[slot].zero_()``
     (a lo range's fill).
 
-    ``per_doc`` (packed documents): the grid's second axis counts documents, which vary per
-    call: ``grid[1]`` holds the programs per document and a call launches
-    ``(grid[0], grid[1] * documents)`` (:meth:`grid_for`), once collected through ``go`` of
-    ``direct_launch.grid_launcher`` (``go(gx, gy, gz, stream, args)``)."""
+    ``per_doc`` (packed documents; 0 otherwise): the grid's first axis depends on the call's
+    document count, which varies per call: a call over d documents launches
+    ``(grid[0] + per_doc * d, grid[1])`` (:meth:`grid_for`: the flat grid of :func:`_axis0`)
+    and passes d as the kernel's first non-tensor argument (``NDOCS``), which ``tail`` and
+    ``args`` leave out; once collected, through ``go`` of ``direct_launch.grid_launcher``
+    (``go(gx, gy, gz, stream, args)``). A call without a document launches nothing."""
 
     __slots__ = ("kernel", "grid", "slots", "take", "tail", "opts", "go", "args", "slot", "per_doc")
 
-    def __init__(self, kernel, grid, slots, tail, opts, slot: int = -1, per_doc: bool = False):
+    def __init__(self, kernel, grid, slots, tail, opts, slot: int = -1, per_doc: int = 0):
         self.kernel, self.grid, self.slots, self.tail, self.opts = kernel, grid, slots, tail, opts
         self.take = operator.itemgetter(*slots) if len(slots) > 1 else None
         self.go = self.args = None
@@ -531,7 +559,7 @@ class _Launch:
         """The grid of a call over ``ndocs`` documents (the plan's own grid if not per_doc)."""
         if not self.per_doc:
             return self.grid
-        return (self.grid[0], self.grid[1] * ndocs)
+        return (self.grid[0] + self.per_doc * ndocs, self.grid[1])
 
 
 def _zero_step(slot: int) -> _Launch:
@@ -565,12 +593,13 @@ def _collect(seq: _Seq, table, ndocs: int) -> None:
             return
         if st.per_doc and not ndocs:
             return  # not launched in this call (no document): next call
-        e = entry(st.grid_for(ndocs), st.take(table), st.tail, st.opts)
+        tail = (ndocs, *st.tail) if st.per_doc else st.tail
+        e = entry(st.grid_for(ndocs), st.take(table), tail, st.opts)
         if e is None:
             return  # not kept yet (misaligned, hooks, other device, switch off): next call
         if e is not False and st.per_doc:
             go = direct_launch.grid_launcher(e[2])
-            e = False if go is None else (go, e[1], None)
+            e = False if go is None else (go, e[1][1:], None)  # NDOCS: per call
         found.append(e)
     if any(e is False for e in found):
         seq.direct = False
@@ -616,11 +645,12 @@ def grid_bucket(n: int) -> int:
     ``n`` rows: n rounded up to a multiple of 1/8 of the power of two above it, at least 16
     (0 stays 0): 4 buckets per octave, at most 25% more rows (n > 128; at most 15 below).
 
-    Exact: every program of a grid sized for more rows than a document has finds its block or
-    segment empty (``m_lo >= L`` / ``n_lo >= L``, or no row below ``n`` in the folded kernel)
-    and returns before any load of q, k, v or store, as the programs past a shorter
-    document's end do already; the integer arguments of the launches (``NK``, blocks per
-    segment) are the bucket's, so a plan never meets another specialisation of them."""
+    Exact: the grids' blocks per segment are sized for the bucket, and every block past a
+    segment's end finds its block empty (``m_lo >= L`` / ``n_lo >= L``, or no row below ``n``
+    in the folded kernel) and returns before any load of q, k, v or store, as the blocks past
+    a shorter document's end do already; the integer arguments of the launches (``NK``, blocks
+    per segment) are the bucket's, so a plan never meets another specialisation of them (the
+    segments themselves are the flat grid's slots, counted from shapes: :func:`_axis0`)."""
     if n <= 0:
         return 0
     step = max(1 << max((n - 1).bit_length() - 3, 0), 16)
@@ -677,10 +707,12 @@ class TrainPlan:
         self.lay = _layout(q, k, docs)._replace(cu_q=None, cu_k=None)
         self.varlen = docs is not None
         if self.varlen:
-            # grids and integer arguments for the buckets of the longest lengths (plan_key), one
-            # program row per document (_Launch.per_doc: a call multiplies by its documents)
-            self.lay = self.lay._replace(programs=1, nq=grid_bucket(docs.max_q),
+            # blocks per segment and integer arguments for the buckets of the longest lengths
+            # (plan_key); the flat grids' slots per document are added per call (_Launch.per_doc)
+            self.lay = self.lay._replace(batch=1, ndocs=0, nq=grid_bucket(docs.max_q),
                                          nk=grid_bucket(docs.max_k))  # fmt: skip
+        # the kernels' NDOCS: a call's documents for packed launches (per call), else 0
+        self.nd_arg = () if self.varlen else (0,)
         self.cfgs = resolve_configs(q.shape[-1], config)
         self.branches = branch_list(seg, dil, head_ranges)
         self.has_kpm = kpm is not None
@@ -713,16 +745,17 @@ class TrainPlan:
             self.brs = _branch_table(tuple(branches), q.device)
             ost = torch.empty_like(q, device="meta").stride()  # out = torch.empty_like(q)
             nt = _cdiv(wmin // rmax, bm)
-            grid = (nt * rmax * _cdiv(lay.nk, wmin), lay.programs * nh)
+            _, fixed, per_doc = _axis0(lay, wmin, nt * rmax, 0, lay.nk)
+            grid = (fixed, lay.batch * nh)
             steps = []
-            if grid[0] * grid[1]:
+            if (fixed + per_doc) * grid[1]:
                 steps.append(_Launch(
                     _FWD_FOLDED, grid, (0, 1, 2, 3, 4, 6, 7, 8, 9),
-                    (*strides_in, ost[0], ost[1], ost[2],
+                    (*self.nd_arg, *strides_in, ost[0], ost[1], ost[2],
                      nq, nh, nh // hkv, len(branches), wmin, rmax, nt, qk_scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm,
                          PREC=_prec(q.dtype), VARLEN=lay.varlen, **_launch_kw(cfg)),
-                    per_doc=self.varlen,
+                    per_doc=per_doc,
                 ))  # fmt: skip
             self.fwd = _Seq(steps)
             return
@@ -737,8 +770,7 @@ class TrainPlan:
         self.fwd_lo_shape = (bsz, max(c1 - c0 for c0, c1 in chunks), nh, d) if chunked else self.out_shape
         lost = _contiguous_strides(self.fwd_lo_shape)
         nms = [_cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
-        first = next((bi for bi, (w, _, hs, he) in enumerate(branches)
-                      if nms[bi] * lay.segments(w)[1] * lay.programs * (he - hs)), -1)  # fmt: skip
+        first = _first_launch(lay, branches, nms)
         self.fwd_fill = not _first_branch_writes_all(branches, first, nh, lay.varlen, lay.qoff)
         steps = []
         for c0, c1 in chunks:
@@ -749,20 +781,20 @@ class TrainPlan:
             else:
                 slob, lo_row0 = ost[0], 0
             for bi, (w, r, hs, he) in enumerate(branches):
-                s0, nseg = _seg_range(lay, w, c0, c1)
                 nm = nms[bi]
-                grid = (nm * nseg, lay.programs * (he - hs))
-                if grid[0] * grid[1] == 0:
+                s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
+                grid = (fixed, lay.batch * (he - hs))
+                if (fixed + per_doc) * grid[1] == 0:
                     continue
                 steps.append(_Launch(
                     _FWD, grid, (0, 1, 2, 3, 4, 5, 6, 8, 9),
-                    (*strides_in, ost[0], ost[1], ost[2], slob, lo_row0,
+                    (*self.nd_arg, *strides_in, ost[0], ost[1], ost[2], slob, lo_row0,
                      lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, nh // hkv, w, r, s0, nm,
                      qk_scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm,
                          FIRST=bi == first, PREC=_prec(q.dtype), COMP=comp,
                          STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen, **_launch_kw(cfg)),
-                    per_doc=self.varlen,
+                    per_doc=per_doc,
                 ))  # fmt: skip
         self.fwd = _Seq(steps)
 
@@ -852,21 +884,21 @@ class TrainPlan:
             else:
                 slob, lo_row0 = kst[0], 0
             for bi, (w, r, hs, he) in enumerate(branches):
-                s0, nseg = _seg_range(lay, w, c0, c1)
                 nnb = -(-geom(w, r) // bn)
                 ni = min(rep, r)
-                grid = (nnb * nseg, lay.programs * hkv * ni)
-                if grid[0] * grid[1] == 0:
+                s0, fixed, per_doc = _axis0(lay, w, nnb, c0, c1)
+                grid = (fixed, lay.batch * hkv * ni)
+                if (fixed + per_doc) * grid[1] == 0:
                     continue
                 steps.append(_Launch(
                     _DKDV, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13),
-                    (*strides_in, kst[0], kst[1], kst[2], kst[0], kst[1], kst[2], slob, lo_row0,
-                     lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
-                     qk_scale, scale),
+                    (*self.nd_arg, *strides_in, kst[0], kst[1], kst[2], kst[0], kst[1], kst[2],
+                     slob, lo_row0, lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w,
+                     r, s0, nnb, qk_scale, scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
                          COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
                          **_launch_kw(cfgs["dkdv"])),
-                    per_doc=self.varlen,
+                    per_doc=per_doc,
                 ))  # fmt: skip
         b.dkdv = _Seq(steps)
         # dQ
@@ -883,20 +915,20 @@ class TrainPlan:
             else:
                 slob, lo_row0 = qst[0], 0
             for bi, (w, r, hs, he) in enumerate(branches):
-                s0, nseg = _seg_range(lay, w, c0, c1)
                 nm = -(-geom(w, r) // bm)
-                grid = (nm * nseg, lay.programs * (he - hs))
-                if grid[0] * grid[1] == 0:
+                s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
+                grid = (fixed, lay.batch * (he - hs))
+                if (fixed + per_doc) * grid[1] == 0:
                     continue
                 steps.append(_Launch(
                     _DQ, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
-                    (*strides_in, qst[0], qst[1], qst[2], slob, lo_row0,
+                    (*self.nd_arg, *strides_in, qst[0], qst[1], qst[2], slob, lo_row0,
                      lay.nq_stride, lay.nk, lay.qoff, hs, he - hs, nh, rep, w, r, s0, nm,
                      qk_scale, scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
                          COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
                          **_launch_kw(cfgs["dq"])),
-                    per_doc=self.varlen,
+                    per_doc=per_doc,
                 ))  # fmt: skip
         b.dq = _Seq(steps)
         return b
@@ -950,7 +982,8 @@ class TrainPlan:
 
     @staticmethod
     def _run(seq: _Seq, table: list, stream, ndocs: int = 1) -> None:
-        # ndocs: the call's documents (packed; per_doc steps launch grid[1] * ndocs programs)
+        # ndocs: the call's documents (packed: per_doc steps launch grid[0] + per_doc * ndocs
+        # programs on the first axis and take ndocs as NDOCS)
         if stream is not None and seq.direct:
             ptrs = [t.data_ptr() for t in table]
             misaligned = 0
@@ -963,13 +996,16 @@ class TrainPlan:
                     elif not st.per_doc:
                         st.go(stream, st.take(ptrs) + st.args)
                     elif ndocs:
-                        st.go(st.grid[0], st.grid[1] * ndocs, 1, stream, st.take(ptrs) + st.args)
+                        st.go(st.grid[0] + st.per_doc * ndocs, st.grid[1], 1, stream,
+                              (*st.take(ptrs), ndocs, *st.args))  # fmt: skip
                 return
         for st in seq.steps:
             if st.kernel is None:
                 table[st.slot].zero_()
-            elif ndocs or not st.per_doc:
-                st.kernel[st.grid_for(ndocs)](*st.take(table), *st.tail, **st.opts)
+            elif not st.per_doc:
+                st.kernel[st.grid](*st.take(table), *st.tail, **st.opts)
+            elif ndocs:
+                st.kernel[st.grid_for(ndocs)](*st.take(table), ndocs, *st.tail, **st.opts)
         if seq.direct is None and stream is not None:
             _collect(seq, table, ndocs)
 

@@ -339,14 +339,15 @@ def dilated_attention_triton_varlen(
     q: (total_q, H, D); k, v: (total_k, Hkv, D); cu_seqlens_q / cu_seqlens_k: int32 device
     tensors (docs + 1) of document offsets (0 first, total last, non-decreasing, no document
     with more queries than keys); max_seqlen_q / max_seqlen_k: Python ints >= every document's
-    length (they size the grid; the offsets are never read on the host). Document i is its own
-    sequence: its segments start at its first key row, its queries are bottom-right aligned in
-    it, causal is within it, nothing crosses a document boundary.
+    length (they size the blocks per segment; the offsets are never read on the host).
+    Document i is its own sequence: its segments start at its first key row, its queries are
+    bottom-right aligned in it, causal is within it, nothing crosses a document boundary.
 
     Returns out (total_q, H, D) in q's dtype and lse (H, total_q) float32 (not
     differentiable); out is differentiable in q, k, v. One launch per branch and kernel, never
-    one per document: the grid covers docs x ceil(max_seqlen / w) segments and programs past a
-    document's end return at once.
+    one per document: the grid is flat, total_k // w + docs (document, segment) slots per
+    branch, each program finding its own in the offsets (triton_kernels.py, "Packed
+    documents").
     """
     ranges = branch_head_ranges(q.shape[1], len(segment_lengths), head_assignment)
     op = _triton_varlen_fwd_op if _compiling() else _EagerVarlen.apply
