@@ -178,19 +178,32 @@ def test_varlen_torch_compile(seed):
 
 
 # ------------------------------------------------------------------------------- CUDA, real sizes
+# (key lengths, query lengths when they differ): 8 documents, ~16K tokens; 30 documents, ~46K
+# tokens, for the flat (document, segment) grid: empty ones first, last and three in a row,
+# one-token documents, multiples of w, a document of 9 segments of w = 1024, documents starting
+# at multiples of w (1024, 4096, 8192) and one just after (8193)
+_CUDA_K30 = [0, 1, 1023, 3072, 4096, 0, 0, 1, 2047, 9000, 0, 512, 4097, 1, 1, 6000, 0, 0, 0, 2048,
+             300, 7, 4095, 1, 5000, 128, 0, 1024, 3333, 0]  # fmt: skip
+CUDA_DOCS = {
+    "8docs": ([4000, 1, 700, 2500, 0, 3333, 4096, 1570], [4000, 1, 350, 2500, 0, 3333, 4000, 1]),
+    "30docs": (_CUDA_K30, [n if i % 3 else n // 2 for i, n in enumerate(_CUDA_K30)]),
+}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("same_offsets", [False, True], ids=["short_q", "same_offsets"])
-def test_varlen_cuda_vs_per_document(seed, causal, same_offsets):
-    """8 documents, ~16K tokens, bf16, GQA 8/2 x 128, branches up to w = 4096 (longer than most
-    documents), some documents with fewer queries than keys (or, with shared offsets, the folded
-    forward when not causal). Judged as tests/test_triton.py's CUDA tests: the error against the
-    float32 reference run on each document alone is <= 2x the error of impl="torch" in bf16
-    (the same-dtype baseline, per document) + 1e-3."""
+@pytest.mark.parametrize("docs", list(CUDA_DOCS))
+def test_varlen_cuda_vs_per_document(seed, causal, same_offsets, docs):
+    """Packed documents (CUDA_DOCS), bf16, GQA 8/2 x 128, branches up to w = 4096 (longer than
+    most documents), some documents with fewer queries than keys (or, with shared offsets, the
+    folded forward when not causal). Judged as tests/test_triton.py's CUDA tests: the error
+    against the float32 reference run on each document alone is <= 2x the error of
+    impl="torch" in bf16 (the same-dtype baseline, per document) + 1e-3."""
     from dilated_attention import dilated_attention
 
-    klens = [4000, 1, 700, 2500, 0, 3333, 4096, 1570]
-    qlens = list(klens) if same_offsets else [4000, 1, 350, 2500, 0, 3333, 4000, 1]
+    klens, short_q = CUDA_DOCS[docs]
+    qlens = list(klens) if same_offsets else short_q
     h, hkv, d = 8, 2, 128
     seg, dil = [1024, 2048, 4096], [1, 2, 4]
     q, k, v, do = _packed(qlens, klens, h, hkv, d, torch.bfloat16, "cuda")
