@@ -18,6 +18,8 @@
 #                                       per call), profile_varlen.py (issue 22: causal varlen per launch
 #                                       and block-config variants), then the CUDA tests named in
 #                                       $PROFILE_TESTS (default: the plan / varlen / decode files)
+#   bash scripts/gpu_check.sh varlen    issue 22 item 2: profile_varlen.py (per launch; $VARLEN_CONFIGS variants),
+#                                       bench_varlen.py (the results table), then the varlen / plan CUDA tests
 #   bash scripts/gpu_check.sh tune-dkdv benchmarks/tune_triton.py --kernels dkdv (issue 24: the dK/dV
 #                                       kernel's block configs at D = 128, N = 131072), then the
 #                                       per-kernel profile of the headline shape
@@ -116,6 +118,19 @@ case "${1:-tests}" in
     grep -A8 "^| call" "$OUT/profile_host.txt"; grep -E "rc=" "$OUT/profile_host.txt"
     grep -E "^- |^\| [a-z0-9]" "$OUT/profile_varlen.txt" | tail -24; tail -3 "$OUT/profile_varlen.txt"
     tail -6 "$OUT/cuda_tests.txt"
+    ;;
+  varlen)
+    timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_varlen.py --configs "${VARLEN_CONFIGS:-default}" --out "$OUT/profile_varlen.md" > "$OUT/profile_varlen.txt" 2>&1
+    echo "profile_varlen rc=$?" >> "$OUT/profile_varlen.txt"
+    timeout "${VARLEN_TIMEOUT:-200}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" > "$OUT/varlen.txt" 2>&1
+    echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
+    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -q -m cuda -n "${WORKERS:-8}" -p no:cacheprovider -rfE \
+      ${VARLEN_TESTS:-tests/test_triton_varlen.py tests/test_triton_varlen_flat.py tests/test_train_plan.py tests/test_varlen.py} \
+      > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    grep -E "^- " "$OUT/profile_varlen.txt" | tail -8; grep -E "rc=" "$OUT/profile_varlen.txt"
+    grep -E "^\| (True|False)|^- causal" "$OUT/varlen.txt"; grep -E "rc=" "$OUT/varlen.txt"
+    tail -4 "$OUT/cuda_tests.txt"
     ;;
   tune-dkdv)
     timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune_triton.py --kernels dkdv --max-seconds "${TUNE_SECONDS:-330}" \
