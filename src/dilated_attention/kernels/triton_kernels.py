@@ -183,31 +183,44 @@ def _fwd_inner(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
-    h_start, m_start, j0, nj, nhl, offs_n, valid_k, qk_scale,
+    h_start, m_start, j0, nj, jskip, jgap, nhl, offs_n, valid_k, qk_scale,
     D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    PREC: tl.constexpr, MASKED: tl.constexpr,
+    PREC: tl.constexpr, MASKED: tl.constexpr, ROWS_FULL: tl.constexpr,
 ):
-    # one flat loop over (query head, query block j0..j0+nj): a nested loop under software
-    # pipelining gave a wrong dK on the GPU (benchmarks/NOTES_triton.md), so keep it flat
+    # one flat loop over (query head, query block j0..j0+nj, blocks from jskip on moved up by
+    # jgap): a nested loop under software pipelining gave a wrong dK on the GPU
+    # (benchmarks/NOTES_triton.md), so keep it flat. ROWS_FULL: every row of every block of
+    # this call is a query of the block (inside L, at or after the first query row), so the
+    # q / dO / LSE / delta loads need no row mask: a mask per row (packed documents: their
+    # lengths and query offsets are runtime values, so the compiler cannot share predicates
+    # between rows) costs integer work in every iteration of this loop
     offs_d = tl.arange(0, D)
     njd = tl.maximum(nj, 1)  # no division by zero in a pipelined prologue of an empty loop
     for it in range(0, nhl * nj):
         h = h_start + (it // njd) * R
-        m_lo = m_start + (j0 + it % njd) * BM
+        j = j0 + it % njd
+        j = tl.where(j >= jskip, j + jgap, j)
+        m_lo = m_start + j * BM
         offs_m = m_lo + tl.arange(0, BM)
         pos_m = (pos0 + R * offs_m).to(tl.int64)
         qrow = pos_m - QOFF
-        valid_m = (offs_m < L) & (qrow >= 0)
-        q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
-                    mask=valid_m[:, None], other=0.0)
-        do = tl.load(DOb + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
-                     mask=valid_m[:, None], other=0.0)
         hq = h * NQ
-        lse = tl.load(LSEb + hq + qrow, mask=valid_m, other=float("inf"))
-        # rows with no key (lse = -inf) get no gradient: treat as +inf => p = 0; so do the
-        # rows that do not exist (other=+inf), which is why no query-row mask is needed
+        if ROWS_FULL:
+            q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :])
+            do = tl.load(DOb + qrow[:, None] * sdon + h * sdoh + offs_d[None, :])
+            lse = tl.load(LSEb + hq + qrow)
+            dlt = tl.load(DELTAb + hq + qrow)
+        else:
+            valid_m = (offs_m < L) & (qrow >= 0)
+            q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
+                        mask=valid_m[:, None], other=0.0)
+            do = tl.load(DOb + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
+                         mask=valid_m[:, None], other=0.0)
+            # rows that do not exist get other=+inf => p = 0 (no query-row mask needed below)
+            lse = tl.load(LSEb + hq + qrow, mask=valid_m, other=float("inf"))
+            dlt = tl.load(DELTAb + hq + qrow, mask=valid_m, other=0.0)
+        # rows with no key (lse = -inf) get no gradient: treat as +inf => p = 0
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-        dlt = tl.load(DELTAb + hq + qrow, mask=valid_m, other=0.0)
         # transposed form (keys on the rows): P^T and dS^T are the left operands in the
         # layout the MMA produced them in, no register transpose; only loaded tiles (q, do)
         # are transposed, which is free
@@ -566,23 +579,32 @@ def dilated_bwd_dkdv_kernel(
     DELTAb = DELTA + l_base
     pos0 = seg_start + o
     # masked stage: query blocks that straddle the causal diagonal (all of them with a key
-    # padding mask); then the mask-free stage. Key rows past L (partial key block) need no
-    # mask here: their dK/dV rows are never stored.
+    # padding mask); then the blocks without a causal mask: those whose rows are all queries
+    # of the block ([jf0, jf1): no row masks either) and the at most two others (a first block
+    # that starts before the first query row, a last one that ends past L), with row masks.
+    # Key rows past L (partial key block) need no mask here: their dK/dV rows are never stored.
     if HAS_KPM:
         ndiag = nmb
     elif CAUSAL:
         ndiag = tl.minimum(tl.maximum(n_lo + BN - 1 - m_start + BM - 1, 0) // BM, nmb)
     else:
         ndiag = nmb * 0
+    jf0 = tl.minimum(tl.maximum(ndiag, (t_q0 - m_start + BM - 1) // BM), nmb)
+    jf1 = tl.maximum(tl.minimum((L - m_start) // BM, nmb), jf0)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qoff, pos0, R, L,
-        h_start, m_start, 0, ndiag, nhl, offs_n, valid_k, qk_scale,
-        D, BM, CAUSAL, HAS_KPM, PREC, True,
+        h_start, m_start, 0, ndiag, nmb, 0, nhl, offs_n, valid_k, qk_scale,
+        D, BM, CAUSAL, HAS_KPM, PREC, True, False,
     )
     dk, dv = _dkdv_inner(
         dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qoff, pos0, R, L,
-        h_start, m_start, ndiag, nmb - ndiag, nhl, offs_n, valid_k, qk_scale,
-        D, BM, CAUSAL, HAS_KPM, PREC, False,
+        h_start, m_start, ndiag, (jf0 - ndiag) + (nmb - jf1), jf0, jf1 - jf0, nhl, offs_n,
+        valid_k, qk_scale, D, BM, CAUSAL, HAS_KPM, PREC, False, False,
+    )
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qoff, pos0, R, L,
+        h_start, m_start, jf0, jf1 - jf0, nmb, 0, nhl, offs_n, valid_k, qk_scale,
+        D, BM, CAUSAL, HAS_KPM, PREC, False, True,
     )
     dk = dk * sm_scale
     dk_off = dk_base + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
