@@ -540,11 +540,14 @@ def test_launch_form_is_the_launchers_call_inlined(monkeypatch):
 
     monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
     ck = _FakeCompiled()
+    ck.run.launch_pdl = True  # cooperative and PDL told apart
     direct_launch.launcher(ck, (5, 3))(999, (10, 20, 1.5, "tf32"))
     launch, pre, post = direct_launch.launch_form(ck, (5, 3))
     assert launch is ck.run.launch and pre == (5, 3, 1)
     launch(*pre, 999, *post, 10, 20, 1.5, "tf32")
-    assert len(ck.run.calls) == 2 and ck.run.calls[0] == ck.run.calls[1]
+    # Triton 3.6's layout (see test_launcher_passes_triton_36_layout), both ways
+    want = (5, 3, 1, 999, 77, False, True, None, None, (4, 1, 0), None, None, None, 10, 20, 1.5, "tf32")
+    assert ck.run.calls == [want, want]
 
 
 def test_launcher_refuses_what_it_cannot_launch(monkeypatch):
