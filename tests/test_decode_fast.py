@@ -481,7 +481,7 @@ def _drop_plans():
     td._PLANS.clear()  # and the fast path's entries
 
 
-def _arm(monkeypatch):
+def _arm(monkeypatch, dev_index: int):
     """Stand-in launches for the plans of this process (CPU tensors posing as a GPU's, as
     benchmarks/host_cost_decode_cpu.py does): returns the list of launches. With the fixture
     ``_drop_plans``: the plans are dropped after the test."""
@@ -491,7 +491,7 @@ def _arm(monkeypatch):
     launches = _Launches()
     monkeypatch.setattr(direct_launch, "current_stream", lambda i: 5)
     monkeypatch.setattr(direct_launch, "capturing", lambda: False)
-    monkeypatch.setattr(direct_launch, "current_device", lambda: -1)  # a CPU tensor's get_device()
+    monkeypatch.setattr(direct_launch, "current_device", lambda: dev_index)  # the plans' device (-1: the CPU)
     monkeypatch.setattr(td, "_WORKSPACES", {})
     form = (launches, (1, 1, 1), (None,) * 9)
     for plan in td._PLANS.values():
@@ -529,7 +529,7 @@ def test_a_repeated_call_runs_its_plan_and_nothing_else(seed, monkeypatch, route
     fn = (lambda: _kv(q, k, v, sl, return_lse=False)) if route == "kv" else (lambda: _da(q, k, v, return_lse=False))
     with torch.no_grad():
         fn()
-        launches = _arm(monkeypatch)
+        launches = _arm(monkeypatch, q.get_device())
         fn()  # takes the workspace of the stand-in stream
         names = _profile(fn)
     assert launches.n == 4  # two calls, two launches each

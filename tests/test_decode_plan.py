@@ -776,6 +776,34 @@ def test_cuda_two_streams_and_graph_capture():
     assert torch.equal(og, want[0]) and torch.equal(lg, want[1]) and torch.equal(eager, want[0])
 
 
+@pytest.mark.cuda
+def test_cuda_plans_keep_workspaces_across_streams_and_table_replacements(monkeypatch):
+    # two plans (both front doors) on three streams, with a table of two workspaces: every call
+    # takes another stream's buffer or a replaced table's, the plans' kept buffers change hands;
+    # every result must be the single-stream one, bit for bit, and no output is overwritten later
+    td = _td()
+    seg, dil, cases = _cuda_cases()
+    _, q, k, v, sl = cases[0]
+    want_kv = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True)
+    want_da = dilated_attention(q, k, v, seg, dil, causal=True, return_lse=True, impl="triton")
+    monkeypatch.setattr(td, "_MAX_WORKSPACES", 2)
+    epoch = td._WS_EPOCH
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for i in range(12):
+        with torch.cuda.stream(streams[i % 3]):
+            outs.append(("kv", dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True)))
+        with torch.cuda.stream(streams[(i + 1) % 3]):
+            outs.append(("da", dilated_attention(q, k, v, seg, dil, causal=True, return_lse=True, impl="triton")))
+    torch.cuda.synchronize()
+    assert td._WS_EPOCH > epoch  # the table was replaced while plans held its buffers
+    for route, (o, lse) in outs:
+        w = want_kv if route == "kv" else want_da
+        assert torch.equal(o, w[0]) and torch.equal(lse, w[1]), route
+
+
 # ------------------------------------------------------------------------------ the A/B script
 
 
@@ -799,6 +827,31 @@ def test_ab_decode_tiny_runs(tmp_path):
     text = out.read_text()
     assert "| 64 | kvcache |" in text and "| 64 | dilated_attention |" in text
     assert "plans with launchers" in text and "wrote" in res.stdout
+
+
+@pytest.mark.parametrize("script", ["host_cost_decode_cpu.py", "host_parts_decode.py"])
+def test_host_cost_scripts_tiny_runs(script):
+    # the host-cost scripts stand in for the plans' launches and device queries on the CPU:
+    # they follow DecodePlan's internals, so a change there must keep them running
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available() and script == "host_parts_decode.py":
+        pytest.skip("on a GPU this script times the real calls: run it by hand")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"), TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / script), "--calls", "40", "--rounds", "1", "--cache", "256"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 8, res.stdout
+    if script == "host_cost_decode_cpu.py":  # the calls per call of a steady kv call (test_decode_fast's bound)
+        row = next(r for r in rows if r.startswith("| with_kvcache triton |"))
+        assert int(row.split("|")[4]) <= 25, row
 
 
 # ------------------------------------------------------------------------------ training launches (DirectKernel)

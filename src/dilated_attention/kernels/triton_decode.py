@@ -421,7 +421,7 @@ class DecodePlan:
             st = self.ws_state
             if st[0] != stream or st[1] != _WS_EPOCH:
                 st = self._eager_workspace(stream)
-            ws, wp, lpw, lsw = st[2], st[3], st[4], st[5]
+            _, _, ws, wp, lpw, lsw = st
         else:
             ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
             wp = ws.data_ptr()
