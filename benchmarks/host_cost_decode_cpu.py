@@ -12,7 +12,10 @@ Both routes: ``dilated_attention_with_kvcache(q, k, v, cache_seqlens_tensor, ...
 ``dilated_attention(q_one_row, k, v, ...)``, each with ``impl="triton"`` (on the CPU ``"auto"``
 picks the torch path) and ``impl="auto"`` with the decode rule told that the device can run the
 kernel (``q.is_cuda`` is what differs on a GPU). Median per call over ``--calls`` calls, in
-``--rounds`` interleaved rounds; prints one table row per route::
+``--rounds`` interleaved rounds, and the number of Python and C function calls per call under
+cProfile (the figure that carries over to a slower host best; the route's own lambda not
+counted; the stand-ins of the three CUDA state queries count as one call each, as the C
+functions they stand for do); prints one table row per route::
 
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/host_cost_decode_cpu.py [--calls 20000]
 
@@ -29,7 +32,9 @@ host) is not in these numbers.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import time
 
@@ -49,7 +54,7 @@ class _NoKernel:
         return lambda *a, **kw: None
 
 
-def _noop(stream, args):
+def _noop(*args):  # stands in for Triton's C launch (grid, stream, function, ..., kernel arguments)
     return None
 
 
@@ -73,9 +78,10 @@ def _stand_ins() -> None:
 
 
 def _arm_plans() -> None:
+    form = (_noop, (1, 1, 1), (None,) * 9)  # direct_launch.launch_form's layout
     for plan in td._PLANS.values():
         plan.cuda = True
-        plan.split_go = plan.reduce_go = _noop
+        plan._keep_launchers(form, form)
 
 
 def main(argv=None) -> None:
@@ -91,8 +97,9 @@ def main(argv=None) -> None:
     k, v = (torch.randn(1, args.cache, 8, 128, dtype=dt) for _ in range(2))
     lens = torch.full((1,), args.cache, dtype=torch.int32)
     per_round = max(1, args.calls // args.rounds)
-    # the growing caches: call i of a round sees cache + i tokens of one buffer
-    kb, vb = (torch.randn(1, args.cache + per_round, 8, 128, dtype=dt) for _ in range(2))
+    # the growing caches: call i of a round (and of the warm-up and profile loops) sees cache + i
+    # tokens of one buffer
+    kb, vb = (torch.randn(1, args.cache + max(per_round, 200), 8, 128, dtype=dt) for _ in range(2))
     row = 8 * 128
 
     def view(buf, n):
@@ -121,6 +128,14 @@ def main(argv=None) -> None:
         for fn in routes.values():
             for i in range(200):
                 fn(i)
+        ncalls = {}
+        for name, fn in routes.items():
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(200):
+                fn(i)
+            prof.disable()
+            ncalls[name] = pstats.Stats(prof).total_calls / 200 - 1  # not the route's lambda
         plans_before = len(td._PLANS)
         med: dict[str, list[float]] = {n: [] for n in routes}
         mean: dict[str, list[float]] = {n: [] for n in routes}
@@ -135,10 +150,10 @@ def main(argv=None) -> None:
                     ts.append(clock() - t0)
                 mean[name].append((clock() - t_all) / per_round / 1e3)
                 med[name].append(statistics.median(ts) / 1e3)
-    print(f"| route (CPU, stand-in launches, cache {args.cache}) | median us/call | mean us/call (loop) |")
-    print("|---|---|---|")
+    print(f"| route (CPU, stand-in launches, cache {args.cache}) | median us/call | mean us/call (loop) | calls/call |")
+    print("|---|---|---|---|")
     for name in routes:
-        print(f"| {name} | {statistics.median(med[name]):.2f} | {statistics.median(mean[name]):.2f} |")
+        print(f"| {name} | {statistics.median(med[name]):.2f} | {statistics.median(mean[name]):.2f} | {ncalls[name]:.0f} |")
     print(f"\ndecode plans: {plans_before} after the warm-up, {len(td._PLANS)} after the timed calls "
           f"(the table keeps at most {td._MAX_PLANS})")
 

@@ -398,3 +398,165 @@ def test_training_shaped_calls_build_no_key():
 
     assert key(1, 64) is not None and key(64, 65) is not None
     assert key(64, 64) is None and key(65, 200) is None and key(128, 128) is None
+
+
+# ------------------------------------------------------------------------------ exact key first, class key on a miss
+
+
+@pytest.mark.parametrize("route", ["kv", "da"])
+def test_exact_key_first_then_the_class_key_of_a_growing_cache(seed, monkeypatch, route):
+    # a steady call finds its entry by exact key and never computes the class key; a cache
+    # that grows (a view of one buffer, then fresh tensors whose batch stride grows too) misses
+    # the exact key on every step and finds the same entry by class key: no full path, no new
+    # entry, the per-call path's bits; a length of another class (32) gets its own entry
+    seen = _spy_checks(monkeypatch)
+    classes = []
+    orig = decode._class_key
+    monkeypatch.setattr(decode, "_class_key", lambda key: classes.append(1) or orig(key))
+    q = torch.randn(2, 1, 4, 16, device=DEV)
+    kb, vb = torch.randn(2, 40, 2, 16, device=DEV), torch.randn(2, 40, 2, 16, device=DEV)
+    lens = torch.tensor([17, 12], dtype=torch.int32, device=DEV)
+
+    def run(k, v):
+        return _kv(q, k, v, lens) if route == "kv" else _da(q, k, v)
+
+    def per_call(k, v):
+        flags.set_direct_launch(False)
+        try:
+            return run(k, v)
+        finally:
+            flags.set_direct_launch(True)
+
+    first = run(kb[:, :20], vb[:, :20])  # the class key twice: the lookup's (a miss), then the store's
+    assert seen == [route] and len(decode._FAST) == len(decode._FAST_CLASS) == 1 and len(classes) == 2
+    entry = next(iter(decode._FAST.values()))
+    assert next(iter(decode._FAST_CLASS.values())) is entry
+    for _ in range(3):  # steady: the exact key
+        _same(run(kb[:, :20], vb[:, :20]), first)
+    assert seen == [route] and len(classes) == 2
+    steps = [(kb[:, :n], vb[:, :n]) for n in (21, 22, 23)]
+    steps += [(torch.randn(2, n, 2, 16, device=DEV), torch.randn(2, n, 2, 16, device=DEV)) for n in (24, 25)]
+    for k, v in steps:
+        n_seen, n_classes = len(seen), len(classes)
+        got = run(k, v)
+        assert len(seen) == n_seen and len(classes) == n_classes + 1, k.shape[1]  # the class key, after the exact miss
+        assert len(decode._FAST) == len(decode._FAST_CLASS) == 1  # no entry per step
+        _same(got, per_call(k, v))  # (the full path: the switch off)
+    _same(run(kb[:, :32], vb[:, :32]), per_call(kb[:, :32], vb[:, :32]))  # another class: its own entry
+    assert len(decode._FAST) == len(decode._FAST_CLASS) == 2
+    assert next(iter(decode._FAST.values())) is entry
+
+
+def test_a_class_key_needs_one_shape_for_k_and_v(seed):
+    # the class key leaves the lengths out: k and v of different lengths get none (the full
+    # path raises), even where an entry of their classes exists
+    q, k, v, sl = _inputs(c=40)
+    _kv(q, k, v, sl)
+    key = decode.fast_key("kv", q, k, v[:, :39], SEG, DIL, True, None, "all", "triton", None)
+    assert key is not None and decode._class_key(key) is None
+    with pytest.raises(ValueError, match="differ"):
+        _kv(q, k, v[:, :39], sl)
+
+
+# ------------------------------------------------------------------------------ the host work of a hit
+
+
+class _Launches:
+    """Stands in for Triton 3.6's C launch (grid, stream, function, ..., the kernel arguments):
+    counts the launches, calling no other function (the profile below counts every call)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, *a):
+        self.n += 1
+
+
+@pytest.fixture
+def _drop_plans():
+    """Drop every decode plan after the test (:func:`_arm` changes the plans it finds)."""
+    from dilated_attention.kernels import triton_decode as td
+
+    yield
+    td._PLANS.clear()  # and the fast path's entries
+
+
+def _arm(monkeypatch, dev_index: int):
+    """Stand-in launches for the plans of this process (CPU tensors posing as a GPU's, as
+    benchmarks/host_cost_decode_cpu.py does): returns the list of launches. With the fixture
+    ``_drop_plans``: the plans are dropped after the test."""
+    from dilated_attention.kernels import direct_launch
+    from dilated_attention.kernels import triton_decode as td
+
+    launches = _Launches()
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: 5)
+    monkeypatch.setattr(direct_launch, "capturing", lambda: False)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: dev_index)  # the plans' device (-1: the CPU)
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    form = (launches, (1, 1, 1), (None,) * 9)
+    for plan in td._PLANS.values():
+        plan.cuda = True
+        plan._keep_launchers(form, form)
+    return launches
+
+
+def _profile(fn):
+    """The names of the Python and C functions ``fn()`` calls, in order."""
+    import sys
+
+    names = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            names.append(frame.f_code.co_name)
+        elif event == "c_call":
+            names.append(getattr(arg, "__name__", repr(arg)))
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names[:-1]  # not setprofile itself
+
+
+@pytest.mark.parametrize("route", ["kv", "da"])
+def test_a_repeated_call_runs_its_plan_and_nothing_else(seed, monkeypatch, route, _drop_plans):
+    # the host work of a repeated decode call (issue 23 item 2: the GPU machine's host is slow,
+    # every call counts): the stored plan's two launches and no function of the full path; the
+    # number of Python and C function calls is the figure that carries over to that host
+    q, k, v, sl = _inputs()
+    fn = (lambda: _kv(q, k, v, sl, return_lse=False)) if route == "kv" else (lambda: _da(q, k, v, return_lse=False))
+    with torch.no_grad():
+        fn()
+        launches = _arm(monkeypatch, q.get_device())
+        fn()  # takes the workspace of the stand-in stream
+        names = _profile(fn)
+    assert launches.n == 4  # two calls, two launches each
+    names = names[names.index("dilated_attention_with_kvcache" if route == "kv" else "dilated_attention") :]
+    full_path = {"_check", "describe_call", "decode_core", "decode_triton", "plan_key", "get_plan", "run",
+                 "_class_key", "cache_classes", "normalize_branches", "pick_decode_impl", "pick_impl",
+                 "_eager_workspace", "_workspace", "_launch_jit", "_run_jit"}  # fmt: skip
+    if route == "da":  # api.py's fast-path block runs plan.run until it calls decode.fast_call
+        full_path.discard("run")
+    assert not full_path & set(names), names
+    assert names.count("launch") == 1 and names.count("__call__") == 2, names  # DecodePlan.launch, both kernels
+    assert names.count("empty_like") == 1 and names.count("data_ptr") == 5 - (route == "da"), names
+    # 41 per call before (benchmarks/results/profile_host_h100_2026-11-26.md); here the three
+    # CUDA state queries are Python stand-ins, on a GPU they are C calls: the same count. The
+    # "da" route: 26 once api.py calls decode.fast_call (3 more through autocast_dtype and run)
+    assert len(names) <= {"kv": 25, "da": 29}[route], (len(names), names)
+
+
+def test_outputs_of_repeated_calls_are_never_aliased(seed):
+    # the workspace is reused per stream; outputs never are: a kept output is not overwritten by
+    # the next call with other data
+    q, k, v, sl = _inputs()
+    first = _kv(q, k, v, sl, return_lse=False)
+    keep = first.clone()
+    q2 = torch.randn_like(q)
+    second = _kv(q2, k, v, sl, return_lse=False)
+    assert first.data_ptr() != second.data_ptr()
+    assert torch.equal(first, keep) and not torch.equal(second, first)
+    third = _da(q, k, v, return_lse=False)
+    assert torch.equal(first, keep) and third.data_ptr() not in (first.data_ptr(), second.data_ptr())

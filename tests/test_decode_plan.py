@@ -146,26 +146,38 @@ def test_plan_arguments_follow_the_kernel_signature(seed):
 
 
 class _Recorder:
+    """Stands in for Triton 3.6's C ``launch``: records (stream, kernel arguments)."""
+
     def __init__(self):
         self.calls = []
 
-    def __call__(self, stream, args):
-        self.calls.append((stream, args))
+    def __call__(self, *a):
+        # grid x, y, z, stream, function, cooperative, pdl, 2 scratch, metadata, 3 hooks/metadata
+        assert len(a) > 13 and a[:3] == (1, 1, 1) and a[4:13] == _POST
+        self.calls.append((a[3], a[13:]))
+
+
+_POST = ("function", False, False, None, None, "meta", None, None, None)
+
+
+def _form(rec):
+    """A ``direct_launch.launch_form`` around a recorder."""
+    return rec, (1, 1, 1), _POST
 
 
 def _fake_direct(monkeypatch, td, plan):
     """Give a CPU plan stand-in launchers (a CPU run cannot launch compiled kernels) and the
-    device queries they need; returns the recorders."""
+    device queries they need; returns the recorders. Triton's launch hooks are the real ones
+    (none installed)."""
     from dilated_attention.kernels import direct_launch
 
     monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index)
     monkeypatch.setattr(direct_launch, "current_stream", lambda i: 1234)
     monkeypatch.setattr(direct_launch, "capturing", lambda: False)
-    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
     monkeypatch.setattr(td, "_WORKSPACES", {})
     plan.cuda = True  # the GPU branch (stream, reused workspace) on CPU tensors
     split, red = _Recorder(), _Recorder()
-    plan.split_go, plan.reduce_go = split, red
+    plan._keep_launchers(_form(split), _form(red))
     return split, red
 
 
@@ -218,20 +230,44 @@ def test_misaligned_pointer_never_reaches_a_compiled_binary(seed, monkeypatch, w
 
 
 def test_direct_path_needs_current_device_and_idle_hooks(seed, monkeypatch):
+    # Triton's own launch hooks (knobs.runtime): a HookChain with a hook, a hook of another kind
+    # (a plain function, as older Tritons took), then none; the current device last
     td = _td()
+    from triton import knobs
+
     td._PLANS.clear()
     q, k, v, sl = _inputs()
+    want = td.decode_triton_jit(q, k, v, sl, None, ROWS, True, 0.3)
     td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
     plan = next(iter(td._PLANS.values()))
     split, _ = _fake_direct(monkeypatch, td, plan)
     from dilated_attention.kernels import direct_launch
 
-    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: False)
-    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
-    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    rt = knobs.runtime
+    assert direct_launch.hooks_idle() and not rt.launch_enter_hook.calls and not rt.launch_exit_hook.calls
+
+    def hook(*a, **kw):
+        pass
+
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        getattr(rt, name).add(hook)
+        try:
+            assert not direct_launch.hooks_idle()
+            _same(td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3), want)  # Triton's path
+        finally:
+            getattr(rt, name).remove(hook)
+        assert split.calls == [], name
+        chain = getattr(rt, name)
+        monkeypatch.setattr(rt, name, hook)  # not a HookChain: the general answer (not idle)
+        assert not direct_launch.hooks_idle()
+        _same(td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3), want)
+        assert split.calls == [], name
+        monkeypatch.setattr(rt, name, chain)
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)  # no hook: the direct launch
+    assert len(split.calls) == 1
     monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index + 1)
     td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
-    assert split.calls == []
+    assert len(split.calls) == 1
 
 
 def test_workspace_reused_per_stream_fresh_while_capturing(seed, monkeypatch):
@@ -273,6 +309,82 @@ def test_workspace_reused_per_stream_fresh_while_capturing(seed, monkeypatch):
     td._WORKSPACES.clear()
 
 
+def test_direct_launch_keeps_its_streams_workspace(seed, monkeypatch):
+    # on the direct path a plan keeps the workspace of its last eager stream (no lookup per
+    # call), takes the table's buffer again when the stream changes or the table was replaced
+    # (holding the old one until then), and never keeps a capture's fresh buffer
+    import gc
+    import weakref
+
+    td = _td()
+    from dilated_attention.kernels import direct_launch
+
+    td._PLANS.clear()
+    monkeypatch.setattr(td, "_WS_EPOCH", td._WS_EPOCH)
+    q, k, v, sl = _inputs()
+    td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+    plan = next(iter(td._PLANS.values()))
+    split, _ = _fake_direct(monkeypatch, td, plan)
+    stream, capturing, lookups = [7], [False], []
+    monkeypatch.setattr(direct_launch, "current_stream", lambda i: stream[0])
+    monkeypatch.setattr(direct_launch, "capturing", lambda: capturing[0])
+    orig = td._workspace
+    monkeypatch.setattr(td, "_workspace", lambda *a: lookups.append(a[1]) or orig(*a))
+
+    def ws_ptr():  # the workspace pointer the last direct launch got (its 7th pointer)
+        return split.calls[-1][1][6]
+
+    def call():
+        td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
+        return ws_ptr()
+
+    def table_buffer(st):
+        return td._WORKSPACES[(plan.dev_index, st, plan.ws_numel)]
+
+    a = call()
+    assert call() == a and lookups == [7]  # kept: one lookup for two calls
+    assert a == table_buffer(7).data_ptr()
+    stream[0] = 8
+    b = call()
+    assert b != a and lookups == [7, 8] and b == table_buffer(8).data_ptr()
+    stream[0] = 7
+    assert call() == a and lookups == [7, 8, 7]  # the table's buffer of stream 7 again
+    capturing[0] = True
+    c = call()
+    assert c not in (a, b) and lookups == [7, 8, 7]  # a fresh buffer, not kept
+    capturing[0] = False
+    assert call() == a and lookups == [7, 8, 7]
+    # the table replaced (full, by another plan's stream): the plan still holds its buffer, then
+    # takes one of the new table
+    old = weakref.ref(table_buffer(7))
+    monkeypatch.setattr(td, "_MAX_WORKSPACES", 2)
+    epoch = td._WS_EPOCH
+    orig(plan.dev_index, 9, plan.ws_numel, plan.device)
+    assert td._WS_EPOCH == epoch + 1 and (plan.dev_index, 7, plan.ws_numel) not in td._WORKSPACES
+    gc.collect()
+    assert old() is not None and plan.ws_state[2] is old()  # held by the plan: never freed under it
+    call()
+    assert lookups == [7, 8, 7, 7] and plan.ws_state[2] is table_buffer(7)
+    gc.collect()
+    assert old() is None  # dropped once the plan took the new table's buffer
+    assert len(split.calls) == 7
+
+
+def test_workspace_table_is_replaced_when_full(seed, monkeypatch):
+    td = _td()
+    monkeypatch.setattr(td, "_WORKSPACES", {})
+    monkeypatch.setattr(td, "_WS_EPOCH", td._WS_EPOCH)
+    monkeypatch.setattr(td, "_MAX_WORKSPACES", 2)
+    first, epoch = td._WORKSPACES, td._WS_EPOCH
+    a = td._workspace(-1, 1, 64, torch.device(DEV))
+    assert td._workspace(-1, 1, 64, torch.device(DEV)) is a
+    td._workspace(-1, 2, 64, torch.device(DEV))
+    assert td._WORKSPACES is first and len(first) == 2 and td._WS_EPOCH == epoch
+    td._workspace(-1, 3, 64, torch.device(DEV))
+    assert td._WORKSPACES is not first and len(td._WORKSPACES) == 1  # a new table, the old one left as it was
+    assert len(first) == 2 and first[(-1, 1, 64)] is a and td._WS_EPOCH == epoch + 1
+
+
 def test_launchers_kept_only_from_an_aligned_call_on_the_tensors_device(seed, monkeypatch):
     # a plan keeps the binaries of its first launch only when they carry its specialisation:
     # every pointer aligned and compiled for the tensors' device (Triton uses the current one)
@@ -289,7 +401,7 @@ def test_launchers_kept_only_from_an_aligned_call_on_the_tensors_device(seed, mo
     monkeypatch.setattr(direct_launch, "current_device", lambda: dev[0])
     monkeypatch.setattr(direct_launch, "current_stream", lambda i: 5)
     monkeypatch.setattr(direct_launch, "capturing", lambda: False)
-    monkeypatch.setattr(direct_launch, "launcher", lambda ck, grid: made.append(grid) or _Recorder())
+    monkeypatch.setattr(direct_launch, "launch_form", lambda ck, grid: made.append(grid) or _form(_Recorder()))
     monkeypatch.setattr(td, "_WORKSPACES", {})
     td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)  # foreign current device
     assert made == [] and plan.split_go is None
@@ -422,17 +534,35 @@ def test_launcher_passes_triton_36_layout(monkeypatch):
     assert ck.run.calls == [(5, 3, 1, 999, 77, False, False, None, None, (4, 1, 0), None, None, None, 10, 20, 1.5, "tf32")]
 
 
+def test_launch_form_is_the_launchers_call_inlined(monkeypatch):
+    # DecodePlan.launch calls launch(*pre, stream, *post, *args) itself: the same C call as go()
+    from dilated_attention.kernels import direct_launch
+
+    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+    ck = _FakeCompiled()
+    ck.run.launch_pdl = True  # cooperative and PDL told apart
+    direct_launch.launcher(ck, (5, 3))(999, (10, 20, 1.5, "tf32"))
+    launch, pre, post = direct_launch.launch_form(ck, (5, 3))
+    assert launch is ck.run.launch and pre == (5, 3, 1)
+    launch(*pre, 999, *post, 10, 20, 1.5, "tf32")
+    # Triton 3.6's layout (see test_launcher_passes_triton_36_layout), both ways
+    want = (5, 3, 1, 999, 77, False, True, None, None, (4, 1, 0), None, None, None, 10, 20, 1.5, "tf32")
+    assert ck.run.calls == [want, want]
+
+
 def test_launcher_refuses_what_it_cannot_launch(monkeypatch):
     from dilated_attention.kernels import direct_launch
 
-    assert direct_launch.launcher(None, (1,)) is None  # the interpreter returns no kernel
-    monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
-    ck = _FakeCompiled()
-    ck.run.global_scratch_size = 128
-    assert direct_launch.launcher(ck, (1,)) is None  # needs scratch memory: Triton's path
-    ck = _FakeCompiled()
-    ck._run = object()  # another launcher class
-    assert direct_launch.launcher(ck, (1,)) is None
+    for build in (direct_launch.launcher, direct_launch.launch_form):
+        monkeypatch.undo()
+        assert build(None, (1,)) is None  # the interpreter returns no kernel
+        monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
+        ck = _FakeCompiled()
+        ck.run.global_scratch_size = 128
+        assert build(ck, (1,)) is None  # needs scratch memory: Triton's path
+        ck = _FakeCompiled()
+        ck._run = object()  # another launcher class
+        assert build(ck, (1,)) is None
 
 
 class _JitSpy:
@@ -646,6 +776,34 @@ def test_cuda_two_streams_and_graph_capture():
     assert torch.equal(og, want[0]) and torch.equal(lg, want[1]) and torch.equal(eager, want[0])
 
 
+@pytest.mark.cuda
+def test_cuda_plans_keep_workspaces_across_streams_and_table_replacements(monkeypatch):
+    # two plans (both front doors) on three streams, with a table of two workspaces: every call
+    # takes another stream's buffer or a replaced table's, the plans' kept buffers change hands;
+    # every result must be the single-stream one, bit for bit, and no output is overwritten later
+    td = _td()
+    seg, dil, cases = _cuda_cases()
+    _, q, k, v, sl = cases[0]
+    want_kv = dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True)
+    want_da = dilated_attention(q, k, v, seg, dil, causal=True, return_lse=True, impl="triton")
+    monkeypatch.setattr(td, "_MAX_WORKSPACES", 2)
+    epoch = td._WS_EPOCH
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for i in range(12):
+        with torch.cuda.stream(streams[i % 3]):
+            outs.append(("kv", dilated_attention_with_kvcache(q, k, v, sl, seg, dil, causal=True, return_lse=True)))
+        with torch.cuda.stream(streams[(i + 1) % 3]):
+            outs.append(("da", dilated_attention(q, k, v, seg, dil, causal=True, return_lse=True, impl="triton")))
+    torch.cuda.synchronize()
+    assert td._WS_EPOCH > epoch  # the table was replaced while plans held its buffers
+    for route, (o, lse) in outs:
+        w = want_kv if route == "kv" else want_da
+        assert torch.equal(o, w[0]) and torch.equal(lse, w[1]), route
+
+
 # ------------------------------------------------------------------------------ the A/B script
 
 
@@ -669,6 +827,31 @@ def test_ab_decode_tiny_runs(tmp_path):
     text = out.read_text()
     assert "| 64 | kvcache |" in text and "| 64 | dilated_attention |" in text
     assert "plans with launchers" in text and "wrote" in res.stdout
+
+
+@pytest.mark.parametrize("script", ["host_cost_decode_cpu.py", "host_parts_decode.py"])
+def test_host_cost_scripts_tiny_runs(script):
+    # the host-cost scripts stand in for the plans' launches and device queries on the CPU:
+    # they follow DecodePlan's internals, so a change there must keep them running
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available() and script == "host_parts_decode.py":
+        pytest.skip("on a GPU this script times the real calls: run it by hand")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"), TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / script), "--calls", "40", "--rounds", "1", "--cache", "256"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 8, res.stdout
+    if script == "host_cost_decode_cpu.py":  # the calls per call of a steady kv call (test_decode_fast's bound)
+        row = next(r for r in rows if r.startswith("| with_kvcache triton |"))
+        assert int(row.split("|")[4]) <= 25, row
 
 
 # ------------------------------------------------------------------------------ training launches (DirectKernel)

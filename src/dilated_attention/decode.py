@@ -62,7 +62,7 @@ def _triton_decode():
         return _TRITON_DECODE[0]
     from .kernels import triton_decode
 
-    triton_decode.on_plans_cleared(_FAST.clear)  # clearing the plans clears the fast path's entries
+    triton_decode.on_plans_cleared(_FAST.clear)  # clearing the plans clears the fast path's entries (both keys)
     _TRITON_DECODE.append(triton_decode)
     return triton_decode
 
@@ -185,34 +185,54 @@ def decode_core(
 # ------------------------------------------------------------------ the fast path of a repeated call
 #
 # A decode step repeats one configuration: the same shapes, strides, dtypes, devices, branch
-# lists and options on every call, only the data (and the position in cache_seqlens) change; a
-# caller whose cache grows (a view k[:, :filled], a fresh torch.cat per step) also changes the
-# cache length and maybe the caches' strides, which the key holds only by their Triton
-# specialisation classes (the plan passes the values per call), so the same entry serves it.
+# lists and options on every call, only the data (and the position in cache_seqlens) change.
 # Everything both front doors derive from those (every check, the impl, the branch rows, the
 # plan key) is then the same as on the last call, so the first call that ran a Triton plan on the
 # caller's own tensors leaves that plan here, under a key of everything the checks and decisions
-# read, and the next call with an equal key runs the plan at once (DecodePlan.run still checks
-# the pointers' alignment and the current device per call). What can change between calls with
-# equal keys is checked on every call (fast_lookup; autocast in api.py): gradient mode and
-# requires_grad, the direct launch switch, autocast, the element types of the branch lists
-# (8.0 == 8 and True == 1 hash alike). Anything unusual (a subclass of Tensor, a numpy int, a
-# strided index tensor, an int cache_seqlens) gets no key: the full path, as before. Never under
-# torch.compile (fast_key asks first).
+# read, and the next call with an equal key runs the plan at once (fast_call; DecodePlan.launch
+# still checks the pointers' alignment, the current device and the launch hooks per call).
+#
+# Two keys per entry. The exact key (fast_key) holds the caches' shapes and strides as they are:
+# a steady call builds it from a few attribute reads and one tuple hash, and its hit hands the
+# strides and the length it read to the plan. A caller whose cache grows (a view k[:, :filled],
+# a fresh torch.cat per step, whose batch stride grows too) misses it on every step and finds the
+# class key (_class_key): the cache length and the caches' strides by their Triton specialisation
+# classes (the plan passes the values per call), so that the same entry serves every step.
+# Exact first: the class key costs a Python call and a few integer operations (a steady call cost
+# 0.8-1.0 us more on the CPU box when it was the only key: benchmarks/NOTES_triton.md); a
+# growing cache pays it after the exact miss, a steady call never.
+#
+# What can change between calls with equal keys is checked on every call (fast_lookup; autocast
+# for the dilated_attention route): gradient mode and requires_grad, the direct launch switch,
+# the element types of the branch lists (8.0 == 8 and True == 1 hash alike). Anything unusual (a
+# subclass of Tensor, a numpy int, a strided index tensor, an int cache_seqlens) gets no key: the
+# full path, as before. Never under torch.compile (fast_key asks first).
 
-_FAST: dict = {}
 _MAX_FAST = 256
 _Tensor = torch.Tensor
 _SEQ = (list, tuple)
+_FAST_CLASS: dict = {}  # the class keys (growing caches), beside the exact keys of _FAST
+
+
+class _FastTable(dict):
+    """The entries by exact key; ``clear`` also clears those by class key (:data:`_FAST_CLASS`)."""
+
+    def clear(self) -> None:
+        super().clear()
+        _FAST_CLASS.clear()
+
+
+_FAST: _FastTable = _FastTable()
 
 
 def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, impl, extra=None):
-    """The key of a call for :data:`_FAST`, or None where the fast path never applies (under
-    torch.compile; other argument types than the common ones; k and v of other shapes or not 4-D,
-    an empty cache). Shape, strides, dtype and device of q; the batch, head and headdim sizes,
-    dtypes and devices of k and v, and the specialisation classes of the cache length and of the
-    caches' strides (:func:`.kernels.direct_launch.cache_classes`); the branch lists as tuples;
-    the options; ``extra`` (the index tensors)."""
+    """The exact key of a call for :data:`_FAST`, or None where the fast path never applies
+    (under torch.compile; other argument types than the common ones; for ``tag`` "da" a call
+    that is not decode-shaped). Shape and strides of k and v, of q, dtypes and devices, the
+    branch lists as tuples, the options, ``extra`` (the index tensors). No check of the values:
+    an entry is stored only for a call that passed every check, so an equal key passes them too.
+    The first four elements are k's shape and strides and v's shape and strides
+    (:func:`_class_key` and :func:`fast_call` read them there)."""
     if (
         torch.compiler.is_compiling()
         or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
@@ -221,19 +241,26 @@ def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, imp
         or (softmax_scale is not None and type(softmax_scale) is not float)
     ):  # fmt: skip
         return None
-    ks = k.shape
-    if len(ks) != 4 or v.shape != ks or ks[1] < 1:
-        return None  # the full path checks these and names what is wrong
-    if tag == "da" and not (q.dim() == 4 and ks[1] > q.shape[1] and q.shape[1] <= MAX_DECODE_ROWS):
+    qs, ks = q.shape, k.shape
+    if tag == "da" and not (len(qs) == 4 and len(ks) == 4 and qs[1] < ks[1] and qs[1] <= MAX_DECODE_ROWS):
         return None  # not decode-shaped (select.decode_applies): a training or prefill call builds no key
-    # the cache length and the caches' strides by their specialisation classes, not their values
-    # (a growing cache keeps its entry; the plan passes the values per call): every check and
-    # decision of the full path reads them only through these classes (the length: >= 1, and
-    # > seqlen_q for "da", required above; the last stride: == 1, or decode_core copies)
     return (
-        tag, q.shape, q.stride(), q.dtype, q.device, ks[0], ks[2], ks[3], cache_classes(ks[1], k.stride(), v.stride()), k.dtype, k.device,
+        ks, k.stride(), v.shape, v.stride(), tag, qs, q.stride(), q.dtype, q.device, k.dtype, k.device,
         v.dtype, v.device, tuple(seg), tuple(dil), causal, softmax_scale, head_assignment, impl, extra,
     )  # fmt: skip
+
+
+def _class_key(key):
+    """The class key of an exact key (None where it has none): the caches' batch, head and
+    headdim sizes and :func:`.kernels.direct_launch.cache_classes` of their length and strides
+    in place of their shapes and strides. Every check and decision of the full path reads the
+    cache length and the caches' strides only through these classes (the length: >= 1, and
+    > seqlen_q for "da", which fast_key required; the last stride: == 1, or decode_core
+    copies); k and v must have one shape (their lengths are not in the class key)."""
+    ks, kst, vs, vst = key[0], key[1], key[2], key[3]
+    if len(ks) != 4 or vs != ks or ks[1] < 1:
+        return None  # the full path checks these and names what is wrong
+    return (ks[0], ks[2], ks[3], cache_classes(ks[1], kst, vst)) + key[4:]
 
 
 class _Fast:
@@ -244,17 +271,21 @@ class _Fast:
 
 
 def fast_lookup(key, q, k, v, seg, dil):
-    """The plan stored for ``key`` if this call may run it directly, else None. Checked per call:
-    no gradient needed, the direct launch on, and the branch lists' elements plain ints (the same
-    tuple objects as when stored, or checked again: 8.0 == 8 and True == 1 hash alike)."""
+    """The entry stored for ``key`` (by exact key, else by class key) if this call may run its
+    plan directly, else None. Checked per call: no gradient needed, the direct launch on, and
+    the branch lists' elements plain ints (the same tuple objects as when stored, or checked
+    again: 8.0 == 8 and True == 1 hash alike)."""
     try:
         hit = _FAST.get(key)
     except TypeError:  # an unhashable element in a branch list: the full path names it
         return None
     if hit is None:
-        return None
+        ck = _class_key(key)
+        hit = None if ck is None else _FAST_CLASS.get(ck)
+        if hit is None:
+            return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
+        return None  # (a decode loop runs under no_grad: one C call, no tensor attribute read)
     if not flags.direct_launch_enabled():
         return None
     if not (seg is hit.seg and dil is hit.dil) and {*map(type, seg), *map(type, dil)} != _INT_ONLY:
@@ -262,26 +293,49 @@ def fast_lookup(key, q, k, v, seg, dil):
     return hit
 
 
+def fast_call(tag, q, k, v, cache_seqlens, cache_leftpad, seg, dil, causal, softmax_scale, head_assignment, impl,
+              return_lse):  # fmt: skip
+    """A front door's repeated call: ``(result, None)`` when a stored plan ran it (``result``
+    as the front door returns it: out, or (out, lse) with ``return_lse``), else ``(None,
+    key)``: the full path runs, and stores its plan under ``key`` (:func:`fast_store`) unless
+    ``key`` is None. ``tag``: "kv" (:func:`dilated_attention_with_kvcache`: the index tensors
+    given) or "da" (``dilated_attention(q_one_row, k, v)``: the whole cache, ``cache_seqlens``
+    and ``cache_leftpad`` None; its full path follows autocast, so an active autocast takes it)."""
+    if tag == "kv":  # the index tensors: plain contiguous tensors only (the full path checks or copies others)
+        if type(cache_seqlens) is not _Tensor or not cache_seqlens.is_contiguous():
+            return None, None
+        if cache_leftpad is None:
+            lk = None
+        elif type(cache_leftpad) is _Tensor and cache_leftpad.is_contiguous():
+            lk = (cache_leftpad.shape, cache_leftpad.dtype, cache_leftpad.device)
+        else:
+            return None, None
+        extra = ((cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device), lk)
+    else:
+        extra = None
+    key = fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, impl, extra)
+    if key is None:
+        return None, None
+    hit = fast_lookup(key, q, k, v, seg, dil)
+    if hit is None or (tag == "da" and torch.is_autocast_enabled(hit.device_type)):
+        return None, key
+    out, lse = hit.plan.launch(q, k, v, cache_seqlens, cache_leftpad, return_lse, key[0][1], key[1], key[3])
+    return ((out, lse) if return_lse else out), None
+
+
 def fast_store(key, plan, seg, dil, device_type: str) -> None:
-    """Keep ``plan`` for ``key`` (a call that passed every check and ran it)."""
+    """Keep ``plan`` for ``key`` (a call that passed every check and ran it), under its exact
+    key and its class key."""
     if {*map(type, seg), *map(type, dil)} != _INT_ONLY:
         return  # e.g. numpy ints: accepted, but the next call's check could not tell them apart
-    if len(_FAST) >= _MAX_FAST:  # a bound for processes that sweep configurations
+    if len(_FAST) >= _MAX_FAST or len(_FAST_CLASS) >= _MAX_FAST:  # a bound for processes that sweep configurations
         _FAST.clear()
     # tuples are immutable: the same objects next time need no element check
-    _FAST[key] = _Fast(
-        plan, seg if type(seg) is tuple else None, dil if type(dil) is tuple else None, device_type
-    )
-
-
-def _index_key(t):
-    """The fast-path key part of an index tensor: None for None, False where the fast path does
-    not take it (not a plain contiguous tensor: the full path checks or copies it)."""
-    if t is None:
-        return None
-    if type(t) is not _Tensor or not t.is_contiguous():
-        return False
-    return (t.shape, t.dtype, t.device)
+    entry = _Fast(plan, seg if type(seg) is tuple else None, dil if type(dil) is tuple else None, device_type)
+    _FAST[key] = entry
+    ck = _class_key(key)
+    if ck is not None:
+        _FAST_CLASS[ck] = entry
 
 
 def _check(q, k_cache, v_cache) -> None:
@@ -424,17 +478,10 @@ def dilated_attention_with_kvcache(
         out (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``. A row that no
         branch selects (no head of its residue) gets out = 0 and lse = -inf.
     """
-    key = None
-    if type(cache_seqlens) is _Tensor:  # the fast path (see fast_key); not for an int length
-        sk, lk = _index_key(cache_seqlens), _index_key(cache_leftpad)
-        if sk is not False and lk is not False:
-            key = fast_key("kv", q, k_cache, v_cache, segment_lengths, dilation_rates, causal, softmax_scale,
-                           head_assignment, impl, (sk, lk))  # fmt: skip
-            if key is not None:
-                hit = fast_lookup(key, q, k_cache, v_cache, segment_lengths, dilation_rates)
-                if hit is not None:
-                    out, lse = hit.plan.run(q, k_cache, v_cache, cache_seqlens, cache_leftpad, return_lse, True)
-                    return (out, lse) if return_lse else out
+    res, key = fast_call("kv", q, k_cache, v_cache, cache_seqlens, cache_leftpad, segment_lengths, dilation_rates,
+                         causal, softmax_scale, head_assignment, impl, return_lse)  # fmt: skip
+    if res is not None:  # a repeated call: the stored plan ran it
+        return res
     _check(q, k_cache, v_cache)
     seqlens = _cache_seqlens(cache_seqlens, q)
     if cache_leftpad is not None:

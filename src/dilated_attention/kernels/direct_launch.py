@@ -13,7 +13,9 @@ configuration (shapes, strides, dtype, device, options: everything an integer ar
 constexpr is derived from), holds the constant arguments, and runs its first call through
 ``kernel[grid](...)`` (which compiles or fetches the binary and returns the ``CompiledKernel``).
 :func:`launcher` then turns that ``CompiledKernel`` into ``go(stream, args)``: a call of the
-kernel's C launcher with the grid, function handle and metadata bound once. The caller passes
+kernel's C launcher with the grid, function handle and metadata bound once (or
+:func:`launch_form`: the same call for a caller that makes it inline, with no Python frame of
+its own: the decode plans, whose eager call is host-bound on the H100). The caller passes
 the same argument list Triton would (every parameter in signature order, constexpr values
 included; data pointers as ints) and guarantees the binary's specialisation holds: the integer
 arguments are the plan's (they are in its key) or, for those a plan takes per call (a decode
@@ -73,18 +75,27 @@ def _runtime_knobs():
         return None
 
 
+def runtime_knobs():
+    """Triton's ``knobs.runtime`` (None where it does not exist): where its launch hooks live."""
+    return _runtime_knobs()
+
+
 def hooks_idle() -> bool:
     """True when no Triton launch hook is installed (Proton and friends install one): the direct
     launch passes no hooks, so with a hook installed the caller must use Triton's path. Read at
-    each call (a hook may be added at any time)."""
+    each call (a hook may be added at any time). ``DecodePlan.launch`` inlines the common case
+    (both hooks Triton 3.6's ``HookChain``s: idle when their ``calls`` lists are empty) and asks
+    this function only for anything else."""
     rt = _runtime_knobs()
     if rt is None:
         return False
     for h in (rt.launch_enter_hook, rt.launch_exit_hook):
         if h is None:
             continue
-        calls = getattr(h, "calls", None)  # Triton 3.6: a HookChain, idle when empty
-        if calls is None or calls:
+        try:
+            if h.calls:  # Triton 3.6: a HookChain, idle when its list of calls is empty
+                return False
+        except AttributeError:  # a hook of another kind (e.g. a plain function): it would run
             return False
     return True
 
@@ -124,18 +135,32 @@ def _launch_parts(compiled):
     return launch, compiled.function, coop, pdl, compiled.packed_metadata
 
 
+def launch_form(compiled, grid: tuple[int, ...]) -> tuple | None:
+    """``(launch, pre, post)`` such that ``launch(*pre, stream, *post, *args)`` launches
+    ``compiled`` (a ``CompiledKernel``) on ``grid``: Triton 3.6's C ``launch`` with its leading
+    arguments bound (``pre`` the grid, ``post`` the function handle, cooperative and PDL flags, no
+    scratch memory, the packed metadata, no launch metadata or hooks). None where
+    :func:`launcher` gives None. For a caller that inlines the launch in its own per-call code
+    (``triton_decode.DecodePlan.run``: no Python frame per launch); ``args`` as for
+    :func:`launcher`."""
+    parts = _launch_parts(compiled)
+    if parts is None:
+        return None
+    launch, function, coop, pdl, meta = parts
+    g = tuple(int(x) for x in grid) + (1, 1)
+    return launch, (g[0], g[1], g[2]), (function, coop, pdl, None, None, meta, None, None, None)
+
+
 def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | None:
     """``go(stream, args)`` launching ``compiled`` (a ``CompiledKernel``) on ``grid``, or None if
     this process cannot launch it directly (see :func:`unavailable_reason`; also a kernel that needs
     scratch memory). ``args``: every kernel parameter in signature order, as ``JITFunction.run``
     passes them (``bound_args.values()``), data pointers as ints; ``stream``: a raw CUDA stream
     handle (:func:`current_stream`)."""
-    parts = _launch_parts(compiled)
-    if parts is None:
+    form = launch_form(compiled, grid)
+    if form is None:
         return None
-    launch, function, coop, pdl, meta = parts
-    g = tuple(int(x) for x in grid) + (1, 1)
-    gx, gy, gz = g[0], g[1], g[2]
+    launch, (gx, gy, gz), (function, coop, pdl, _, _, meta, _, _, _) = form
 
     def go(stream: int, args: tuple) -> None:
         launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
@@ -189,24 +214,29 @@ def grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] | Non
     return go
 
 
-def current_stream(device_index: int) -> int:
-    """The raw handle of the current CUDA stream of ``device_index`` (what Triton launches on)."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
+# The CUDA state a direct launch reads per call, each one C call of torch (no Python frame: on
+# the H100 host a frame costs ~0.3 us and a decode call is host-bound, issue 23):
+#   current_stream(device_index) -> int: the raw handle of that device's current stream (what
+#       Triton launches on);
+#   current_device() -> int: the current CUDA device index (Triton launches on it, whatever the
+#       tensors' device);
+#   capturing() -> bool: whether the current CUDA stream is capturing a graph.
+# Module attributes, so that a test can stand them in. A torch built without CUDA lacks some of
+# them: then they raise (no plan on a CPU tensor launches directly, nothing calls them there).
 
 
-def current_device() -> int:
-    """The current CUDA device index (Triton launches on it, whatever the tensors' device)."""
-    return torch._C._cuda_getDevice()
+def _no_cuda(*_args):
+    raise RuntimeError("this torch build has no CUDA support: there is no CUDA stream or device to query")
+
+
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_cuda)
+current_device = getattr(torch._C, "_cuda_getDevice", _no_cuda)
+capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", _no_cuda)
 
 
 def tensor_device(t: torch.Tensor) -> int:
     """The CUDA device index of ``t``, -1 on the CPU."""
     return t.get_device()
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph."""
-    return torch._C._cuda_isCurrentStreamCapturing()
 
 
 class DirectKernel:

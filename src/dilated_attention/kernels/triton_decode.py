@@ -313,15 +313,20 @@ class DecodePlan:
 
     Holds: the grids, the constant parts of both kernels' argument tails, the split table, the layout of
     the fp32 workspace (split partials ``op``, their LSEs ``lp``, and the LSE output when the
-    caller does not want it: one buffer, three regions at 512-byte boundaries) and, after the
-    first launch on a GPU, the direct launchers of the two compiled kernels.
+    caller does not want it: one buffer, three regions at 512-byte boundaries), the workspace of
+    its last eager stream with its three region pointers (a repeated call on one stream looks
+    nothing up; see :meth:`launch`) and, after the first launch on a GPU, the direct launch forms
+    of the two compiled kernels (``direct_launch.launch_form``: called inline, no Python frame per
+    launch).
     """
 
     __slots__ = (
         "device", "dtype", "cuda", "dev_index", "nsplit", "table", "table_ptr",
         "split_grid", "split_q", "split_mid", "split_rest", "split_opts", "reduce_grid", "reduce_tail", "reduce_opts",
         "out_shape", "lse_shape", "lse_stride", "op_shape", "op_stride", "lp_shape", "lp_stride",
-        "lp_off", "lse_off", "ws_numel", "has_lpad", "full", "split_go", "reduce_go", "tried_direct", "out_like_q",
+        "lp_off", "lse_off", "ws_numel", "has_lpad", "full", "tried_direct", "out_like_q",
+        "split_go", "split_pre", "split_post", "reduce_go", "reduce_pre", "reduce_post", "rt",
+        "ws_state",
     )  # fmt: skip
 
     def __init__(self, q, k_cache, v_cache, has_lpad, full, branches, causal, scale, block_n, num_warps,
@@ -374,8 +379,12 @@ class DecodePlan:
             bd, min(reduce_splits, triton.next_power_of_2(nsplit)),
         )  # fmt: skip
         self.reduce_opts = {} if interp else dict(num_warps=4, num_stages=1)
-        self.split_go = self.reduce_go = None
+        self.split_go = self.reduce_go = None  # the launch forms, once kept (_keep_launchers)
+        self.split_pre = self.split_post = self.reduce_pre = self.reduce_post = self.rt = None
         self.tried_direct = False
+        # (stream, table epoch, workspace, its three region pointers) of the last eager call:
+        # one tuple, read once per call, so that a thread sees one stream's buffer and pointers
+        self.ws_state = (None, -1, None, 0, 0, 0)
 
     def split_tail(self, k_cache, v_cache) -> tuple:
         """The split kernel's parameters after its 8 pointers for these caches: the plan's
@@ -388,46 +397,89 @@ class DecodePlan:
 
     def run(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse: bool, reuse_workspace: bool):
         """One call: (out, lse or None). ``need_lse`` False: the LSE goes to the workspace.
+        :meth:`launch` with this call's cache length and strides read here."""
+        return self.launch(q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse,
+                           k_cache.shape[1], k_cache.stride(), v_cache.stride(), reuse_workspace)  # fmt: skip
 
-        The fp32 workspace: one buffer per (device, stream, size) reused by eager calls, a fresh
-        one while the stream is capturing a CUDA graph or when ``reuse_workspace`` is off (see
-        :func:`_workspace`)."""
-        stream = None
-        if self.cuda:
-            stream = direct_launch.current_stream(self.dev_index)
-            if reuse_workspace and not direct_launch.capturing():
-                ws = _workspace(self.dev_index, stream, self.ws_numel, self.device)
-            else:
-                ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
+    def launch(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse: bool, c: int, k_stride: tuple,
+               v_stride: tuple, reuse_workspace: bool = True):  # fmt: skip
+        """One call with the caches' length ``c`` and strides given (``decode.fast_call`` has
+        read them for its key): (out, lse or None).
+
+        The fp32 workspace: one buffer per (device, stream, size) reused by eager calls (the plan
+        keeps the one of its last stream and its pointers, fetched again when the stream changes
+        or the table of :func:`_workspace` was replaced since), a fresh one while the stream is
+        capturing a CUDA graph or when ``reuse_workspace`` is off. With the launch forms kept and
+        every pointer 16-byte aligned, the current device the plan's and no launch hook
+        installed (``direct_launch.hooks_idle``, its common case inlined), both kernels are
+        launched directly; otherwise through Triton (:meth:`_launch_jit`)."""
+        go = self.split_go
+        if go is None:  # the interpreter, or a GPU plan before its first aligned launch
+            return self._run_jit(q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, reuse_workspace)
+        stream = direct_launch.current_stream(self.dev_index)
+        if reuse_workspace and not direct_launch.capturing():
+            st = self.ws_state
+            if st[0] != stream or st[1] != _WS_EPOCH:
+                st = self._eager_workspace(stream)
+            _, _, ws, wp, lpw, lsw = st
         else:
             ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
-        if self.out_like_q:
-            out = torch.empty_like(q)
-        else:
-            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            wp = ws.data_ptr()
+            lpw, lsw = wp + self.lp_off * _F32, wp + self.lse_off * _F32
+        out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else None
-        split_go = self.split_go
-        if split_go is not None:
-            wp, qp, kp, vp, outp = ws.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
-            sp = self.table_ptr if self.full else cache_seqlens.data_ptr()
-            lpp = cache_leftpad.data_ptr() if self.has_lpad else sp
-            lsep = lse.data_ptr() if need_lse else wp + self.lse_off * _F32
-            # the binaries assume 16-byte aligned pointers; Triton runs on the current device
-            if (
-                not (wp | qp | kp | vp | outp | sp | lpp | lsep) & 15
-                and direct_launch.current_device() == self.dev_index
-                and direct_launch.hooks_idle()
-            ):
-                lpw = wp + self.lp_off * _F32
-                ks, vs = k_cache.stride(), v_cache.stride()
-                split_go(stream, (
-                    qp, kp, vp, sp, lpp, self.table_ptr, wp, lpw, *self.split_q, ks[0], ks[1], ks[2],
-                    vs[0], vs[1], vs[2], *self.split_mid, k_cache.shape[1], *self.split_rest,
-                ))  # fmt: skip  (the pointers, then split_tail(k_cache, v_cache), inlined)
-                self.reduce_go(stream, (wp, lpw, outp, lsep) + self.reduce_tail)
+        qp, kp, vp, outp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        sp = self.table_ptr if self.full else cache_seqlens.data_ptr()
+        lpp = cache_leftpad.data_ptr() if self.has_lpad else sp
+        lsep = lse.data_ptr() if need_lse else lsw
+        # the binaries assume 16-byte aligned pointers; Triton runs on the current device
+        if not (wp | qp | kp | vp | outp | sp | lpp | lsep) & 15 and direct_launch.current_device() == self.dev_index:
+            rt = self.rt
+            try:  # direct_launch.hooks_idle(), inlined for Triton 3.6's HookChains
+                idle = not (rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)
+            except AttributeError:  # a hook of another kind, or none: the general answer
+                idle = direct_launch.hooks_idle()
+            if idle:
+                go(
+                    *self.split_pre, stream, *self.split_post,
+                    qp, kp, vp, sp, lpp, self.table_ptr, wp, lpw, *self.split_q,
+                    k_stride[0], k_stride[1], k_stride[2], v_stride[0], v_stride[1], v_stride[2],
+                    *self.split_mid, c, *self.split_rest,
+                )  # fmt: skip  (the pointers, then split_tail(k_cache, v_cache), inlined)
+                self.reduce_go(*self.reduce_pre, stream, *self.reduce_post, wp, lpw, outp, lsep, *self.reduce_tail)
                 return out, lse
         self._launch_jit(ws, q, k_cache, v_cache, cache_seqlens, cache_leftpad, out, lse)
         return out, lse
+
+    def _eager_workspace(self, stream: int) -> tuple:
+        """The eager workspace of ``stream`` (:func:`_workspace`) as this plan keeps it:
+        ``ws_state``, (stream, table epoch, buffer, its three region pointers)."""
+        ws = _workspace(self.dev_index, stream, self.ws_numel, self.device)  # now in the current table
+        wp = ws.data_ptr()
+        st = self.ws_state = (stream, _WS_EPOCH, ws, wp, wp + self.lp_off * _F32, wp + self.lse_off * _F32)
+        return st
+
+    def _run_jit(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, reuse_workspace):
+        """A call through Triton's launch (no launch forms kept): the buffers, then :meth:`_launch_jit`."""
+        if self.cuda and reuse_workspace and not direct_launch.capturing():
+            stream = direct_launch.current_stream(self.dev_index)
+            st = self.ws_state
+            if st[0] != stream or st[1] != _WS_EPOCH:
+                st = self._eager_workspace(stream)
+            ws = st[2]
+        else:
+            ws = torch.empty(self.ws_numel, dtype=torch.float32, device=self.device)
+        out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if need_lse else None
+        self._launch_jit(ws, q, k_cache, v_cache, cache_seqlens, cache_leftpad, out, lse)
+        return out, lse
+
+    def _keep_launchers(self, split_form: tuple, reduce_form: tuple) -> None:
+        """Launch both kernels directly from now on: ``direct_launch.launch_form`` of each."""
+        self.rt = direct_launch.runtime_knobs()
+        self.reduce_go, self.reduce_pre, self.reduce_post = reduce_form
+        _, self.split_pre, self.split_post = split_form
+        self.split_go = split_form[0]  # last: a thread that sees it set sees the rest (launch reads it first)
 
     def _launch_jit(self, ws, q, k_cache, v_cache, cache_seqlens, cache_leftpad, out, lse):
         """Both kernels through Triton's ``kernel[grid](...)`` with the plan's arguments (the
@@ -453,13 +505,15 @@ class DecodePlan:
         if direct_launch.current_device() != self.dev_index:
             return  # Triton compiled (and loaded) them for the current device, not the tensors'
         self.tried_direct = True
-        split_go, reduce_go = direct_launch.launcher(ck1, self.split_grid), direct_launch.launcher(ck2, self.reduce_grid)
-        if split_go is not None and reduce_go is not None:
-            self.split_go, self.reduce_go = split_go, reduce_go
+        split = direct_launch.launch_form(ck1, self.split_grid)
+        reduce = direct_launch.launch_form(ck2, self.reduce_grid)
+        if split is not None and reduce is not None:
+            self._keep_launchers(split, reduce)
 
 
 _WORKSPACES: dict[tuple[int, int, int], torch.Tensor] = {}
 _MAX_WORKSPACES = 16
+_WS_EPOCH = 0  # counts the replacements of _WORKSPACES (plans compare the epoch of the buffer they keep)
 
 
 def _workspace(dev_index: int, stream: int, numel: int, device: torch.device) -> torch.Tensor:
@@ -469,12 +523,20 @@ def _workspace(dev_index: int, stream: int, numel: int, device: torch.device) ->
     allocated on that stream (the caching allocator frees it only in that stream's order when the
     cache drops it). Never used while capturing a CUDA graph (a graph gets its own buffers) or
     under torch.compile (``decode.py`` passes ``reuse_workspace=False`` from the custom op, whose
-    warm-up may run inside a graph's memory pool)."""
+    warm-up may run inside a graph's memory pool).
+
+    At most ``_MAX_WORKSPACES`` buffers; when full the table is replaced by an empty one and
+    ``_WS_EPOCH`` counts up: a plan that kept a buffer of an older table (``DecodePlan.launch``)
+    notices on its next call and takes one from the new table. Until then it holds its own
+    reference, so a buffer a plan launches on is never freed under it (at most one buffer per
+    plan beyond the table)."""
+    global _WORKSPACES, _WS_EPOCH
     key = (dev_index, stream, numel)
     ws = _WORKSPACES.get(key)
     if ws is None:
         if len(_WORKSPACES) >= _MAX_WORKSPACES:
-            _WORKSPACES.clear()
+            _WORKSPACES = {}
+            _WS_EPOCH += 1
         ws = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
     return ws
 
