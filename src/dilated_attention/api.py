@@ -29,10 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .autograd_rules import autocast_dtype, autocast_inputs
+from .autograd_rules import autocast_inputs
 from .branches import branch_head_ranges
 from .checks import Call, describe_call
-from .decode import decode_core, fast_key, fast_lookup, fast_store
+from .decode import decode_core, fast_call, fast_store
 from .kernels.select import (
     IMPLS,
     available_impls,
@@ -89,13 +89,11 @@ def dilated_attention(
     key = None
     if key_padding_mask is None and group is None and type(dropout_p) is float and dropout_p == 0.0 and type(return_lse) is bool:
         # a repeated decode call (q_one_row against a cache): the plan the last identical call
-        # ran, with no checks or decisions re-derived (decode.fast_key says what is compared)
-        key = fast_key("da", q, k, v, segment_lengths, dilation_rates, causal, softmax_scale, head_assignment, impl)
-        if key is not None:
-            hit = fast_lookup(key, q, k, v, segment_lengths, dilation_rates)
-            if hit is not None and autocast_dtype(hit.device_type) is None:
-                out, lse = hit.plan.run(q, k, v, None, None, return_lse, True)
-                return (out, lse) if return_lse else out
+        # ran, with no checks or decisions re-derived (decode.fast_call says what is compared)
+        res, key = fast_call("da", q, k, v, None, None, segment_lengths, dilation_rates, causal, softmax_scale,
+                             head_assignment, impl, return_lse)  # fmt: skip
+        if res is not None:
+            return res
     q, k, v, amp_device = autocast_inputs(q, k, v)
     try:
         call = describe_call(
