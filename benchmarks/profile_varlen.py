@@ -83,7 +83,10 @@ def main(argv=None):
          f"{longest}), 16 x 128 bf16, branches {seg} / {dil}"],
     )
     rows = {}
-    for name, dd in (("varlen", docs), ("one", None)):
+    # "varlen1": the same tokens as ONE packed document: the packed kernels' own cost (runtime
+    # lengths and offsets, the slot search) apart from the documents' shapes
+    one_doc = L.Docs(_offsets([total], dev), _offsets([total], dev), total, total)
+    for name, dd in (("varlen", docs), ("one", None), ("varlen1", one_doc)):
         fn = lambda dd=dd: _step(q, k, v, do, seg, dil, causal, scale, ranges, dd, None)  # noqa: E731
         fn()
         torch.cuda.synchronize()
@@ -98,6 +101,11 @@ def main(argv=None):
         x = va[i] if i < len(va) else ("", 0.0)
         y = on[i] if i < len(on) else ("", 0.0)
         lines.append(f"| {i} | {x[0][:48]} | {x[1]:.1f} | {y[0][:48]} | {y[1]:.1f} |")
+    v1 = rows["varlen1"]
+    lines += ["", "## The same tokens as one packed document vs one sequence (same FLOPs; us)", ""]
+    for n in sorted({m for m, _ in v1} | {m for m, _ in on}):
+        s1, so = sum(t for m, t in v1 if m == n), sum(t for m, t in on if m == n)
+        lines.append(f"- `{n[:60]}`: {s1:.0f} / {so:.0f} us ({s1 / so if so else float('nan'):.3f}x)")
     lines += ["", "## Sums per kernel (us): varlen / one / ratio per useful FLOP", ""]
     names = sorted({n for n, _ in va} | {n for n, _ in on})
     for n in names:
