@@ -355,13 +355,35 @@ def test_entries_are_bounded(seed, monkeypatch):
     assert len(call_cache._ENTRIES) <= 2
 
 
-def test_decode_shaped_calls_take_the_decode_route(seed):
+def test_decode_shaped_calls_take_the_decode_route(seed, monkeypatch):
+    seen = _spy(monkeypatch)
     q, k, v, _, _ = _inputs(3, 40, 4, 2, 16, torch.float64, grad=False)
     with torch.no_grad():
-        dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch")
-    assert not call_cache._ENTRIES  # decode.fast_key's calls, not this cache's
-    assert call_cache.decode_shaped(q, k) and not call_cache.decode_shaped(k, k)
-    assert call_cache.decode_shaped("q", k)  # cannot tell: the decode route's checks answer
+        for _ in range(2):
+            dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch")
+    assert len(seen) == 2 and not call_cache._ENTRIES  # decode.fast_key's calls, not this cache's
+    if HAS_TRITON:  # a decode plan ran: the decode fast path serves the next call
+        from dilated_attention import decode
+
+        decode._FAST.clear()
+        qf, kf, vf = (t.float() for t in (q, k, v))
+        with torch.no_grad():
+            for _ in range(2):
+                dilated_attention(qf, kf, vf, SEG, DIL, causal=True, impl="triton")
+        assert len(seen) == 3 and not call_cache._ENTRIES
+    # 64 rows is still decode-shaped, 65 rows is not; nor is a query as long as the keys
+    for nq, nk, stored in ((64, 70, False), (65, 70, True), (40, 40, True)):
+        call_cache.clear()
+        q, k, v, _, _ = _inputs(nq, nk, 2, 2, 16, torch.float64, grad=False)
+        with torch.no_grad():
+            dilated_attention(q, k, v, SEG, DIL, impl="torch")
+        assert bool(call_cache._ENTRIES) == stored, (nq, nk)
+    # no tensors of the expected rank: the full path's errors, nothing stored
+    call_cache.clear()
+    for bad in (torch.randn(4), "q"):
+        with pytest.raises((TypeError, ValueError)):
+            dilated_attention(bad, k, v, SEG, DIL)
+    assert not call_cache._ENTRIES
 
 
 # ------------------------------------------------------------- the fused route: plans and switches

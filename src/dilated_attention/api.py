@@ -31,11 +31,12 @@ import torch
 
 from .autograd_rules import autocast_dtype, autocast_inputs
 from .branches import branch_head_ranges
-from .call_cache import decode_shaped, train_key, train_lookup, train_store
+from .call_cache import train_key, train_lookup, train_store
 from .checks import Call, describe_call
 from .decode import decode_core, fast_key, fast_lookup, fast_store
 from .kernels.select import (
     IMPLS,
+    MAX_DECODE_ROWS,
     available_impls,
     decode_applies,
     pick_decode_impl,
@@ -89,7 +90,12 @@ def dilated_attention(
     """
     key = tkey = None
     if group is None and type(dropout_p) is float and dropout_p == 0.0 and type(return_lse) is bool:
-        if not decode_shaped(q, k):
+        try:  # decode-shaped: a few rows against more keys (select.decode_applies' shape part)
+            nq = q.shape[1]
+            decode_shaped = k.shape[1] > nq and nq <= MAX_DECODE_ROWS
+        except (AttributeError, IndexError, TypeError):  # no tensors of that rank: the full path says why
+            decode_shaped = True
+        if not decode_shaped:
             # a repeated training (or prefill) call: the route the last identical call took,
             # with no checks or decisions re-derived (call_cache.py says what is compared)
             tkey = train_key(q, k, v, segment_lengths, dilation_rates, causal, softmax_scale, key_padding_mask,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 
 from .autograd_rules import autocast_dtype
-from .kernels.select import MAX_DECODE_ROWS
 
 MAX_ENTRIES = 256
 
@@ -52,16 +51,6 @@ class Entry:
 
     def __init__(self, route, seg, dil, device_type: str):
         self.route, self.seg, self.dil, self.device_type = route, seg, dil, device_type
-
-
-def decode_shaped(q, k) -> bool:
-    """Whether ``dilated_attention`` may send these inputs to the decode route (a few query rows
-    against more keys: ``select.decode_applies``' shape part), or cannot tell (not tensors of
-    the expected rank): then its decode fast path is asked, as before this module."""
-    try:
-        return q.dim() == 4 and k.shape[1] > q.shape[1] and q.shape[1] <= MAX_DECODE_ROWS
-    except (AttributeError, IndexError, TypeError):
-        return True
 
 
 def train_key(q, k, v, seg, dil, causal, softmax_scale, key_padding_mask, head_assignment, return_lse, impl):
