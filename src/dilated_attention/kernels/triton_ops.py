@@ -3,9 +3,11 @@
 Layers, as flash-attention's interface: ``triton_kernels.py`` (the ``@triton.jit`` kernels) ->
 ``triton_launch.py`` (configs, grids, buffers) -> this module: the custom ops
 ``dilated_attention::triton_fwd`` and ``dilated_attention::triton_bwd`` (fake implementations
-for ``torch.compile``, ``register_autograd`` on the forward) -> :func:`triton_forward` /
-:func:`triton_backward` (the one entry point into the kernels for other layers, e.g.
-sequence-parallel's fused local blocks) and :func:`dilated_attention_triton` (``api.py``).
+for ``torch.compile``, ``register_autograd`` on the forward; eager calls skip them through
+:class:`_EagerFused`) -> :func:`triton_forward` / :func:`triton_backward` (the one entry point
+into the kernels for other layers, e.g. sequence-parallel's fused local blocks),
+:data:`fused_apply` with a :class:`FusedCall` (``api.py``'s fused route, kept by the front
+door's fast path) and :func:`dilated_attention_triton` (benchmarks).
 
 This module imports without triton; :func:`unavailable_reason` then says why it cannot run. On
 the CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` set before this
