@@ -355,6 +355,26 @@ def test_entries_are_bounded(seed, monkeypatch):
     assert len(call_cache._ENTRIES) <= 2
 
 
+@pytest.mark.parametrize("impl", ["torch", "reference", "triton"])
+def test_stored_routes_hold_no_tensor_of_a_call(seed, impl):
+    # a route lives on after the call (256 kept): holding q would keep a long-N q alive
+    import gc
+    import weakref
+
+    if impl == "triton" and not HAS_TRITON:
+        pytest.skip("triton (interpreter) unavailable")
+    dtype = torch.float64 if impl == "reference" else torch.float32
+    x = _inputs(40, 40, 4, 2, 16, dtype, pad=True)
+    refs = [weakref.ref(t) for t in x]
+    for _ in range(2):  # stored, then a hit
+        res = _call(*x, causal=True, impl=impl, return_lse=True)
+        refs += [weakref.ref(t) for t in res]
+    assert len(call_cache._ENTRIES) == 1
+    del x, res
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_decode_shaped_calls_take_the_decode_route(seed, monkeypatch):
     seen = _spy(monkeypatch)
     q, k, v, _, _ = _inputs(3, 40, 4, 2, 16, torch.float64, grad=False)
