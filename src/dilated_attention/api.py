@@ -2,6 +2,9 @@
 
 Call path (decide once, then run):
 
+0. a repeated call: a dense call whose key equals an earlier successful call's runs the route
+   that call took (``call_cache.py``; :func:`_route`), a decode-shaped one the decode plan of an
+   equal earlier call (``decode.fast_key``), with steps 1 and 2 already taken;
 1. front door, :func:`dilated_attention`: applies the autocast rule and validates every argument
    once, into one call description (:func:`checks.describe_call` -> :class:`checks.Call`);
 2. select (``kernels/select.py``): picks the implementation once (:func:`select.pick_impl`; a
