@@ -77,7 +77,7 @@ def _hit_vs_full(monkeypatch, make, **kw):
     path (cache cleared) on the same inputs, bit for bit."""
     seen = _spy(monkeypatch)
     _call(*make(), **kw)
-    assert len(seen) == 1 and len(call_cache._ENTRIES) == 1
+    assert len(seen) == 1 and len(call_cache._ROUTES.entries) == 1
     x = make()
     got = _call(*x, **kw)
     assert len(seen) == 1, "the second call took the full path"
@@ -177,10 +177,10 @@ def _full_again(seen, fn):
     n = len(seen)
     got = fn()
     assert len(seen) == n + 1, "a stale route ran"
-    saved = dict(call_cache._ENTRIES)
+    saved = dict(call_cache._ROUTES.entries)
     call_cache.clear()
     want = fn()
-    call_cache._ENTRIES.update(saved)
+    call_cache._ROUTES.entries.update(saved)
     _same(got, want)
     return got
 
@@ -224,7 +224,7 @@ def test_autocast_takes_the_full_path(seed, monkeypatch):
         want = dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch")
     assert torch.equal(got, want)
     # nothing stored under autocast; outside it the stored route serves again
-    assert not call_cache._ENTRIES
+    assert not call_cache._ROUTES.entries
     dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch")
     dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch")
     assert len(seen) == 4
@@ -264,7 +264,7 @@ def test_a_bad_argument_after_a_good_call_raises_as_without_the_cache(seed, monk
     with pytest.raises(err) as fresh:
         _call(q, k, v, do, None, **args)
     assert str(cached.value) == str(fresh.value)
-    assert not call_cache._ENTRIES  # a call that raised left nothing behind
+    assert not call_cache._ROUTES.entries  # a call that raised left nothing behind
 
 
 def test_bad_tensors_after_a_good_call_raise_as_without_the_cache(seed, monkeypatch):
@@ -293,7 +293,7 @@ def test_a_call_that_raises_is_never_stored(seed, monkeypatch):
     for _ in range(2):  # the checks pass, the choice raises (the kernel has no float64)
         with pytest.raises(ValueError, match="impl='triton' cannot run here"):
             dilated_attention(q, k, v, SEG, DIL, causal=True, impl="triton")
-    assert len(seen) == 2 and not call_cache._ENTRIES
+    assert len(seen) == 2 and not call_cache._ROUTES.entries
     # the route itself raises on the first call: nothing stored, the next call is a full one
     from dilated_attention.kernels import torch_dilated
 
@@ -308,9 +308,9 @@ def test_a_call_that_raises_is_never_stored(seed, monkeypatch):
     monkeypatch.setattr(torch_dilated, "dilated_attention_torch_eager", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
         dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch")
-    assert not call_cache._ENTRIES
+    assert not call_cache._ROUTES.entries
     dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch")
-    assert len(seen) == 4 and len(call_cache._ENTRIES) == 1
+    assert len(seen) == 4 and len(call_cache._ROUTES.entries) == 1
 
 
 def test_no_key_under_functorch_transforms_and_for_subclasses(seed, monkeypatch):
@@ -321,7 +321,7 @@ def test_no_key_under_functorch_transforms_and_for_subclasses(seed, monkeypatch)
         return dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch").square().sum()
 
     g = [torch.func.grad(loss)(q) for _ in range(2)]
-    assert len(seen) == 2 and not call_cache._ENTRIES
+    assert len(seen) == 2 and not call_cache._ROUTES.entries
     assert torch.equal(g[0], g[1])
 
     class Sub(torch.Tensor):
@@ -330,7 +330,7 @@ def test_no_key_under_functorch_transforms_and_for_subclasses(seed, monkeypatch)
     qs = q.as_subclass(Sub)
     for _ in range(2):
         dilated_attention(qs, k, v, SEG, DIL, causal=True, impl="torch")
-    assert len(seen) == 4 and not call_cache._ENTRIES
+    assert len(seen) == 4 and not call_cache._ROUTES.entries
     # a torch without functorch's query: no key at all
     monkeypatch.setattr(call_cache, "_transforms_active", lambda: True)
     assert call_cache.train_key(q, k, v, SEG, DIL, True, None, None, "all", False, "torch") is None
@@ -343,16 +343,16 @@ def test_no_key_under_torch_compile(seed, monkeypatch):
                       backend="eager", fullgraph=False)  # fmt: skip
     torch._dynamo.reset()
     got = f(q, k, v)
-    assert not call_cache._ENTRIES and len(seen) >= 1
+    assert not call_cache._ROUTES.entries and len(seen) >= 1
     assert torch.equal(got, dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch"))
 
 
 def test_entries_are_bounded(seed, monkeypatch):
-    monkeypatch.setattr(call_cache, "MAX_ENTRIES", 2)
+    monkeypatch.setattr(call_cache._ROUTES, "max_entries", 2)
     for n in (20, 24, 28):
         q, k, v, _, _ = _inputs(n, n, 2, 2, 16, torch.float32, grad=False)
         dilated_attention(q, k, v, SEG, DIL, impl="torch")
-    assert len(call_cache._ENTRIES) <= 2
+    assert len(call_cache._ROUTES.entries) <= 2
 
 
 @pytest.mark.parametrize("impl", ["torch", "reference", "triton"])
@@ -369,7 +369,7 @@ def test_stored_routes_hold_no_tensor_of_a_call(seed, impl):
     for _ in range(2):  # stored, then a hit
         res = _call(*x, causal=True, impl=impl, return_lse=True)
         refs += [weakref.ref(t) for t in res]
-    assert len(call_cache._ENTRIES) == 1
+    assert len(call_cache._ROUTES.entries) == 1
     del x, res
     gc.collect()
     assert all(r() is None for r in refs)
@@ -381,7 +381,7 @@ def test_decode_shaped_calls_take_the_decode_route(seed, monkeypatch):
     with torch.no_grad():
         for _ in range(2):
             dilated_attention(q, k, v, SEG, DIL, causal=True, impl="torch")
-    assert len(seen) == 2 and not call_cache._ENTRIES  # decode.fast_key's calls, not this cache's
+    assert len(seen) == 2 and not call_cache._ROUTES.entries  # decode.fast_key's calls, not this cache's
     if HAS_TRITON:  # a decode plan ran: the decode fast path serves the next call
         from dilated_attention import decode
 
@@ -390,20 +390,20 @@ def test_decode_shaped_calls_take_the_decode_route(seed, monkeypatch):
         with torch.no_grad():
             for _ in range(2):
                 dilated_attention(qf, kf, vf, SEG, DIL, causal=True, impl="triton")
-        assert len(seen) == 3 and not call_cache._ENTRIES
+        assert len(seen) == 3 and not call_cache._ROUTES.entries
     # 64 rows is still decode-shaped, 65 rows is not; nor is a query as long as the keys
     for nq, nk, stored in ((64, 70, False), (65, 70, True), (40, 40, True)):
         call_cache.clear()
         q, k, v, _, _ = _inputs(nq, nk, 2, 2, 16, torch.float64, grad=False)
         with torch.no_grad():
             dilated_attention(q, k, v, SEG, DIL, impl="torch")
-        assert bool(call_cache._ENTRIES) == stored, (nq, nk)
+        assert bool(call_cache._ROUTES.entries) == stored, (nq, nk)
     # no tensors of the expected rank: the full path's errors, nothing stored
     call_cache.clear()
     for bad in (torch.randn(4), "q"):
         with pytest.raises((TypeError, ValueError)):
             dilated_attention(bad, k, v, SEG, DIL)
-    assert not call_cache._ENTRIES
+    assert not call_cache._ROUTES.entries
 
 
 # ------------------------------------------------------------- the fused route: plans and switches
@@ -441,17 +441,17 @@ def test_fused_routes_of_one_configuration_keep_their_own_plans(seed, monkeypatc
     layouts = [(40, False), (37, False), (40, True), (37, True)]
     for n, t in layouts:  # four full calls, four routes stored
         _call(*make(n, t), causal=True, impl="triton", return_lse=True)
-    assert len(seen) == len(layouts) == len(call_cache._ENTRIES)
+    assert len(seen) == len(layouts) == len(call_cache._ROUTES.entries)
     for n, t in layouts[::-1]:
         x = make(n, t)
         checks = len(seen)
         got = _call(*x, causal=True, impl="triton", return_lse=True)
         assert len(seen) == checks  # a hit
-        saved = dict(call_cache._ENTRIES)
+        saved = dict(call_cache._ROUTES.entries)
         call_cache.clear()
         _same(got, _call(*x, causal=True, impl="triton", return_lse=True))
-        call_cache._ENTRIES.update(saved)
-    assert len(call_cache._ENTRIES) == len(layouts)
+        call_cache._ROUTES.entries.update(saved)
+    assert len(call_cache._ROUTES.entries) == len(layouts)
 
 
 @needs_triton
@@ -504,10 +504,10 @@ def test_fused_hit_reads_the_direct_launch_switch_per_call(seed, monkeypatch):
             x2 = _inputs(40, 40, 4, 2, 16, torch.float32)
             got = _call(*x2, causal=True, impl="triton")
             assert len(seen) == checks and len(streams) == before + 2  # a hit; forward and backward ask
-            saved = dict(call_cache._ENTRIES)
+            saved = dict(call_cache._ROUTES.entries)
             call_cache.clear()
             _same(got, _call(*x2, causal=True, impl="triton"))
-            call_cache._ENTRIES.update(saved)
+            call_cache._ROUTES.entries.update(saved)
     finally:
         flags.set_direct_launch(None)
 

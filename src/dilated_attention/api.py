@@ -106,7 +106,7 @@ def dilated_attention(
             if tkey is not None:
                 entry = train_lookup(tkey, segment_lengths, dilation_rates)
                 if entry is not None:
-                    out, lse = entry.route(q, k, v, key_padding_mask)
+                    out, lse = entry.value(q, k, v, key_padding_mask)  # the stored route
                     return (out, lse) if return_lse else out
         elif key_padding_mask is None:
             # a repeated decode call (q_one_row against a cache): the plan the last identical call

@@ -34,7 +34,6 @@ from .autograd_rules import autocast_dtype
 
 MAX_ENTRIES = 256
 
-_ENTRIES: dict = {}
 _Tensor = torch.Tensor
 _SEQ = (list, tuple)
 _INT_ONLY = {int}
@@ -44,13 +43,59 @@ _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambd
 
 
 class Entry:
-    """A stored route (``api._route``) and what its hits check: the branch lists it was stored
-    with (tuples only: the same objects need no element check) and the inputs' device type."""
+    """What a repeated call reuses (``value``: here a route, ``api._route``) and what its hits
+    check: the branch lists it was stored with (tuples only: the same objects need no element
+    check) and the inputs' device type."""
 
-    __slots__ = ("route", "seg", "dil", "device_type")
+    __slots__ = ("value", "seg", "dil", "device_type")
 
-    def __init__(self, route, seg, dil, device_type: str):
-        self.route, self.seg, self.dil, self.device_type = route, seg, dil, device_type
+    def __init__(self, value, seg, dil, device_type: str):
+        self.value, self.seg, self.dil, self.device_type = value, seg, dil, device_type
+
+
+def _plain_ints(seg, dil) -> bool:
+    # 8.0 == 8 and True == 1 hash alike, but the full path refuses them; numpy ints it accepts
+    return {*map(type, seg), *map(type, dil)} == _INT_ONLY
+
+
+class RepeatTable:
+    """A bounded table of what repeated calls reuse, keyed by everything their checks and
+    decisions read (the caller's key), with the one check a key of branch lists cannot make:
+    their elements' types. The shape fits the decode fast path too (``decode.fast_lookup`` /
+    ``fast_store`` keep the same logic of their own for now). Full: every entry dropped (a
+    process that sweeps configurations refills it with those in use)."""
+
+    __slots__ = ("entries", "max_entries")
+
+    def __init__(self, max_entries: int):
+        self.entries: dict = {}
+        self.max_entries = max_entries
+
+    def get(self, key, seg, dil) -> Entry | None:
+        """The entry of ``key`` if its branch lists are plain ints (or the tuples it was stored
+        with), else None."""
+        try:
+            hit = self.entries.get(key)
+        except TypeError:  # an unhashable element in a branch list: the full path names it
+            return None
+        if hit is None or not (seg is hit.seg and dil is hit.dil or _plain_ints(seg, dil)):
+            return None
+        return hit
+
+    def put(self, key, value, seg, dil, device_type: str) -> None:
+        """Keep ``value`` for ``key`` (a call that passed every check and returned)."""
+        if not _plain_ints(seg, dil):
+            return  # e.g. numpy ints: accepted, but a later call's check could not tell them apart
+        if len(self.entries) >= self.max_entries:
+            self.entries.clear()
+        self.entries[key] = Entry(value, seg if type(seg) is tuple else None, dil if type(dil) is tuple else None,
+                                  device_type)  # fmt: skip
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+_ROUTES = RepeatTable(MAX_ENTRIES)
 
 
 def train_key(q, k, v, seg, dil, causal, softmax_scale, key_padding_mask, head_assignment, return_lse, impl):
@@ -85,28 +130,18 @@ def train_key(q, k, v, seg, dil, causal, softmax_scale, key_padding_mask, head_a
 
 
 def train_lookup(key, seg, dil) -> Entry | None:
-    """The entry stored for ``key`` if this call may run its route, else None."""
-    try:
-        hit = _ENTRIES.get(key)
-    except TypeError:  # an unhashable element in a branch list: the full path names it
-        return None
+    """The entry stored for ``key`` if this call may run its route (``entry.value``), else None."""
+    hit = _ROUTES.get(key, seg, dil)
     if hit is None or autocast_dtype(hit.device_type) is not None:
-        return None
-    if not (seg is hit.seg and dil is hit.dil) and {*map(type, seg), *map(type, dil)} != _INT_ONLY:
         return None
     return hit
 
 
 def train_store(key, route, seg, dil, device_type: str) -> None:
     """Keep ``route`` for ``key`` (a call that passed every check and returned)."""
-    if {*map(type, seg), *map(type, dil)} != _INT_ONLY:
-        return  # e.g. numpy ints: accepted, but a later call's check could not tell them apart
-    if len(_ENTRIES) >= MAX_ENTRIES:  # a bound for processes that sweep configurations
-        _ENTRIES.clear()
-    _ENTRIES[key] = Entry(route, seg if type(seg) is tuple else None, dil if type(dil) is tuple else None,
-                          device_type)  # fmt: skip
+    _ROUTES.put(key, route, seg, dil, device_type)
 
 
 def clear() -> None:
     """Drop every stored route (the next call of each configuration takes the full path)."""
-    _ENTRIES.clear()
+    _ROUTES.clear()
