@@ -2,6 +2,9 @@
 
 Call path (decide once, then run):
 
+0. a repeated call: a dense call whose key equals an earlier successful call's runs the route
+   that call took (``call_cache.py``; :func:`_route`), a decode-shaped one the decode plan of an
+   equal earlier call (``decode.fast_call``), with steps 1 and 2 already taken;
 1. front door, :func:`dilated_attention`: applies the autocast rule and validates every argument
    once, into one call description (:func:`checks.describe_call` -> :class:`checks.Call`);
 2. select (``kernels/select.py``): picks the implementation once (:func:`select.pick_impl`; a
@@ -31,10 +34,12 @@ import torch
 
 from .autograd_rules import autocast_inputs
 from .branches import branch_head_ranges
+from .call_cache import train_key, train_lookup, train_store
 from .checks import Call, describe_call
 from .decode import decode_core, fast_call, fast_store
 from .kernels.select import (
     IMPLS,
+    MAX_DECODE_ROWS,
     available_impls,
     decode_applies,
     pick_decode_impl,
@@ -86,14 +91,30 @@ def dilated_attention(
         (docs/autocast.md). Second-order gradients: impl="reference" only; the others raise.
         A query with no key (all masked) gets out = 0 and lse = -inf.
     """
-    key = None
-    if key_padding_mask is None and group is None and type(dropout_p) is float and dropout_p == 0.0 and type(return_lse) is bool:
-        # a repeated decode call (q_one_row against a cache): the plan the last identical call
-        # ran, with no checks or decisions re-derived (decode.fast_call says what is compared)
-        res, key = fast_call("da", q, k, v, None, None, segment_lengths, dilation_rates, causal, softmax_scale,
-                             head_assignment, impl, return_lse)  # fmt: skip
-        if res is not None:
-            return res
+    key = tkey = None
+    if group is None and type(dropout_p) is float and dropout_p == 0.0 and type(return_lse) is bool:
+        try:  # decode-shaped: a few rows against more keys (select.decode_applies' shape part)
+            nq = q.shape[1]
+            decode_shaped = k.shape[1] > nq and nq <= MAX_DECODE_ROWS
+        except (AttributeError, IndexError, TypeError):  # no tensors of that rank: the full path says why
+            decode_shaped = True
+        if not decode_shaped:
+            # a repeated training (or prefill) call: the route the last identical call took,
+            # with no checks or decisions re-derived (call_cache.py says what is compared)
+            tkey = train_key(q, k, v, segment_lengths, dilation_rates, causal, softmax_scale, key_padding_mask,
+                             head_assignment, return_lse, impl)  # fmt: skip
+            if tkey is not None:
+                entry = train_lookup(tkey, segment_lengths, dilation_rates)
+                if entry is not None:
+                    out, lse = entry.value(q, k, v, key_padding_mask)  # the stored route
+                    return (out, lse) if return_lse else out
+        elif key_padding_mask is None:
+            # a repeated decode call (q_one_row against a cache): the plan the last identical call
+            # ran, with no checks or decisions re-derived (decode.fast_call says what is compared)
+            res, key = fast_call("da", q, k, v, None, None, segment_lengths, dilation_rates, causal,
+                                 softmax_scale, head_assignment, impl, return_lse)  # fmt: skip
+            if res is not None:
+                return res
     q, k, v, amp_device = autocast_inputs(q, k, v)
     try:
         call = describe_call(
@@ -110,21 +131,29 @@ def dilated_attention(
 
         sp_arg_error(group, e, (q, k, v))
     if amp_device is None:
-        if key is None:
-            return _run(q, k, v, key_padding_mask, call, group)
-        record: list = []  # the decode plan this call runs, if any (kept for the next call)
-        res = _run(q, k, v, key_padding_mask, call, group, record)
-        if record:
-            fast_store(key, record[0], segment_lengths, dilation_rates, q.device.type)
-        return res
+        if key is not None:
+            record: list = []  # the decode plan this call runs, if any (kept for the next call)
+            res = _run(q, k, v, key_padding_mask, call, group, record)
+            if record:
+                fast_store(key, record[0], segment_lengths, dilation_rates, q.device.type)
+            return res
+        if tkey is not None:
+            routes: list = []  # the dense route this call runs, if any (kept for the next call)
+            res = _run(q, k, v, key_padding_mask, call, group, routes=routes)
+            if routes:
+                train_store(tkey, routes[0], segment_lengths, dilation_rates, q.device.type)
+            return res
+        return _run(q, k, v, key_padding_mask, call, group)
     # the SDPA rule (docs/autocast.md): cast once (above), run with autocast off
     with torch.autocast(amp_device, enabled=False):
         return _run(q, k, v, key_padding_mask, call, group)
 
 
-def _run(q, k, v, key_padding_mask, call: Call, group, record: list | None = None):
+def _run(q, k, v, key_padding_mask, call: Call, group, record: list | None = None,
+         routes: list | None = None):  # fmt: skip
     """The validated call: sequence-parallel, the empty and headdim-0 edge cases, or the core.
-    ``record`` gets the decode plan the core ran (see :func:`_run_decode`)."""
+    ``record`` gets the decode plan the core ran (see :func:`_run_decode`), ``routes`` its dense
+    route (:func:`_route`); the edge cases record nothing."""
     if group is not None:
         from .distributed import sequence_parallel
 
@@ -147,13 +176,15 @@ def _run(q, k, v, key_padding_mask, call: Call, group, record: list | None = Non
         _, lse = _core(zq, zk, zk, key_padding_mask, call._replace(scale=1.0, dropout_p=0.0))
         out = q * 0 + (k.sum() + v.sum()) * 0
         return (out, lse) if call.return_lse else out
-    out, lse = _core(q, k, v, key_padding_mask, call, need_lse=call.return_lse, record=record)
+    out, lse = _core(q, k, v, key_padding_mask, call, need_lse=call.return_lse, record=record, routes=routes)
     return (out, lse) if call.return_lse else out
 
 
-def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True, record: list | None = None):
+def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True, record: list | None = None,
+          routes: list | None = None):  # fmt: skip
     """Pick the implementation once and run it: (out, lse float32). ``need_lse`` False lets the
-    decode path skip the LSE output (lse may then be None); ``record`` gets the decode plan."""
+    decode path skip the LSE output (lse may then be None); ``record`` gets the decode plan,
+    ``routes`` the dense route (:func:`_route`)."""
     seg, dil = call.segment_lengths, call.dilation_rates
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     decode = call.impl != "reference" and decode_applies(
@@ -170,31 +201,58 @@ def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True, record: 
     )
     if decode:
         return _run_decode(q, k, v, call, chosen, need_lse, record)
+    route = _route(chosen, call, q.shape[2])
+    if routes is not None:
+        routes.append(route)
+    return route(q, k, v, key_padding_mask)
+
+
+def _route(chosen: str, call: Call, nheads: int):
+    """The dense computation of a validated call once its impl is chosen: a function of
+    (q, k, v, key_padding_mask) -> (out, lse float32) that checks and decides nothing, so that
+    the fast path of a repeated call (``call_cache.py``) runs it again as it is. Built per call
+    of the full path: each stored route serves one key (the fused route's ``FusedCall`` keeps the
+    launch plan of its tensor layout)."""
+    seg, dil, causal, scale = call.segment_lengths, call.dilation_rates, call.causal, call.scale
+    p, ha = call.dropout_p, call.head_assignment
     if chosen == "torch":
         from .kernels import torch_dilated
 
         # inside torch.compile: the Dynamo-disabled entry (one graph break); eager: the plain one
         fn = torch_dilated.dilated_attention_torch if torch.compiler.is_compiling() else torch_dilated.dilated_attention_torch_eager
-        return fn(
-            q, k, v, seg, dil, causal=call.causal, scale=call.scale,
-            key_padding_mask=key_padding_mask, dropout_p=call.dropout_p,
-            head_assignment=call.head_assignment,
-        )
+
+        def torch_route(q, k, v, kpm):
+            return fn(q, k, v, seg, dil, causal=causal, scale=scale, key_padding_mask=kpm, dropout_p=p,
+                      head_assignment=ha)  # fmt: skip
+
+        return torch_route
     if chosen == "reference":
         from .reference import dilated_attention_reference
 
-        out, lse = dilated_attention_reference(
-            q, k, v, seg, dil, causal=call.causal, softmax_scale=call.scale,
-            key_padding_mask=key_padding_mask, dropout_p=call.dropout_p,
-            head_assignment=call.head_assignment,
-        )
-        return out, lse.to(torch.float32)
-    from .kernels.triton_ops import triton_forward
+        def reference_route(q, k, v, kpm):
+            out, lse = dilated_attention_reference(
+                q, k, v, seg, dil, causal=causal, softmax_scale=scale, key_padding_mask=kpm,
+                dropout_p=p, head_assignment=ha,
+            )  # fmt: skip
+            return out, lse.to(torch.float32)
 
-    return triton_forward(
-        q, k, v, seg, dil, _head_ranges(q.shape[2], len(seg), call.head_assignment),
-        causal=call.causal, scale=call.scale, key_padding_mask=key_padding_mask,
-    )
+        return reference_route
+    from .kernels import triton_ops
+
+    ranges = _head_ranges(nheads, len(seg), ha)
+    if torch.compiler.is_compiling():  # the custom op (never stored: no key under compilation)
+
+        def compiled_route(q, k, v, kpm):
+            return triton_ops.triton_forward(q, k, v, seg, dil, ranges, causal=causal, scale=scale,
+                                             key_padding_mask=kpm)  # fmt: skip
+
+        return compiled_route
+    fc, apply = triton_ops.FusedCall(seg, dil, ranges, causal, scale), triton_ops.fused_apply
+
+    def fused_route(q, k, v, kpm):
+        return apply(q, k, v, kpm, fc)
+
+    return fused_route
 
 
 _RANGES: dict = {}

@@ -527,6 +527,7 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
 
 USE_PLANS: bool = True  # False: every call takes the per-call path (tests, A/B)
 _MAX_PLANS = 64
+_CONTIGUOUS = torch.contiguous_format
 
 
 class _NoPlan(Exception):
@@ -816,15 +817,18 @@ class TrainPlan:
             return out, lse
         lo = None
         if self.fwd_fill:
-            out = torch.zeros(self.out_shape, dtype=q.dtype, device=dev)
+            out = torch.zeros_like(q, memory_format=_CONTIGUOUS)
             if self.fwd_comp:  # _lo_buffer: zeros for one range, else a buffer zeroed per range
                 lo = (torch.empty(self.fwd_lo_shape, dtype=q.dtype, device=dev) if self.fwd_chunked
                       else torch.zeros_like(out))  # fmt: skip
             lse = torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=dev)
         else:  # the first branch writes every element of all three
-            out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+            # out_shape is q's: *_like(q, contiguous) is torch.empty(out_shape, ...) for less
+            # argument parsing (issue 23 item 3); so below and in the backward
+            out = torch.empty_like(q, memory_format=_CONTIGUOUS)
             if self.fwd_comp:
-                lo = torch.empty(self.fwd_lo_shape, dtype=q.dtype, device=dev)
+                lo = (torch.empty(self.fwd_lo_shape, dtype=q.dtype, device=dev) if self.fwd_chunked
+                      else torch.empty_like(out))  # fmt: skip
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
         self._run(self.fwd, [q, k, v, kp, out, out if lo is None else lo, lse, q, cq, ck],
                   self._stream(), nd)  # fmt: skip
@@ -951,8 +955,8 @@ class TrainPlan:
         if b.delta.steps:
             self._run(b.delta, [out, dout, delta], stream)
         # all dK/dV first, then all dQ: one phase's lo buffers alive at a time
-        dk = torch.zeros(k.shape, dtype=k.dtype, device=dev)
-        dv = torch.zeros(v.shape, dtype=v.dtype, device=dev)
+        dk = torch.zeros_like(k, memory_format=_CONTIGUOUS)
+        dv = torch.zeros_like(v, memory_format=_CONTIGUOUS)
         if b.kv_comp:
             shape = (2, *b.kv_lo_shape)
             lo2 = (torch.empty(shape, dtype=k.dtype, device=dev) if b.kv_chunked
@@ -962,7 +966,7 @@ class TrainPlan:
             del lo2
         else:
             self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, dk, dv, dk, cq, ck], stream, nd)
-        dq = torch.zeros(q.shape, dtype=q.dtype, device=dev)
+        dq = torch.zeros_like(q, memory_format=_CONTIGUOUS)
         lq = dq
         if b.q_comp:
             lq = (torch.empty(b.q_lo_shape, dtype=q.dtype, device=dev) if b.q_chunked

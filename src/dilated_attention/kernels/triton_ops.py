@@ -3,9 +3,11 @@
 Layers, as flash-attention's interface: ``triton_kernels.py`` (the ``@triton.jit`` kernels) ->
 ``triton_launch.py`` (configs, grids, buffers) -> this module: the custom ops
 ``dilated_attention::triton_fwd`` and ``dilated_attention::triton_bwd`` (fake implementations
-for ``torch.compile``, ``register_autograd`` on the forward) -> :func:`triton_forward` /
-:func:`triton_backward` (the one entry point into the kernels for other layers, e.g.
-sequence-parallel's fused local blocks) and :func:`dilated_attention_triton` (``api.py``).
+for ``torch.compile``, ``register_autograd`` on the forward; eager calls skip them through
+:class:`_EagerFused`) -> :func:`triton_forward` / :func:`triton_backward` (the one entry point
+into the kernels for other layers, e.g. sequence-parallel's fused local blocks),
+:data:`fused_apply` with a :class:`FusedCall` (``api.py``'s fused route, kept by the front
+door's fast path) and :func:`dilated_attention_triton` (benchmarks).
 
 This module imports without triton; :func:`unavailable_reason` then says why it cannot run. On
 the CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1`` set before this
@@ -70,23 +72,21 @@ def _pairs(flat: list[int]) -> list[tuple[int, int]]:
 
 
 def _fwd_impl(q, k, v, key_padding_mask, segment_lengths, dilation_rates, head_ranges, causal,
-              scale, plan_sink=None):
-    # plan_sink: a list that gets the launch plan used (triton_launch.forward), for the backward
-    kw = {} if plan_sink is None else dict(plan_sink=plan_sink)
+              scale):
+    # the custom op's forward (torch.compile); eager calls: _fused_forward
     return _launch.forward(
         _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-        key_padding_mask, segment_lengths, dilation_rates, causal, scale, _pairs(head_ranges), **kw,
+        key_padding_mask, segment_lengths, dilation_rates, causal, scale, _pairs(head_ranges),
     )
 
 
 def _bwd_impl(dout, q, k, v, key_padding_mask, out, lse, segment_lengths, dilation_rates,
-              head_ranges, causal, scale, plan=None):
-    # plan: the forward's launch plan for these q, k, v (None: looked up)
-    kw = {} if plan is None else dict(plan=plan)
+              head_ranges, causal, scale):
+    # the custom op's backward and triton_backward's (the plan looked up)
     return _launch.backward(
         dout, _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
         key_padding_mask, out, lse.contiguous(), segment_lengths, dilation_rates, causal, scale,
-        _pairs(head_ranges), **kw,
+        _pairs(head_ranges),
     )
 
 
@@ -145,17 +145,13 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse, bwd=None):
+def _backward(ctx, dout, _dlse):
     if dout is None:  # no gradient reached out (grads not materialized): none for the inputs
         return (None,) * 9
     q, k, v, kpm, out, lse = ctx.saved_tensors
     seg, dil, hr, causal, scale = ctx.args
     with backward_context(q.device.type):
-        if bwd is None:
-            grads = _triton_bwd_op(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
-        else:  # eager: the forward's launch plan, if it kept one
-            grads = bwd(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale,
-                        plan=getattr(ctx, "plan", None))  # fmt: skip
+        grads = _triton_bwd_op(dout, q, k, v, kpm, out, lse, seg, dil, hr, causal, scale)
     dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
     return dq, dk, dv, None, None, None, None, None, None
 
@@ -163,28 +159,122 @@ def _backward(ctx, dout, _dlse, bwd=None):
 _triton_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class FusedCall:
+    """The static part of one eager fused call, as :class:`_EagerFused` takes it: the branches,
+    the head range of each, causal and scale in one object (one argument of ``Function.apply``
+    instead of five), and the launch plan of the first call that ran with it (a memo: the
+    object serves one tensor layout, so that plan is its plan while the plan switches are as
+    they were; see :func:`_fused_forward`). ``triton_forward`` builds one per call; the front
+    door's fast path (``call_cache.py``) keeps one per call configuration.
+
+    ``head_ranges``: [(head start, head stop)] per branch (global head indices, may be empty)."""
+
+    __slots__ = ("seg", "dil", "pairs", "causal", "scale", "plan", "plan_table", "plan_knobs")
+
+    def __init__(self, segment_lengths, dilation_rates, head_ranges, causal: bool, scale: float):
+        self.seg = tuple(int(w) for w in segment_lengths)
+        self.dil = tuple(int(r) for r in dilation_rates)
+        self.pairs = tuple((int(hs), int(he)) for hs, he in head_ranges)
+        self.causal, self.scale = bool(causal), float(scale)
+        self.plan = None  # the memo (None: look the plan up)
+        self.plan_table = self.plan_knobs = None  # see _plan_knobs
+
+
+def _plan_knobs() -> tuple:
+    # what decides whether a call gets a plan, and which, beyond the call's own arguments: the
+    # switch and the lo-range knobs (plan_key holds them); the memo also remembers the plan
+    # table it came from (a test or a tool that swaps a fresh table in gets its plans built)
+    return _launch.USE_PLANS, _launch.LO_CHUNKS, _launch.LO_MIN_BYTES
+
+
+def _fused_forward(q, k, v, kpm, fc: FusedCall):
+    """(out, lse, plan) of an eager call: the plan memo of ``fc`` while the plan table and
+    knobs are those it was taken under, else ``triton_launch.forward`` (the plan lookup, or the
+    per-call path), whose plan becomes the memo. Both run ``plan.forward`` on the same tensors:
+    the same bits."""
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    plan = fc.plan
+    if plan is not None and fc.plan_table is _launch._PLANS and fc.plan_knobs == _plan_knobs():
+        out, lse = plan.forward(q, k, v, kpm)
+        return out, lse, plan
+    sink: list = []
+    out, lse = _launch.forward(q, k, v, kpm, fc.seg, fc.dil, fc.causal, fc.scale, fc.pairs,
+                               plan_sink=sink)  # fmt: skip
+    fc.plan, fc.plan_table, fc.plan_knobs = sink[0], _launch._PLANS, _plan_knobs()
+    return out, lse, sink[0]
+
+
 class _EagerFused(torch.autograd.Function):
     """The same forward and backward as the custom op, called directly in eager mode: a
     ``torch.library.custom_op`` call costs tens of microseconds of Python dispatch per call
     (issue 23: ~1.1 ms per training step), an autograd.Function a few. Under ``torch.compile``
-    the custom op is used (it has the fake implementation the tracer needs)."""
+    the custom op is used (it has the fake implementation the tracer needs).
+
+    Lean on purpose (issue 23 item 3, the host cost of a training call): five arguments (the
+    static ones in one :class:`FusedCall`), five gradient slots, the forward's plan kept in ctx
+    so the backward launches without a lookup or a re-derivation. Called through
+    :data:`fused_apply`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kpm, seg, dil, hr, causal, scale):
-        sink: list = []
-        out, lse = _fwd_impl(q, k, v, kpm, seg, dil, hr, causal, scale, plan_sink=sink)
-        _setup_context(ctx, (q, k, v, kpm, seg, dil, hr, causal, scale), (out, lse))
-        # the launch plan of this configuration (triton_launch.TrainPlan): the backward runs
-        # its launches without looking it up again
-        ctx.plan = sink[0] if sink else None
+    def forward(ctx, q, k, v, kpm, fc):
+        out, lse, plan = _fused_forward(q, k, v, kpm, fc)
+        ctx.save_for_backward(q, k, v, kpm, out, lse)
+        ctx.fc, ctx.plan = fc, plan
+        ctx.mark_non_differentiable(lse)
         # lse's gradient is never used: without this autograd would allocate zeros for it
         # at every backward (one float32 per query row and head)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, bwd=_bwd_impl)
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # no gradient reached out (grads not materialized): none for the inputs
+            return None, None, None, None, None
+        q, k, v, kpm, out, lse = ctx.saved_tensors
+        plan, fc = ctx.plan, ctx.fc
+        with backward_context(q.device.type):
+            q2, k2, v2 = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+            if plan is not None and _launch.USE_PLANS:
+                # what triton_launch.backward does with the forward's plan (its checks hold:
+                # no config, lo_rows or documents here; lse is the forward's, contiguous)
+                grads = plan.backward(dout, q2, k2, v2, kpm, out, lse)
+            else:
+                grads = _launch.backward(dout, q2, k2, v2, kpm, out, lse, fc.seg, fc.dil, fc.causal,
+                                         fc.scale, fc.pairs)  # fmt: skip
+        dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
+        return dq, dk, dv, None, None
+
+
+def _direct_apply():
+    """``_EagerFused.apply`` without ``Function.apply``'s Python wrapper, or None where this
+    torch lacks a piece of it (then the public ``_EagerFused.apply`` is used).
+
+    The wrapper (torch/autograd/function.py, ``Function.apply``) binds default arguments only
+    for a Function that defines ``setup_context`` (this one does not: checked here), sends
+    calls made under functorch transforms to ``custom_function_call``, and otherwise unwraps
+    dead functorch wrappers of the tensor arguments (``unwrap_dead_wrappers``: a generator over
+    every argument) before the C ``apply``. The function returned does the same for the four
+    tensor arguments and goes to the public apply whenever a transform is active."""
+    try:
+        c_apply = super(torch.autograd.Function, _EagerFused).apply
+        transforms_active = torch._C._are_functorch_transforms_active
+        unwrap = torch._C._functorch.unwrap_if_dead
+        plain = _EagerFused.setup_context is torch.autograd.Function.setup_context
+    except AttributeError:
+        return None
+    if not plain:
+        return None
+
+    def apply(q, k, v, kpm, fc):
+        if transforms_active():
+            return _EagerFused.apply(q, k, v, kpm, fc)
+        return c_apply(unwrap(q), unwrap(k), unwrap(v), None if kpm is None else unwrap(kpm), fc)
+
+    return apply
+
+
+# (q, k, v, key_padding_mask, FusedCall) -> (out, lse): the eager fused call, autograd included
+fused_apply = _direct_apply() or _EagerFused.apply
 
 
 def _compiling() -> bool:
@@ -383,11 +473,13 @@ def triton_forward(
     differentiable in q, k, v through the registered autograd. Eager calls skip the custom
     op's dispatch (:class:`_EagerFused`: same functions); torch.compile traces the custom op.
     """
-    op = _triton_fwd_op if _compiling() else _EagerFused.apply
-    return op(
-        q, k, v, key_padding_mask, [int(w) for w in segment_lengths],
-        [int(r) for r in dilation_rates], _flat(head_ranges), bool(causal), float(scale),
-    )
+    if _compiling():
+        return _triton_fwd_op(
+            q, k, v, key_padding_mask, [int(w) for w in segment_lengths],
+            [int(r) for r in dilation_rates], _flat(head_ranges), bool(causal), float(scale),
+        )
+    return fused_apply(q, k, v, key_padding_mask,
+                       FusedCall(segment_lengths, dilation_rates, head_ranges, causal, scale))  # fmt: skip
 
 
 def triton_backward(
