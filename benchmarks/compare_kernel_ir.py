@@ -123,12 +123,14 @@ def main():
                       ("dilated_bwd_dq_kernel", dict(c, COMP=True, STORE_LO=False))]
     bad = 0
     def old_consts(fn, c):  # an old file that already had VARLEN (from 2026-11-24): batch path
-        return dict(c, VARLEN=False) if "VARLEN" in fn.arg_names else c
+        c = dict(c, VARLEN=False) if "VARLEN" in fn.arg_names else c
+        # the backward kernels took FIRST on 2026-11-26 (False: the code they had before)
+        return dict(c, FIRST=False) if "FIRST" in fn.arg_names and "FIRST" not in c else c
 
     for name, c in cases:
         fn = getattr(old, name)
         a = _ops(compile_to(fn, old_consts(fn, c), "ttir"), False)
-        b = _ops(compile_to(getattr(new, name), dict(c, VARLEN=False), "ttir"), False)
+        b = _ops(compile_to(getattr(new, name), old_consts(getattr(new, name), c), "ttir"), False)
         same = a == b
         bad += not same
         print(f"TTIR {name:28s} causal={c['CAUSAL']!s:5s} kpm={c['HAS_KPM']!s:5s} "
@@ -139,12 +141,13 @@ def main():
                          ("dilated_bwd_dq_kernel", dict(c, STORE_LO=False))):
             fn = getattr(old, name)
             a = _ops(compile_to(fn, old_consts(fn, cc), "ptx"), True)
-            b = _ops(compile_to(getattr(new, name), dict(cc, VARLEN=False), "ptx"), True)
+            b = _ops(compile_to(getattr(new, name), old_consts(getattr(new, name), cc), "ptx"), True)
             print(f"PTX {name}: {sum(a.values())} vs {sum(b.values())} instructions; "
                   f"only old: {dict(a - b)}; only new: {dict(b - a)}")
     if args.varlen:
         for name, c in cases:
-            ptx = compile_to(getattr(new, name), dict(c, VARLEN=True), "ptx")
+            fn = getattr(new, name)
+            ptx = compile_to(fn, dict(old_consts(fn, c), VARLEN=True), "ptx")
             print(f"PTX VARLEN=True {name:28s} causal={c['CAUSAL']!s:5s} kpm={c['HAS_KPM']!s:5s} "
                   f"{sum(_ops(ptx, True).values())} instructions")
     sys.exit(1 if bad else 0)

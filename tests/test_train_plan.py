@@ -124,6 +124,53 @@ def test_fill_skipped_only_where_the_first_branch_writes_everything(seed):
     longq = L.get_plan(q, k[:, :40], v[:, :40], *args, branch_head_ranges(4, 3, "all"))
     assert longq.fwd_fill  # more queries than keys (the front door refuses it): fill as before
     assert allh.fwd_comp  # the lo buffer is unfilled too
+    # the backward: dq needs the forward's rule, dk / dv also no key before the first query
+    hr = branch_head_ranges(4, 3, "all")
+    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, False, 0) == (True, True)
+    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, False, 8) == (True, False)
+    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, True, 0) == (False, False)
+    split_hr = branch_head_ranges(4, 3, "split")
+    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), split_hr), 4, False, 0) == (False, False)
+    assert L._bwd_writes_all(L.branch_list((16, 8), (2, 1), [(0, 4)] * 2), 4, False, 0) == (False, False)
+
+
+BWD_FILL_CASES = ["longnet-fp16", "gqa-pad-b2", "nq<nk-mqa", "lo-ranges", "split-heads", "fp32"]
+
+
+@interp_only
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", BWD_FILL_CASES)
+def test_backward_without_fills_equals_backward_with_them(seed, monkeypatch, case, causal):
+    """dq, dk, dv (and their lo buffers) are allocated empty where the first branch's launches
+    store every element (FIRST, ``_bwd_writes_all``): with those buffers full of NaN / garbage,
+    the per-call path and the plan give the bits of the old code (zero-filled buffers, every
+    branch adding), which the rule forced off reproduces."""
+    b, nq, nk, h, hkv, seg, dil, ha, dtype, pad, kw = CASES[case]
+    q, k, v, do, kpm = _inputs(b, nq, nk, h, hkv, 16, dtype, pad)
+    hr = branch_head_ranges(h, len(seg), ha)
+    scale = 16**-0.5
+    bkw = {k_: v_ for k_, v_ in kw.items() if k_ != "fold"}
+    out, lse = L.forward_per_call(q, k, v, kpm, seg, dil, causal, scale, hr, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(L, "_bwd_writes_all", lambda *a: (False, False))
+        want = L.backward_per_call(do, q, k, v, kpm, out, lse, seg, dil, causal, scale, hr, **bkw)
+    expect = L._bwd_writes_all(L.branch_list(seg, dil, hr), h, False, nk - nq)
+    assert expect == {"longnet-fp16": (True, True), "gqa-pad-b2": (True, True),
+                      "nq<nk-mqa": (True, False), "lo-ranges": (True, True),
+                      "split-heads": (False, False), "fp32": (True, True)}[case]  # fmt: skip
+    for path in ("per_call", "plan"):
+        with monkeypatch.context() as m:
+            _poisoned_empty(m)
+            if path == "per_call":
+                got = L.backward_per_call(do, q, k, v, kpm, out, lse, seg, dil, causal, scale, hr, **bkw)
+            else:
+                sink = []
+                L.forward(q, k, v, kpm, seg, dil, causal, scale, hr, plan_sink=sink, **kw)
+                got = L.backward(do, q, k, v, kpm, out, lse, seg, dil, causal, scale, hr, plan=sink[0], **bkw)
+                b_ = next(iter(sink[0]._bwd.values()))
+                assert (b_.q_fill, b_.kv_fill) == (not expect[0], not expect[1])
+        for name, x, y in zip(("dq", "dk", "dv"), want, got, strict=True):
+            assert torch.equal(x, y), f"{path} {name}: max |diff| {(x.double() - y.double()).abs().max().item()}"
 
 
 # ------------------------------------------------------------------ the launches themselves

@@ -114,9 +114,10 @@ def _with_fp32_accumulators(monkeypatch) -> list:
     real_fwd, real_bwd = triton_launch.forward, triton_launch.backward
     made = []
 
-    def fp32_buffers(shape, dtype, device, several):
+    def fp32_buffers(shape, dtype, device, several, fill=True):
         made.append(several)
-        return torch.zeros(shape, dtype=torch.float32 if several else dtype, device=device), False
+        new = torch.zeros if fill else torch.empty
+        return new(shape, dtype=torch.float32 if several else dtype, device=device), False
 
     def fwd(q, *a, **kw):
         out, lse = real_fwd(q, *a, **kw)

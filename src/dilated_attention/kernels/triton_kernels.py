@@ -36,10 +36,12 @@ independently. Per branch two kernels:
 - :func:`dilated_bwd_dq_kernel`: one program per query block, like the forward, with the same
   mask-free first stage.
 Both add into accumulators with a plain load-add-store (each row owned by one program per
-branch). Constexpr switches: ``MASKED`` (inner loops) picks the masked stage; ``COMP`` the
-compensated (hi, lo) accumulation of a result across branches (:func:`_acc_store`);
-``STORE_LO`` is False for the last branch (its lo part is never read); ``FIRST`` for the
-first branch (nothing to add to).
+branch); with ``FIRST`` (the first branch, when its launch stores every row of the result: the
+launcher's ``_bwd_writes_all``) they store without reading, so the buffers need no zero-fill.
+Constexpr switches: ``MASKED`` (inner loops) picks the masked stage; ``COMP`` the compensated
+(hi, lo) accumulation of a result across branches (:func:`_acc_store`); ``STORE_LO`` is False
+for the last branch (its lo part is never read); ``FIRST`` for the first branch (nothing to add
+to).
 
 Packed documents (``VARLEN``, a constexpr of every kernel but the delta one): q, k, v are one
 (1, total, heads, headdim) stream cut by the int32 offsets ``CU_Q`` / ``CU_K``, and the grid is
@@ -507,7 +509,7 @@ def dilated_bwd_dkdv_kernel(
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, PREC: tl.constexpr, COMP: tl.constexpr, STORE_LO: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, FIRST: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     pid_x = tl.program_id(1)
@@ -613,8 +615,8 @@ def dilated_bwd_dkdv_kernel(
     # the launcher checks it): the results' offsets shifted by one scalar
     dk_lo = DK_LO + (lo_base - dk_base - LO_ROW0 * sdkn.to(tl.int64)) + dk_off
     dv_lo = DV_LO + (lo_base - dv_base - LO_ROW0 * sdvn.to(tl.int64)) + dv_off
-    _acc_store(DK + dk_off, dk_lo, dk, valid_n[:, None], False, COMP, STORE_LO)
-    _acc_store(DV + dv_off, dv_lo, dv, valid_n[:, None], False, COMP, STORE_LO)
+    _acc_store(DK + dk_off, dk_lo, dk, valid_n[:, None], FIRST, COMP, STORE_LO)
+    _acc_store(DV + dv_off, dv_lo, dv, valid_n[:, None], FIRST, COMP, STORE_LO)
 
 
 @triton.jit(do_not_specialize=["NDOCS"])
@@ -626,7 +628,7 @@ def dilated_bwd_dq_kernel(
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, PREC: tl.constexpr, COMP: tl.constexpr, STORE_LO: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, FIRST: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -706,4 +708,4 @@ def dilated_bwd_dq_kernel(
     # DQ_LO: the rows from LO_ROW0 on, with the row and head strides of DQ: DQ's offsets
     # shifted by one scalar
     dq_lo = DQ_LO + (lo_base - dq_base - LO_ROW0 * sdqn.to(tl.int64)) + dq_off
-    _acc_store(DQ + dq_off, dq_lo, dq, valid_m[:, None], False, COMP, STORE_LO)
+    _acc_store(DQ + dq_off, dq_lo, dq, valid_m[:, None], FIRST, COMP, STORE_LO)

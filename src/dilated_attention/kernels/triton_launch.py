@@ -135,11 +135,12 @@ def _rows_with_several_branches(nh: int, hkv: int, head_ranges) -> tuple[bool, b
     return several_q, several_kv
 
 
-def _acc_buffers(shape, dtype, device, several: bool):
-    """(hi, needs lo) for a result that ``several`` branches may add into: hi (zeros) in the
-    result dtype is the result itself; a lo buffer (:func:`_lo_buffer`, same dtype) holds the
-    rounding residues when rows get several contributions in a dtype narrower than float32."""
-    hi = torch.zeros(shape, dtype=dtype, device=device)
+def _acc_buffers(shape, dtype, device, several: bool, fill: bool = True):
+    """(hi, needs lo) for a result that ``several`` branches may add into: hi (zeros; empty
+    when not ``fill``: the first launch stores every element) in the result dtype is the result
+    itself; a lo buffer (:func:`_lo_buffer`, same dtype) holds the rounding residues when rows
+    get several contributions in a dtype narrower than float32."""
+    hi = (torch.zeros if fill else torch.empty)(shape, dtype=dtype, device=device)
     return hi, several and dtype != torch.float32
 
 
@@ -172,14 +173,15 @@ def lo_chunks(lay: _Layout, branches, row_bytes: int, lo_rows: int | None = None
     return [(c, min(c + rows, lay.nk)) for c in range(0, lay.nk, rows)]
 
 
-def _lo_buffer(result: torch.Tensor, needed: bool, chunks) -> torch.Tensor | None:
+def _lo_buffer(result: torch.Tensor, needed: bool, chunks, fill: bool = True) -> torch.Tensor | None:
     """The lo buffer of ``result`` (B, N, H, D), contiguous: None when not ``needed``, zeros
-    like the result for one range of :func:`lo_chunks`, else (B, rows of the longest range, H, D)
-    with the result's row and head strides, which :func:`_lo_range` zeroes for each range."""
+    (empty when not ``fill``) like the result for one range of :func:`lo_chunks`, else (B, rows
+    of the longest range, H, D) with the result's row and head strides, which :func:`_lo_range`
+    zeroes for each range."""
     if not needed:
         return None
     if len(chunks) == 1:
-        return torch.zeros_like(result)
+        return torch.zeros_like(result) if fill else torch.empty_like(result)
     b, _, h, d = result.shape
     rows = max(c1 - c0 for c0, c1 in chunks)
     lo = torch.empty(b, rows, h, d, dtype=result.dtype, device=result.device)
@@ -187,14 +189,17 @@ def _lo_buffer(result: torch.Tensor, needed: bool, chunks) -> torch.Tensor | Non
     return lo
 
 
-def _lo_range(lo: torch.Tensor | None, result: torch.Tensor, row0: int, chunked: bool):
+def _lo_range(lo: torch.Tensor | None, result: torch.Tensor, row0: int, chunked: bool,
+              fill: bool = True):  # fmt: skip
     """(pointer, batch stride, first row) of the lo buffer for one range: the kernels address
     the lo element of result row i, batch b at ``b * sb + (i - row0) * row stride`` (row and
-    head strides: the result's). The range's buffer is zeroed here. No lo: the result as a
-    dummy pointer (never read); one range: the result's own offsets (row0 = 0)."""
+    head strides: the result's). The range's buffer is zeroed here (unless not ``fill``: the
+    range's first launch stores all of it). No lo: the result as a dummy pointer (never read);
+    one range: the result's own offsets (row0 = 0)."""
     if lo is None or not chunked:
         return (result if lo is None else lo), result.stride(0), 0
-    lo.zero_()
+    if fill:
+        lo.zero_()
     return lo, lo.stride(0), row0
 
 
@@ -444,17 +449,18 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
 
     # all dK/dV first, then all dQ, so that one phase's lo buffers are alive at a time (peak:
     # the inputs, out, dout, lse, delta, the three results and the dQ phase's lo buffer)
-    dk, comp = _acc_buffers(k.shape, k.dtype, q.device, several_kv)
-    dv, _ = _acc_buffers(v.shape, v.dtype, q.device, several_kv)
+    q_all, kv_all = _bwd_writes_all(branches, nh, lay.varlen, lay.qoff)
+    dk, comp = _acc_buffers(k.shape, k.dtype, q.device, several_kv, not kv_all)
+    dv, _ = _acc_buffers(v.shape, v.dtype, q.device, several_kv, not kv_all)
     row_bytes = bsz * hkv * d * k.element_size()
     chunks = lo_chunks(lay, branches, row_bytes, lo_rows) if comp else [(0, lay.nk)]
-    dk_lo, dv_lo = _lo_buffer(dk, comp, chunks), _lo_buffer(dv, comp, chunks)
+    dk_lo, dv_lo = _lo_buffer(dk, comp, chunks, not kv_all), _lo_buffer(dv, comp, chunks, not kv_all)
     assert dk.stride() == dv.stride()  # one lo batch stride and row origin for both
     bm, bn = cfgs["dkdv"][:2]
     for c0, c1 in chunks:
         # key rows: dk, dv row i is key position i (row0 = c0)
-        lk, slob, lo_row0 = _lo_range(dk_lo, dk, c0, len(chunks) > 1)
-        lv, _, _ = _lo_range(dv_lo, dv, c0, len(chunks) > 1)
+        lk, slob, lo_row0 = _lo_range(dk_lo, dk, c0, len(chunks) > 1, not kv_all)
+        lv, _, _ = _lo_range(dv_lo, dv, c0, len(chunks) > 1, not kv_all)
         for bi, (w, r, hs, he) in enumerate(branches):
             nnb = -(-geom(w, r) // bn)
             ni = min(rep, r)
@@ -471,17 +477,17 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
                 qk_scale, scale,
                 D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
                 COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-                **_launch_kw(cfgs["dkdv"]),
+                FIRST=kv_all and bi == 0, **_launch_kw(cfgs["dkdv"]),
             )
     del dk_lo, dv_lo, lk, lv
-    dq, comp = _acc_buffers(q.shape, q.dtype, q.device, several_q)
+    dq, comp = _acc_buffers(q.shape, q.dtype, q.device, several_q, not q_all)
     row_bytes = bsz * nh * d * q.element_size()
     chunks = lo_chunks(lay, branches, row_bytes, lo_rows) if comp else [(0, lay.nk)]
-    dq_lo = _lo_buffer(dq, comp, chunks)
+    dq_lo = _lo_buffer(dq, comp, chunks, not q_all)
     bm, bn = cfgs["dq"][:2]
     for c0, c1 in chunks:
         # query rows: dq row i is key position i + qoff
-        lq, slob, lo_row0 = _lo_range(dq_lo, dq, c0 - lay.qoff, len(chunks) > 1)
+        lq, slob, lo_row0 = _lo_range(dq_lo, dq, c0 - lay.qoff, len(chunks) > 1, not q_all)
         for bi, (w, r, hs, he) in enumerate(branches):
             nm = -(-geom(w, r) // bm)
             s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
@@ -496,7 +502,7 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
                 qk_scale, scale,
                 D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
                 COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-                **_launch_kw(cfgs["dq"]),
+                FIRST=q_all and bi == 0, **_launch_kw(cfgs["dq"]),
             )
     return dq, dk, dv
 
@@ -627,6 +633,21 @@ def _first_branch_writes_all(branches, first: int, nh: int, varlen: bool, qoff: 
     return r == 1 and hs == 0 and he == nh
 
 
+def _bwd_writes_all(branches, nh: int, varlen: bool, qoff: int) -> tuple[bool, bool]:
+    """(dq, dk and dv): whether the backward's launches of the FIRST branch store every element
+    of the result (and of its lo buffer), so that it is allocated empty and that branch stores
+    without reading (``FIRST``), in every lo range alike (ranges are whole segments).
+
+    The forward's rule (:func:`_first_branch_writes_all`) with branch 0 as the first: (w, 1)
+    over heads [0, nh) has a program for every query block of every segment that holds a query
+    and for every kv head (one offset class), and each stores all of its rows, zeros for a row
+    with no key or no query. dK/dV also need every key row to lie in such a segment: no key
+    before the first query (qoff == 0). Packed documents keep the fills (rows past the last
+    document belong to no program)."""
+    q_all = _first_branch_writes_all(branches, 0, nh, varlen, qoff)
+    return q_all, q_all and qoff == 0
+
+
 def _contiguous_strides(shape) -> tuple[int, ...]:
     st, acc = [], 1
     for n in reversed(tuple(shape)):
@@ -682,7 +703,7 @@ class _BwdPlan:
     """The backward's steps for one (dout, out) layout: delta, the dK/dV phase, the dQ phase."""
 
     __slots__ = ("delta", "dkdv", "dq", "kv_comp", "kv_chunked", "kv_lo_shape", "q_comp",
-                 "q_chunked", "q_lo_shape")  # fmt: skip
+                 "q_chunked", "q_lo_shape", "kv_fill", "q_fill")  # fmt: skip
 
 
 class TrainPlan:
@@ -852,6 +873,8 @@ class TrainPlan:
         hkv = k.shape[2]
         rep = nh // hkv
         b = _BwdPlan()
+        q_all, kv_all = _bwd_writes_all(branches, nh, lay.varlen, lay.qoff)
+        b.q_fill, b.kv_fill = not q_all, not kv_all
         nrows = bsz * nq * nh
         br = 16 if INTERPRET else 64
         steps = []
@@ -884,7 +907,8 @@ class TrainPlan:
         for c0, c1 in chunks:
             if comp and chunked:
                 slob, lo_row0 = lost[0], c0
-                steps.append(_zero_step(11))
+                if b.kv_fill:
+                    steps.append(_zero_step(11))
             else:
                 slob, lo_row0 = kst[0], 0
             for bi, (w, r, hs, he) in enumerate(branches):
@@ -901,7 +925,7 @@ class TrainPlan:
                      r, s0, nnb, qk_scale, scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
                          COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-                         **_launch_kw(cfgs["dkdv"])),
+                         FIRST=kv_all and bi == 0, **_launch_kw(cfgs["dkdv"])),
                     per_doc=per_doc,
                 ))  # fmt: skip
         b.dkdv = _Seq(steps)
@@ -915,7 +939,8 @@ class TrainPlan:
         for c0, c1 in chunks:
             if comp and chunked:
                 slob, lo_row0 = lost[0], c0 - lay.qoff
-                steps.append(_zero_step(8))
+                if b.q_fill:
+                    steps.append(_zero_step(8))
             else:
                 slob, lo_row0 = qst[0], 0
             for bi, (w, r, hs, he) in enumerate(branches):
@@ -931,7 +956,7 @@ class TrainPlan:
                      qk_scale, scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
                          COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-                         **_launch_kw(cfgs["dq"])),
+                         FIRST=q_all and bi == 0, **_launch_kw(cfgs["dq"])),
                     per_doc=per_doc,
                 ))  # fmt: skip
         b.dq = _Seq(steps)
@@ -954,23 +979,25 @@ class TrainPlan:
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
         if b.delta.steps:
             self._run(b.delta, [out, dout, delta], stream)
-        # all dK/dV first, then all dQ: one phase's lo buffers alive at a time
-        dk = torch.zeros_like(k, memory_format=_CONTIGUOUS)
-        dv = torch.zeros_like(v, memory_format=_CONTIGUOUS)
+        # all dK/dV first, then all dQ: one phase's lo buffers alive at a time; buffers that the
+        # first branch's launches store completely (FIRST, _bwd_writes_all) are left unfilled
+        new = torch.zeros_like if b.kv_fill else torch.empty_like
+        dk = new(k, memory_format=_CONTIGUOUS)
+        dv = new(v, memory_format=_CONTIGUOUS)
         if b.kv_comp:
             shape = (2, *b.kv_lo_shape)
-            lo2 = (torch.empty(shape, dtype=k.dtype, device=dev) if b.kv_chunked
-                   else torch.zeros(shape, dtype=k.dtype, device=dev))  # fmt: skip
+            lo2 = (torch.zeros(shape, dtype=k.dtype, device=dev) if b.kv_fill and not b.kv_chunked
+                   else torch.empty(shape, dtype=k.dtype, device=dev))  # fmt: skip
             self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, lo2[0], lo2[1], lo2, cq, ck],
                       stream, nd)  # fmt: skip
             del lo2
         else:
             self._run(b.dkdv, [q, k, v, kp, dout, lse, delta, dk, dv, dk, dv, dk, cq, ck], stream, nd)
-        dq = torch.zeros_like(q, memory_format=_CONTIGUOUS)
+        dq = (torch.zeros_like if b.q_fill else torch.empty_like)(q, memory_format=_CONTIGUOUS)
         lq = dq
         if b.q_comp:
-            lq = (torch.empty(b.q_lo_shape, dtype=q.dtype, device=dev) if b.q_chunked
-                  else torch.zeros_like(dq))  # fmt: skip
+            lq = (torch.zeros_like(dq) if b.q_fill and not b.q_chunked
+                  else torch.empty(b.q_lo_shape, dtype=q.dtype, device=dev))  # fmt: skip
         self._run(b.dq, [q, k, v, kp, dout, lse, delta, dq, lq, cq, ck], stream, nd)
         return dq, dk, dv
 
