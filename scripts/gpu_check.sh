@@ -20,6 +20,9 @@
 #                                       $PROFILE_TESTS (default: the plan / varlen / decode files)
 #   bash scripts/gpu_check.sh varlen    issue 22 item 2: profile_varlen.py (per launch; $VARLEN_CONFIGS variants),
 #                                       bench_varlen.py (the results table), then the varlen / plan CUDA tests
+#   bash scripts/gpu_check.sh measure2  issues 22 + 23 on one warm machine: profile_host.py --gpu-time, ab_decode.py
+#                                       (decode and training rows, same-run dense), profile_varlen.py,
+#                                       bench_varlen.py (no tests: run `close` or `first` for those)
 #   bash scripts/gpu_check.sh tune-dkdv benchmarks/tune_triton.py --kernels dkdv (issue 24: the dK/dV
 #                                       kernel's block configs at D = 128, N = 131072), then the
 #                                       per-kernel profile of the headline shape
@@ -131,6 +134,18 @@ case "${1:-tests}" in
     grep -E "^- " "$OUT/profile_varlen.txt" | tail -8; grep -E "rc=" "$OUT/profile_varlen.txt"
     grep -E "^\| (True|False)|^- causal" "$OUT/varlen.txt"; grep -E "rc=" "$OUT/varlen.txt"
     tail -4 "$OUT/cuda_tests.txt"
+    ;;
+  measure2)
+    timeout "${HOST_TIMEOUT:-100}" python3 benchmarks/profile_host.py --calls 200 --top 25 --gpu-time > "$OUT/profile_host.txt" 2>&1
+    echo "profile_host rc=$?" >> "$OUT/profile_host.txt"
+    timeout "${AB_TIMEOUT:-200}" python3 benchmarks/ab_decode.py --out "$OUT/ab_decode.md" > "$OUT/ab_decode.txt" 2>&1
+    echo "ab_decode rc=$?" >> "$OUT/ab_decode.txt"
+    timeout "${PROFILE_TIMEOUT:-120}" python3 benchmarks/profile_varlen.py --configs default --out "$OUT/profile_varlen.md" > "$OUT/profile_varlen.txt" 2>&1
+    echo "profile_varlen rc=$?" >> "$OUT/profile_varlen.txt"
+    timeout "${VARLEN_TIMEOUT:-180}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" > "$OUT/varlen.txt" 2>&1
+    echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
+    grep -A6 "^| call" "$OUT/profile_host.txt"; grep -E "^\| (4096|32768|131072|1048576|train)|plans with launchers|rc=" "$OUT/ab_decode.txt"
+    grep -E "^- total|rc=" "$OUT/profile_varlen.txt"; grep -E "^- causal|rc=" "$OUT/varlen.txt"
     ;;
   tune-dkdv)
     timeout "${TUNE_TIMEOUT:-450}" python3 benchmarks/tune_triton.py --kernels dkdv --max-seconds "${TUNE_SECONDS:-330}" \
