@@ -36,6 +36,9 @@ VARIANTS = {
     "dkdv32x64": dict(dkdv=(32, 64, 4, 2)),
     "dkdv64x128": dict(dkdv=(64, 128, 8, 2)),
     "dkdv32x128": dict(dkdv=(32, 128, 4, 3)),
+    "dkdv64w8": dict(dkdv=(64, 64, 8, 2)),
+    "dkdv64w8s3": dict(dkdv=(64, 64, 8, 3)),
+    "dkdv32x64s3": dict(dkdv=(32, 64, 4, 3)),
     "small": dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 2)),
 }
 
