@@ -232,9 +232,10 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the knob sweep")
     p.add_argument(
-        "--decode", choices=("graph", "compile"), default="graph",
-        help="generate's decode step: one CUDA graph (default) or torch.compile(mode="
-        "'reduce-overhead') (fuses the step's small kernels; compiles once per model: slower run)",
+        "--decode", choices=("graph", "compile", "eager"), default="graph",
+        help="generate's decode step: one CUDA graph (default), torch.compile(mode="
+        "'reduce-overhead') (fuses the step's small kernels; compiles once per model: slower run) "
+        "or eager (no graph: every launch from the host, issue 23 item 6's eager loop)",
     )  # fmt: skip
     p.add_argument("--no-latency", dest="latency", action="store_false", help="only part 2")
     p.add_argument("--no-generate", dest="generate", action="store_false", help="only part 1")
@@ -313,7 +314,7 @@ def main(argv=None):
     lines += [] if not gen else [
         "",
         f"## generate, preset {args.preset!r} ({str(dtype).removeprefix('torch.')}, greedy, "
-        f"decode step {({'graph': 'in a CUDA graph', 'compile': 'torch.compile reduce-overhead'}[args.decode]) if dev == 'cuda' else 'eager'})",
+        f"decode step {({'graph': 'in a CUDA graph', 'compile': 'torch.compile reduce-overhead', 'eager': 'eager, no graph'}[args.decode]) if dev == 'cuda' else 'eager'})",
         "",
         f"tokens/s of the decode loop ({args.new_long} - {args.new_short} tokens, prefill excluded)",
         "",
