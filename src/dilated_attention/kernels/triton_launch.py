@@ -523,8 +523,10 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
 # Fills. The forward's first branch stores without reading (``FIRST``): when it writes every
 # query row of every head of out, lse and lo (:func:`_first_branch_writes_all`: r == 1 over all
 # heads, as the LongNet branches with head_assignment="all"), the three buffers are allocated
-# empty. The backward kernels always add into dq, dk, dv and their lo buffers: zeros as before,
-# but the lo buffers of dk and dv are one allocation (one fill; they live and die together).
+# empty. The backward's first branch does the same where its launches store every element of
+# dq (and of dk, dv: also no key before the first query; :func:`_bwd_writes_all`); elsewhere
+# the backward kernels add into zero-filled dq, dk, dv and lo buffers. The lo buffers of dk and
+# dv are one allocation (one fill at most; they live and die together).
 # Bytes and lifetimes are those of the per-call path (NOTES_triton.md, "Memory at 2M tokens").
 # Packed documents: the key adds the buckets of their max lengths and the shared-offsets flag
 # (not their count: each call adds its documents' slots to the flat grids, ``_Launch.per_doc``);
@@ -1116,7 +1118,8 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     ``plan_sink``) for these very q, k, v, kpm and arguments: skips the lookup.
 
     Memory (benchmarks/NOTES_triton.md, "Memory at 2M tokens"): besides the inputs, out, dout
-    and lse, the results dk, dv, dq (zeros, each written in place), delta (one float32 per
+    and lse, the results dk, dv, dq (zeros, or empty where :func:`_bwd_writes_all` says the
+    first branch stores all of them; each written in place), delta (one float32 per
     query row and head) and the lo buffers of one phase, each 1/LO_CHUNKS of a result at long N.
     """
     if USE_PLANS:
