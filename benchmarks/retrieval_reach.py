@@ -17,6 +17,13 @@ at initialisation attention is near uniform, so the value's weight is about 1 / 
         --distances 16,64,128,256                             # `tiny`
 
 CPU only, no torch needed; takes a second.
+
+``--spikes RUN.json`` (needs torch): for a run of ``train_retrieval.py`` at one sequence a step,
+where were the planted values of the steps whose loss jumped above 1 at the last stage, against
+the every-10th steps of that stage: the value's offset in the first (smallest) segment and its
+number of two-layer paths to the answer (docs/training.md, "Spikes at 512K")::
+
+    python benchmarks/retrieval_reach.py --spikes benchmarks/results/retrieval_512k_h100_2026-11-26_seed1.json
 """
 
 from __future__ import annotations
@@ -52,6 +59,61 @@ def reach(n: int, ws, rs, heads: int, distances) -> list[dict]:
     return rows
 
 
+def two_hop_count(n: int, v: int, ws, rs, heads: int) -> int:
+    """``reach``'s two-hop count for the value at ``v``, vectorised (fast at N = 1M)."""
+    i, p = n - 1, np.arange(v, n)
+    into, out = np.zeros(p.shape, bool), np.zeros(p.shape, bool)
+    for w, r in zip(ws, rs, strict=True):
+        if (v % w) % r < heads:
+            into |= (p // w == v // w) & ((p % w) % r == (v % w) % r)
+        if (i % w) % r < heads:
+            out |= (p // w == i // w) & ((p % w) % r == (i % w) % r)
+    return int((into & out).sum())
+
+
+def spike_geometry(path: str) -> str:
+    """Markdown: the planted values of a run's loss spikes vs its every-10th steps (last stage)."""
+    import json
+
+    from dilated_attention.data import RetrievalTask
+
+    d = json.load(open(path))
+    rc = d["recipe"]
+    n, ws, rs, heads = rc["seq_len"], rc["segments"], rc["rates"], rc["n_head"]
+    task = RetrievalTask(seq_len=n, num_pairs=1, min_distance=rc["min_distance"], max_distance=n)
+    w0 = ws[0]
+    lines = [f"# Where the loss spikes were: `{path}`", "",
+             f"N = {n}, w = {ws}, r = {rs}, {heads} heads; steps at the last stage (one sequence "
+             f"a step); value position v = N + 2 - distance; offset = v mod {w0} (the first "
+             f"segment); paths = two-layer paths from the value to the answer "
+             f"(`retrieval_reach.py`)", "",
+             "| run | steps | median paths | paths < 128 | offset >= 7/8 of the segment |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for run in d["runs"]:
+        if run.get("num_pairs", rc["num_pairs"]) != 1:
+            continue
+
+        def value_pos(step):  # the batch of logged step `step` was drawn at step - 1
+            x, _ = task.batch(1, run["seed"], step - 1)
+            keys = (x[0] >= task.key0) & (x[0] < task.value0)
+            return int(keys.nonzero()[0]) + 1
+
+        rows = [row for row in run["losses"] if row[1] == n]
+        groups = (("loss > 1", [row for row in rows if row[2] > 1]),
+                  ("loss <= 1 (every 10th step)", [row for row in rows if row[2] <= 1]))  # fmt: skip
+        for name, grp in groups:
+            if not grp:
+                continue
+            vs = [value_pos(row[0]) for row in grp]
+            paths = np.array([two_hop_count(n, v, ws, rs, heads) for v in vs])
+            late = np.mean([v % w0 >= w0 - w0 // 8 for v in vs])
+            lines.append(f"| {run['attention']} seed {run['seed']} | {len(grp)} {name} | "
+                         f"{np.median(paths):.0f} | {np.mean(paths < 128):.2f} | {late:.2f} |")
+    lines.append("")
+    lines.append("(uniform positions: offset >= 7/8 of the segment for 0.125 of the values)")
+    return "\n".join(lines) + "\n"
+
+
 def keys_per_head(n: int, ws, rs, heads: int) -> list[int]:
     i = n - 1
     out = []
@@ -74,7 +136,11 @@ def main(argv=None) -> int:
     p.add_argument("--r", type=ints, default=[1, 2, 4, 6])
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--distances", type=ints, default=[512, 2048, 8192, 16384, 32768])
+    p.add_argument("--spikes", help="a train_retrieval.py RUN.json: where its loss spikes were")
     a = p.parse_args(argv)
+    if a.spikes:
+        print(spike_geometry(a.spikes), end="")
+        return 0
     print(f"N = {a.n}, w = {a.w}, r = {a.r}, H = {a.heads}")
     print("distance | value pos | 1-hop | 2-hop intermediates")
     for row in reach(a.n, a.w, a.r, a.heads, a.distances):

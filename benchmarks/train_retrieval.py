@@ -49,7 +49,7 @@ import time
 
 import torch
 
-from dilated_attention.data import IGNORE, RetrievalTask
+from dilated_attention.data import IGNORE, RetrievalTask, _mix
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -110,9 +110,11 @@ RECIPES: dict[str, dict] = {
         dtype="bfloat16",
     ),
     # N = 524288: the 128K model with its last branch at w = N (w / r = 32768 keys a row) and
-    # one more stage. The stability settings (docs/training.md, "Why 512K collapsed"): the
-    # learning rate decays with the wall clock over the cap (cosine to 10%), every stage warms
-    # up again over 50 steps, and a z-loss keeps the output log-partition near 0.
+    # one more stage. The stability settings (docs/training.md, "Spikes at 512K"): the
+    # learning rate decays with the wall clock over the first 10 minutes (cosine to 10%), then
+    # stays there (rare hard samples keep kicking the model; the kick scales with the rate),
+    # every stage warms up again over 50 steps, and a z-loss keeps the output log-partition
+    # near 0. Evals: 32 sequences per distance (a 0.95 target allows 1 miss), jittered.
     "h100-512k": dict(
         seq_len=524288,
         segments=(1024, 4096, 16384, 65536, 524288),
@@ -126,15 +128,16 @@ RECIPES: dict[str, dict] = {
         lr=1e-3,
         warmup=100,
         schedule="cosine",
+        decay_minutes=10.0,
         stage_warmup=50,
         z_loss=1e-4,
         num_pairs=1,
         min_distance=16,
         local_window=1024,
         eval_distances=(512, 8192, 65536, 262144, 524288),
-        eval_samples=16,
+        eval_samples=32,
         eval_batch=1,
-        eval_every_s=60.0,
+        eval_every_s=90.0,
         max_minutes=20.0,
         device="cuda",
         dtype="bfloat16",
@@ -267,6 +270,23 @@ def build_model(r: dict, attention: str, device) -> LongNetLM:
     return LongNetLM(cfg).to(device)
 
 
+def eval_distance(r: dict, d: int, i: int) -> int:
+    """The distance of eval batch ``i`` for the eval distance ``d``: ``d`` itself with
+    ``eval_positions = "aligned"``; with ``"jittered"`` (the default) one drawn uniformly from
+    (d / 2, d] (at least 5 * num_pairs), the same for every run. Aligned distances put every
+    planted value at the same place of the fixed segments (N and d are multiples of 512: the
+    start or middle of a w = 1024 segment), where a value reaches the answer over hundreds of
+    two-layer paths; values near a segment's end reach it over far fewer, and those are the
+    sequences a trained model still gets wrong (docs/training.md, "Spikes at 512K")."""
+    if r.get("eval_positions", "jittered") == "aligned":
+        return d
+    lo = max(5 * r["num_pairs"], d // 2 + 1)
+    if lo >= d:
+        return d
+    g = torch.Generator().manual_seed(_mix(d, i, 7))
+    return int(torch.randint(lo, d + 1, (1,), generator=g))
+
+
 @torch.no_grad()
 def evaluate(model, r: dict, seed: int, device, autocast) -> dict[str, float]:
     """Accuracy at each eval distance at the full length; the same sequences at every distance."""
@@ -280,7 +300,7 @@ def evaluate(model, r: dict, seed: int, device, autocast) -> dict[str, float]:
     for d in r["eval_distances"]:
         correct = total = 0
         for i in range(nb):
-            x, y = task.batch(r["eval_batch"], seed + 1, 10**9 + i, distance=d)
+            x, y = task.batch(r["eval_batch"], seed + 1, 10**9 + i, distance=eval_distance(r, d, i))
             x, y = x.to(device), y.to(device)
             with autocast:
                 h = model.hidden_states(x)  # (B, N, E)
@@ -295,13 +315,14 @@ def evaluate(model, r: dict, seed: int, device, autocast) -> dict[str, float]:
 
 def lr_factor(r: dict, step: int, stage: int, stage_step: int, elapsed: float) -> float:
     """The learning-rate multiplier: linear warmup over ``warmup`` steps of the run, then
-    ``constant`` or ``cosine`` (from 1 to ``min_lr_ratio`` over the wall-clock cap: the cap is
-    the only known length of a capped run); with ``stage_warmup`` > 0 every stage after the
-    first ramps up again over that many steps (the gradient statistics change when N grows 4x)."""
+    ``constant`` or ``cosine`` (from 1 to ``min_lr_ratio`` over the wall-clock cap, the only
+    known length of a capped run, or over its first ``decay_minutes``, then constant); with
+    ``stage_warmup`` > 0 every stage after the first ramps up again over that many steps (the
+    gradient statistics change when N grows 4x)."""
     f = min(1.0, (step + 1) / r["warmup"])
     if r.get("schedule", "constant") == "cosine":
         lo = r.get("min_lr_ratio", 0.1)
-        frac = min(1.0, elapsed / (r["max_minutes"] * 60.0))
+        frac = min(1.0, elapsed / (60.0 * (r.get("decay_minutes") or r["max_minutes"])))
         f *= lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
     sw = r.get("stage_warmup", 0)
     if sw and stage > 0:  # the first stage has the run's warmup
@@ -325,10 +346,12 @@ def retrieval_loss(model, x, y, z_loss: float):
 # what a resumed run must share with the paused one (the cap, evals and device may change)
 _RESUME_KEYS = ("seq_len", "segments", "rates", "dim", "n_layer", "n_head", "ffn_dim", "curriculum",
                 "lr", "warmup", "num_pairs", "min_distance", "local_window", "schedule",
-                "min_lr_ratio", "stage_warmup", "z_loss", "beta2", "advance_loss", "dtype")  # fmt: skip
+                "min_lr_ratio", "decay_minutes", "stage_warmup", "z_loss", "beta2", "advance_loss",
+                "dtype")  # fmt: skip
 
 
-_DEFAULTS = dict(schedule="constant", min_lr_ratio=0.1, stage_warmup=0, z_loss=0.0, beta2=0.95)
+_DEFAULTS = dict(schedule="constant", min_lr_ratio=0.1, decay_minutes=None, stage_warmup=0,
+                 z_loss=0.0, beta2=0.95)
 
 
 def _settings(r: dict) -> dict:
@@ -436,8 +459,8 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             lr = r["lr"] * lr_factor(r, step, st["si"], st["s_step"], elapsed)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = task.batch(bs, seed, step)
-            x, y = x.to(device), y.to(device)
+            x_cpu, y = task.batch(bs, seed, step)
+            x, y = x_cpu.to(device), y.to(device)
             with autocast:
                 loss, ce = retrieval_loss(model, x, y, r.get("z_loss", 0.0))
             opt.zero_grad(set_to_none=True)
@@ -453,6 +476,10 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             spike = ce_v > 1.0 and len(recent) == 50 and sum(recent[:-1]) / 49 < 0.1
             if step % 10 == 0 or step == 1 or spike:  # every 10th step, and every spike
                 rec["losses"].append((step, n, round(ce_v, 4), round(gnorm, 4), float(f"{lr:.3g}")))
+            if spike and bs == 1:  # where the planted value was (the spikes' geometry)
+                keys = (x_cpu[0] >= task.key0) & (x_cpu[0] < task.value0)
+                v = int(keys.nonzero()[0]) + 1  # the first key token is the planted one
+                rec.setdefault("spikes", []).append((step, n, n + 2 - v, v))  # step, N, d, pos
             now = time.perf_counter() - t0
             if not last_stage and len(recent) == 50 and sum(recent) / 50 < r["advance_loss"]:
                 break  # learned at this length: on to the next stage
@@ -501,6 +528,49 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
     return rec
 
 
+_MODEL_KEYS = ("seq_len", "segments", "rates", "dim", "n_layer", "n_head", "ffn_dim",
+               "local_window")  # fmt: skip
+
+
+def eval_checkpoint(r: dict, path: str, out: str, env: dict) -> dict:
+    """Evaluate the model of a checkpoint (``--eval-checkpoint``) under ``r``'s eval settings;
+    writes OUT.md and OUT.json and returns the accuracies. The checkpoint's model settings must
+    be the recipe's (the training settings may differ)."""
+    ck = load_split(path, map_location=r["device"])
+    saved, now = ck.get("settings") or {}, _settings(r)
+    bad = [k for k in _MODEL_KEYS if k in saved and saved[k] != now.get(k)]
+    if bad:
+        raise ValueError(f"checkpoint {path} has another model: "
+                         + ", ".join(f"{k} {saved[k]!r} (recipe {now.get(k)!r})" for k in bad))
+    device = torch.device(r["device"])
+    model = build_model(r, ck["attention"], device)
+    model.load_state_dict(ck["model"])
+    amp = getattr(torch, r["dtype"])
+    autocast = torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32)
+    t = time.perf_counter()
+    acc = evaluate(model, r, ck["seed"], device, autocast)
+    res = {"checkpoint": path, "attention": ck["attention"], "seed": ck["seed"],
+           "step": ck["state"]["step"], "trained_s": round(ck["state"]["elapsed"], 1),
+           "eval_positions": r.get("eval_positions", "jittered"),
+           "eval_samples": r["eval_samples"], "eval_s": round(time.perf_counter() - t, 1), **acc}
+    with open(out + ".json", "w") as f:
+        json.dump({"env": env, "eval": res}, f, indent=1)
+    ds = r["eval_distances"]
+    lines = results_header("Retrieval accuracy of a checkpoint", info=env, extra=[
+        f"checkpoint: `{path}` ({res['attention']}, seed {res['seed']}, step {res['step']}, "
+        f"{res['trained_s']} s of training); recipe `{r['recipe']}`",
+        f"eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']}, positions "
+        f"{res['eval_positions']}" + (" (acc@d: a distance drawn from (d/2, d] per sequence)"
+        if res["eval_positions"] == "jittered" else " (acc@d: exactly d)"),
+    ])  # fmt: skip
+    lines += ["", "| " + " | ".join(f"acc@{d}" for d in ds) + " |",
+              "| " + " | ".join("---" for _ in ds) + " |",
+              "| " + " | ".join(f"{acc[f'acc@{d}']:.3f}" for d in ds) + " |"]  # fmt: skip
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return res
+
+
 def _markdown(r: dict, runs: list[dict], env: dict) -> str:
     ds = r["eval_distances"]
     lines = results_header("Long-range retrieval with a length curriculum", info=env, extra=[
@@ -511,12 +581,15 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
         f"warmup {r['warmup']}; {r['num_pairs']} pair(s); distances uniform in "
         f"[{r['min_distance']}, stage N]; local window {r['local_window']}; "
         f"{r['dtype']}; cap {r['max_minutes']} min; target {r['target']}; schedule "
-        f"{r.get('schedule', 'constant')}" + (f" (to {r.get('min_lr_ratio', 0.1)} x lr over the cap)"
+        f"{r.get('schedule', 'constant')}" + (f" (to {r.get('min_lr_ratio', 0.1)} x lr over "
+        + (f"{r['decay_minutes']} min, then held" if r.get("decay_minutes") else "the cap") + ")"
         if r.get("schedule") == "cosine" else "") + f"; stage warmup {r.get('stage_warmup', 0)} "
         f"steps; z-loss {r.get('z_loss', 0.0)}; AdamW betas (0.9, {r.get('beta2', 0.95)}); "
         + ("runs to the cap" if r.get("run_to_cap") else "stops at the target"),
         f"eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']} (the same "
-        f"sequences at every distance, only the planted block moves); chance = "
+        f"sequences at every distance, only the planted block moves; "
+        + ("acc@d: exactly d, aligned with the segments" if r.get("eval_positions") == "aligned"
+           else "acc@d: a distance drawn from (d/2, d] per sequence") + f"); chance = "
         f"{1 / 16:.4f}",
     ])
     lines += [
@@ -621,6 +694,10 @@ def _check_flags(p: argparse.ArgumentParser, args, r: dict) -> None:
         p.error(f"--min-lr-ratio must be in [0, 1], got {r['min_lr_ratio']}")
     if not r["max_minutes"] > 0:
         p.error(f"--max-minutes must be > 0, got {r['max_minutes']}")
+    if r.get("decay_minutes") is not None and not r["decay_minutes"] > 0:
+        p.error(f"--decay-minutes must be > 0, got {r['decay_minutes']}")
+    if args.eval_checkpoint and not os.path.isfile(args.eval_checkpoint):
+        p.error(f"--eval-checkpoint {args.eval_checkpoint}: no such file")
     if r["lr"] <= 0:
         p.error(f"--lr must be > 0, got {r['lr']}")
     if args.pause_after_minutes is not None and args.pause_after_minutes < 0:
@@ -688,6 +765,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", choices=["constant", "cosine"],
                    help="learning rate after warmup: constant, or cosine over the wall-clock cap")
     p.add_argument("--min-lr-ratio", type=float, help="cosine: the last lr / lr (default 0.1)")
+    p.add_argument("--decay-minutes", type=float,
+                   help="cosine: decay over this many minutes, then hold (default: the cap)")
+    p.add_argument("--eval-positions", choices=["jittered", "aligned"],
+                   help="eval distance d: drawn from (d/2, d] (jittered, the default) or d itself")
+    p.add_argument("--eval-checkpoint",
+                   help="no training: evaluate the model of a --checkpoint file and write OUT.*")
     p.add_argument("--stage-warmup", type=int, help="steps of warmup at each later stage (0: none)")
     p.add_argument("--z-loss", type=float, help="z-loss coefficient (0: none)")
     p.add_argument("--beta2", type=float, help="AdamW beta2 (default 0.95)")
@@ -705,8 +788,8 @@ def main(argv: list[str] | None = None) -> int:
              advance_loss=args.advance_loss)  # fmt: skip
     for key in ("max_minutes", "curriculum", "seq_len", "lr", "warmup", "dim", "n_layer",
                 "num_pairs", "min_distance", "local_window", "eval_samples", "eval_every_s",
-                "eval_distances", "device", "schedule", "min_lr_ratio", "stage_warmup",
-                "z_loss", "beta2"):  # fmt: skip
+                "eval_distances", "device", "schedule", "min_lr_ratio", "decay_minutes",
+                "eval_positions", "stage_warmup", "z_loss", "beta2"):  # fmt: skip
         if getattr(args, key) is not None:
             r[key] = getattr(args, key)
     if args.run_to_cap:
@@ -724,6 +807,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     dev = torch.device(r["device"])
     env = run_info(dev)  # command, device, versions, date
+    if args.eval_checkpoint:
+        try:
+            res = eval_checkpoint(r, args.eval_checkpoint, args.out, env)
+        except ValueError as e:
+            p.error(str(e))
+        print(f"wrote {args.out}.md, .json\n" + " ".join(
+            f"{k} {v:.3f}" for k, v in res.items() if k.startswith("acc@")))  # fmt: skip
+        return 0
     runs: list[dict] = []
 
     def write(extra=None):  # after every eval and every run: a killed call keeps its results

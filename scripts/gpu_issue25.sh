@@ -15,6 +15,8 @@
 #                              cap (evals counted), S in 0, 1, 2; K = 1, 2, 3
 #   retrieval1m-K              item 3: --recipe h100-1m --target 0.9, 30-min cap, stops at the
 #                              target; K = 1 .. 4
+# A call returns at most 8 files from $OUT and a retrieval mode writes exactly 8 (the checkpoint
+# is 3 of them): write nothing else there in the same call, or the checkpoint stays behind.
 # A K > 1 mode resumes from runs/issue25/ckpt/RUN.pt (+ .1, .2): the checkpoint files the
 # previous call of that run wrote under $OUT, put there by `collect`. Rerunning a K > 1 mode
 # after a killed call resumes from the checkpoint of its last eval (at most one eval interval

@@ -403,3 +403,58 @@ def test_train_retrieval_bad_flags_one_line_errors(tmp_path, capsys):
             mod.main(run + ["--resume", ck] + extra)
         assert __import__("re").search(msg, capsys.readouterr().err), extra
     assert mod.main(run + ["--resume", ck]) == 0
+
+
+def test_train_retrieval_jittered_eval_distances_and_decay_minutes():
+    """Jittered eval distances lie in (d/2, d], are the same in every call, and spread the
+    planted value over the positions of a w = 1024 segment (aligned ones all sit at one
+    offset); the cosine of ``decay_minutes`` reaches its floor then and stays there."""
+    mod = _bench("train_retrieval")
+    r = dict(mod.RECIPES["h100-512k"])
+    n = r["seq_len"]
+    for d in (512, 8192, 524288):
+        got = [mod.eval_distance(r, d, i) for i in range(64)]
+        assert got == [mod.eval_distance(r, d, i) for i in range(64)]
+        assert all(d // 2 < g <= d for g in got), (d, got)
+        if d >= 2048:  # offsets of the value in its 1024-segment: spread, not one place
+            assert len({(n + 2 - g) % 1024 for g in got}) > 40
+    assert {mod.eval_distance(dict(r, eval_positions="aligned"), 8192, i) for i in range(9)} == {8192}
+    assert {mod.eval_distance(r, 6, i) for i in range(32)} == {5, 6}  # (3, 6], at least 5 * 1
+    lo = r["min_lr_ratio"] if "min_lr_ratio" in r else 0.1
+    f = lambda el, **kw: mod.lr_factor(dict(r, **kw), 10**6, 0, 0, el)  # noqa: E731
+    assert r["decay_minutes"] == 10.0 and r["max_minutes"] == 20.0
+    assert f(0.0) == pytest.approx(1.0)
+    assert f(300.0) == pytest.approx(lo + (1 - lo) * 0.5)  # half of the 10 minutes
+    assert f(600.0) == pytest.approx(lo) and f(1100.0) == pytest.approx(lo)
+    assert f(600.0, decay_minutes=None) == pytest.approx(lo + (1 - lo) * 0.5)  # over the cap
+
+
+def test_train_retrieval_eval_checkpoint_and_spike_geometry(tmp_path, capsys):
+    """--eval-checkpoint evaluates a paused run's model without training (and refuses another
+    model in one line); retrieval_reach.py --spikes finds the planted values of a run's steps
+    (its two-hop count equals reach()'s)."""
+    mod = _bench("train_retrieval")
+    ck, out = str(tmp_path / "ck.pt"), str(tmp_path / "run")
+    base = ["--recipe", "tiny-check", "--impl", "torch", "--threads", "1"]
+    assert mod.main(base + ["--curriculum", "128:2:0", "--max-minutes", "5", "--out", out,
+                            "--pause-after-minutes", "0.005", "--checkpoint", ck]) == 0  # fmt: skip
+    assert mod.main(base + ["--eval-checkpoint", ck, "--out", str(tmp_path / "ev")]) == 0
+    ev = json.loads((tmp_path / "ev.json").read_text())["eval"]
+    assert ev["eval_positions"] == "jittered" and 0.0 <= ev["acc@128"] <= 1.0
+    assert "Retrieval accuracy of a checkpoint" in (tmp_path / "ev.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        mod.main(base + ["--eval-checkpoint", ck, "--dim", "64", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "has another model: dim 32 (recipe 64)" in capsys.readouterr().err
+    reach = _bench("retrieval_reach")
+    ws, rs = (16, 64, 128), (1, 2, 4)
+    for d in (5, 40, 128):
+        want = reach.reach(128, ws, rs, 4, [d])[0]["two_hop"]
+        assert reach.two_hop_count(128, 130 - d, ws, rs, 4) == want
+    # a run record with logged steps at the last stage: the table counts them
+    run = json.loads(open(out + ".json").read())
+    rows = [row for row in run["runs"][0]["losses"] if row[1] == 128]
+    assert rows, "the paused run logged no step at the last stage"
+    text = reach.spike_geometry(out + ".json")
+    quiet, spiky = sum(row[2] <= 1 for row in rows), sum(row[2] > 1 for row in rows)
+    assert (f"| dilated seed 0 | {quiet} loss <= 1" in text) == (quiet > 0), text
+    assert (f"| dilated seed 0 | {spiky} loss > 1" in text) == (spiky > 0), text
