@@ -15,6 +15,10 @@
 #                              cap (evals counted), S in 0, 1, 2; K = 1, 2, 3
 #   retrieval1m-K              item 3: --recipe h100-1m --target 0.9, 30-min cap, stops at the
 #                              target; K = 1 .. 4
+#   retrieval128k-WHAT         item 1 again with jittered evals, one call each, no checkpoint:
+#                              WHAT = seed0, seed1, seed2 (dilated), dense, local (the
+#                              baselines with the dilated runs' 5-minute cap, seed 0); every
+#                              run stops at the target
 # A call returns at most 8 files from $OUT and a retrieval mode writes exactly 8 (the checkpoint
 # is 3 of them): write nothing else there in the same call, or the checkpoint stays behind.
 # A K > 1 mode resumes from runs/issue25/ckpt/RUN.pt (+ .1, .2): the checkpoint files the
@@ -94,6 +98,20 @@ print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_d
         --pause-after-minutes "$PAUSE" --checkpoint "$OUT/$run.pt" --out "$OUT/$run" $res ${EXTRA:-}
       echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
     ;;
+  retrieval128k-*)
+    OUT=${OUT:?}; mkdir -p "$OUT"
+    case "${mode#retrieval128k-}" in
+      seed0|seed1|seed2) flags="--seeds ${mode#retrieval128k-seed}" ;;
+      dense) flags="--attention dense --max-minutes 5" ;;
+      local) flags="--attention local --max-minutes 5" ;;
+      *) echo "unknown mode $mode" >&2; exit 2 ;;
+    esac
+    { env_line
+      # shellcheck disable=SC2086
+      timeout -k 10 "$LIMIT" $PY benchmarks/train_retrieval.py --recipe h100-128k $flags \
+        --out "$OUT/$mode" ${EXTRA:-}
+      echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
+    ;;
   collect)
     src=${2:?collect FILES_AT MODE}; m=${3:?collect FILES_AT MODE}
     run=${m%-*}
@@ -134,6 +152,14 @@ sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$dest/$run.json
         [ -e "$f" ] && cp "$f" "benchmarks/results/$name${f#"$d/$run"}"
       done
       echo "$run: $d"
+    done
+    for w in seed0 seed1 seed2 dense local; do
+      d=runs/issue25/out/retrieval128k-$w
+      [ -d "$d" ] || continue
+      for f in "$d/retrieval128k-$w"*; do
+        [ -e "$f" ] && cp "$f" "benchmarks/results/retrieval_128k_h100_${date}_$w${f#"$d/retrieval128k-$w"}"
+      done
+      echo "retrieval128k-$w: $d"
     done
     d=runs/issue25/out/throughput
     if [ -d "$d" ]; then
