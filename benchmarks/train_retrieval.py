@@ -287,6 +287,12 @@ def eval_distance(r: dict, d: int, i: int) -> int:
     return int(torch.randint(lo, d + 1, (1,), generator=g))
 
 
+def _autocast(r: dict, device) -> torch.autocast:
+    """The recipe's autocast on ``device`` (off for float32)."""
+    amp = getattr(torch, r["dtype"])
+    return torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32)
+
+
 @torch.no_grad()
 def evaluate(model, r: dict, seed: int, device, autocast) -> dict[str, float]:
     """Accuracy at each eval distance at the full length; the same sequences at every distance."""
@@ -390,8 +396,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
         lr=r["lr"], betas=(0.9, r.get("beta2", 0.95)), fused=device.type == "cuda",
     )  # fmt: skip
-    amp = getattr(torch, r["dtype"])
-    autocast = torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32)
+    autocast = _autocast(r, device)
     stages = parse_curriculum(r["curriculum"])
     if stages[-1][0] != r["seq_len"]:
         raise ValueError(
@@ -545,8 +550,7 @@ def eval_checkpoint(r: dict, path: str, out: str, env: dict) -> dict:
     device = torch.device(r["device"])
     model = build_model(r, ck["attention"], device)
     model.load_state_dict(ck["model"])
-    amp = getattr(torch, r["dtype"])
-    autocast = torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32)
+    autocast = _autocast(r, device)
     t = time.perf_counter()
     acc = evaluate(model, r, ck["seed"], device, autocast)
     res = {"checkpoint": path, "attention": ck["attention"], "seed": ck["seed"],
