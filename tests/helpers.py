@@ -16,6 +16,22 @@ def check_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, r
     )
 
 
+def poisoned_empty(monkeypatch) -> None:
+    """torch.empty and torch.empty_like return NaN-filled (float) or 0x55-filled buffers while
+    patched: an element a kernel should have written but did not shows up in the result."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.numel():
+            t.fill_(0x55)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_like(*a, **kw)))
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative L2 error of ``x`` against ``ref``, in float64."""
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()

@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import poisoned_empty  # noqa: E402
+
 from dilated_attention import dilated_attention, flags  # noqa: E402
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
 from dilated_attention.kernels import direct_launch, triton_ops  # noqa: E402
@@ -43,22 +45,6 @@ def _inputs(b, nq, nk, h, hkv, d, dtype, pad=False, device=DEV):
     return q, k, v, do, kpm
 
 
-def _poisoned_empty(monkeypatch):
-    """torch.empty and torch.empty_like return NaN-filled (float) or 0x55-filled buffers while
-    patched: an element a kernel should have written but did not shows up in the result."""
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.numel():
-            t.fill_(0x55)
-        return t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_like(*a, **kw)))
-
-
 def _both_paths(q, k, v, do, kpm, seg, dil, causal, hr, monkeypatch, **kw):
     """(per-call results, plan miss results, plan hit results): out, lse, dq, dk, dv each."""
     scale = q.shape[-1] ** -0.5
@@ -68,7 +54,7 @@ def _both_paths(q, k, v, do, kpm, seg, dil, causal, hr, monkeypatch, **kw):
     res = []
     for _ in range(2):
         with monkeypatch.context() as m:
-            _poisoned_empty(m)
+            poisoned_empty(m)
             sink = []
             o, s = L.forward(q, k, v, kpm, seg, dil, causal, scale, hr, plan_sink=sink, **kw)
             grads = L.backward(do, q, k, v, kpm, out, lse, seg, dil, causal, scale, hr, plan=sink[0], **bkw)
@@ -124,14 +110,15 @@ def test_fill_skipped_only_where_the_first_branch_writes_everything(seed):
     longq = L.get_plan(q, k[:, :40], v[:, :40], *args, branch_head_ranges(4, 3, "all"))
     assert longq.fwd_fill  # more queries than keys (the front door refuses it): fill as before
     assert allh.fwd_comp  # the lo buffer is unfilled too
-    # the backward: dq needs the forward's rule, dk / dv also no key before the first query
+    # the backward: dq needs the forward's rule, dk / dv also no key before the first query;
+    # the third argument: every row is a sequence's (batch, or packed with checked offsets)
     hr = branch_head_ranges(4, 3, "all")
-    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, False, 0) == (True, True)
-    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, False, 8) == (True, False)
-    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, True, 0) == (False, False)
+    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, True, 0) == (True, True)
+    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, True, 8) == (True, False)
+    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), hr), 4, False, 0) == (False, False)
     split_hr = branch_head_ranges(4, 3, "split")
-    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), split_hr), 4, False, 0) == (False, False)
-    assert L._bwd_writes_all(L.branch_list((16, 8), (2, 1), [(0, 4)] * 2), 4, False, 0) == (False, False)
+    assert L._bwd_writes_all(L.branch_list((8, 16, 32), (1, 2, 4), split_hr), 4, True, 0) == (False, False)
+    assert L._bwd_writes_all(L.branch_list((16, 8), (2, 1), [(0, 4)] * 2), 4, True, 0) == (False, False)
 
 
 BWD_FILL_CASES = ["longnet-fp16", "gqa-pad-b2", "nq<nk-mqa", "lo-ranges", "split-heads", "fp32"]
@@ -154,13 +141,13 @@ def test_backward_without_fills_equals_backward_with_them(seed, monkeypatch, cas
     with monkeypatch.context() as m:
         m.setattr(L, "_bwd_writes_all", lambda *a: (False, False))
         want = L.backward_per_call(do, q, k, v, kpm, out, lse, seg, dil, causal, scale, hr, **bkw)
-    expect = L._bwd_writes_all(L.branch_list(seg, dil, hr), h, False, nk - nq)
+    expect = L._bwd_writes_all(L.branch_list(seg, dil, hr), h, True, nk - nq)
     assert expect == {"longnet-fp16": (True, True), "gqa-pad-b2": (True, True),
                       "nq<nk-mqa": (True, False), "lo-ranges": (True, True),
                       "split-heads": (False, False), "fp32": (True, True)}[case]  # fmt: skip
     for path in ("per_call", "plan"):
         with monkeypatch.context() as m:
-            _poisoned_empty(m)
+            poisoned_empty(m)
             if path == "per_call":
                 got = L.backward_per_call(do, q, k, v, kpm, out, lse, seg, dil, causal, scale, hr, **bkw)
             else:

@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import poisoned_empty  # noqa: E402
+
 from dilated_attention.kernels import triton_launch, triton_ops
 from dilated_attention.reference import dilated_attention_reference
 
@@ -175,6 +177,109 @@ def test_varlen_torch_compile(seed):
     torch.testing.assert_close(out, out_e)
     for a, b in zip(g, g_e, strict=True):
         torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------- checked offsets: no zero-fills (issue 22)
+# (query lengths, key lengths or None, heads, kv heads, branches, fold): leading, trailing and
+# inner empty documents, one-token documents, documents shorter than the smallest w, lengths
+# no multiple of any w, documents with fewer queries than keys and keys-only ones
+FILL_CASES = {
+    # GQA, queries = keys; "fold": the non-causal forward folds (one launch, its own buffers)
+    "gqa": ([0, 1, 3, 21, 37, 0], None, 4, 2, ([8, 16, 32], [1, 2, 4]), False, torch.float32),
+    "gqa_fold": ([0, 1, 3, 21, 37, 0], None, 4, 2, ([8, 16, 32], [1, 2, 4]), True, torch.float32),
+    "short_q_mqa": ([2, 0, 1, 5, 0, 19, 0], [9, 0, 1, 5, 4, 30, 3], 4, 1, ([6, 20], [1, 3]), False,
+                    torch.float32),
+    # fp16 with rows in several branches: the compensated (hi, lo) sums, lo unfilled too
+    "fp16_lo": ([13, 1, 27, 0, 5], [13, 1, 30, 2, 5], 6, 2, ([4, 12, 24], [1, 3, 2]), False,
+                torch.float16),
+}  # fmt: skip
+
+
+def _fill_route(docs_checked: bool) -> tuple:
+    """(forward fill, dq fill, dk/dv fill) of the one plan the call built."""
+    (plan,) = triton_launch._PLANS.values()
+    (bwd,) = plan._bwd.values()
+    fwd_fill = (not plan.lay.covered) if plan.folded else plan.fwd_fill
+    assert plan.lay.covered == docs_checked
+    return fwd_fill, bwd.q_fill, bwd.kv_fill
+
+
+@interp_only
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", list(FILL_CASES), ids=list(FILL_CASES))
+def test_checked_offsets_skip_the_fills(seed, monkeypatch, case, causal):
+    """Offsets on the host (the front door checks their values: they cover q and k) take the
+    one-sequence route: out, lse, dq, dk, dv (and lo) allocated empty, the first branch storing
+    without reading. With every torch.empty / empty_like buffer full of NaN, the results equal
+    the filled route (unchecked offsets) bit for bit and the float64 reference per document."""
+    from dilated_attention import dilated_attention_varlen
+
+    qlens, klens, h, hkv, (seg, dil), fold, dtype = FILL_CASES[case]
+    klens = klens or qlens
+    monkeypatch.setattr(triton_launch, "fold_fills_tile", lambda geo, bm: fold)
+    q, k, v, do = _packed(qlens, klens, h, hkv, 16, torch.float64, "cpu")
+    q, k, v, do = (t.to(dtype).double() for t in (q, k, v, do))  # the oracle's inputs rounded
+    kw = dict(causal=causal, head_assignment="all")
+    ref = _per_document_reference(q, k, v, do, qlens, klens, seg, dil, torch.float64, **kw)
+    # unchecked: the filled route
+    monkeypatch.setattr(triton_launch, "_PLANS", type(triton_launch._PLANS)())
+    want = _triton_varlen(q, k, v, do, qlens, klens, seg, dil, dtype, same_offsets=klens == qlens, **kw)
+    assert _fill_route(False) == (True, True, True)
+    # checked (host offsets through the front door), every empty buffer poisoned
+    monkeypatch.setattr(triton_launch, "_PLANS", type(triton_launch._PLANS)())
+    xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    with monkeypatch.context() as m:
+        poisoned_empty(m)
+        out, lse = dilated_attention_varlen(
+            *xs, _offsets(qlens, "cpu"), _offsets(klens, "cpu"), max(qlens), max(klens), seg, dil,
+            impl="triton", return_lse=True, **kw,
+        )  # fmt: skip
+        grads = torch.autograd.grad(out, xs, do.to(dtype))
+    plan = next(iter(triton_launch._PLANS.values()))
+    assert plan.folded == (fold and not causal)
+    assert _fill_route(True) == (False, False, False)
+    if dtype == torch.float16:  # the lo buffers are allocated empty too
+        (bwd,) = plan._bwd.values()
+        assert plan.fwd_comp and bwd.q_comp and bwd.kv_comp
+    tol_o, tol_g = (2e-5, 5e-5) if dtype == torch.float32 else (4e-3, 2e-2)
+    for name, got, exp, r, tol in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (want[0], want[1], *want[2]),
+        (ref[0], ref[1], *ref[2]), (tol_o, 2e-5 if dtype == torch.float32 else 2e-3, *[tol_g] * 3),
+        strict=True,
+    ):  # fmt: skip
+        assert torch.equal(got, exp), f"{name}: checked != filled route"
+        _close(name, got, r, tol)
+
+
+@interp_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_unchecked_offsets_keep_the_fills(seed, monkeypatch, causal):
+    """Device offsets (unchecked: never read on the host) may end before the tensors' rows: those
+    rows belong to no program and must read as out 0, lse -inf, zero gradients, so the fills
+    stay (poisoned empty buffers would show through otherwise); the documents' rows are exact."""
+    monkeypatch.setattr(triton_launch, "_PLANS", type(triton_launch._PLANS)())
+    qlens, klens, tail = [5, 0, 17, 1], [9, 0, 17, 1], 6  # 6 rows of q and k past the last document
+    h, hkv, seg, dil = 4, 2, [8, 16], [1, 2]
+    q, k, v, do = _packed(qlens + [tail], klens + [tail], h, hkv, 16, torch.float64, "cpu")
+    ref = _per_document_reference(q[:-tail], k[:-tail], v[:-tail], do[:-tail], qlens, klens, seg,
+                                  dil, torch.float64, causal=causal)  # fmt: skip
+    xs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    with monkeypatch.context() as m:
+        poisoned_empty(m)
+        out, lse = triton_ops.dilated_attention_triton_varlen(
+            *xs, _offsets(qlens, "cpu"), _offsets(klens, "cpu"), 17, 17, seg, dil, causal=causal,
+            scale=0.25, head_assignment="all",
+        )  # fmt: skip
+        grads = torch.autograd.grad(out, xs, do.float())
+    assert _fill_route(False) == (True, True, True)
+    assert torch.equal(out[-tail:], torch.zeros_like(out[-tail:]))
+    assert torch.equal(lse[:, -tail:], torch.full_like(lse[:, -tail:], float("-inf")))
+    for name, g in zip("qkv", grads, strict=True):
+        assert torch.equal(g[-tail:], torch.zeros_like(g[-tail:])), f"d{name} past the last document"
+    _close("out", out[:-tail], ref[0], 2e-5)
+    _close("lse", lse[:, :-tail], ref[1], 2e-5)
+    for name, g, r in zip("qkv", grads, ref[2], strict=True):
+        _close(f"d{name}", g[:-tail], r, 5e-5)
 
 
 # ------------------------------------------------------------------------------- CUDA, real sizes

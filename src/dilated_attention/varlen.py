@@ -14,7 +14,10 @@ on the ``"reference"`` and ``"torch"`` paths, which plan their calls per documen
 bucket of equal padded length, :func:`_per_document`) and so read the offsets to the host once
 (one sync per call). The fused ``"triton"`` path takes device offsets
 without reading them (no sync); pass ``check_offsets=True`` there to validate them at the cost
-of one sync, or pass the offsets on the CPU.
+of one sync, or pass the offsets on the CPU (checked on the host, then copied to the device
+without a sync). Checked offsets also spare the fused path its zero-fills: every row is then
+known to belong to a document (``triton_launch.Docs.checked``); unchecked device offsets keep
+them, so rows past the last document read as zeros.
 
 With ``group=`` the tensors are this rank's shard of one packed stream and the offsets are the
 stream's global ones: :func:`..distributed.sequence_parallel.dilated_attention_sp_varlen` plans
@@ -187,11 +190,11 @@ def dilated_attention_varlen(
     if chosen == "triton":
         from .kernels.triton_ops import dilated_attention_triton_varlen as fn
 
-        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
-        cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+        cu_q, cu_k = _device_offsets(cu_seqlens_q, cu_seqlens_k, host, q.device)
+        # checked offsets cover every row: the kernels' buffers need no zero-fill
         out, lse = fn(
             q, k, v, cu_q, cu_k, max_q, max_k, seg, dil, causal=causal, scale=scale,
-            head_assignment=head_assignment,
+            head_assignment=head_assignment, offsets_checked=host is not None,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     out, lse = _per_document(
@@ -199,6 +202,26 @@ def dilated_attention_varlen(
         decode_impl="auto" if impl == "auto" else "torch",
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _device_offsets(cu_q, cu_k, host, device):
+    """The offsets as int32 tensors on ``device`` for the fused path, one tensor for both when
+    their values are equal (so that the kernels may treat them as shared: the folded forward,
+    ``triton_launch.Docs.same_offsets``). CPU offsets on a GPU: the host values that were
+    checked (``host``), copied without a host sync (a blocking copy waits for the stream, one
+    sync per call) from a fresh pageable tensor, which the driver stages before the copy
+    returns (a pinned caller's tensor would be read later, after the caller may have rewritten
+    it)."""
+    on_host = cu_q.device.type == "cpu" and cu_k.device.type == "cpu"
+    if on_host and device.type != "cpu":
+        dq = torch.tensor(host[0], dtype=torch.int32).to(device, non_blocking=True)
+        if host[1] == host[0]:
+            return dq, dq
+        return dq, torch.tensor(host[1], dtype=torch.int32).to(device, non_blocking=True)
+    dq = cu_q.to(device=device, dtype=torch.int32)
+    if cu_k is cu_q or (host is not None and host[1] == host[0]):
+        return dq, dq
+    return dq, cu_k.to(device=device, dtype=torch.int32)
 
 
 def _offsets_tensor(cu):

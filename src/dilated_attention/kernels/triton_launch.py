@@ -244,12 +244,21 @@ class Docs(NamedTuple):
     rows ``cu_k[i]:cu_k[i+1]`` of a (1, total, heads, headdim) tensor; int32 device tensors of
     shape (docs + 1); ``max_q``/``max_k`` bound every document's lengths (they size the blocks
     per segment; the grids count the documents from the offsets' shape, :func:`_axis0`: the
-    launch never reads the offsets on the host)."""
+    launch never reads the offsets on the host).
+
+    ``checked``: the caller checked the offsets' values on the host for these very tensors
+    (``checks.check_cu_seqlens_values``: 0 first, non-decreasing, the totals last, no document
+    with more queries than keys, ``max_q``/``max_k`` at least every document's lengths). Then
+    every row of q and k lies in a document, the first branch's launches can store every
+    element of the results, and their buffers need no fill (:func:`_first_branch_writes_all`);
+    unchecked offsets may leave rows past the last document, which must read as zeros. Never
+    derived from the device offsets here (that would be a host sync)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    checked: bool = False
 
     def same_offsets(self) -> bool:
         """True when queries and keys share the offsets (same storage, so same values without
@@ -274,17 +283,18 @@ class _Layout(NamedTuple):
     varlen: bool
     ndocs: int  # the kernels' NDOCS: packed, the call's documents (a plan's: 0); batch: 0
     total_k: int  # key rows of k (packed: a branch has total_k // w + documents slots)
+    covered: bool  # every row of q and k is a sequence's (batch; packed: Docs.checked)
 
 
 def _layout(q: torch.Tensor, k: torch.Tensor, docs: Docs | None) -> _Layout:
     if docs is None:
         bsz, nq = q.shape[:2]
         nk = k.shape[1]
-        return _Layout(bsz, nq, nk, nq, nk - nq, q, q, False, 0, nk)  # q: dummies, never read
+        return _Layout(bsz, nq, nk, nq, nk - nq, q, q, False, 0, nk, True)  # q: dummies, never read
     nd = docs.cu_q.shape[0] - 1
     return _Layout(
         min(nd, 1), docs.max_q, docs.max_k, q.shape[1], 0, docs.cu_q, docs.cu_k, True, nd,
-        k.shape[1],
+        k.shape[1], bool(docs.checked),
     )
 
 
@@ -327,9 +337,9 @@ def _fwd_folded(q, k, v, kpm, causal, scale, branches, wmin, rmax, cfg, lay):
     bm, bn = cfg[:2]
     out = torch.empty_like(q)
     lse = torch.empty(bsz, nh, n, dtype=torch.float32, device=q.device)
-    if lay.varlen:
-        # rows of no document (past the last offset: none when the offsets cover the tensor,
-        # as the caller checks) keep these values
+    if not lay.covered:
+        # rows of no document (past the last offset: none when the caller checked the offsets,
+        # Docs.checked) keep these values
         out.zero_()
         lse.fill_(float("-inf"))
     brs = _branch_table(tuple(branches), q.device)
@@ -449,7 +459,7 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
 
     # all dK/dV first, then all dQ, so that one phase's lo buffers are alive at a time (peak:
     # the inputs, out, dout, lse, delta, the three results and the dQ phase's lo buffer)
-    q_all, kv_all = _bwd_writes_all(branches, nh, lay.varlen, lay.qoff)
+    q_all, kv_all = _bwd_writes_all(branches, nh, lay.covered, lay.qoff)
     dk, comp = _acc_buffers(k.shape, k.dtype, q.device, several_kv, not kv_all)
     dv, _ = _acc_buffers(v.shape, v.dtype, q.device, several_kv, not kv_all)
     row_bytes = bsz * hkv * d * k.element_size()
@@ -528,10 +538,11 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
 # the backward kernels add into zero-filled dq, dk, dv and lo buffers. The lo buffers of dk and
 # dv are one allocation (one fill at most; they live and die together).
 # Bytes and lifetimes are those of the per-call path (NOTES_triton.md, "Memory at 2M tokens").
-# Packed documents: the key adds the buckets of their max lengths and the shared-offsets flag
-# (not their count: each call adds its documents' slots to the flat grids, ``_Launch.per_doc``);
-# the offsets are per-call pointers; their buffers are always filled (rows past the last
-# document).
+# Packed documents: the key adds the buckets of their max lengths, the shared-offsets flag and
+# whether the caller checked the offsets (not their count: each call adds its documents' slots
+# to the flat grids, ``_Launch.per_doc``); the offsets are per-call pointers. Their buffers are
+# filled unless the offsets were checked on the host (``Docs.checked``: rows past the last
+# document must read as zeros otherwise); checked, they follow the rule above.
 
 USE_PLANS: bool = True  # False: every call takes the per-call path (tests, A/B)
 _MAX_PLANS = 64
@@ -618,7 +629,7 @@ def _collect(seq: _Seq, table, ndocs: int) -> None:
     seq.direct = True
 
 
-def _first_branch_writes_all(branches, first: int, nh: int, varlen: bool, qoff: int) -> bool:
+def _first_branch_writes_all(branches, first: int, nh: int, covered: bool, qoff: int) -> bool:
     """Whether the forward's FIRST launch (branch ``first``, in every lo range) stores every
     query row of every head of out and lse, and of lo when there is one: then no later branch
     reads what the buffers were filled with, and they need no fill.
@@ -627,15 +638,18 @@ def _first_branch_writes_all(branches, first: int, nh: int, varlen: bool, qoff: 
     is all of its rows; the launch covers every segment that holds a query (in each lo range:
     ranges are whole segments of every branch) with ceil(longest block / BM) query blocks, and a
     program stores every row of its block that is a query (out = 0, lse = -inf for a row with
-    no key). Packed documents: rows past the last document belong to no program; more queries
-    than keys (qoff < 0, refused by the front door): the first rows are no position's."""
-    if varlen or first != 0 or not branches or qoff < 0:
+    no key). More queries than keys (qoff < 0, refused by the front door): the first rows are
+    no position's. Packed documents (``covered`` = :attr:`Docs.checked`): the flat grid has a
+    slot for every segment of every document and its programs store each document's query rows
+    alike (its own qoff = nk - nq >= 0, blocks sized for ``max_k`` >= its nk); unchecked
+    offsets may leave rows past the last document to no program, so those keep the fills."""
+    if not covered or first != 0 or not branches or qoff < 0:
         return False
     _, r, hs, he = branches[0]
     return r == 1 and hs == 0 and he == nh
 
 
-def _bwd_writes_all(branches, nh: int, varlen: bool, qoff: int) -> tuple[bool, bool]:
+def _bwd_writes_all(branches, nh: int, covered: bool, qoff: int) -> tuple[bool, bool]:
     """(dq, dk and dv): whether the backward's launches of the FIRST branch store every element
     of the result (and of its lo buffer), so that it is allocated empty and that branch stores
     without reading (``FIRST``), in every lo range alike (ranges are whole segments).
@@ -644,9 +658,12 @@ def _bwd_writes_all(branches, nh: int, varlen: bool, qoff: int) -> tuple[bool, b
     over heads [0, nh) has a program for every query block of every segment that holds a query
     and for every kv head (one offset class), and each stores all of its rows, zeros for a row
     with no key or no query. dK/dV also need every key row to lie in such a segment: no key
-    before the first query (qoff == 0). Packed documents keep the fills (rows past the last
-    document belong to no program)."""
-    q_all = _first_branch_writes_all(branches, 0, nh, varlen, qoff)
+    before the first query (qoff == 0; the batch grid skips segments without a query). Packed
+    documents: the flat grid launches every segment of a document, queries or not, and dK/dV
+    stores every key row of each (zeros where no query sees it), so documents with fewer
+    queries than keys (and keys-only ones) need no fill either once the offsets are checked
+    (``covered``; their layout's qoff is 0)."""
+    q_all = _first_branch_writes_all(branches, 0, nh, covered, qoff)
     return q_all, q_all and qoff == 0
 
 
@@ -689,15 +706,17 @@ def plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fo
     reads and one tuple. ``head_ranges``: [(start, stop)] per branch. ``docs``: packed documents:
     the buckets of ``max_q`` / ``max_k`` (:func:`grid_bucket`: a plan sizes its grids and integer
     arguments from them, so that steps whose longest document differs share a plan), whether
-    queries and keys share the offsets, the offsets' dtype; neither the number of documents (a
-    call's grids count them: :meth:`_Launch.grid_for`) nor the offsets (per-call pointers)."""
+    queries and keys share the offsets, the offsets' dtype, whether they were checked
+    (:attr:`Docs.checked`: the fills); neither the number of documents (a call's grids count
+    them: :meth:`_Launch.grid_for`) nor the offsets (per-call pointers)."""
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
         q.device, None if kpm is None else (kpm.shape, kpm.stride(), kpm.dtype),
         causal, scale, tuple(seg), tuple(dil), tuple(head_ranges), _config_key(config), fold,
         lo_rows, LO_CHUNKS, LO_MIN_BYTES, INTERPRET,
         None if docs is None else (docs.cu_q.dtype, docs.cu_k.dtype, grid_bucket(docs.max_q),
-                                   grid_bucket(docs.max_k), docs.same_offsets()),
+                                   grid_bucket(docs.max_k), docs.same_offsets(),
+                                   bool(docs.checked)),
     )  # fmt: skip
 
 
@@ -795,7 +814,7 @@ class TrainPlan:
         lost = _contiguous_strides(self.fwd_lo_shape)
         nms = [_cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
         first = _first_launch(lay, branches, nms)
-        self.fwd_fill = not _first_branch_writes_all(branches, first, nh, lay.varlen, lay.qoff)
+        self.fwd_fill = not _first_branch_writes_all(branches, first, nh, lay.covered, lay.qoff)
         steps = []
         for c0, c1 in chunks:
             if comp and chunked:  # _lo_range
@@ -831,7 +850,7 @@ class TrainPlan:
         if self.folded:
             out = torch.empty_like(q)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
-            if self.varlen:  # rows of no document keep these values
+            if not self.lay.covered:  # rows of no document keep these values
                 out.zero_()
                 lse.fill_(float("-inf"))
             if self.fwd.steps:
@@ -875,7 +894,7 @@ class TrainPlan:
         hkv = k.shape[2]
         rep = nh // hkv
         b = _BwdPlan()
-        q_all, kv_all = _bwd_writes_all(branches, nh, lay.varlen, lay.qoff)
+        q_all, kv_all = _bwd_writes_all(branches, nh, lay.covered, lay.qoff)
         b.q_fill, b.kv_fill = not q_all, not kv_all
         nrows = bsz * nq * nh
         br = 16 if INTERPRET else 64
@@ -1124,7 +1143,8 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     """
     if USE_PLANS:
         if (plan is None or plan.config_key != _config_key(config) or plan.lo_rows != lo_rows
-                or plan.varlen != (docs is not None)):  # fmt: skip
+                or plan.varlen != (docs is not None)
+                or plan.lay.covered != (docs is None or bool(docs.checked))):  # fmt: skip
             plan = get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, None, lo_rows,
                             docs)  # fmt: skip
         if plan is not None:

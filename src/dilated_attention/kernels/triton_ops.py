@@ -282,13 +282,13 @@ def _compiling() -> bool:
 
 
 # ------------------------------------------------------------------ packed documents (varlen)
-def _docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, offsets_checked):
     # int32 offsets as the kernels read them: contiguous, since the kernels load cu[i] with unit
     # stride (a no-op for the contiguous int32 tensors the API asks for; a strided view, e.g. a
     # column of a (docs + 1, 2) table, is copied instead of read as its storage's first entries)
     return _launch.Docs(
         cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous(),
-        int(max_seqlen_q), int(max_seqlen_k),
+        int(max_seqlen_q), int(max_seqlen_k), bool(offsets_checked),
     )
 
 
@@ -306,37 +306,41 @@ def _triton_varlen_fwd_op(
     head_ranges: list[int],
     causal: bool,
     scale: float,
+    offsets_checked: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            segment_lengths, dilation_rates, head_ranges, causal, scale)
+                            segment_lengths, dilation_rates, head_ranges, causal, scale,
+                            offsets_checked)  # fmt: skip
 
 
 def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     segment_lengths, dilation_rates, head_ranges, causal, scale):
+                     segment_lengths, dilation_rates, head_ranges, causal, scale,
+                     offsets_checked):  # fmt: skip
     # (total, H, D) -> (1, total, H, D): the batch kernels with the document offsets as input
     out, lse = _launch.forward(
         _last_dim_contiguous(q)[None], _last_dim_contiguous(k)[None],
         _last_dim_contiguous(v)[None], None, segment_lengths, dilation_rates, causal, scale,
         _pairs(head_ranges),
-        docs=_docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        docs=_docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, offsets_checked),
     )
     return out[0], lse[0]
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, segment_lengths, dilation_rates, head_ranges, causal, scale):
+                     max_seqlen_k, segment_lengths, dilation_rates, head_ranges, causal, scale,
+                     offsets_checked):  # fmt: skip
     dq, dk, dv = _launch.backward(
         dout[None], _last_dim_contiguous(q)[None], _last_dim_contiguous(k)[None],
         _last_dim_contiguous(v)[None], None, out[None], lse.contiguous()[None], segment_lengths,
         dilation_rates, causal, scale, _pairs(head_ranges),
-        docs=_docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        docs=_docs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, offsets_checked),
     )
     return dq[0], dk[0], dv[0]
 
 
 @_triton_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
-      dilation_rates, head_ranges, causal, scale):
+      dilation_rates, head_ranges, causal, scale, offsets_checked):
     total, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((h, total), dtype=torch.float32)
 
@@ -358,37 +362,35 @@ def _triton_varlen_bwd_op(
     head_ranges: list[int],
     causal: bool,
     scale: float,
+    offsets_checked: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, segment_lengths, dilation_rates, head_ranges, causal,
-                            scale)
+                            scale, offsets_checked)
 
 
 @_triton_varlen_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      segment_lengths, dilation_rates, head_ranges, causal, scale):
+      segment_lengths, dilation_rates, head_ranges, causal, scale, offsets_checked):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, seg, dil, hr, causal, scale = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, seg, dil, hr, causal, scale, checked = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
-    ctx.args = (max_q, max_k, seg, dil, hr, causal, scale)
+    ctx.args = (max_q, max_k, seg, dil, hr, causal, scale, checked)
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_backward(ctx, dout, _dlse, bwd=None):
     if dout is None:  # as _backward
-        return (None,) * 12
+        return (None,) * 13
     q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-    max_q, max_k, seg, dil, hr, causal, scale = ctx.args
     with backward_context(q.device.type):
-        grads = (bwd or _triton_varlen_bwd_op)(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, seg, dil, hr, causal, scale
-        )
+        grads = (bwd or _triton_varlen_bwd_op)(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
-    return dq, dk, dv, *([None] * 9)
+    return dq, dk, dv, *([None] * 10)
 
 
 _triton_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -423,6 +425,7 @@ def dilated_attention_triton_varlen(
     causal: bool,
     scale: float,
     head_assignment: str,
+    offsets_checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed documents through the fused kernels (validated inputs only: see varlen.py).
 
@@ -438,13 +441,20 @@ def dilated_attention_triton_varlen(
     one per document: the grid is flat, total_k // w + docs (document, segment) slots per
     branch, each program finding its own in the offsets (triton_kernels.py, "Packed
     documents").
+
+    ``offsets_checked``: True only where the caller has checked these offsets' values on the
+    host (``checks.check_cu_seqlens_values`` against q's and k's rows and the max lengths, as
+    the front door does for CPU offsets and ``check_offsets=True``): then every row belongs to
+    a document and the results are allocated without zero-fills where the first branch stores
+    them all (``triton_launch.Docs.checked``). False (unchecked device offsets): rows past the
+    last document read as zeros (out 0, lse -inf, zero gradients), at the cost of the fills.
     """
     ranges = branch_head_ranges(q.shape[1], len(segment_lengths), head_assignment)
     op = _triton_varlen_fwd_op if _compiling() else _EagerVarlen.apply
     return op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
         [int(w) for w in segment_lengths], [int(r) for r in dilation_rates], _flat(ranges),
-        bool(causal), float(scale),
+        bool(causal), float(scale), bool(offsets_checked),
     )
 
 
