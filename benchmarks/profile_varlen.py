@@ -8,7 +8,13 @@ autograd) under ``torch.profiler``: every kernel launch in order with its GPU ti
 sums per kernel name. Then fwd+bwd median times per block-config variant (``--configs``), (a)
 and (b) with the same variant, and the ratio per useful FLOP (the issue's measure)::
 
-    PYTHONPATH=src python3 benchmarks/profile_varlen.py [--causal yes|no] [--out f.md]
+    PYTHONPATH=src python3 benchmarks/profile_varlen.py [--causal yes|no] [--unchecked] [--out f.md]
+
+The packed offsets are built from host lengths, so they are passed as checked
+(``Docs(..., checked=True)``, what ``dilated_attention_varlen`` does for CPU offsets or
+``check_offsets=True``): the launches skip the zero-fills where one sequence does.
+``--unchecked``: as unchecked device offsets (the fills kept; every packed call before branch
+packedfills, 2026-11-26), for an A/B of the fills on the same machine.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ def main(argv=None):
     p.add_argument("--causal", choices=["yes", "no"], default="yes")
     p.add_argument("--configs", default=",".join(VARIANTS))
     p.add_argument("--total", type=int, default=131072)
+    p.add_argument("--unchecked", action="store_true",
+                   help="packed offsets as unchecked device offsets (zero-fills kept)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     import triton.testing
@@ -72,7 +80,8 @@ def main(argv=None):
     lens = document_lengths(total, 8192, 1.0, 0)
     longest = max(lens)
     cu = _offsets(lens, dev)
-    docs = L.Docs(cu, cu, longest, longest)
+    checked = not a.unchecked  # host lengths: the offsets cover the tensors
+    docs = L.Docs(cu, cu, longest, longest, checked)
     ranges = branch_head_ranges(h, len(seg), "all")
     scale = d**-0.5
     torch.manual_seed(0)
@@ -83,12 +92,13 @@ def main(argv=None):
         f"varlen vs one sequence, per launch (causal={causal})", dev,
         f"PYTHONPATH=src python3 benchmarks/profile_varlen.py {' '.join(argv or sys.argv[1:])}",
         [f"{total} tokens in {len(lens)} documents (lognormal mean 8192, sigma 1, seed 0; longest "
-         f"{longest}), 16 x 128 bf16, branches {seg} / {dil}"],
+         f"{longest}), 16 x 128 bf16, branches {seg} / {dil}",
+         f"packed offsets {'checked (no zero-fills)' if checked else 'unchecked (zero-fills kept)'}"],
     )
     rows = {}
     # "varlen1": the same tokens as ONE packed document: the packed kernels' own cost (runtime
     # lengths and offsets, the slot search) apart from the documents' shapes
-    one_doc = L.Docs(_offsets([total], dev), _offsets([total], dev), total, total)
+    one_doc = L.Docs(_offsets([total], dev), _offsets([total], dev), total, total, checked)
     for name, dd in (("varlen", docs), ("one", None), ("varlen1", one_doc)):
         fn = lambda dd=dd: _step(q, k, v, do, seg, dil, causal, scale, ranges, dd, None)  # noqa: E731
         fn()

@@ -42,9 +42,10 @@ def test_tiny_bench_writes_results(tmp_path):
     rows = bench_varlen.main(["--tiny", "--out", str(out)])
     text = out.read_text()
     names = [r["name"][:3] for r in rows]
-    assert names.count("(a)") == names.count("(b)") == names.count("(c)") == 1
+    assert names.count("(a)") == names.count("(a'") == names.count("(b)") == names.count("(c)") == 1
     for r in rows:
-        if r["name"].startswith(("(a)", "(b)", "(c)", "(d) dense SDPA")):
+        if r["name"].startswith(("(a)", "(a')", "(b)", "(c)", "(d) dense SDPA")):
             assert "error" not in r, r
             assert r["fwd_ms"] > 0 and r["fb_ms"] > 0 and r["flops"] > 0
     assert "torch" in text and "| True | (a) varlen packed" in text and "target <= 1.1" in text
+    assert "unchecked device offsets (fills kept)" in text

@@ -271,7 +271,6 @@ def test_unchecked_offsets_keep_the_fills(seed, monkeypatch, causal):
             scale=0.25, head_assignment="all",
         )  # fmt: skip
         grads = torch.autograd.grad(out, xs, do.float())
-    assert _fill_route(False) == (True, True, True)
     assert torch.equal(out[-tail:], torch.zeros_like(out[-tail:]))
     assert torch.equal(lse[:, -tail:], torch.full_like(lse[:, -tail:], float("-inf")))
     for name, g in zip("qkv", grads, strict=True):
@@ -280,6 +279,7 @@ def test_unchecked_offsets_keep_the_fills(seed, monkeypatch, causal):
     _close("lse", lse[:, :-tail], ref[1], 2e-5)
     for name, g, r in zip("qkv", grads, ref[2], strict=True):
         _close(f"d{name}", g[:-tail], r, 5e-5)
+    assert _fill_route(False) == (True, True, True)
 
 
 # ------------------------------------------------------------------------------- CUDA, real sizes
@@ -346,6 +346,55 @@ def test_varlen_cuda_vs_per_document(seed, causal, same_offsets, docs):
     fin = torch.isfinite(ref[1])
     assert torch.equal(fin, torch.isfinite(got[1])), "lse: rows without keys differ"
     assert (got[1][fin] - ref[1][fin]).abs().max().item() <= 2e-2, "lse"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("docs", list(CUDA_DOCS))
+def test_varlen_cuda_checked_offsets_skip_the_fills(seed, monkeypatch, causal, docs):
+    """On the GPU (CUDA_DOCS, fewer queries than keys in some documents, keys-only ones, bf16,
+    GQA 8/2 x 128): host offsets through the front door (checked there: no zero-fills) give the
+    bits of unchecked device offsets (the filled route) with every empty buffer poisoned; the
+    front door calls the kernels checked for CPU offsets and check_offsets=True, unchecked for
+    device offsets; and neither route synchronises the host (after a first call)."""
+    from dilated_attention import dilated_attention_varlen
+
+    klens, qlens = CUDA_DOCS[docs]
+    h, hkv, d = 8, 2, 128
+    seg, dil = [1024, 2048, 4096], [1, 2, 4]
+    q, k, v, do = _packed(qlens, klens, h, hkv, d, torch.bfloat16, "cuda")
+    kw = dict(causal=causal, head_assignment="all")
+    want = _triton_varlen(q, k, v, do, qlens, klens, seg, dil, torch.bfloat16, **kw)
+    cpu_q, cpu_k = _offsets(qlens, "cpu"), _offsets(klens, "cpu")
+    args = (max(qlens), max(klens), seg, dil)
+
+    def front_door(cu_q, cu_k, **extra):
+        xs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = dilated_attention_varlen(*xs, cu_q, cu_k, *args, impl="triton",
+                                            return_lse=True, **kw, **extra)  # fmt: skip
+        return out, lse, torch.autograd.grad(out, xs, do)
+
+    with monkeypatch.context() as m:
+        poisoned_empty(m)
+        got = front_door(cpu_q, cpu_k)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got[:2], *got[2]),
+                          (*want[:2], *want[2]), strict=True):  # fmt: skip
+        assert torch.equal(a, b), f"{name}: checked offsets != filled route"
+    flags_seen = []
+    real = triton_ops.dilated_attention_triton_varlen
+    monkeypatch.setattr(triton_ops, "dilated_attention_triton_varlen",
+                        lambda *a, **k_: flags_seen.append(k_["offsets_checked"]) or real(*a, **k_))
+    dev_q, dev_k = cpu_q.cuda(), cpu_k.cuda()
+    front_door(dev_q, dev_k, check_offsets=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        front_door(cpu_q, cpu_k)
+        front_door(dev_q, dev_k)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert flags_seen == [True, True, False]
 
 
 @interp_only
