@@ -69,7 +69,7 @@ def test_slot_formula_partitions_the_segments(seed):
         a = _slot_starts(cu, w)
         nslots = total // w + ndocs
         assert a[-1] == nslots and a[0] == 0
-        lay = L._Layout(1, 0, 0, total, 0, None, None, True, ndocs, total)
+        lay = L._Layout(1, 0, 0, total, 0, None, None, True, ndocs, total, covered=True)
         _, fixed, per_doc = L._axis0(lay, w, 1, 0, 0)
         assert fixed + per_doc * ndocs == nslots, (w, cu)
         seen = {}
