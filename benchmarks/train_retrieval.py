@@ -98,6 +98,12 @@ RECIPES: dict[str, dict] = {
         curriculum="512:128:3000,2048:32:3000,8192:8:3000,32768:2:3000,131072:1:0",
         lr=1e-3,
         warmup=100,
+        # the 512K stability settings (below), the decay within the 5-minute cap: with
+        # jittered evals a constant 1e-3 reached 0.88-0.91 at >= 32K in 5 min (2026-11-26)
+        schedule="cosine",
+        decay_minutes=4.0,
+        stage_warmup=50,
+        z_loss=1e-4,
         num_pairs=1,
         min_distance=16,
         local_window=1024,
