@@ -300,8 +300,12 @@ def _autocast(r: dict, device) -> torch.autocast:
 
 
 @torch.no_grad()
-def evaluate(model, r: dict, seed: int, device, autocast) -> dict[str, float]:
-    """Accuracy at each eval distance at the full length; the same sequences at every distance."""
+def evaluate(model, r: dict, seed: int, device, autocast, misses: dict | None = None
+             ) -> dict[str, float]:  # fmt: skip
+    """Accuracy at each eval distance at the full length; the same sequences at every distance.
+
+    ``misses``: filled with ``{"acc@d": [[distance, value position], ...]}`` for the wrong
+    answers (one planted pair: the value's position says where it sits in the segments)."""
     model.eval()
     task = RetrievalTask(
         seq_len=r["seq_len"], num_pairs=r["num_pairs"],
@@ -312,14 +316,22 @@ def evaluate(model, r: dict, seed: int, device, autocast) -> dict[str, float]:
     for d in r["eval_distances"]:
         correct = total = 0
         for i in range(nb):
-            x, y = task.batch(r["eval_batch"], seed + 1, 10**9 + i, distance=eval_distance(r, d, i))
-            x, y = x.to(device), y.to(device)
+            dist = eval_distance(r, d, i)
+            x_cpu, y = task.batch(r["eval_batch"], seed + 1, 10**9 + i, distance=dist)
+            x, y = x_cpu.to(device), y.to(device)
             with autocast:
                 h = model.hidden_states(x)  # (B, N, E)
                 mask = y != IGNORE
                 pred = model.lm_head(h[mask]).argmax(-1)  # (M,)
-            correct += int((pred == y[mask]).sum())
+            ok = pred == y[mask]
+            correct += int(ok.sum())
             total += int(mask.sum())
+            if misses is not None and r["num_pairs"] == 1 and not bool(ok.all()):
+                rows = mask.nonzero()[:, 0][~ok].tolist()  # one answer per row
+                keys = (x_cpu >= task.key0) & (x_cpu < task.value0)
+                for b in rows:  # the first key token of a row is the planted one
+                    v = int(keys[b].nonzero()[0]) + 1
+                    misses.setdefault(f"acc@{d}", []).append([dist, v])
         out[f"acc@{d}"] = correct / max(total, 1)
     model.train()
     return out
@@ -496,11 +508,14 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
                 break  # learned at this length: on to the next stage
             if last_stage and (now - st["last_eval"] >= r["eval_every_s"] or st["s_step"] == n_steps):
                 te = time.perf_counter()
-                acc = evaluate(model, r, seed, device, autocast)
+                miss: dict = {}
+                acc = evaluate(model, r, seed, device, autocast, miss)
                 st["eval_s"] += time.perf_counter() - te
                 st["last_eval"] = time.perf_counter() - t0
                 ev = {"step": step, "stage_n": n, "time_s": round(st["last_eval"], 1),
                       "loss": round(ce_v, 4), **acc}  # fmt: skip
+                if miss:
+                    ev["misses"] = miss
                 rec["evals"].append(ev)
                 log(f"  [{attention} seed {seed}] step {step} N={n} t={st['last_eval']:.0f}s "
                     + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))  # fmt: skip
@@ -521,11 +536,14 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
     reached = st["reached"]
     if not rec["evals"] or rec["evals"][-1]["step"] != step:  # a final eval at the cap
         te = time.perf_counter()
-        acc = evaluate(model, r, seed, device, autocast)
+        miss = {}
+        acc = evaluate(model, r, seed, device, autocast, miss)
         st["eval_s"] += time.perf_counter() - te
         stage_n = stages[min(st["si"], len(stages) - 1)][0]
         rec["evals"].append({"step": step, "stage_n": stage_n,
-                             "time_s": round(time.perf_counter() - t0, 1), **acc})  # fmt: skip
+                             "time_s": round(time.perf_counter() - t0, 1), **acc,
+                             **({"misses": miss} if miss else {})})  # fmt: skip
+        save()  # the final model (--eval-checkpoint)
         if reached is None and min(acc.values()) >= r["target"]:
             reached = rec["evals"][-1]
     after = [min(v for k, v in ev.items() if k.startswith("acc@")) for ev in rec["evals"]
@@ -543,6 +561,13 @@ _MODEL_KEYS = ("seq_len", "segments", "rates", "dim", "n_layer", "n_head", "ffn_
                "local_window")  # fmt: skip
 
 
+def _miss_lines(misses: dict, w0: int) -> list[str]:
+    """Markdown lines for an eval's wrong answers: distance, the value's position and its offset
+    in its segment of the first branch (w0)."""
+    return [f"- {k}: " + ", ".join(f"d {d} at {v} ({v % w0} of {w0})" for d, v in ms)
+            for k, ms in misses.items()]  # fmt: skip
+
+
 def eval_checkpoint(r: dict, path: str, out: str, env: dict) -> dict:
     """Evaluate the model of a checkpoint (``--eval-checkpoint``) under ``r``'s eval settings;
     writes OUT.md and OUT.json and returns the accuracies. The checkpoint's model settings must
@@ -558,11 +583,13 @@ def eval_checkpoint(r: dict, path: str, out: str, env: dict) -> dict:
     model.load_state_dict(ck["model"])
     autocast = _autocast(r, device)
     t = time.perf_counter()
-    acc = evaluate(model, r, ck["seed"], device, autocast)
+    miss: dict = {}
+    acc = evaluate(model, r, ck["seed"], device, autocast, miss)
     res = {"checkpoint": path, "attention": ck["attention"], "seed": ck["seed"],
            "step": ck["state"]["step"], "trained_s": round(ck["state"]["elapsed"], 1),
            "eval_positions": r.get("eval_positions", "jittered"),
-           "eval_samples": r["eval_samples"], "eval_s": round(time.perf_counter() - t, 1), **acc}
+           "eval_samples": r["eval_samples"], "eval_s": round(time.perf_counter() - t, 1), **acc,
+           "misses": miss}
     with open(out + ".json", "w") as f:
         json.dump({"env": env, "eval": res}, f, indent=1)
     ds = r["eval_distances"]
@@ -576,6 +603,9 @@ def eval_checkpoint(r: dict, path: str, out: str, env: dict) -> dict:
     lines += ["", "| " + " | ".join(f"acc@{d}" for d in ds) + " |",
               "| " + " | ".join("---" for _ in ds) + " |",
               "| " + " | ".join(f"{acc[f'acc@{d}']:.3f}" for d in ds) + " |"]  # fmt: skip
+    if miss:
+        lines += ["", "Wrong answers (distance, the value's position, its offset in its "
+                  "first-branch segment):", "", *_miss_lines(miss, r["segments"][0])]  # fmt: skip
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return res
@@ -643,6 +673,11 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
                 + " |"
             )
         lines.append("")
+        last_miss = run["evals"][-1].get("misses") if run["evals"] else None
+        if last_miss:
+            lines += ["Wrong answers at the last eval (distance, the value's position, its "
+                      "offset in its first-branch segment):", "",
+                      *_miss_lines(last_miss, r["segments"][0]), ""]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -694,7 +729,7 @@ def _plot(r: dict, runs: list[dict], path: str) -> bool:
 def _check_flags(p: argparse.ArgumentParser, args, r: dict) -> None:
     """Bad values and combinations: one-line ``p.error`` (exit 2) before any training, instead
     of a traceback mid-run or a silently wrong run (a negative stage warmup made the learning
-    rate negative, a min-lr-ratio above 1 made the cosine rise, --checkpoint alone was ignored)."""
+    rate negative, a min-lr-ratio above 1 made the cosine rise)."""
     if r["warmup"] < 1:
         p.error(f"--warmup must be >= 1 step, got {r['warmup']}")
     for key, lo in (("stage_warmup", 0), ("z_loss", 0.0)):
@@ -712,8 +747,6 @@ def _check_flags(p: argparse.ArgumentParser, args, r: dict) -> None:
         p.error(f"--lr must be > 0, got {r['lr']}")
     if args.pause_after_minutes is not None and args.pause_after_minutes < 0:
         p.error(f"--pause-after-minutes must be >= 0, got {args.pause_after_minutes}")
-    if args.checkpoint and args.pause_after_minutes is None:
-        p.error("--checkpoint is where --pause-after-minutes saves the run; pass both")
     if args.checkpoint and not os.path.isdir(os.path.dirname(os.path.abspath(args.checkpoint))):
         p.error(f"--checkpoint {args.checkpoint}: its directory does not exist")
     if args.resume and not os.path.isfile(args.resume):
@@ -788,7 +821,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep training (and evaluating) after the target, to the cap")
     p.add_argument("--pause-after-minutes", type=float,
                    help="stop this call after so many minutes, saving the run to --checkpoint")
-    p.add_argument("--checkpoint", help="where --pause-after-minutes saves the run")
+    p.add_argument("--checkpoint", help="where the run is saved after every eval and at its end "
+                   "(and where --pause-after-minutes saves it); one --attention and --seed")
     p.add_argument("--resume", help="a checkpoint written by --pause-after-minutes")
     p.add_argument("--impl", default="auto")
     p.add_argument("--device")
@@ -805,8 +839,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_to_cap:
         r["run_to_cap"] = True
     pairs = [(a, int(sd)) for a in args.attention.split(",") for sd in args.seeds.split(",")]
-    if (args.pause_after_minutes is not None or args.resume) and len(pairs) != 1:
-        p.error("--pause-after-minutes / --resume take one --attention and one --seed")
+    if (args.pause_after_minutes is not None or args.resume or args.checkpoint) and len(pairs) != 1:
+        p.error("--pause-after-minutes / --resume / --checkpoint take one --attention and one --seed")
     if args.pause_after_minutes is not None and not args.checkpoint:
         p.error("--pause-after-minutes needs --checkpoint PATH")
     _check_flags(p, args, r)

@@ -18,7 +18,8 @@
 #   retrieval128k-WHAT         item 1 again with jittered evals, one call each, no checkpoint:
 #                              WHAT = seed0, seed1, seed2 (dilated), dense, local (the
 #                              baselines with the dilated runs' 5-minute cap, seed 0); every
-#                              run stops at the target
+#                              run stops at the target and keeps its final model (the
+#                              checkpoint: 8 files in all), for --eval-checkpoint
 # A call returns at most 8 files from $OUT and a retrieval mode writes exactly 8 (the checkpoint
 # is 3 of them): write nothing else there in the same call, or the checkpoint stays behind.
 # A K > 1 mode resumes from runs/issue25/ckpt/RUN.pt (+ .1, .2): the checkpoint files the
@@ -109,7 +110,7 @@ print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_d
     { env_line
       # shellcheck disable=SC2086
       timeout -k 10 "$LIMIT" $PY benchmarks/train_retrieval.py --recipe h100-128k $flags \
-        --out "$OUT/$mode" ${EXTRA:-}
+        --checkpoint "$OUT/$mode.pt" --out "$OUT/$mode" ${EXTRA:-}
       echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
     ;;
   collect)

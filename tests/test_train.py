@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -385,7 +386,7 @@ def test_train_retrieval_bad_flags_one_line_errors(tmp_path, capsys):
         (["--curriculum", "abc"], "must be N:batch:steps"),
         (["--eval-distances", "16,4096"], "eval distance 4096"),
         (["--attention", "foo"], "--attention takes"),
-        (["--checkpoint", ck], "--checkpoint is where --pause-after-minutes saves"),
+        (["--checkpoint", ck, "--seeds", "0,1"], "take one --attention and one --seed"),
         (["--pause-after-minutes", "1", "--checkpoint", str(tmp_path / "no" / "ck.pt")], "does not exist"),
         (["--resume", str(tmp_path / "none.pt")], "no such file"),
     ]
@@ -442,6 +443,22 @@ def test_train_retrieval_eval_checkpoint_and_spike_geometry(tmp_path, capsys):
     ev = json.loads((tmp_path / "ev.json").read_text())["eval"]
     assert ev["eval_positions"] == "jittered" and 0.0 <= ev["acc@128"] <= 1.0
     assert "Retrieval accuracy of a checkpoint" in (tmp_path / "ev.md").read_text()
+    # every wrong answer is listed once, with its distance and the value's position
+    r = mod.RECIPES["tiny-check"]
+    n_eval = math.ceil(r["eval_samples"] / r["eval_batch"]) * r["eval_batch"]
+    for d in r["eval_distances"]:
+        ms = ev["misses"].get(f"acc@{d}", [])
+        assert len(ms) == round((1 - ev[f"acc@{d}"]) * n_eval), (d, ms, ev[f"acc@{d}"])
+        for dist, pos in ms:
+            assert d // 2 < dist <= d and pos == r["seq_len"] + 2 - dist, (d, dist, pos)
+    assert any(ev["misses"].values()), "an untrained model answered everything: no miss to check"
+    # --checkpoint without a pause keeps the final model of a run that ends at its cap before
+    # any periodic eval (0.12 s < eval_every_s): only the end-of-run save writes the file
+    ck2 = str(tmp_path / "done.pt")
+    assert mod.main(base + ["--curriculum", "128:2:0", "--max-minutes", "0.002", "--checkpoint",
+                            ck2, "--out", str(tmp_path / "done")]) == 0  # fmt: skip
+    saved = mod.load_split(ck2, map_location="cpu")
+    assert saved["rec"]["evals"] and saved["rec"]["evals"][-1]["step"] == saved["state"]["step"]
     with pytest.raises(SystemExit) as e:
         mod.main(base + ["--eval-checkpoint", ck, "--dim", "64", "--out", str(tmp_path / "x")])
     assert e.value.code == 2 and "has another model: dim 32 (recipe 64)" in capsys.readouterr().err
