@@ -104,6 +104,40 @@ def test_longnet_packed_logits_and_grads_equal_each_document_alone(checkpointing
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("give_max", [False, True], ids=["no_max_seqlen", "max_seqlen"])
+def test_longnet_packed_cuda_no_host_sync(seed, give_max):
+    """Packed rows with host offsets (as pack_documents makes them) through LongNetLM on the
+    GPU, fused kernel, bf16 autocast: a forward and backward never synchronises the host after a
+    first call, whether max_seqlen is passed or read from the host offsets; the logits equal
+    those of the device-offsets call."""
+    torch.manual_seed(seed)
+    cfg = LongNetConfig.preset("tiny", segment_lengths=(64, 128, 256), dilation_rates=(1, 2, 4),
+                               n_kv_head=2, impl="triton", n_layer=2)  # fmt: skip
+    model = LongNetLM(cfg).cuda().eval()  # no dropout: the two routes' logits compare
+    docs = [torch.randint(0, 128, (n,)) for n in (300, 1, 77, 512, 90)]
+    x, y, cu, mx = pack_documents(docs, 256)
+    x, y = x.cuda(), y.cuda()
+
+    def step(offsets):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits, _ = model(x, cu_seqlens=offsets, max_seqlen=mx if give_max else None)
+        logits.float().square().mean().backward()
+        return logits.detach()
+
+    first = step(cu)  # first calls: compilation and one-time probes may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(cu)
+        step(cu)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(first, step(cu.cuda()))  # device offsets (the filled route)
+
+
 def test_longnet_packed_differs_from_unpacked(seed):
     # the test above cannot pass by ignoring cu_seqlens: the same row unpacked gives other logits
     model = _model(seed).eval()

@@ -614,13 +614,22 @@ class LongNetLM(_Trunk):
             sp_varlen_arg_error(self.sp_group, e, (idx, cu_seqlens), "LongNetLM")
         b, t = idx.shape
         dev = idx.device
-        cu = cu_seqlens.to(device=dev, dtype=torch.long)
+        if cu_seqlens.device != dev:
+            # host offsets (as data.pack_documents makes them): the longest document read on the
+            # host, and one fresh host copy uploaded without waiting (a blocking .to(cuda) is a
+            # host synchronisation per step)
+            host = cu_seqlens.to(torch.long, copy=True)
+            if max_seqlen is None:
+                max_seqlen = int((host[1:] - host[:-1]).max())
+            cu = host.to(dev, non_blocking=True)
+        else:
+            cu = cu_seqlens.to(torch.long)
+            if max_seqlen is None:  # device offsets: one read of the device (pass max_seqlen)
+                max_seqlen = int((cu[1:] - cu[:-1]).max())
         # global stream positions of these tokens (this rank's contiguous shard under parallelize)
         flat = self.position_offset(t) + torch.arange(b * t, device=dev)
         doc = torch.searchsorted(cu, flat, right=True) - 1  # document of each token
         pos = flat - cu[doc.clamp(0, cu.numel() - 1)]  # (B*T,) position inside its document
-        if max_seqlen is None:
-            max_seqlen = int((cu[1:] - cu[:-1]).max())
         x = self.emb_dropout(self.tok_emb(idx)).reshape(1, b * t, -1)  # (1, B*T, E)
         x = self.run_layers(x, 0, (pos, cu_seqlens, max_seqlen))
         return x.reshape(b, t, -1)  # (B, T, E)
