@@ -282,6 +282,39 @@ def test_unchecked_offsets_keep_the_fills(seed, monkeypatch, causal):
     assert _fill_route(False) == (True, True, True)
 
 
+@interp_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_unchecked_offsets_with_a_leading_gap(seed, monkeypatch, causal):
+    """Unchecked device offsets that start past row 0 (the front door refuses them only when it
+    may read them): the rows before the first document belong to no document (out 0, lse -inf,
+    zero gradients, as rows past the last one) and the documents are exact. The flat grid then
+    gives document 0 cu_k[0] // w extra slots with negative segments (19 rows: two of w = 8):
+    their rows lie inside the gap (never before row 0), hold no query (qrow < 0) and add zeros
+    to the gap's dK/dV."""
+    monkeypatch.setattr(triton_launch, "_PLANS", type(triton_launch._PLANS)())
+    qlens, klens, lead = [5, 17, 1], [9, 17, 1], 19  # 19 rows of q and k before the first document
+    h, hkv, seg, dil = 4, 2, [8, 16], [1, 2]
+    q, k, v, do = _packed([lead] + qlens, [lead] + klens, h, hkv, 16, torch.float64, "cpu")
+    ref = _per_document_reference(q[lead:], k[lead:], v[lead:], do[lead:], qlens, klens, seg,
+                                  dil, torch.float64, causal=causal)  # fmt: skip
+    xs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    cu_q, cu_k = (_offsets(n, "cpu")[1:] for n in ([lead] + qlens, [lead] + klens))
+    with monkeypatch.context() as m:
+        poisoned_empty(m)
+        out, lse = triton_ops.dilated_attention_triton_varlen(
+            *xs, cu_q, cu_k, 17, 17, seg, dil, causal=causal, scale=0.25, head_assignment="all",
+        )  # fmt: skip
+        grads = torch.autograd.grad(out, xs, do.float())
+    assert torch.equal(out[:lead], torch.zeros_like(out[:lead]))
+    assert torch.equal(lse[:, :lead], torch.full_like(lse[:, :lead], float("-inf")))
+    for name, g in zip("qkv", grads, strict=True):
+        assert torch.equal(g[:lead], torch.zeros_like(g[:lead])), f"d{name} before the first document"
+    _close("out", out[lead:], ref[0], 2e-5)
+    _close("lse", lse[:, lead:], ref[1], 2e-5)
+    for name, g, r in zip("qkv", grads, ref[2], strict=True):
+        _close(f"d{name}", g[lead:], r, 5e-5)
+
+
 # ------------------------------------------------------------------------------- CUDA, real sizes
 # (key lengths, query lengths when they differ): 8 documents, ~16K tokens; 30 documents, ~46K
 # tokens, for the flat (document, segment) grid: empty ones first, last and three in a row,
