@@ -128,7 +128,7 @@ case "${1:-tests}" in
     timeout "${VARLEN_TIMEOUT:-200}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" > "$OUT/varlen.txt" 2>&1
     echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
     timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -q -m cuda -n "${WORKERS:-8}" -p no:cacheprovider -rfE \
-      ${VARLEN_TESTS:-tests/test_triton_varlen.py tests/test_triton_varlen_flat.py tests/test_train_plan.py tests/test_varlen.py} \
+      ${VARLEN_TESTS:-tests/test_triton_varlen.py tests/test_triton_varlen_flat.py tests/test_train_plan.py tests/test_varlen.py tests/test_models_packed.py} \
       > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
     grep -E "^- " "$OUT/profile_varlen.txt" | tail -8; grep -E "rc=" "$OUT/profile_varlen.txt"
