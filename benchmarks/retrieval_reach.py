@@ -24,6 +24,9 @@ the every-10th steps of that stage: the value's offset in the first (smallest) s
 number of two-layer paths to the answer (docs/training.md, "Spikes at 512K")::
 
     python benchmarks/retrieval_reach.py --spikes benchmarks/results/retrieval_512k_h100_2026-11-26_seed1.json
+
+``--misses RUN.json``: the same for the eval sequences a run answered wrong (the ``"misses"`` its
+evals record), per eval distance, against all eval sequences of that distance.
 """
 
 from __future__ import annotations
@@ -114,6 +117,54 @@ def spike_geometry(path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def miss_geometry(path: str) -> str:
+    """Markdown: the eval sequences a run answered wrong (``"misses"`` of its evals, written by
+    ``train_retrieval.py`` since 2026-11-26) against all eval sequences of the same distance: the
+    value's offset in its first-branch segment and its number of two-layer paths."""
+    import json
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from train_retrieval import eval_distance
+
+    d = json.load(open(path))
+    rc = d["recipe"]
+    n, ws, rs, heads = rc["seq_len"], rc["segments"], rc["rates"], rc["n_head"]
+    w0 = ws[0]
+    nb = -(-rc["eval_samples"] // rc["eval_batch"])
+    lines = [f"# The eval sequences answered wrong: `{path}`", "",
+             f"N = {n}, w = {ws}, r = {rs}, {heads} heads; value position v = N + 2 - distance; "
+             f"offset = v mod {w0} (the first segment); paths = two-layer paths from the value "
+             f"to the answer (`retrieval_reach.py`); a sequence counts once per eval it missed", "",
+             "| run | acc@d | evals | misses | sequences missed (distance: times) | their offsets "
+             "| their median paths | all sequences: median paths, offset >= 7/8 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for run in d["runs"]:
+        evals = [ev for ev in run["evals"] if ev.get("stage_n", n) == n]
+        for dist_key in (f"acc@{x}" for x in rc["eval_distances"]):
+            dd = int(dist_key[4:])
+            missed: dict[int, int] = {}
+            for ev in evals:
+                for dist, _v in ev.get("misses", {}).get(dist_key, []):
+                    missed[dist] = missed.get(dist, 0) + 1
+            everyone = sorted({eval_distance(rc, dd, i) for i in range(nb)})
+            all_paths = [two_hop_count(n, n + 2 - x, ws, rs, heads) for x in everyone]
+            late_all = np.mean([(n + 2 - x) % w0 >= w0 - w0 // 8 for x in everyone])
+            if missed:
+                offs = ", ".join(str((n + 2 - x) % w0) for x in sorted(missed))
+                paths = f"{np.median([two_hop_count(n, n + 2 - x, ws, rs, heads) for x in missed]):.0f}"
+                seqs = ", ".join(f"{x}: {c}" for x, c in sorted(missed.items()))
+            else:
+                offs, paths, seqs = "-", "-", "-"
+            lines.append(f"| {run['attention']} seed {run['seed']} | {dist_key} | {len(evals)} | "
+                         f"{sum(missed.values())} | {seqs} | {offs} | {paths} | "
+                         f"{np.median(all_paths):.0f}, {late_all:.2f} |")  # fmt: skip
+    lines.append("")
+    lines.append(f"(a distance stands for the eval batch that has it: {rc['eval_batch']} "
+                 "sequence(s), the same value position)")
+    return "\n".join(lines) + "\n"
+
+
 def keys_per_head(n: int, ws, rs, heads: int) -> list[int]:
     i = n - 1
     out = []
@@ -137,9 +188,13 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--distances", type=ints, default=[512, 2048, 8192, 16384, 32768])
     p.add_argument("--spikes", help="a train_retrieval.py RUN.json: where its loss spikes were")
+    p.add_argument("--misses", help="a train_retrieval.py RUN.json: which eval sequences it missed")
     a = p.parse_args(argv)
     if a.spikes:
         print(spike_geometry(a.spikes), end="")
+        return 0
+    if a.misses:
+        print(miss_geometry(a.misses), end="")
         return 0
     print(f"N = {a.n}, w = {a.w}, r = {a.r}, H = {a.heads}")
     print("distance | value pos | 1-hop | 2-hop intermediates")

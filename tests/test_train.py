@@ -471,6 +471,21 @@ def test_train_retrieval_eval_checkpoint_and_spike_geometry(tmp_path, capsys):
     run = json.loads(open(out + ".json").read())
     rows = [row for row in run["runs"][0]["losses"] if row[1] == 128]
     assert rows, "the paused run logged no step at the last stage"
+    # --misses: the sequences the evals missed, counted per eval, with their segment offsets
+    rr = dict(mod.RECIPES["tiny-check"])
+    dist = mod.eval_distance(rr, 128, 0)
+    ev = {"stage_n": 128, "acc@16": 1.0, "acc@128": 0.75, "misses": {"acc@128": [[dist, 130 - dist]] * 2}}
+    fake = {"recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in rr.items()},
+            "runs": [{"attention": "dilated", "seed": 3, "evals": [ev, {**ev, "misses": {}},
+                                                                  {**ev, "stage_n": 64}]}]}  # fmt: skip
+    (tmp_path / "fake.json").write_text(json.dumps(fake))
+    text = reach.miss_geometry(str(tmp_path / "fake.json"))
+    row = next(line for line in text.splitlines() if line.startswith("| dilated seed 3 | acc@128"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2:6] == ["2", "2", f"{dist}: 2", str((130 - dist) % 16)], row
+    assert int(cells[6]) == reach.two_hop_count(128, 130 - dist, rr["segments"], rr["rates"], rr["n_head"])
+    row16 = next(line for line in text.splitlines() if line.startswith("| dilated seed 3 | acc@16"))
+    assert "| 0 | - | - |" in row16, row16
     text = reach.spike_geometry(out + ".json")
     quiet, spiky = sum(row[2] <= 1 for row in rows), sum(row[2] > 1 for row in rows)
     assert (f"| dilated seed 0 | {quiet} loss <= 1" in text) == (quiet > 0), text
