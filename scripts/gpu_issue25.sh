@@ -30,7 +30,9 @@
 # Local modes (this machine, no GPU):
 #   collect FILES_AT MODE      after each device call: keeps what came back under
 #                              runs/issue25/out/MODE/ and, unless the run finished, its checkpoint
-#                              in runs/issue25/ckpt/ (the only thing there: one run at a time)
+#                              in runs/issue25/ckpt/ (the only thing there: one run at a time);
+#                              retrieval128k modes leave runs/issue25/ckpt/ alone (a paused 512K
+#                              run survives) and keep their final model in the out dir only
 #   finalize [DATE]            merged reports into benchmarks/results/ (stdlib: one report and one
 #                              figure per preset; retrieval and throughput: the last call's files)
 set -uo pipefail
@@ -118,6 +120,10 @@ print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_d
     run=${m%-*}
     dest=runs/issue25/out/$m
     mkdir -p "$dest" && cp -r "$src"/. "$dest"/
+    case "$m" in
+      retrieval128k-*)  # one call each: its checkpoint is the final model, kept in $dest only
+        grep -h "^|" "$dest"/*.md 2>/dev/null | head -12; exit 0 ;;
+    esac
     rm -rf "$CK"; mkdir -p "$CK"
     if [ -e "$dest/$run.pt" ]; then
       if $PY -c "
@@ -157,7 +163,8 @@ sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$dest/$run.json
     for w in seed0 seed1 seed2 dense local; do
       d=runs/issue25/out/retrieval128k-$w
       [ -d "$d" ] || continue
-      for f in "$d/retrieval128k-$w"*; do
+      for f in "$d/retrieval128k-$w".md "$d/retrieval128k-$w".json "$d/retrieval128k-$w".png \
+               "$d/retrieval128k-${w}_loss.png"; do  # not the checkpoint (.pt*: the model)
         [ -e "$f" ] && cp "$f" "benchmarks/results/retrieval_128k_h100_${date}_$w${f#"$d/retrieval128k-$w"}"
       done
       echo "retrieval128k-$w: $d"
