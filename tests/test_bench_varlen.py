@@ -49,3 +49,23 @@ def test_tiny_bench_writes_results(tmp_path):
             assert r["fwd_ms"] > 0 and r["fb_ms"] > 0 and r["flops"] > 0
     assert "torch" in text and "| True | (a) varlen packed" in text and "target <= 1.1" in text
     assert "unchecked device offsets (fills kept)" in text
+
+
+def test_block_model_counts_tiles_and_useful_pairs():
+    """varlen_block_model: tiles as the kernels tile a block (full tiles, causal up to the
+    diagonal); its useful pairs agree with flops.py's count."""
+    import varlen_block_model as bm
+
+    assert bm.block_work(128, 128, 64, True) == (128 * 129 // 2, 2 * 128 * 64)
+    assert bm.block_work(130, 128, 64, True) == (130 * 131 // 2, (2 + 3) * 128 * 64)
+    assert bm.block_work(100, 64, 64, False) == (100 * 100, 4 * 64 * 64)
+    assert bm.block_work(0, 64, 64, True) == (0, 0)
+    br, heads = [(8, 1), (16, 2), (64, 4)], 4
+    for causal in (False, True):
+        got = bm.stream_work([5, 17, 100, 1], br, heads, 16, 16, causal)
+        want = dilated_flops_varlen([5, 17, 100, 1], [5, 17, 100, 1], heads, 1, [w for w, _ in br],
+                                    [r for _, r in br], causal)  # fmt: skip
+        # flops.py: 4 * D * pairs (QK^T and PV) per pair count, over heads
+        assert 4 * sum(u for u, _ in got) == want, (causal, got, want)
+    text = bm.report([5, 17, 100], br, heads, {"fwd": (16, 16)}, True)
+    assert "| fwd | 16 x 16 |" in text
