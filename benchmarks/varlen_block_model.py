@@ -10,6 +10,8 @@ short loops), which the kernel profile then has to show.
 
     python benchmarks/varlen_block_model.py              # bench_varlen.py's documents, 16 heads
     python benchmarks/varlen_block_model.py --causal no --blocks fwd=128x64,dkdv=64x64,dq=128x64
+    python benchmarks/varlen_block_model.py \
+        --profile benchmarks/results/profile_varlen_h100_2026-11-26_checked.md   # per branch
 
 Measured on the H100 (2026-11-26, ``results/profile_varlen_h100_2026-11-26_checked.md``): raw
 kernel times of the packed stream within 0-4% of one sequence's while its useful pairs are
@@ -71,6 +73,49 @@ def report(lengths, branches, heads: int, blocks: dict[str, tuple[int, int]], ca
     return "\n".join(lines) + "\n"
 
 
+def per_launch_times(profile_md: str) -> dict[str, tuple[list[float], list[float]]]:
+    """``profile_varlen.py``'s "Per launch, in order" table: per kernel name, the packed and the
+    one-sequence times (us) of its launches in order."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    in_table = False
+    for line in open(profile_md):
+        if line.startswith("## "):
+            in_table = line.startswith("## Per launch")
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if in_table and len(cells) == 5 and cells[0].isdigit():
+            packed, one = out.setdefault(cells[1], ([], []))
+            packed.append(float(cells[2]))
+            one.append(float(cells[4]))
+    return out
+
+
+def per_branch_report(lengths, branches, heads, blocks, causal, profile_md: str) -> str:
+    """Per kernel and branch: measured time packed / one sequence against the tile and
+    useful-pair ratios of the count, and the microseconds above parity per useful pair."""
+    times = per_launch_times(profile_md)
+    total = sum(lengths)
+    lines = [f"per branch, measured (`{profile_md}`) against the count", "",
+             "| kernel | w, r | time packed / one | tiles | useful pairs | time per tile "
+             "| time per useful pair | us above parity |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    kernels = {"fwd": "dilated_fwd_kernel", "dkdv": "dilated_bwd_dkdv_kernel",
+               "dq": "dilated_bwd_dq_kernel"}  # fmt: skip
+    for name, (bm, bn) in blocks.items():
+        tp, to = times.get(kernels.get(name, name), ([], []))
+        if len(tp) != len(branches):  # a folded launch, or another branch set
+            lines.append(f"| {name} | {len(tp)} launches for {len(branches)} branches: skipped |"
+                         " | | | | | |")
+            continue
+        p = stream_work(lengths, branches, heads, bm, bn, causal)
+        o = stream_work([total], branches, heads, bm, bn, causal)
+        for (w, r), a, b, (up, cp), (uo, co) in zip(branches, tp, to, p, o, strict=True):
+            t, c, u = a / b, cp / co, up / uo
+            lines.append(f"| {name} | {w}, {r} | {t:.3f} | {c:.3f} | {u:.3f} | {t / c:.3f} | "
+                         f"{t / u:.3f} | {a - b * u:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--total", type=int, default=131072)
@@ -83,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--causal", choices=["yes", "no"], default="yes")
     p.add_argument("--blocks", default="fwd=128x64,dq=128x64,dkdv=64x64",
                    help="the kernels' (BM x BN) for head dim 128 (triton_launch.default_configs)")
+    p.add_argument("--profile", help="a profile_varlen.py results file (same documents, "
+                   "branches, causal): per-branch measured times against the count")
     a = p.parse_args(argv)
     from bench_varlen import document_lengths  # torch: the benchmark's own lengths
 
@@ -92,6 +139,10 @@ def main(argv=None) -> int:
     blocks = {k: tuple(int(x) for x in v.split("x")) for k, v in
               (kv.split("=") for kv in a.blocks.split(","))}  # fmt: skip
     print(report(lengths, branches, a.heads, blocks, a.causal == "yes"), end="")
+    if a.profile:
+        print()
+        print(per_branch_report(lengths, branches, a.heads, blocks, a.causal == "yes", a.profile),
+              end="")
     return 0
 
 

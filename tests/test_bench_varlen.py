@@ -69,3 +69,26 @@ def test_block_model_counts_tiles_and_useful_pairs():
         assert 4 * sum(u for u, _ in got) == want, (causal, got, want)
     text = bm.report([5, 17, 100], br, heads, {"fwd": (16, 16)}, True)
     assert "| fwd | 16 x 16 |" in text
+
+
+def test_block_model_per_branch_from_a_profile(tmp_path):
+    """--profile: the per-launch table of a profile_varlen.py file, per kernel in launch order,
+    against the count; a kernel with another number of launches than branches is skipped."""
+    import varlen_block_model as bm
+
+    md = tmp_path / "p.md"
+    md.write_text("# x\n\n## Per launch, in order (us)\n\n| # | varlen kernel | varlen us | one-sequence "
+                  "kernel | one us |\n|---|---|---:|---|---:|\n"
+                  "| 0 | dilated_fwd_kernel | 30.0 | dilated_fwd_kernel | 20.0 |\n"
+                  "| 1 | dilated_fwd_kernel | 10.0 | dilated_fwd_kernel | 10.0 |\n"
+                  "| 2 | dilated_bwd_dq_kernel | 5.0 | dilated_bwd_dq_kernel | 5.0 |\n"
+                  "\n## Sums\n\n| 9 | dilated_fwd_kernel | 1.0 | dilated_fwd_kernel | 1.0 |\n")
+    assert bm.per_launch_times(str(md)) == {"dilated_fwd_kernel": ([30.0, 10.0], [20.0, 10.0]),
+                                            "dilated_bwd_dq_kernel": ([5.0], [5.0])}  # fmt: skip
+    br, lens = [(8, 1), (32, 4)], [5, 40, 19]
+    text = bm.per_branch_report(lens, br, 4, {"fwd": (16, 16), "dq": (16, 16)}, True, str(md))
+    p, o = bm.stream_work(lens, br, 4, 16, 16, True), bm.stream_work([64], br, 4, 16, 16, True)
+    u0 = p[0][0] / o[0][0]
+    row = next(line for line in text.splitlines() if line.startswith("| fwd | 8, 1 |"))
+    assert row.split("|")[3].strip() == "1.500" and row.split("|")[8].strip() == f"{30 - 20 * u0:.0f}"
+    assert "| dq | 1 launches for 2 branches: skipped |" in text
