@@ -62,6 +62,41 @@ def _kernels(prof) -> list[tuple[str, float]]:
     return [(e.name, e.time_range.elapsed_us()) for e in evs]
 
 
+_SHOWN = ("VARLEN", "BM", "BN", "CAUSAL", "FIRST", "COMP", "STORE_LO", "ROWS_FULL")
+
+
+def compiled_resources() -> list[str]:
+    """Markdown rows: registers and spilled bytes of every variant of the Triton kernels this
+    process compiled (JITFunction.device_caches, read after the runs; n_regs / n_spills are
+    filled when a kernel is loaded on a GPU), with the constexprs that tell the variants apart.
+    Lines saying why when this Triton keeps them elsewhere (or under the interpreter)."""
+    from dilated_attention.kernels import triton_kernels as tk
+
+    rows = ["| kernel | variant | warps | stages | n_regs | n_spills (Triton's) |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("dilated_fwd_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel"):
+        fn = getattr(tk, name, None)
+        caches = getattr(fn, "device_caches", None)
+        if not caches:
+            rows.append(f"| {name} | no compiled variants here (interpreter or another Triton) | | | | |")
+            continue
+        arg_names = list(getattr(fn, "arg_names", []))
+        for entry in caches.values():
+            for ck in (entry[0] if isinstance(entry, tuple) else entry).values():
+                consts = getattr(getattr(ck, "src", None), "constexprs", {}) or {}
+                named = {}
+                for key, val in consts.items():  # keys: names, or (index,) paths
+                    if isinstance(key, tuple) and key and isinstance(key[0], int) and key[0] < len(arg_names):
+                        key = arg_names[key[0]]
+                    named[key] = val
+                variant = ", ".join(f"{k}={named[k]}" for k in _SHOWN if k in named) or "?"
+                md = getattr(ck, "metadata", None)
+                rows.append(f"| {name} | {variant} | {getattr(md, 'num_warps', '?')} | "
+                            f"{getattr(md, 'num_stages', '?')} | {getattr(ck, 'n_regs', '?')} | "
+                            f"{getattr(ck, 'n_spills', '?')} |")  # fmt: skip
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--causal", choices=["yes", "no"], default="yes")
@@ -143,6 +178,8 @@ def main(argv=None):
         except Exception as e:  # a variant that does not compile says so; the others still run
             lines.append(f"| {name} | {cfg} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |")
         print(lines[-1], flush=True)
+    lines += ["", "## Registers and spills of the compiled variants (ptxas, this Triton)", "",
+              *compiled_resources()]
     text = "\n".join(lines) + "\n"
     if a.out:
         with open(a.out, "w") as f:

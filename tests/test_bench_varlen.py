@@ -92,3 +92,23 @@ def test_block_model_per_branch_from_a_profile(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| fwd | 8, 1 |"))
     assert row.split("|")[3].strip() == "1.500" and row.split("|")[8].strip() == f"{30 - 20 * u0:.0f}"
     assert "| dq | 1 launches for 2 branches: skipped |" in text
+
+
+def test_profile_varlen_lists_compiled_variants(monkeypatch):
+    """profile_varlen's register table: the constexprs that tell variants apart, by name whether
+    Triton keys them by name or by (index,) path; a kernel without compiled variants says so."""
+    import types
+
+    import profile_varlen as pv
+
+    from dilated_attention.kernels import triton_kernels as tk
+
+    ck = types.SimpleNamespace(src=types.SimpleNamespace(constexprs={(1,): True, "BM": 64}),
+                               metadata=types.SimpleNamespace(num_warps=4, num_stages=2),
+                               n_regs=255, n_spills=232)  # fmt: skip
+    fake = types.SimpleNamespace(arg_names=["Q", "VARLEN"], device_caches={0: ({"key": ck}, None)})
+    monkeypatch.setattr(tk, "dilated_bwd_dkdv_kernel", fake)
+    monkeypatch.setattr(tk, "dilated_bwd_dq_kernel", types.SimpleNamespace(device_caches={}))
+    rows = pv.compiled_resources()
+    assert "| dilated_bwd_dkdv_kernel | VARLEN=True, BM=64 | 4 | 2 | 255 | 232 |" in rows, rows
+    assert any(r.startswith("| dilated_bwd_dq_kernel | no compiled variants") for r in rows), rows
