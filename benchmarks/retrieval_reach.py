@@ -77,6 +77,10 @@ def two_hop_count(n: int, v: int, ws, rs, heads: int) -> int:
 def spike_geometry(path: str) -> str:
     """Markdown: the planted values of a run's loss spikes vs its every-10th steps (last stage)."""
     import json
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from train_retrieval import value_position
 
     from dilated_attention.data import RetrievalTask
 
@@ -97,9 +101,7 @@ def spike_geometry(path: str) -> str:
             continue
 
         def value_pos(step):  # the batch of logged step `step` was drawn at step - 1
-            x, _ = task.batch(1, run["seed"], step - 1)
-            keys = (x[0] >= task.key0) & (x[0] < task.value0)
-            return int(keys.nonzero()[0]) + 1
+            return value_position(task, task.batch(1, run["seed"], step - 1)[0][0])
 
         rows = [row for row in run["losses"] if row[1] == n]
         groups = (("loss > 1", [row for row in rows if row[2] > 1]),

@@ -293,6 +293,13 @@ def eval_distance(r: dict, d: int, i: int) -> int:
     return int(torch.randint(lo, d + 1, (1,), generator=g))
 
 
+def value_position(task: RetrievalTask, row: torch.Tensor) -> int:
+    """Where the planted value sits in one sequence of ``task`` with one pair: the first key
+    token of the row is the planted one, and its value follows it."""
+    keys = (row >= task.key0) & (row < task.value0)
+    return int(keys.nonzero()[0]) + 1
+
+
 def _autocast(r: dict, device) -> torch.autocast:
     """The recipe's autocast on ``device`` (off for float32)."""
     amp = getattr(torch, r["dtype"])
@@ -328,10 +335,8 @@ def evaluate(model, r: dict, seed: int, device, autocast, misses: dict | None = 
             total += int(mask.sum())
             if misses is not None and r["num_pairs"] == 1 and not bool(ok.all()):
                 rows = mask.nonzero()[:, 0][~ok].tolist()  # one answer per row
-                keys = (x_cpu >= task.key0) & (x_cpu < task.value0)
-                for b in rows:  # the first key token of a row is the planted one
-                    v = int(keys[b].nonzero()[0]) + 1
-                    misses.setdefault(f"acc@{d}", []).append([dist, v])
+                misses.setdefault(f"acc@{d}", []).extend(
+                    [dist, value_position(task, x_cpu[b])] for b in rows)
         out[f"acc@{d}"] = correct / max(total, 1)
     model.train()
     return out
@@ -500,8 +505,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             if step % 10 == 0 or step == 1 or spike:  # every 10th step, and every spike
                 rec["losses"].append((step, n, round(ce_v, 4), round(gnorm, 4), float(f"{lr:.3g}")))
             if spike and bs == 1:  # where the planted value was (the spikes' geometry)
-                keys = (x_cpu[0] >= task.key0) & (x_cpu[0] < task.value0)
-                v = int(keys.nonzero()[0]) + 1  # the first key token is the planted one
+                v = value_position(task, x_cpu[0])
                 rec.setdefault("spikes", []).append((step, n, n + 2 - v, v))  # step, N, d, pos
             now = time.perf_counter() - t0
             if not last_stage and len(recent) == 50 and sum(recent) / 50 < r["advance_loss"]:
