@@ -20,6 +20,7 @@ packedfills, 2026-11-26), for an A/B of the fills on the same machine.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 
@@ -45,6 +46,7 @@ VARIANTS = {
     "dkdv64w8": dict(dkdv=(64, 64, 8, 2)),
     "dkdv64w8s3": dict(dkdv=(64, 64, 8, 3)),
     "dkdv32x64s3": dict(dkdv=(32, 64, 4, 3)),
+    "dkdv64s1": dict(dkdv=(64, 64, 4, 1)),  # fewer pipeline buffers: fewer registers
     "small": dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 2)),
 }
 
@@ -65,6 +67,37 @@ def _kernels(prof) -> list[tuple[str, float]]:
 _SHOWN = ("VARLEN", "BM", "BN", "CAUSAL", "FIRST", "COMP", "STORE_LO", "ROWS_FULL")
 
 
+def constexprs_from_cache_key(key, arg_names: list[str]) -> dict:
+    """The constexpr arguments of one compiled variant, read from its key in Triton's kernel
+    cache: ``str(specialization) + str(options)``, the specialization a list with one
+    ``(type, value)`` per argument in order, ``("constexpr", value)`` for constexprs. ``{}``
+    when the key has another form."""
+    if not isinstance(key, str) or not key.startswith("["):
+        return {}
+    depth, quote = 0, None
+    for end, ch in enumerate(key):  # the list's closing bracket (brackets in strings skipped)
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+            if depth == 0:
+                break
+    else:
+        return {}
+    try:
+        spec = ast.literal_eval(key[: end + 1])
+    except (ValueError, SyntaxError):
+        return {}
+    if len(spec) != len(arg_names):
+        return {}
+    return {name: item[1] for name, item in zip(arg_names, spec, strict=True)
+            if isinstance(item, tuple) and len(item) == 2 and item[0] == "constexpr"}
+
+
 def compiled_resources() -> list[str]:
     """Markdown rows: registers and spilled bytes of every variant of the Triton kernels this
     process compiled (JITFunction.device_caches, read after the runs; n_regs / n_spills are
@@ -82,13 +115,15 @@ def compiled_resources() -> list[str]:
             continue
         arg_names = list(getattr(fn, "arg_names", []))
         for entry in caches.values():
-            for ck in (entry[0] if isinstance(entry, tuple) else entry).values():
+            for cache_key, ck in (entry[0] if isinstance(entry, tuple) else entry).items():
                 consts = getattr(getattr(ck, "src", None), "constexprs", {}) or {}
                 named = {}
                 for key, val in consts.items():  # keys: names, or (index,) paths
                     if isinstance(key, tuple) and key and isinstance(key[0], int) and key[0] < len(arg_names):
                         key = arg_names[key[0]]
                     named[key] = val
+                if not any(k in named for k in _SHOWN):  # Triton 3.6 (H100 image): src has none
+                    named = constexprs_from_cache_key(cache_key, arg_names)
                 variant = ", ".join(f"{k}={named[k]}" for k in _SHOWN if k in named) or "?"
                 md = getattr(ck, "metadata", None)
                 rows.append(f"| {name} | {variant} | {getattr(md, 'num_warps', '?')} | "
@@ -164,7 +199,9 @@ def main(argv=None):
     tv, to = sum(t for _, t in va), sum(t for _, t in on)
     lines.append(f"- total: {tv:.0f} / {to:.0f} us, {(tv / f_var) / (to / f_one):.3f}x per useful FLOP")
     lines += ["", "## Block-config variants: fwd+bwd median ms (do_bench), ratio per useful FLOP", "",
-              "| variant | config | varlen ms | one ms | varlen / one per FLOP |", "|---|---|---:|---:|---:|"]
+              "| variant | config | varlen ms | one ms | varlen / one per FLOP | varlen / one (default "
+              "config) per FLOP |", "|---|---|---:|---:|---:|---:|"]
+    one_default = None  # the one sequence with the default config: a packed-only config's baseline
     for name in a.configs.split(","):
         cfg = VARIANTS[name]
         try:
@@ -174,9 +211,14 @@ def main(argv=None):
             to_ = triton.testing.do_bench(
                 lambda: _step(q, k, v, do, seg, dil, causal, scale, ranges, None, cfg),
                 warmup=25, rep=150, return_mode="median")
-            lines.append(f"| {name} | {cfg} | {tv_:.3f} | {to_:.3f} | {(tv_ / f_var) / (to_ / f_one):.3f} |")
+            if cfg is None:
+                one_default = to_
+            vs_default = (f"{(tv_ / f_var) / (one_default / f_one):.3f}" if one_default
+                          else "(run `default` first)")
+            lines.append(f"| {name} | {cfg} | {tv_:.3f} | {to_:.3f} | {(tv_ / f_var) / (to_ / f_one):.3f} "
+                         f"| {vs_default} |")
         except Exception as e:  # a variant that does not compile says so; the others still run
-            lines.append(f"| {name} | {cfg} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |")
+            lines.append(f"| {name} | {cfg} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | |")
         print(lines[-1], flush=True)
     lines += ["", "## Registers and spills of the compiled variants (ptxas, this Triton)", "",
               *compiled_resources()]

@@ -112,3 +112,13 @@ def test_profile_varlen_lists_compiled_variants(monkeypatch):
     rows = pv.compiled_resources()
     assert "| dilated_bwd_dkdv_kernel | VARLEN=True, BM=64 | 4 | 2 | 255 | 232 |" in rows, rows
     assert any(r.startswith("| dilated_bwd_dq_kernel | no compiled variants") for r in rows), rows
+    # Triton 3.6 (the H100 image): no constexprs on src; read from the kernel cache's key
+    key = "[('*bf16', 'D'), ('i32', ''), ('constexpr', True), ('constexpr', 64)]CUDAOptions(num_warps=4)"
+    ck.src = None
+    fake.arg_names = ["Q", "N", "VARLEN", "BM"]
+    fake.device_caches = {0: ({key: ck}, None)}
+    rows = pv.compiled_resources()
+    assert "| dilated_bwd_dkdv_kernel | VARLEN=True, BM=64 | 4 | 2 | 255 | 232 |" in rows, rows
+    assert pv.constexprs_from_cache_key("[('s', ']'), ('constexpr', 2)]x", ["A", "B"]) == {"B": 2}
+    for bad in ("(1, 2)", "[('constexpr', 1)]", "[('constexpr', 1), ('constexpr', 2)", 7):
+        assert pv.constexprs_from_cache_key(bad, ["A", "B"]) == {}, bad
