@@ -490,3 +490,26 @@ def test_train_retrieval_eval_checkpoint_and_spike_geometry(tmp_path, capsys):
     quiet, spiky = sum(row[2] <= 1 for row in rows), sum(row[2] > 1 for row in rows)
     assert (f"| dilated seed 0 | {quiet} loss <= 1" in text) == (quiet > 0), text
     assert (f"| dilated seed 0 | {spiky} loss > 1" in text) == (spiky > 0), text
+
+
+def test_retrieval_offsets_groups_and_a_saved_model(tmp_path):
+    """benchmarks/retrieval_offsets.py: its 'end' distances put the value in the last END tokens
+    of its first-branch segment and its 'other' ones never; it evaluates a saved model."""
+    import random
+
+    ro = _bench("retrieval_offsets")
+    ends, others = ro.distances(131072, 16384, 32768, 1024, 32, 50, random.Random(0))
+    assert len(ends) == len(others) == 50
+    assert all(16384 < d <= 32768 for d in ends + others)
+    assert all((131074 - d) % 1024 >= 992 for d in ends)
+    assert all((131074 - d) % 1024 < 992 for d in others)
+    mod = _bench("train_retrieval")
+    ck = str(tmp_path / "ck.pt")
+    assert mod.main(["--recipe", "tiny-check", "--attention", "dilated", "--impl", "torch",
+                     "--threads", "1", "--curriculum", "64:4:10,128:2:10", "--target", "2",
+                     "--max-minutes", "1", "--checkpoint", ck, "--out", str(tmp_path / "a")]) == 0
+    res = ro.main(["--recipe", "tiny-check", "--checkpoint", ck, "--bucket", "20,128", "--n", "3",
+                   "--end", "4", "--device", "cpu", "--dtype", "float32"])
+    assert set(res) == {"end", "other"} and all(0 <= ok <= n == 3 for ok, n in res.values())
+    with pytest.raises(SystemExit):
+        ro.main(["--recipe", "tiny-check", "--checkpoint", ck, "--bucket", "200,100"])
