@@ -28,7 +28,8 @@
 #                                       per-kernel profile of the headline shape
 # Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
 # Triton's compile cache travels between calls: each call leaves it in $OUT/triton_cache.tgz.partNN
-# (15 MiB parts, at most CACHE_PARTS_MAX=4 of them; SAVE_CACHE=0: none); copy those to runs/ here
+# (15 MiB parts, at most CACHE_PARTS_MAX=4 of them, and only if the results leave room under the
+# 8 files a call returns; SAVE_CACHE=0: none); copy those to runs/ here
 # and pass carry ["runs"] so that the next machine starts warm (kernels whose source changed
 # compile again).
 set -uo pipefail
@@ -43,7 +44,11 @@ save_cache() {  # split in 15 MiB parts (a device call returns files of <= 16 Mi
   [ "${SAVE_CACHE:-1}" = 1 ] || return 0
   tar -cz -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15m -d -a 2 - "$OUT/triton_cache.tgz.part"
   local n; n=$(ls "$OUT"/triton_cache.tgz.part* 2>/dev/null | wc -l)
-  if [ "$n" -gt "${CACHE_PARTS_MAX:-4}" ]; then rm -f "$OUT"/triton_cache.tgz.part*; echo "triton cache too big to return ($n parts)"; fi
+  if [ "$n" -gt "${CACHE_PARTS_MAX:-4}" ]; then rm -f "$OUT"/triton_cache.tgz.part*; echo "triton cache too big to return ($n parts)"; return 0; fi
+  # a call returns at most 8 files: the results first (2026-11-26 a varlen call lost varlen.md
+  # to the cache's 4 parts)
+  local all; all=$(find "$OUT" -type f | wc -l)
+  if [ "$all" -gt 8 ]; then rm -f "$OUT"/triton_cache.tgz.part*; echo "triton cache not returned: $((all - n)) result files + $n parts > 8"; fi
 }
 trap save_cache EXIT
 python3 -c "import torch, triton, platform; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name())" | tee "$OUT/env.txt"
