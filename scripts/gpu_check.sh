@@ -20,6 +20,10 @@
 #                                       $PROFILE_TESTS (default: the plan / varlen / decode files)
 #   bash scripts/gpu_check.sh varlen    issue 22 item 2: profile_varlen.py (per launch; $VARLEN_CONFIGS variants),
 #                                       bench_varlen.py (the results table), then the varlen / plan CUDA tests
+#   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
+#                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
+#                                       each compiles ~6 binaries: a call of its own), causal
+#                                       ($CAUSAL=no for the other); kernel_resources.py says their spills
 #   bash scripts/gpu_check.sh measure2  issues 22 + 23 on one warm machine: profile_host.py --gpu-time, ab_decode.py
 #                                       (decode and training rows, same-run dense), profile_varlen.py,
 #                                       bench_varlen.py (no tests: run `close` or `first` for those)
@@ -126,6 +130,13 @@ case "${1:-tests}" in
     grep -A8 "^| call" "$OUT/profile_host.txt"; grep -E "rc=" "$OUT/profile_host.txt"
     grep -E "^- |^\| [a-z0-9]" "$OUT/profile_varlen.txt" | tail -24; tail -3 "$OUT/profile_varlen.txt"
     tail -6 "$OUT/cuda_tests.txt"
+    ;;
+  varlen-configs)
+    timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_varlen.py --causal "${CAUSAL:-yes}" \
+      --configs "${VARLEN_CONFIGS:-default,dkdv32x64,dkdv32x64s3,dkdv64s1}" --out "$OUT/profile_varlen_configs.md" \
+      > "$OUT/profile_varlen_configs.txt" 2>&1
+    echo "profile_varlen rc=$?" >> "$OUT/profile_varlen_configs.txt"
+    grep -E "^- total|^\| (default|dkdv|dq|fwd|small)" "$OUT/profile_varlen_configs.txt" | head -20; grep -E "rc=" "$OUT/profile_varlen_configs.txt"
     ;;
   varlen)
     timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_varlen.py --configs "${VARLEN_CONFIGS:-default}" --out "$OUT/profile_varlen.md" > "$OUT/profile_varlen.txt" 2>&1
