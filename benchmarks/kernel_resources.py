@@ -133,13 +133,15 @@ def compile_launches(launches, kernels: list[str]) -> list[str]:
         return buf[:64 * es].view(dt) if aligned else buf[es:65 * es].view(dt)
 
     seen = collections.OrderedDict()
+    binders = {}  # per kernel: the JIT's argument binder (specialisation), as JITFunction keeps it
     for what, name, desc, kwargs in launches:
         if name not in kernels:
             continue
         args = [tensor(a[1], a[2]) if isinstance(a, tuple) and a and a[0] == "tensor" else a for a in desc]
         fn = getattr(comp, name)
-        binder = create_function_from_signature(fn.signature, fn.params, backend)
-        bound, specialization, opts = binder(*args, **kwargs)
+        if name not in binders:
+            binders[name] = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, opts = binders[name](*args, **kwargs)
         key = (what, name, str(specialization), str(sorted(kwargs.items())))
         if key in seen:
             seen[key][1] += 1

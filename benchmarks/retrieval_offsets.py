@@ -30,23 +30,28 @@ from dilated_attention.data import IGNORE, RetrievalTask  # noqa: E402
 
 
 def distances(n_tokens: int, lo: int, hi: int, w0: int, end: int, n: int, rng: random.Random):
-    """``n`` distances in (lo, hi] whose value (at ``n_tokens + 2 - d``) lies in the last ``end``
-    positions of its ``w0``-segment, and ``n`` whose value lies elsewhere."""
+    """``n`` distances in (lo, hi] whose value (``train_retrieval.value_index``) lies in the last
+    ``end`` positions of its ``w0``-segment, and ``n`` whose value lies elsewhere."""
     def offset(d):
-        return (n_tokens + 2 - d) % w0
+        return T.value_index(n_tokens, d) % w0
 
     ends, others = [], []
-    while len(ends) < n:
-        d = rng.randint(lo + 1, hi)
-        v = n_tokens + 2 - d
-        d = n_tokens + 2 - (v - v % w0 + w0 - 1 - rng.randrange(end))  # the same segment's end
+    for _ in range(1000 * n):  # a draw, moved to the end of its value's segment
+        if len(ends) == n:
+            break
+        v = T.value_index(n_tokens, rng.randint(lo + 1, hi))
+        d = T.value_index(n_tokens, v - v % w0 + w0 - 1 - rng.randrange(end))  # (self-inverse)
         if lo < d <= hi:
             ends.append(d)
-    while len(others) < n:
+    for _ in range(1000 * n):
+        if len(others) == n:
+            break
         d = rng.randint(lo + 1, hi)
         if offset(d) < w0 - end:
             others.append(d)
-    assert all(offset(d) >= w0 - end for d in ends)
+    if len(ends) < n or len(others) < n:
+        raise ValueError(f"distances in ({lo}, {hi}] give too few values {'at' if len(ends) < n else 'off'}"
+                         f" the last {end} tokens of a {w0}-segment: widen the bucket")
     return ends, others
 
 
@@ -80,7 +85,7 @@ def main(argv=None):
           f"{n_tokens}, w0 = {w0}, distances in ({lo}, {hi}], {a.n} per group, {a.dtype} on {a.device}")
     res = {}
     for group, ds in (("end", ends), ("other", others)):
-        ok_n, rows = 0, []
+        ok_n = 0
         for i, d in enumerate(ds):
             x, y = task.batch(1, a.seed, 7 * 10**8 + i + (10**6 if group == "end" else 0), distance=d)
             t = time.perf_counter()
@@ -89,8 +94,8 @@ def main(argv=None):
                 m = (y != IGNORE).to(device)
                 ok = bool((model.lm_head(h[m]).argmax(-1) == y.to(device)[m]).all())
             ok_n += ok
-            rows.append((d, (n_tokens + 2 - d) % w0, ok))
-            print(f"  {group}: d {d} offset {(n_tokens + 2 - d) % w0} {'ok' if ok else 'MISS'} "
+            off = T.value_index(n_tokens, d) % w0
+            print(f"  {group}: d {d} offset {off} {'ok' if ok else 'MISS'} "
                   f"({time.perf_counter() - t:.0f} s)", flush=True)
         res[group] = (ok_n, len(ds))
     print("| group | value offset in its w0-segment | right / sequences |")

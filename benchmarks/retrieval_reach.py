@@ -127,7 +127,7 @@ def miss_geometry(path: str) -> str:
     import os
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_retrieval import eval_distance
+    from train_retrieval import eval_distance, value_index
 
     d = json.load(open(path))
     rc = d["recipe"]
@@ -150,11 +150,11 @@ def miss_geometry(path: str) -> str:
                 for dist, _v in ev.get("misses", {}).get(dist_key, []):
                     missed[dist] = missed.get(dist, 0) + 1
             everyone = sorted({eval_distance(rc, dd, i) for i in range(nb)})
-            all_paths = [two_hop_count(n, n + 2 - x, ws, rs, heads) for x in everyone]
-            late_all = np.mean([(n + 2 - x) % w0 >= w0 - w0 // 8 for x in everyone])
+            all_paths = [two_hop_count(n, value_index(n, x), ws, rs, heads) for x in everyone]
+            late_all = np.mean([value_index(n, x) % w0 >= w0 - w0 // 8 for x in everyone])
             if missed:
-                offs = ", ".join(str((n + 2 - x) % w0) for x in sorted(missed))
-                paths = f"{np.median([two_hop_count(n, n + 2 - x, ws, rs, heads) for x in missed]):.0f}"
+                offs = ", ".join(str(value_index(n, x) % w0) for x in sorted(missed))
+                paths = f"{np.median([two_hop_count(n, value_index(n, x), ws, rs, heads) for x in missed]):.0f}"
                 seqs = ", ".join(f"{x}: {c}" for x, c in sorted(missed.items()))
             else:
                 offs, paths, seqs = "-", "-", "-"

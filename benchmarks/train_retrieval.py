@@ -293,6 +293,12 @@ def eval_distance(r: dict, d: int, i: int) -> int:
     return int(torch.randint(lo, d + 1, (1,), generator=g))
 
 
+def value_index(n: int, distance: int) -> int:
+    """The planted value's position in a sequence of ``n`` tokens when its key is ``distance``
+    tokens before the end (``RetrievalTask.batch``: key at n + 1 - d, its value next)."""
+    return n + 2 - distance
+
+
 def value_position(task: RetrievalTask, row: torch.Tensor) -> int:
     """Where the planted value sits in one sequence of ``task`` with one pair: the first key
     token of the row is the planted one, and its value follows it."""
@@ -506,7 +512,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
                 rec["losses"].append((step, n, round(ce_v, 4), round(gnorm, 4), float(f"{lr:.3g}")))
             if spike and bs == 1:  # where the planted value was (the spikes' geometry)
                 v = value_position(task, x_cpu[0])
-                rec.setdefault("spikes", []).append((step, n, n + 2 - v, v))  # step, N, d, pos
+                rec.setdefault("spikes", []).append((step, n, value_index(n, v), v))  # step, N, d, pos
             now = time.perf_counter() - t0
             if not last_stage and len(recent) == 50 and sum(recent) / 50 < r["advance_loss"]:
                 break  # learned at this length: on to the next stage
