@@ -20,6 +20,11 @@
 #                                       $PROFILE_TESTS (default: the plan / varlen / decode files)
 #   bash scripts/gpu_check.sh varlen    issue 22 item 2: profile_varlen.py (per launch; $VARLEN_CONFIGS variants),
 #                                       bench_varlen.py (the results table), then the varlen / plan CUDA tests
+#   bash scripts/gpu_check.sh varlen-ab  issue 22: the varlen CUDA tests ($VARLEN_TESTS, default
+#                                       tests/test_triton_varlen.py), then profile_varlen.py on
+#                                       $ALT_SRC (another src/ tree carried under runs/, if set),
+#                                       profile_varlen.py ($PROFILE=0: skip) and bench_varlen.py
+#                                       ($BENCH=0: skip) on this tree
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
 #                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
 #                                       each compiles ~6 binaries: a call of its own), causal
@@ -130,6 +135,29 @@ case "${1:-tests}" in
     grep -A8 "^| call" "$OUT/profile_host.txt"; grep -E "rc=" "$OUT/profile_host.txt"
     grep -E "^- |^\| [a-z0-9]" "$OUT/profile_varlen.txt" | tail -24; tail -3 "$OUT/profile_varlen.txt"
     tail -6 "$OUT/cuda_tests.txt"
+    ;;
+  varlen-ab)
+    timeout "${CUDA_TEST_TIMEOUT:-180}" python3 -m pytest -q -m cuda -n "${WORKERS:-4}" -p no:cacheprovider -rfE \
+      ${VARLEN_TESTS:-tests/test_triton_varlen.py} > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    if [ -n "${ALT_SRC:-}" ]; then  # the same profile on another src/ tree (carried under runs/)
+      PYTHONPATH="$ALT_SRC" timeout "${ALT_TIMEOUT:-150}" python3 benchmarks/profile_varlen.py --configs default \
+        --out "$OUT/profile_varlen_alt.md" > "$OUT/profile_varlen_alt.txt" 2>&1
+      echo "profile_varlen (ALT_SRC=$ALT_SRC) rc=$?" >> "$OUT/profile_varlen_alt.txt"
+    fi
+    if [ "${PROFILE:-1}" = 1 ]; then
+      timeout "${PROFILE_TIMEOUT:-160}" python3 benchmarks/profile_varlen.py --configs default --out "$OUT/profile_varlen.md" > "$OUT/profile_varlen.txt" 2>&1
+      echo "profile_varlen rc=$?" >> "$OUT/profile_varlen.txt"
+    fi
+    if [ "${BENCH:-1}" = 1 ]; then
+      timeout "${VARLEN_TIMEOUT:-200}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" > "$OUT/varlen.txt" 2>&1
+      echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
+    fi
+    tail -4 "$OUT/cuda_tests.txt"
+    for f in "$OUT"/profile_varlen_alt.txt "$OUT"/profile_varlen.txt; do
+      [ -e "$f" ] && { echo "== $f"; grep -E "^- |rc=|^\| default" "$f" | tail -12; }
+    done
+    [ -e "$OUT/varlen.txt" ] && grep -E "^\| (True|False)|^- causal|rc=" "$OUT/varlen.txt"
     ;;
   varlen-configs)
     timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_varlen.py --causal "${CAUSAL:-yes}" \

@@ -1,9 +1,11 @@
-"""The flat (document, segment) grid of the packed-documents Triton kernels (issue 22, item 2).
+"""The flat grid of the packed-documents Triton kernels (issue 22, item 2).
 
-Per branch (segments of W rows) a varlen launch has ``total_k // W + documents`` slots on its
-first axis (times the blocks per segment), the heads on its second; document d owns the slots
-from ``a_d = cu_k[d] // W + d`` on, one per segment and at most one spare, and a program finds
-its (document, segment) by a binary search over ``cu_k`` (``triton_kernels._doc_slot``). Here:
+Per branch (segments of W rows, dilation R) a varlen launch has ``total_k // U + documents``
+slots on its first axis, the heads on its second: a slot is one block of U = R * block key
+rows where that divides W, else a segment (U = W, times the blocks per segment). Document d
+owns the slots from ``a_d = cu_k[d] // U + d`` on, ceil(its keys / U) and at most one spare,
+and a program finds its document by a binary search over ``cu_k`` (``triton_kernels._doc_slot``
+in ``_doc_block``). Here:
 the slot formula itself (pure Python, exhaustive over random offsets), the kernels' search (a
 probe kernel in Triton's interpreter), the launched grids, and packed streams that stress the
 mapping (many documents, empty ones first, last and in a row, one-token documents, documents a
@@ -125,12 +127,24 @@ MANY = [0, 0, 1, 7, 8, 16, 0, 1, 3, 24, 0, 0, 0, 5, 2, 33, 1, 8, 9, 0, 4, 12, 1,
 KEYS = [0, 1, 9, 16, 0, 0, 4, 13, 1, 25, 8, 3, 0, 10, 5, 20, 2, 0, 7, 12, 1, 6, 15, 3]
 QUERIES = [0, 1, 4, 16, 0, 0, 0, 13, 1, 7, 8, 1, 0, 3, 5, 20, 0, 0, 7, 2, 1, 6, 11, 2]
 
+# slots of one block (r * block divides w; the interpreter's blocks are 32 rows): documents
+# around the block and segment edges (31, 32, 33; 64, 65; 96; 128, 129), several segments
+# (257, 300), empty ones first and in a row, one-token documents
+BLOCKS = [0, 1, 31, 32, 33, 64, 65, 0, 0, 300, 96, 128, 129, 5, 257, 0, 191, 2]
+BLOCK_KEYS = [40, 1, 33, 0, 130, 64, 200, 9]
+BLOCK_QUERIES = [7, 1, 33, 0, 97, 2, 200, 9]
+
 CASES = {
     # (query lengths, key lengths (None: the same), heads, kv heads, branches, head_assignment)
     # w % r != 0 (6 % 4), r > 1, MQA (2 query heads on one kv head)
     "many_docs_mqa": (MANY, None, 2, 1, ([4, 8, 6], [1, 2, 4]), "all"),
     # own query offsets (queries shorter than keys), GQA 4/2, split heads, 12 % 5 != 0
     "short_q_gqa": (QUERIES, KEYS, 4, 2, ([5, 12], [1, 5]), "split"),
+    # block slots: two blocks per segment (64 / (1 * 32), 128 / (2 * 32)), one (96 = 3 * 32),
+    # and a branch of segment slots beside them (40 % 32 != 0)
+    "block_slots": (BLOCKS, None, 3, 1, ([64, 128, 96, 40], [1, 2, 3, 1]), "all"),
+    # block slots with fewer queries than keys, GQA 4/2, split heads
+    "block_slots_short_q": (BLOCK_QUERIES, BLOCK_KEYS, 4, 2, ([64, 128], [1, 2]), "split"),
 }
 
 
@@ -150,18 +164,32 @@ def _launch_spy(monkeypatch) -> list:
     return seen
 
 
-def _assert_flat_grids(seen, total_k: int, ndocs: int) -> None:
-    """Every launch is the flat grid: blocks per segment x (total_k // W + documents) on the
-    first axis, the heads only on the second."""
+def _assert_flat_grids(seen, total_k: int, ndocs: int) -> set:
+    """Every launch is the flat grid, the heads only on its second axis: on the first, a
+    program per slot of R * block key rows (total_k // (R * block) + documents) where that
+    divides W, else blocks per segment x (total_k // W + documents). Returns the kinds of slot
+    seen ("block", "segment", "window")."""
     assert seen
+    kinds = set()
     for name, grid, a in seen:
         assert a["VARLEN"] and a["NDOCS"] == ndocs, name
         if name == "_FWD_FOLDED":
             assert grid == (a["NT"] * a["RMAX"] * (total_k // a["WMIN"] + ndocs), a["H"])
+            kinds.add("window")
             continue
         per_seg = a["NNB"] if name == "_DKDV" else a["NM"]
+        block = a["BN"] if name == "_DKDV" else a["BM"]
         heads = a["HKV"] * a["NI"] if name == "_DKDV" else a["NHB"]
-        assert grid == (per_seg * (total_k // a["W"] + ndocs), heads), (name, grid)
+        u = a["R"] * block
+        if a["W"] % u == 0:
+            assert L.block_slot_rows(a["W"], a["R"], block) == u
+            assert grid == (total_k // u + ndocs, heads), (name, grid, a["W"], a["R"])
+            kinds.add("block")
+        else:
+            assert L.block_slot_rows(a["W"], a["R"], block) == a["W"]
+            assert grid == (per_seg * (total_k // a["W"] + ndocs), heads), (name, grid)
+            kinds.add("segment")
+    return kinds
 
 
 @interp_only
@@ -175,7 +203,9 @@ def test_flat_grid_vs_per_document_reference(seed, monkeypatch, case, causal):
     kw = dict(causal=causal, head_assignment=ha)
     ref = _per_document_reference(q, k, v, do, qlens, klens, seg, dil, torch.float64, **kw)
     got = _triton_varlen(q, k, v, do, qlens, klens, seg, dil, torch.float32, **kw)
-    _assert_flat_grids(seen, sum(klens), len(klens))
+    kinds = _assert_flat_grids(seen, sum(klens), len(klens))
+    assert kinds == ({"block", "segment"} if case == "block_slots" else
+                     {"block"} if case == "block_slots_short_q" else {"segment"}), kinds
     _close("out", got[0], ref[0], 2e-5)
     _close("lse", got[1], ref[1], 2e-5)
     for name, g, r in zip("qkv", got[2], ref[2], strict=True):

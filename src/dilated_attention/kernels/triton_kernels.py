@@ -45,16 +45,19 @@ to).
 
 Packed documents (``VARLEN``, a constexpr of every kernel but the delta one): q, k, v are one
 (1, total, heads, headdim) stream cut by the int32 offsets ``CU_Q`` / ``CU_K``, and the grid is
-flat: per branch (segments of W rows) the first axis holds (blocks per segment) x
-``total_k // W + NDOCS`` programs, the second the heads only. Document d owns the slots
-``[a_d, a_{d+1})``, ``a_d = CU_K[d] // W + d``: one per segment and at most one spare (an empty
-document: one spare only); a program finds its slot's document and segment by a binary search
-over ``CU_K`` (:func:`_doc_slot`, log2(NDOCS) scalar loads; no host work per call) and returns at
-once on a spare slot. It then reads the document's rows (:func:`_doc_bounds`) and runs the same
+flat (:func:`_doc_block`): per branch (segments of W rows, dilation R, blocks of B dilated
+rows) a slot is a block of U = R * B key rows where U divides W (a block then starts at or past
+its slot's first row), else a segment (U = W); the first axis holds (blocks per slot) x
+``total_k // U + NDOCS`` programs, the second the heads only. Document d owns the slots
+``[a_d, a_{d+1})``, ``a_d = CU_K[d] // U + d``: ceil(nk_d / U) and at most one spare (an empty
+document: one spare only), so its programs grow with its length, not the longest document's; a
+program finds its slot's document by a binary search over ``CU_K`` (:func:`_doc_slot`,
+log2(NDOCS) scalar loads; no host work per call) and returns at once on a spare slot. It then reads the document's rows (:func:`_doc_bounds`) and runs the same
 geometry with the document's own ``NK`` and ``QOFF = nk - nq`` (segments start at its first key
 row, queries bottom-right aligned in it), base pointers at its first rows and the LSE / delta
-stride ``NQ`` = total_q. The blocks per segment are sized from the largest document
-(``max_seqlen``, bucketed by the plans): blocks past a shorter segment's end return at once.
+stride ``NQ`` = total_q. Segment slots (U = W) hold the blocks per segment of the largest
+document (``max_seqlen``, bucketed by the plans): blocks past a shorter segment's end return
+at once. The launcher's ``triton_launch.block_slot_rows`` makes the same choice of U.
 The folded forward does the same with windows of W = WMIN rows. ``NDOCS`` (the documents of
 the call; unused without VARLEN) is not specialised on (``do_not_specialize``), so a call's
 document count never selects another binary. With ``VARLEN=False`` the offsets are the
@@ -119,6 +122,26 @@ def _doc_slot(CU_K, g, W, NDOCS):
         lo = tl.where(up, mid, lo)
         hi = tl.where(up, hi, mid - 1)
     return lo, g - (tl.load(CU_K + lo) // W + lo)
+
+
+@triton.jit
+def _doc_block(CU_K, pid0, NB, W, R, B: tl.constexpr, NDOCS):
+    # packed documents: program pid0 of a branch's flat grid -> (document, segment, block of B
+    # dilated rows in the segment). Where U = R * B divides W, one program per slot of U key
+    # rows: block j of a document's slots is block j % (W // U) of its segment j // (W // U),
+    # whose rows start at or past the slot's first row (R * B * block >= U * block), so the
+    # ceil(nk / U) slots of a document hold every block with a row. Else a slot is a segment
+    # with NB programs (blocks). triton_launch.block_slot_rows mirrors this choice
+    U = R * B
+    if W % U == 0:
+        doc, j = _doc_slot(CU_K, pid0, U, NDOCS)
+        nu = W // U
+        seg = j // nu
+        blk = j % nu
+    else:
+        doc, seg = _doc_slot(CU_K, pid0 // NB, W, NDOCS)
+        blk = pid0 % NB
+    return doc, seg, blk
 
 
 @triton.jit
@@ -294,8 +317,8 @@ def dilated_fwd_kernel(
     h = HS + pid_bh % NHB
     kvh = h // REP
     b64 = b.to(tl.int64)
-    if VARLEN:  # flat grid: pid0 // NM is a (document, segment) slot, pid_bh the head
-        b, pid_s = _doc_slot(CU_K, pid0 // NM, W, NDOCS)
+    if VARLEN:  # flat grid: pid0 is a block of a (document, segment), pid_bh the head
+        b, pid_s, pid_m = _doc_block(CU_K, pid0, NM, W, R, BM, NDOCS)
         q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
         if pid_s * W >= nk:
             return
@@ -525,8 +548,8 @@ def dilated_bwd_dkdv_kernel(
     if h_start >= h_end:
         return
     b64 = b.to(tl.int64)
-    if VARLEN:  # flat grid: pid0 // NNB is a (document, segment) slot
-        b, pid_s = _doc_slot(CU_K, pid0 // NNB, W, NDOCS)
+    if VARLEN:  # flat grid: pid0 is a key block of a (document, segment)
+        b, pid_s, pid_n = _doc_block(CU_K, pid0, NNB, W, R, BN, NDOCS)
         q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
         if pid_s * W >= nk:
             return
@@ -638,8 +661,8 @@ def dilated_bwd_dq_kernel(
     h = HS + pid_bh % NHB
     kvh = h // REP
     b64 = b.to(tl.int64)
-    if VARLEN:  # flat grid: pid0 // NM is a (document, segment) slot, pid_bh the head
-        b, pid_s = _doc_slot(CU_K, pid0 // NM, W, NDOCS)
+    if VARLEN:  # flat grid: pid0 is a block of a (document, segment), pid_bh the head
+        b, pid_s, pid_m = _doc_block(CU_K, pid0, NM, W, R, BM, NDOCS)
         q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
         if pid_s * W >= nk:
             return

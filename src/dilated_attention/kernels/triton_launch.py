@@ -306,19 +306,34 @@ def _seg_range(lay: _Layout, w: int, c0: int, c1: int) -> tuple[int, int]:
     return a, max(b - a, 0)
 
 
-def _axis0(lay: _Layout, w: int, per_seg: int, c0: int, c1: int) -> tuple[int, int, int]:
+def block_slot_rows(w: int, r: int, block: int) -> int:
+    """The key rows of one slot of a packed-documents launch of branch (w, r) with blocks of
+    ``block`` dilated rows: ``r * block`` where that divides ``w`` (a slot per block), else
+    ``w`` (a slot per segment). The kernels make the same choice (``triton_kernels._doc_block``)."""
+    u = r * block
+    return u if w % u == 0 else w
+
+
+def _axis0(lay: _Layout, w: int, per_seg: int, c0: int, c1: int, r: int = 0,
+           block: int = 0) -> tuple[int, int, int]:
     """(first segment S0, fixed programs, programs per document) of the grid's first axis of
     branch w's launch over key positions [c0, c1), ``per_seg`` programs per segment: a call
     over d documents launches ``fixed + per_document * d`` of them.
 
     Batch: the segments that hold a query in [c0, c1) (:func:`_seg_range`), nothing per
-    document. Packed documents (one range): the flat grid of ``total_k // w + d`` (document,
-    segment) slots, which the kernels map back by a binary search over the key offsets
-    (``triton_kernels._doc_slot``): document i owns ``cu_k[i] // w + i`` onwards, one slot per
-    segment and at most one spare (which returns at once). No host work and no offset read per
-    call; the spares are at most one per document, where a grid of documents x the longest
-    document's segments left most programs without a segment (issue 22, item 2)."""
+    document. Packed documents (one range; ``r`` and ``block``: the branch's dilation and the
+    kernel's block of dilated rows, 0 for windows of w rows): the flat grid of
+    ``total_k // u + d`` slots of u key rows (:func:`block_slot_rows`: a block, or a segment
+    with ``per_seg`` programs), which the kernels map back by a binary search over the key
+    offsets (``triton_kernels._doc_block``): document i owns ``cu_k[i] // u + i`` onwards,
+    ceil(its keys / u) slots and at most one spare (which returns at once). No host work and no
+    offset read per call, and a document's programs grow with its own length: a grid of
+    documents x the longest document's segments left most programs without a segment, and
+    one of segments x the longest document's blocks most of a short document's blocks (issue
+    22, item 2)."""
     if lay.varlen:
+        if block and block_slot_rows(w, r, block) == r * block:  # a slot per block
+            return 0, lay.total_k // (r * block), 1
         return 0, per_seg * (lay.total_k // w), per_seg
     s0, nseg = _seg_range(lay, w, c0, c1)
     return s0, per_seg * nseg, 0
@@ -395,7 +410,7 @@ def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, conf
         lo, slob, lo_row0 = _lo_range(acc_lo, acc_o, c0 - lay.qoff, len(chunks) > 1)
         for bi, (w, r, hs, he) in enumerate(branches):
             nm = nms[bi]
-            s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
+            s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1, r, bm)
             grid = (fixed + per_doc * lay.ndocs, lay.batch * (he - hs))
             if grid[0] * grid[1] == 0:
                 continue
@@ -474,7 +489,7 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
         for bi, (w, r, hs, he) in enumerate(branches):
             nnb = -(-geom(w, r) // bn)
             ni = min(rep, r)
-            s0, fixed, per_doc = _axis0(lay, w, nnb, c0, c1)
+            s0, fixed, per_doc = _axis0(lay, w, nnb, c0, c1, r, bn)
             grid = (fixed + per_doc * lay.ndocs, lay.batch * hkv * ni)
             if grid[0] * grid[1] == 0:
                 continue
@@ -500,7 +515,7 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
         lq, slob, lo_row0 = _lo_range(dq_lo, dq, c0 - lay.qoff, len(chunks) > 1, not q_all)
         for bi, (w, r, hs, he) in enumerate(branches):
             nm = -(-geom(w, r) // bm)
-            s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
+            s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1, r, bm)
             grid = (fixed + per_doc * lay.ndocs, lay.batch * (he - hs))
             if grid[0] * grid[1] == 0:
                 continue
@@ -825,7 +840,7 @@ class TrainPlan:
                 slob, lo_row0 = ost[0], 0
             for bi, (w, r, hs, he) in enumerate(branches):
                 nm = nms[bi]
-                s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
+                s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1, r, bm)
                 grid = (fixed, lay.batch * (he - hs))
                 if (fixed + per_doc) * grid[1] == 0:
                     continue
@@ -935,7 +950,7 @@ class TrainPlan:
             for bi, (w, r, hs, he) in enumerate(branches):
                 nnb = -(-geom(w, r) // bn)
                 ni = min(rep, r)
-                s0, fixed, per_doc = _axis0(lay, w, nnb, c0, c1)
+                s0, fixed, per_doc = _axis0(lay, w, nnb, c0, c1, r, bn)
                 grid = (fixed, lay.batch * hkv * ni)
                 if (fixed + per_doc) * grid[1] == 0:
                     continue
@@ -966,7 +981,7 @@ class TrainPlan:
                 slob, lo_row0 = qst[0], 0
             for bi, (w, r, hs, he) in enumerate(branches):
                 nm = -(-geom(w, r) // bm)
-                s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1)
+                s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1, r, bm)
                 grid = (fixed, lay.batch * (he - hs))
                 if (fixed + per_doc) * grid[1] == 0:
                     continue
