@@ -4,8 +4,8 @@ Per branch (segments of W rows, dilation R) a varlen launch has ``total_k // U +
 slots on its first axis, the heads on its second: a slot is one block of U = R * block key
 rows where that divides W, else a segment (U = W, times the blocks per segment). Document d
 owns the slots from ``a_d = cu_k[d] // U + d`` on, ceil(its keys / U) and at most one spare,
-and a program finds its document by a binary search over ``cu_k`` (``triton_kernels._doc_slot``
-in ``_doc_block``). Here:
+and a program finds its document by counting the slot starts at or below its slot
+(``triton_kernels._doc_slot`` in ``_doc_block``: one vector load per 32 documents). Here:
 the slot formula itself (pure Python, exhaustive over random offsets), the kernels' search (a
 probe kernel in Triton's interpreter), the launched grids, and packed streams that stress the
 mapping (many documents, empty ones first, last and in a row, one-token documents, documents a
@@ -76,7 +76,7 @@ def test_slot_formula_partitions_the_segments(seed):
         assert fixed + per_doc * ndocs == nslots, (w, cu)
         seen = {}
         for g in range(nslots):
-            d = bisect.bisect_right(a, g, 0, ndocs) - 1  # the kernel's binary search
+            d = bisect.bisect_right(a, g, 0, ndocs) - 1  # the kernel's count
             s = g - a[d]
             assert 0 <= d < ndocs and s >= 0
             seen.setdefault(d, []).append(s)
@@ -99,7 +99,7 @@ def _doc_slot_probe(CU_K, DOC, SEG, W, NDOCS):
 
 @interp_only
 def test_kernel_doc_slot_is_the_formula(seed):
-    """The kernels' binary search (``_doc_slot``) maps every slot of the flat grid to the
+    """The kernels' search (``_doc_slot``) maps every slot of the flat grid to the
     document and segment of the formula, empty documents first, last and in a row included."""
     rng = random.Random(seed)
     fixed = [[0, 0, 1, 8, 8, 16, 17, 17, 17, 40], [0, 3], [0, 0], [0, 8, 8, 8]]
@@ -115,6 +115,26 @@ def test_kernel_doc_slot_is_the_formula(seed):
             want_s = [g - a[d] for g, d in enumerate(want_d)]
             assert doc.tolist() == want_d, (cu, w)
             assert seg.tolist() == want_s, (cu, w)
+
+
+@interp_only
+@pytest.mark.parametrize("ndocs", [32, 33, 34, 65, 300])
+def test_kernel_doc_slot_many_documents(seed, ndocs):
+    """More documents than one vector load of offsets covers (32 past the first): the count
+    goes on over every load, up to the last document (int32 and int64 offsets)."""
+    rng = random.Random(seed + ndocs)
+    cu = _random_offsets(rng, ndocs, 2)
+    cu[-1] += 3  # the last document is not empty
+    for dtype, w in ((torch.int32, 2), (torch.int64, 3)):
+        nslots = cu[-1] // w + ndocs
+        doc = torch.full((nslots,), -1, dtype=torch.int32)
+        seg = torch.full((nslots,), -1, dtype=torch.int32)
+        _doc_slot_probe[(nslots,)](torch.tensor(cu, dtype=dtype), doc, seg, w, ndocs)
+        a = _slot_starts(cu, w)
+        want_d = [bisect.bisect_right(a, g, 0, ndocs) - 1 for g in range(nslots)]
+        assert doc.tolist() == want_d, (ndocs, w)
+        assert seg.tolist() == [g - a[d] for g, d in enumerate(want_d)], (ndocs, w)
+        assert doc.max().item() == ndocs - 1
 
 
 # 30 documents over W = 4, 8, 6: empty first, last and three in a row, one-token documents,

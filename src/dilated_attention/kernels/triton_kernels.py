@@ -51,11 +51,12 @@ its slot's first row), else a segment (U = W); the first axis holds (blocks per 
 ``total_k // U + NDOCS`` programs, the second the heads only. Document d owns the slots
 ``[a_d, a_{d+1})``, ``a_d = CU_K[d] // U + d``: ceil(nk_d / U) and at most one spare (an empty
 document: one spare only), so its programs grow with its length, not the longest document's; a
-program finds its slot's document by a binary search over ``CU_K`` (:func:`_doc_slot`,
-log2(NDOCS) scalar loads; no host work per call) and returns at once on a spare slot. It then reads the document's rows (:func:`_doc_bounds`) and runs the same
-geometry with the document's own ``NK`` and ``QOFF = nk - nq`` (segments start at its first key
-row, queries bottom-right aligned in it), base pointers at its first rows and the LSE / delta
-stride ``NQ`` = total_q. Segment slots (U = W) hold the blocks per segment of the largest
+program finds its slot's document by counting the ``a_d`` at or below its slot
+(:func:`_doc_slot`: one vector load of ``CU_K`` per 32 documents; no host work per call) and
+returns at once on a spare slot. It then reads the document's rows (:func:`_doc_bounds`) and
+runs the same geometry with the document's own ``NK`` and ``QOFF = nk - nq`` (segments start
+at its first key row, queries bottom-right aligned in it), base pointers at its first rows and
+the LSE / delta stride ``NQ`` = total_q. Segment slots (U = W) hold the blocks per segment of the largest
 document (``max_seqlen``, bucketed by the plans): blocks past a shorter segment's end return
 at once. The launcher's ``triton_launch.block_slot_rows`` makes the same choice of U.
 The folded forward does the same with windows of W = WMIN rows. ``NDOCS`` (the documents of
@@ -108,20 +109,22 @@ def _doc_bounds(CU_Q, CU_K, doc):
 
 @triton.jit
 def _doc_slot(CU_K, g, W, NDOCS):
-    # packed documents on the flat grid of a branch with segments (or windows) of W rows:
-    # document d owns the slots [a_d, a_{d+1}), a_d = CU_K[d] // W + d, i.e. ceil(nk_d / W)
-    # slots or one more (one for an empty document); a_d grows strictly with d, so slot g
-    # belongs to the largest d < NDOCS with a_d <= g (binary search: log2(NDOCS) scalar
-    # loads) and is its segment g - a_d. Returns (d, segment); the segment may start at or
-    # past the document's end (the extra slot): the caller returns then
-    lo = NDOCS * 0
-    hi = NDOCS - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        up = tl.load(CU_K + mid) // W + mid <= g
-        lo = tl.where(up, mid, lo)
-        hi = tl.where(up, hi, mid - 1)
-    return lo, g - (tl.load(CU_K + lo) // W + lo)
+    # packed documents on the flat grid of a branch with slots of W rows (segments, windows
+    # or blocks): document d owns the slots [a_d, a_{d+1}), a_d = CU_K[d] // W + d, i.e.
+    # ceil(nk_d / W) slots or one more (one for an empty document); a_d grows strictly with d,
+    # so slot g belongs to the largest d < NDOCS with a_d <= g: the number of d in
+    # [1, NDOCS) with a_d <= g, counted over 32 offsets per vector load (independent loads:
+    # one for up to 33 documents, where a binary search waits on log2(NDOCS) scalar loads in
+    # a row before the program's first tile; 32, not 128: the dK/dV kernel's spills stay as
+    # they were, benchmarks/kernel_resources.py with Triton 3.6). Returns (d, slot g - a_d of it); the slot
+    # may start at or past the document's end (the extra one): the caller returns then
+    d = NDOCS * 0
+    for c in range(1, NDOCS, 32):
+        i = c + tl.arange(0, 32)
+        inside = i < NDOCS
+        a = tl.load(CU_K + i, mask=inside, other=0) // W + i
+        d += tl.sum((inside & (a <= g)).to(tl.int32), axis=0)
+    return d, g - (tl.load(CU_K + d) // W + d)
 
 
 @triton.jit
