@@ -438,9 +438,9 @@ def dilated_attention_triton_varlen(
 
     Returns out (total_q, H, D) in q's dtype and lse (H, total_q) float32 (not
     differentiable); out is differentiable in q, k, v. One launch per branch and kernel, never
-    one per document: the grid is flat, total_k // w + docs (document, segment) slots per
-    branch, each program finding its own in the offsets (triton_kernels.py, "Packed
-    documents").
+    one per document: the grid is flat, total_k // u + docs slots per branch (u: a block's
+    r * block key rows, or a segment's w), each program finding its document in the offsets
+    (triton_kernels.py, "Packed documents").
 
     ``offsets_checked``: True only where the caller has checked these offsets' values on the
     host (``checks.check_cu_seqlens_values`` against q's and k's rows and the max lengths, as
