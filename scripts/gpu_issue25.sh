@@ -33,7 +33,9 @@
 #                              in runs/issue25/ckpt/ (the only thing there: one run at a time);
 #                              retrieval128k modes leave runs/issue25/ckpt/ alone (a paused 512K
 #                              run survives) and keep their final model in the out dir only
-#   finalize [DATE]            merged reports into benchmarks/results/ (stdlib: one report and one
+#   finalize [DATE [RUNS]]     merged reports into benchmarks/results/, only the runs whose name
+#                              matches the regex RUNS if given (else every run under out/, each
+#                              written again under DATE) (stdlib: one report and one
 #                              figure per preset; retrieval and throughput: the last call's files)
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -140,7 +142,9 @@ sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$dest/$run.json
     ;;
   finalize)
     date=${2:-$(date -u +%F)}
-    last() { ls -d runs/issue25/out/"$1"-* 2>/dev/null | sort -V | tail -1; }
+    only=${3:-}  # a regex of the runs to write (e.g. 'retrieval512k-seed[02]'); default: every run kept
+    want() { [ -z "$only" ] || echo "$1" | grep -Eq "^($only)$"; }
+    last() { want "$1" && ls -d runs/issue25/out/"$1"-* 2>/dev/null | sort -V | tail -1; }
     for size in 32k 128k; do
       jsons=""
       for att in dilated dense local; do
@@ -162,7 +166,7 @@ sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$dest/$run.json
     done
     for w in seed0 seed1 seed2 dense local; do
       d=runs/issue25/out/retrieval128k-$w
-      [ -d "$d" ] || continue
+      [ -d "$d" ] && want "retrieval128k-$w" || continue
       for f in "$d/retrieval128k-$w".md "$d/retrieval128k-$w".json "$d/retrieval128k-$w".png \
                "$d/retrieval128k-${w}_loss.png"; do  # not the checkpoint (.pt*: the model)
         [ -e "$f" ] && cp "$f" "benchmarks/results/retrieval_128k_h100_${date}_$w${f#"$d/retrieval128k-$w"}"
@@ -170,7 +174,7 @@ sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$dest/$run.json
       echo "retrieval128k-$w: $d"
     done
     d=runs/issue25/out/throughput
-    if [ -d "$d" ]; then
+    if [ -d "$d" ] && want throughput; then
       cp "$d/train_throughput_1m_h100.md" "benchmarks/results/train_throughput_1m_h100_$date.md"
       cp "$d/train_throughput_1m_h100.json" "benchmarks/results/train_throughput_1m_h100_$date.json"
     fi
