@@ -6,7 +6,10 @@ bf16, LongNet branches). For (a) the packed stream and (b) one sequence of the s
 fwd+bwd through ``triton_launch.forward`` / ``backward`` (the launches the library makes, no
 autograd) under ``torch.profiler``: every kernel launch in order with its GPU time, then the
 sums per kernel name. Then fwd+bwd median times per block-config variant (``--configs``), (a)
-and (b) with the same variant, and the ratio per useful FLOP (the issue's measure)::
+and (b) with the same variant, and the ratio per useful FLOP (the issue's measure). Last, the
+packed step through the public API (``bench_varlen.py``'s row (a)) against these direct
+launches: do_bench times, its kernels under the profiler and the GPU time outside them
+(``--no-api``: skipped)::
 
     PYTHONPATH=src python3 benchmarks/profile_varlen.py [--causal yes|no] [--unchecked] [--out f.md]
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import os
 import sys
 
@@ -47,6 +51,7 @@ VARIANTS = {
     "dkdv64w8s3": dict(dkdv=(64, 64, 8, 3)),
     "dkdv32x64s3": dict(dkdv=(32, 64, 4, 3)),
     "dkdv64s1": dict(dkdv=(64, 64, 4, 1)),  # fewer pipeline buffers: fewer registers
+    "dkdv32x64s1": dict(dkdv=(32, 64, 4, 1)),  # fewest dK/dV spills (kernel_resources.py)
     "small": dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 2)),
 }
 
@@ -55,6 +60,17 @@ def _step(q, k, v, do, seg, dil, causal, scale, ranges, docs, config):
     out, lse = L.forward(q, k, v, None, seg, dil, causal, scale, ranges, config=config, docs=docs)
     return L.backward(do, q, k, v, None, out, lse, seg, dil, causal, scale, ranges, config=config,
                       docs=docs)
+
+
+def _api_step(q, k, v, do, cu_host, longest, seg, dil, causal, scale):
+    """fwd+bwd through the public API as ``bench_varlen.py``'s row (a): host offsets,
+    ``dilated_attention_varlen(impl="triton")`` and ``torch.autograd.grad``."""
+    from dilated_attention import dilated_attention_varlen
+
+    xs = [t[0].detach().requires_grad_() for t in (q, k, v)]
+    out = dilated_attention_varlen(*xs, cu_host, cu_host, longest, longest, seg, dil,
+                                   causal=causal, softmax_scale=scale, impl="triton")
+    return torch.autograd.grad(out, xs, do[0])
 
 
 def _kernels(prof) -> list[tuple[str, float]]:
@@ -132,6 +148,42 @@ def compiled_resources() -> list[str]:
     return rows
 
 
+def api_vs_direct(q, k, v, do, lens, seg, dil, causal, scale, ranges, docs, direct_kernels):
+    """Markdown lines: the packed fwd+bwd through the public API (:func:`_api_step`) against
+    the direct launches (:func:`_step`, default config): do_bench medians, and the API call's
+    kernels under the profiler (count, GPU time, the ones the direct call does not launch).
+    ``bench_varlen.py`` (the API) has measured ~2.5 ms more than this script's direct launches
+    on the causal packed step (2026-11-26/27); this says whether that is GPU work or GPU idle."""
+    import triton.testing
+
+    cu_host = _offsets(lens, "cpu")
+    longest = max(lens)
+    api = lambda: _api_step(q, k, v, do, cu_host, longest, seg, dil, causal, scale)  # noqa: E731
+    direct = lambda: _step(q, k, v, do, seg, dil, causal, scale, ranges, docs, None)  # noqa: E731
+    api()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        api()
+        torch.cuda.synchronize()
+    ka = _kernels(prof)
+    t_api = triton.testing.do_bench(api, warmup=25, rep=150, return_mode="median")
+    t_dir = triton.testing.do_bench(direct, warmup=25, rep=150, return_mode="median")
+    ga, gd = sum(t for _, t in ka), sum(t for _, t in direct_kernels)
+    extra = collections.Counter(n for n, _ in ka)
+    extra.subtract(collections.Counter(n for n, _ in direct_kernels))
+    lines = ["", "## The public API (host offsets, autograd) vs the direct launches (default config)", "",
+             f"- do_bench fwd+bwd median: API {t_api:.3f} ms, direct {t_dir:.3f} ms "
+             f"({t_api / t_dir:.3f}x)",
+             f"- kernels under the profiler: API {len(ka)} launches, {ga:.0f} us of GPU time; direct "
+             f"{len(direct_kernels)} launches, {gd:.0f} us",
+             f"- GPU time not in kernels (idle or copies) in the API call's median: "
+             f"{t_api * 1e3 - ga:.0f} us; in the direct call's: {t_dir * 1e3 - gd:.0f} us",
+             "- launches the API makes beyond the direct call's (name: count, GPU us): "
+             + (", ".join(f"`{n[:50]}`: {c}, {sum(t for m, t in ka if m == n):.0f}"
+                          for n, c in extra.items() if c > 0) or "none")]
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--causal", choices=["yes", "no"], default="yes")
@@ -139,6 +191,8 @@ def main(argv=None):
     p.add_argument("--total", type=int, default=131072)
     p.add_argument("--unchecked", action="store_true",
                    help="packed offsets as unchecked device offsets (zero-fills kept)")
+    p.add_argument("--no-api", dest="api", action="store_false",
+                   help="skip the public-API vs direct-launch section")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     import triton.testing
@@ -220,6 +274,9 @@ def main(argv=None):
         except Exception as e:  # a variant that does not compile says so; the others still run
             lines.append(f"| {name} | {cfg} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | |")
         print(lines[-1], flush=True)
+    if a.api:
+        lines += api_vs_direct(q, k, v, do, lens, seg, dil, causal, scale, ranges, docs, va)
+        print("\n".join(lines[-8:]), flush=True)
     lines += ["", "## Registers and spills of the compiled variants (ptxas, this Triton)", "",
               *compiled_resources()]
     text = "\n".join(lines) + "\n"

@@ -122,3 +122,31 @@ def test_profile_varlen_lists_compiled_variants(monkeypatch):
     assert pv.constexprs_from_cache_key("[('s', ']'), ('constexpr', 2)]x", ["A", "B"]) == {"B": 2}
     for bad in ("(1, 2)", "[('constexpr', 1)]", "[('constexpr', 1), ('constexpr', 2)", 7):
         assert pv.constexprs_from_cache_key(bad, ["A", "B"]) == {}, bad
+
+
+def test_profile_varlen_api_step_is_the_direct_step():
+    """profile_varlen's API step (host offsets, dilated_attention_varlen, autograd) gives the
+    gradients of its direct launches (_step) on the same packed stream (the two sides of its
+    API-vs-direct section compute the same thing; Triton's interpreter, tiny sizes)."""
+    pytest.importorskip("triton")
+    import profile_varlen as pv
+
+    from dilated_attention.branches import branch_head_ranges
+    from dilated_attention.kernels import triton_launch as L
+
+    if not L.INTERPRET:
+        pytest.skip("the interpreter case (TRITON_INTERPRET=1)")
+    lens, h, d = [40, 7, 65, 1], 2, 16
+    seg, dil = [16, 32], [1, 2]
+    total = sum(lens)
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, total, h, d) for _ in range(4))
+    cu = pv._offsets(lens, "cpu")
+    docs = L.Docs(cu, cu, max(lens), max(lens), True)
+    ranges = branch_head_ranges(h, len(seg), "all")
+    for causal in (False, True):
+        api = pv._api_step(q, k, v, do, cu, max(lens), seg, dil, causal, d**-0.5)
+        direct = pv._step(q, k, v, do, seg, dil, causal, d**-0.5, ranges, docs, None)
+        for a, b in zip(api, direct, strict=True):
+            torch.testing.assert_close(a, b[0], atol=1e-5, rtol=1e-5)
+        assert api[0].abs().sum() > 0
