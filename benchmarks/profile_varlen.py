@@ -171,11 +171,12 @@ def api_vs_direct(q, k, v, do, lens, seg, dil, causal, scale, ranges, docs, dire
     ga, gd = sum(t for _, t in ka), sum(t for _, t in direct_kernels)
     extra = collections.Counter(n for n, _ in ka)
     extra.subtract(collections.Counter(n for n, _ in direct_kernels))
-    lines = ["", "## The public API (host offsets, autograd) vs the direct launches (default config)", "",
+    lines = ["", "## The public API (host offsets, autograd) vs the direct launches "
+             "(default config)", "",
              f"- do_bench fwd+bwd median: API {t_api:.3f} ms, direct {t_dir:.3f} ms "
              f"({t_api / t_dir:.3f}x)",
-             f"- kernels under the profiler: API {len(ka)} launches, {ga:.0f} us of GPU time; direct "
-             f"{len(direct_kernels)} launches, {gd:.0f} us",
+             f"- kernels under the profiler: API {len(ka)} launches, {ga:.0f} us of GPU time; "
+             f"direct {len(direct_kernels)} launches, {gd:.0f} us",
              f"- GPU time not in kernels (idle or copies) in the API call's median: "
              f"{t_api * 1e3 - ga:.0f} us; in the direct call's: {t_dir * 1e3 - gd:.0f} us",
              "- launches the API makes beyond the direct call's (name: count, GPU us): "

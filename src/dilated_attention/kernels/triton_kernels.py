@@ -56,9 +56,10 @@ program finds its slot's document by counting the ``a_d`` at or below its slot
 returns at once on a spare slot. It then reads the document's rows (:func:`_doc_bounds`) and
 runs the same geometry with the document's own ``NK`` and ``QOFF = nk - nq`` (segments start
 at its first key row, queries bottom-right aligned in it), base pointers at its first rows and
-the LSE / delta stride ``NQ`` = total_q. Segment slots (U = W) hold the blocks per segment of the largest
-document (``max_seqlen``, bucketed by the plans): blocks past a shorter segment's end return
-at once. The launcher's ``triton_launch.block_slot_rows`` makes the same choice of U.
+the LSE / delta stride ``NQ`` = total_q. Segment slots (U = W) hold the blocks per segment of
+the largest document (``max_seqlen``, bucketed by the plans): blocks past a shorter segment's
+end return at once. The launcher's ``triton_launch.block_slot_rows`` makes the same choice of
+U.
 The folded forward does the same with windows of W = WMIN rows. ``NDOCS`` (the documents of
 the call; unused without VARLEN) is not specialised on (``do_not_specialize``), so a call's
 document count never selects another binary. With ``VARLEN=False`` the offsets are the
@@ -116,8 +117,9 @@ def _doc_slot(CU_K, g, W, NDOCS):
     # [1, NDOCS) with a_d <= g, counted over 32 offsets per vector load (independent loads:
     # one for up to 33 documents, where a binary search waits on log2(NDOCS) scalar loads in
     # a row before the program's first tile; 32, not 128: the dK/dV kernel's spills stay as
-    # they were, benchmarks/kernel_resources.py with Triton 3.6). Returns (d, slot g - a_d of it); the slot
-    # may start at or past the document's end (the extra one): the caller returns then
+    # they were, benchmarks/kernel_resources.py with Triton 3.6). Returns (d, slot g - a_d of
+    # it); the slot may start at or past the document's end (the extra one): the caller
+    # returns then
     d = NDOCS * 0
     for c in range(1, NDOCS, 32):
         i = c + tl.arange(0, 32)

@@ -324,13 +324,13 @@ def _axis0(lay: _Layout, w: int, per_seg: int, c0: int, c1: int, r: int = 0,
     document. Packed documents (one range; ``r`` and ``block``: the branch's dilation and the
     kernel's block of dilated rows, 0 for windows of w rows): the flat grid of
     ``total_k // u + d`` slots of u key rows (:func:`block_slot_rows`: a block, or a segment
-    with ``per_seg`` programs), which the kernels map back by counting the slot starts
-    at or below theirs (``triton_kernels._doc_block``): document i owns ``cu_k[i] // u + i`` onwards,
-    ceil(its keys / u) slots and at most one spare (which returns at once). No host work and no
-    offset read per call, and a document's programs grow with its own length: a grid of
-    documents x the longest document's segments left most programs without a segment, and
-    one of segments x the longest document's blocks most of a short document's blocks (issue
-    22, item 2)."""
+    with ``per_seg`` programs), which the kernels map back by counting the slot starts at or
+    below theirs (``triton_kernels._doc_block``): document i owns ``cu_k[i] // u + i``
+    onwards, ceil(its keys / u) slots and at most one spare (which returns at once). No host
+    work and no offset read per call, and a document's programs grow with its own length: a
+    grid of documents x the longest document's segments left most programs without a
+    segment, and one of segments x the longest document's blocks most of a short document's
+    blocks (issue 22, item 2)."""
     if lay.varlen:
         if block and block_slot_rows(w, r, block) == r * block:  # a slot per block
             return 0, lay.total_k // (r * block), 1
