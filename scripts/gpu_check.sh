@@ -18,13 +18,12 @@
 #                                       per call), profile_varlen.py (issue 22: causal varlen per launch
 #                                       and block-config variants), then the CUDA tests named in
 #                                       $PROFILE_TESTS (default: the plan / varlen / decode files)
-#   bash scripts/gpu_check.sh varlen    issue 22 item 2: profile_varlen.py (per launch; $VARLEN_CONFIGS variants),
-#                                       bench_varlen.py (the results table), then the varlen / plan CUDA tests
-#   bash scripts/gpu_check.sh varlen-ab  issue 22: the varlen CUDA tests ($VARLEN_TESTS, default
-#                                       tests/test_triton_varlen.py), then profile_varlen.py on
-#                                       $ALT_SRC (another src/ tree carried under runs/, if set),
-#                                       profile_varlen.py ($PROFILE=0: skip) and bench_varlen.py
-#                                       ($BENCH=0: skip) on this tree
+#   bash scripts/gpu_check.sh varlen    issue 22 item 2: the varlen CUDA tests ($VARLEN_TESTS, default the
+#                                       varlen / plan / packed-model files; varlen-ab: tests/test_triton_varlen.py
+#                                       only), then profile_varlen.py on $ALT_SRC (another src/ tree carried
+#                                       under runs/, if set: an A/B on one machine), profile_varlen.py
+#                                       (per launch, $VARLEN_CONFIGS variants, the API vs the direct launches;
+#                                       $PROFILE=0: skip) and bench_varlen.py ($BENCH=0: skip) on this tree
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
 #                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
 #                                       each compiles ~6 binaries: a call of its own), causal
@@ -136,9 +135,11 @@ case "${1:-tests}" in
     grep -E "^- |^\| [a-z0-9]" "$OUT/profile_varlen.txt" | tail -24; tail -3 "$OUT/profile_varlen.txt"
     tail -6 "$OUT/cuda_tests.txt"
     ;;
-  varlen-ab)
-    timeout "${CUDA_TEST_TIMEOUT:-180}" python3 -m pytest -q -m cuda -n "${WORKERS:-4}" -p no:cacheprovider -rfE \
-      ${VARLEN_TESTS:-tests/test_triton_varlen.py} > "$OUT/cuda_tests.txt" 2>&1
+  varlen|varlen-ab)
+    if [ "$1" = varlen ]; then tests_default="tests/test_triton_varlen.py tests/test_triton_varlen_flat.py tests/test_train_plan.py tests/test_varlen.py tests/test_models_packed.py"
+    else tests_default=tests/test_triton_varlen.py; fi
+    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -q -m cuda -n "${WORKERS:-4}" -p no:cacheprovider -rfE \
+      ${VARLEN_TESTS:-$tests_default} > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
     if [ -n "${ALT_SRC:-}" ]; then  # the same profile on another src/ tree (carried under runs/)
       PYTHONPATH="$ALT_SRC" timeout "${ALT_TIMEOUT:-150}" python3 benchmarks/profile_varlen.py --configs default \
@@ -146,7 +147,8 @@ case "${1:-tests}" in
       echo "profile_varlen (ALT_SRC=$ALT_SRC) rc=$?" >> "$OUT/profile_varlen_alt.txt"
     fi
     if [ "${PROFILE:-1}" = 1 ]; then
-      timeout "${PROFILE_TIMEOUT:-160}" python3 benchmarks/profile_varlen.py --configs default --out "$OUT/profile_varlen.md" > "$OUT/profile_varlen.txt" 2>&1
+      timeout "${PROFILE_TIMEOUT:-180}" python3 benchmarks/profile_varlen.py --configs "${VARLEN_CONFIGS:-default}" \
+        --out "$OUT/profile_varlen.md" > "$OUT/profile_varlen.txt" 2>&1
       echo "profile_varlen rc=$?" >> "$OUT/profile_varlen.txt"
     fi
     if [ "${BENCH:-1}" = 1 ]; then
@@ -155,7 +157,7 @@ case "${1:-tests}" in
     fi
     tail -4 "$OUT/cuda_tests.txt"
     for f in "$OUT"/profile_varlen_alt.txt "$OUT"/profile_varlen.txt; do
-      [ -e "$f" ] && { echo "== $f"; grep -E "^- |rc=|^\| default" "$f" | tail -12; }
+      [ -e "$f" ] && { echo "== $f"; grep -E "^- |rc=|^\| default" "$f" | tail -16; }
     done
     [ -e "$OUT/varlen.txt" ] && grep -E "^\| (True|False)|^- causal|rc=" "$OUT/varlen.txt"
     ;;
@@ -165,19 +167,6 @@ case "${1:-tests}" in
       > "$OUT/profile_varlen_configs.txt" 2>&1
     echo "profile_varlen rc=$?" >> "$OUT/profile_varlen_configs.txt"
     grep -E "^- total|^\| (default|dkdv|dq|fwd|small)" "$OUT/profile_varlen_configs.txt" | head -20; grep -E "rc=" "$OUT/profile_varlen_configs.txt"
-    ;;
-  varlen)
-    timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_varlen.py --configs "${VARLEN_CONFIGS:-default}" --out "$OUT/profile_varlen.md" > "$OUT/profile_varlen.txt" 2>&1
-    echo "profile_varlen rc=$?" >> "$OUT/profile_varlen.txt"
-    timeout "${VARLEN_TIMEOUT:-200}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" > "$OUT/varlen.txt" 2>&1
-    echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
-    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -q -m cuda -n "${WORKERS:-8}" -p no:cacheprovider -rfE \
-      ${VARLEN_TESTS:-tests/test_triton_varlen.py tests/test_triton_varlen_flat.py tests/test_train_plan.py tests/test_varlen.py tests/test_models_packed.py} \
-      > "$OUT/cuda_tests.txt" 2>&1
-    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
-    grep -E "^- " "$OUT/profile_varlen.txt" | tail -8; grep -E "rc=" "$OUT/profile_varlen.txt"
-    grep -E "^\| (True|False)|^- causal" "$OUT/varlen.txt"; grep -E "rc=" "$OUT/varlen.txt"
-    tail -4 "$OUT/cuda_tests.txt"
     ;;
   measure2)
     timeout "${HOST_TIMEOUT:-100}" python3 benchmarks/profile_host.py --calls 200 --top 25 --gpu-time > "$OUT/profile_host.txt" 2>&1
