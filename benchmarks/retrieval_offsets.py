@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_retrieval as T  # noqa: E402
 from common import load_split  # noqa: E402
 
-from dilated_attention.data import IGNORE, RetrievalTask  # noqa: E402
+from dilated_attention.data import RetrievalTask  # noqa: E402
 
 
 def distances(n_tokens: int, lo: int, hi: int, w0: int, end: int, n: int, rng: random.Random):
@@ -90,9 +90,7 @@ def main(argv=None):
             x, y = task.batch(1, a.seed, 7 * 10**8 + i + (10**6 if group == "end" else 0), distance=d)
             t = time.perf_counter()
             with torch.no_grad(), autocast:
-                h = model.hidden_states(x.to(device))
-                m = (y != IGNORE).to(device)
-                ok = bool((model.lm_head(h[m]).argmax(-1) == y.to(device)[m]).all())
+                ok = bool(T.answers_right(model, x.to(device), y.to(device))[0].all())
             ok_n += ok
             off = T.value_index(n_tokens, d) % w0
             print(f"  {group}: d {d} offset {off} {'ok' if ok else 'MISS'} "

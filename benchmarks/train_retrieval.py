@@ -295,7 +295,8 @@ def eval_distance(r: dict, d: int, i: int) -> int:
 
 def value_index(n: int, distance: int) -> int:
     """The planted value's position in a sequence of ``n`` tokens when its key is ``distance``
-    tokens before the end (``RetrievalTask.batch``: key at n + 1 - d, its value next)."""
+    tokens before the end (``RetrievalTask.batch``: key at n + 1 - d, its value next).
+    Self-inverse: ``value_index(n, position)`` is the distance of a value at ``position``."""
     return n + 2 - distance
 
 
@@ -313,6 +314,14 @@ def _autocast(r: dict, device) -> torch.autocast:
 
 
 @torch.no_grad()
+def answers_right(model, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(right, mask): whether the model's prediction at each answer position of ``x`` (``mask``:
+    ``y != IGNORE``) is ``y`` there, in the positions' row-major order."""
+    h = model.hidden_states(x)  # (B, N, E)
+    mask = y != IGNORE
+    return model.lm_head(h[mask]).argmax(-1) == y[mask], mask
+
+
 def evaluate(model, r: dict, seed: int, device, autocast, misses: dict | None = None
              ) -> dict[str, float]:  # fmt: skip
     """Accuracy at each eval distance at the full length; the same sequences at every distance.
@@ -333,10 +342,7 @@ def evaluate(model, r: dict, seed: int, device, autocast, misses: dict | None = 
             x_cpu, y = task.batch(r["eval_batch"], seed + 1, 10**9 + i, distance=dist)
             x, y = x_cpu.to(device), y.to(device)
             with autocast:
-                h = model.hidden_states(x)  # (B, N, E)
-                mask = y != IGNORE
-                pred = model.lm_head(h[mask]).argmax(-1)  # (M,)
-            ok = pred == y[mask]
+                ok, mask = answers_right(model, x, y)
             correct += int(ok.sum())
             total += int(mask.sum())
             if misses is not None and r["num_pairs"] == 1 and not bool(ok.all()):
