@@ -108,9 +108,22 @@ def resources(cubin: bytes, tool: str) -> dict:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
 
 
-def compile_launches(launches, kernels: list[str]) -> list[str]:
+def _write_sass(cubin: bytes, tool: str, path: str) -> None:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(out)
+
+
+def compile_launches(launches, kernels: list[str], sass_dir: str | None = None) -> list[str]:
     """Phase 2 (this process, not interpreting): each distinct launch compiled for sm_90 with the
-    specialisation Triton's JIT gives its arguments; markdown rows."""
+    specialisation Triton's JIT gives its arguments; markdown rows. ``sass_dir``: also write each
+    variant's SASS there (``cuobjdump -sass``; where the spill stores and loads sit)."""
     import importlib.util
 
     import torch
@@ -151,6 +164,8 @@ def compile_launches(launches, kernels: list[str]) -> list[str]:
         ck = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                             options=options.__dict__)
         r = resources(ck.asm["cubin"], tool)
+        if sass_dir:
+            _write_sass(ck.asm["cubin"], tool, os.path.join(sass_dir, f"{what}_{name}_{len(seen)}.sass"))
         variant = ", ".join(f"{n}={bound[n]}" for n in NAMES if n in bound and n != "R")
         seen[key] = [(what, name, variant, options.num_warps, options.num_stages, r), 1, {bound.get("R")}]
     # Triton's n_spills on the H100 (2026-11-26) equals STACK / 4 for every variant here
@@ -170,6 +185,7 @@ def main(argv=None):
     p.add_argument("--config", default=None, help='block configs, e.g. "dkdv=64,64,4,1" (default: the GPU\'s)')
     p.add_argument("--kernels", default="dilated_fwd_kernel,dilated_fwd_folded_kernel,dilated_bwd_dkdv_kernel,dilated_bwd_dq_kernel")
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
+    p.add_argument("--sass", default=None, help="write each variant's SASS (cuobjdump -sass) to this folder")
     p.add_argument("--record", default=None, help=argparse.SUPPRESS)  # phase 1 (internal)
     a = p.parse_args(argv)
     causal = a.causal == "yes"
@@ -189,7 +205,7 @@ def main(argv=None):
             subprocess.run(cmd, env=env, check=True)
             with open(path, "rb") as f:
                 launches += [(what, *x) for x in pickle.load(f)]
-    rows = compile_launches(launches, a.kernels.split(","))
+    rows = compile_launches(launches, a.kernels.split(","), a.sass)
     lines = [f"triton {triton.__version__}, target sm_90 (cuobjdump of the cubin), causal={causal}, "
              f"configs {config or 'default (the GPU ones)'}", "", *rows]
     text = "\n".join(lines) + "\n"

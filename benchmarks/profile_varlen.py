@@ -162,10 +162,13 @@ def api_vs_direct(q, k, v, do, lens, seg, dil, causal, scale, ranges, docs, dire
     direct = lambda: _step(q, k, v, do, seg, dil, causal, scale, ranges, docs, None)  # noqa: E731
     api()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         api()
         torch.cuda.synchronize()
     ka = _kernels(prof)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_d:
+        direct()
+        torch.cuda.synchronize()
     t_api = triton.testing.do_bench(api, warmup=25, rep=150, return_mode="median")
     t_dir = triton.testing.do_bench(direct, warmup=25, rep=150, return_mode="median")
     ga, gd = sum(t for _, t in ka), sum(t for _, t in direct_kernels)
@@ -181,8 +184,21 @@ def api_vs_direct(q, k, v, do, lens, seg, dil, causal, scale, ranges, docs, dire
              f"{t_api * 1e3 - ga:.0f} us; in the direct call's: {t_dir * 1e3 - gd:.0f} us",
              "- launches the API makes beyond the direct call's (name: count, GPU us): "
              + (", ".join(f"`{n[:50]}`: {c}, {sum(t for m, t in ka if m == n):.0f}"
-                          for n, c in extra.items() if c > 0) or "none")]
+                          for n, c in extra.items() if c > 0) or "none"),
+             f"- CUDA runtime calls on the host (name: count, host us), API: {_runtime_calls(prof)}",
+             f"- the same, direct: {_runtime_calls(prof_d)}"]
     return lines
+
+
+def _runtime_calls(prof) -> str:
+    """The CUDA runtime/driver calls of one profiled step, grouped by name (the last one before
+    ``torch.cuda.synchronize()`` excluded): host syncs, allocations and copies show here."""
+    calls: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        name = e.name or ""
+        if str(getattr(e, "device_type", "")).endswith("CPU") and name.startswith(("cuda", "cu")):
+            calls[name].append(e.time_range.elapsed_us())
+    return ", ".join(f"`{n}`: {len(t)}, {sum(t):.0f}" for n, t in sorted(calls.items())) or "none"
 
 
 def main(argv=None):

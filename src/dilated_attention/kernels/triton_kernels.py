@@ -212,7 +212,7 @@ def _fwd_inner(
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QOFF, pos0, R, L,
+    dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QSHIFT, TQ0, pos0, R, L,
     h_start, m_start, j0, nj, jskip, jgap, nhl, offs_n, valid_k, qk_scale,
     D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     PREC: tl.constexpr, MASKED: tl.constexpr, ROWS_FULL: tl.constexpr,
@@ -223,7 +223,9 @@ def _dkdv_inner(
     # this call is a query of the block (inside L, at or after the first query row), so the
     # q / dO / LSE / delta loads need no row mask: a mask per row (packed documents: their
     # lengths and query offsets are runtime values, so the compiler cannot share predicates
-    # between rows) costs integer work in every iteration of this loop
+    # between rows) costs integer work in every iteration of this loop. Query row of position
+    # pos: pos - QSHIFT from the bases Qb, DOb, LSEb, DELTAb; rows t >= TQ0 of the segment's
+    # dilated rows are queries
     offs_d = tl.arange(0, D)
     njd = tl.maximum(nj, 1)  # no division by zero in a pipelined prologue of an empty loop
     for it in range(0, nhl * nj):
@@ -233,7 +235,7 @@ def _dkdv_inner(
         m_lo = m_start + j * BM
         offs_m = m_lo + tl.arange(0, BM)
         pos_m = (pos0 + R * offs_m).to(tl.int64)
-        qrow = pos_m - QOFF
+        qrow = pos_m - QSHIFT
         hq = h * NQ
         if ROWS_FULL:
             q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :])
@@ -241,7 +243,7 @@ def _dkdv_inner(
             lse = tl.load(LSEb + hq + qrow)
             dlt = tl.load(DELTAb + hq + qrow)
         else:
-            valid_m = (offs_m < L) & (qrow >= 0)
+            valid_m = (offs_m < L) & (offs_m >= TQ0)
             q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
                         mask=valid_m[:, None], other=0.0)
             do = tl.load(DOb + qrow[:, None] * sdon + h * sdoh + offs_d[None, :],
@@ -558,17 +560,24 @@ def dilated_bwd_dkdv_kernel(
         q0, k0, nk, qoff = _doc_bounds(CU_Q, CU_K, b)
         if pid_s * W >= nk:
             return
-        q_base = q0 * sqn
-        do_base = q0 * sdon
-        l_base = q0
-        k_base = k0 * skn
-        v_base = k0 * svn
-        dk_base = k0 * sdkn
-        dv_base = k0 * sdvn
-        lo_base = dk_base
+        # the document's first rows enter the row indices, not the bases: the bases stay
+        # kernel arguments (uniform registers), where bases from loaded offsets took vector
+        # registers in the loops (spills, benchmarks/kernel_resources.py --sass)
+        qshift = qoff - q0
+        row0 = k0
+        q_base = 0
+        do_base = 0
+        l_base = 0
+        k_base = 0
+        v_base = 0
+        dk_base = 0
+        dv_base = 0
+        lo_base = 0
     else:
         nk = NK
         qoff = QOFF
+        qshift = qoff
+        row0 = 0
         q_base = b64 * sqb
         do_base = b64 * sdob
         l_base = b64 * H * NQ
@@ -584,7 +593,7 @@ def dilated_bwd_dkdv_kernel(
     offs_n = n_lo + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     valid_n = offs_n < L
-    pos_n = (seg_start + o + R * offs_n).to(tl.int64)
+    pos_n = row0 + (seg_start + o + R * offs_n).to(tl.int64)  # key rows (row0: packed)
     k = tl.load(K + k_base + pos_n[:, None] * skn + g * skh + offs_d[None, :],
                 mask=valid_n[:, None], other=0.0)
     v = tl.load(V + v_base + pos_n[:, None] * svn + g * svh + offs_d[None, :],
@@ -622,17 +631,17 @@ def dilated_bwd_dkdv_kernel(
     jf0 = tl.minimum(tl.maximum(ndiag, (t_q0 - m_start + BM - 1) // BM), nmb)
     jf1 = tl.maximum(tl.minimum((L - m_start) // BM, nmb), jf0)
     dk, dv = _dkdv_inner(
-        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qoff, pos0, R, L,
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qshift, t_q0, pos0, R, L,
         h_start, m_start, 0, ndiag, nmb, 0, nhl, offs_n, valid_k, qk_scale,
         D, BM, CAUSAL, HAS_KPM, PREC, True, False,
     )
     dk, dv = _dkdv_inner(
-        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qoff, pos0, R, L,
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qshift, t_q0, pos0, R, L,
         h_start, m_start, ndiag, (jf0 - ndiag) + (nmb - jf1), jf0, jf1 - jf0, nhl, offs_n,
         valid_k, qk_scale, D, BM, CAUSAL, HAS_KPM, PREC, False, False,
     )
     dk, dv = _dkdv_inner(
-        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qoff, pos0, R, L,
+        dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qshift, t_q0, pos0, R, L,
         h_start, m_start, jf0, jf1 - jf0, nmb, 0, nhl, offs_n, valid_k, qk_scale,
         D, BM, CAUSAL, HAS_KPM, PREC, False, True,
     )
