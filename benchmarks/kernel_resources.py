@@ -14,9 +14,15 @@ The numbers match a GPU only with the GPU machine's Triton (2026-11-26: triton 3
 bundled ptxas): a venv with that wheel, and torch reached through ``PYTHONPATH`` (the kernels
 and the interpreter need no CUDA)::
 
-    python3.11 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
-    PYTHONPATH=src:.venv/lib/python3.11/site-packages /tmp/t36/bin/python \\
-        benchmarks/kernel_resources.py --what both --causal yes
+    python3.11 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 numpy
+    # torch from the project's venv through a .pth, which comes after the venv's own triton
+    # (the same folder in PYTHONPATH would come first and import the project venv's Triton)
+    echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/t36/lib/python3.11/site-packages/zz.pth
+    PYTHONPATH=src /tmp/t36/bin/python benchmarks/kernel_resources.py --what both --causal yes
+
+``--sass DIR`` also writes each variant's SASS (``cuobjdump -sass``): where the spill loads
+(``LDL``) sit, in a loop with the MMAs or outside it, says more than their count (2026-11-27:
+the packed dK/dV binary at R = 1 had 41 of them in its hot loop, one sequence's 20).
 
 Checked against the H100 (2026-11-26): with triton 3.6.0 this gives, for the causal profile
 shape, the registers of every fwd / dQ / dK/dV variant and the dK/dV spills (Triton's

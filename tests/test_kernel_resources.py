@@ -30,7 +30,8 @@ def test_one_sequence_forward_compiles_for_sm90(tmp_path):
     out = tmp_path / "res.md"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_resources.py"),
                         "--what", "one", "--causal", "no", "--kernels", "dilated_fwd_folded_kernel",
-                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=580)  # fmt: skip
+                        "--out", str(out), "--sass", str(tmp_path / "sass")],
+                       env=env, capture_output=True, text=True, timeout=580)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| one |")]
     assert len(rows) == 1, out.read_text()  # one launch: the folded non-causal forward
@@ -39,3 +40,6 @@ def test_one_sequence_forward_compiles_for_sm90(tmp_path):
     assert cells[4:6] == ["8", "3"], cells  # the GPU's config, not the interpreter's blocks
     assert 32 <= int(cells[7]) <= 255, cells  # registers per thread, read from the cubin
     assert re.fullmatch(r"\d+", cells[8]), cells
+    (sass,) = (tmp_path / "sass").iterdir()  # --sass: the variant's SASS, with its tensor-core MMAs
+    assert sass.name == "one_dilated_fwd_folded_kernel_0.sass"
+    assert "HGMMA" in sass.read_text() or "HMMA" in sass.read_text()
