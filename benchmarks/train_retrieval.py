@@ -388,11 +388,24 @@ def retrieval_loss(model, x, y, z_loss: float):
 _RESUME_KEYS = ("seq_len", "segments", "rates", "dim", "n_layer", "n_head", "ffn_dim", "curriculum",
                 "lr", "warmup", "num_pairs", "min_distance", "local_window", "schedule",
                 "min_lr_ratio", "decay_minutes", "stage_warmup", "z_loss", "beta2", "advance_loss",
-                "dtype")  # fmt: skip
+                "dtype", "ema")  # fmt: skip
 
 
 _DEFAULTS = dict(schedule="constant", min_lr_ratio=0.1, decay_minutes=None, stage_warmup=0,
-                 z_loss=0.0, beta2=0.95)
+                 z_loss=0.0, beta2=0.95, ema=0.0)
+
+
+def _ema_model(model, decay: float):
+    """An exponential moving average of ``model``'s parameters (torch's ``AveragedModel``; its
+    first update copies them), for the evals of the last stage (``--ema``)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+
+
+def _ema_weights(ema_state: dict) -> dict:
+    """The model's state dict inside an ``AveragedModel`` state dict."""
+    return {k[len("module."):]: v for k, v in ema_state.items() if k.startswith("module.")}
 
 
 def _settings(r: dict) -> dict:
@@ -406,6 +419,8 @@ def _resume_mismatch(ck: dict, r: dict) -> str | None:
     saved, now = ck.get("settings"), _settings(r)
     if saved is None:
         return None
+    # a setting added after the checkpoint was written: it ran with the default
+    saved = {**{k: v for k, v in _DEFAULTS.items() if k in now}, **saved}
     diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if not diff:
         return None
@@ -444,6 +459,9 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
                                       list(model.cfg.dilation_rates)]}  # fmt: skip
     st = dict(step=0, si=0, s_step=0, recent=[], eval_s=0.0, last_eval=0.0,
               elapsed=0.0, reached=None)  # fmt: skip
+    ema = None  # --ema: the evals' weights, averaged from the last stage's start
+    if r.get("ema"):
+        rec["eval_weights"] = f"ema {r['ema']}"
     if resume:
         ck = load_split(resume, map_location=device)
         if (ck["attention"], ck["seed"]) != (attention, seed):
@@ -453,6 +471,9 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             raise ValueError(f"checkpoint {resume} {why}")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
+        if ck.get("ema") is not None:
+            ema = _ema_model(model, r["ema"])
+            ema.load_state_dict(ck["ema"])
         rec, st = ck["rec"], ck["state"]
         rec["resumed_at"] = rec.get("resumed_at", []) + [st["step"]]
         log(f"  [{attention} seed {seed}] resumed at step {st['step']}, t={st['elapsed']:.0f}s")
@@ -464,6 +485,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             st["elapsed"] = time.perf_counter() - t0
             save_split({"attention": attention, "seed": seed, "model": model.state_dict(),
                         "opt": opt.state_dict(), "rec": rec, "state": st,
+                        "ema": None if ema is None else ema.state_dict(),
                         "settings": _settings(r)}, checkpoint)  # fmt: skip
 
     def save_and_pause():
@@ -476,6 +498,8 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
     while st["si"] < len(stages):
         n, bs, n_steps = stages[st["si"]]
         last_stage = st["si"] == len(stages) - 1
+        if last_stage and r.get("ema") and ema is None:
+            ema = _ema_model(model, r["ema"])
         task = RetrievalTask(
             seq_len=n, num_pairs=r["num_pairs"], min_distance=r["min_distance"], max_distance=n
         )
@@ -507,6 +531,8 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             loss.backward()
             gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
             opt.step()
+            if ema is not None:
+                ema.update_parameters(model)
             st["step"] += 1
             st["s_step"] += 1
             step = st["step"]
@@ -525,7 +551,8 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             if last_stage and (now - st["last_eval"] >= r["eval_every_s"] or st["s_step"] == n_steps):
                 te = time.perf_counter()
                 miss: dict = {}
-                acc = evaluate(model, r, seed, device, autocast, miss)
+                weights = model if ema is None else ema.module
+                acc = evaluate(weights, r, seed, device, autocast, miss)
                 st["eval_s"] += time.perf_counter() - te
                 st["last_eval"] = time.perf_counter() - t0
                 ev = {"step": step, "stage_n": n, "time_s": round(st["last_eval"], 1),
@@ -553,7 +580,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
     if not rec["evals"] or rec["evals"][-1]["step"] != step:  # a final eval at the cap
         te = time.perf_counter()
         miss = {}
-        acc = evaluate(model, r, seed, device, autocast, miss)
+        acc = evaluate(model if ema is None else ema.module, r, seed, device, autocast, miss)
         st["eval_s"] += time.perf_counter() - te
         stage_n = stages[min(st["si"], len(stages) - 1)][0]
         rec["evals"].append({"step": step, "stage_n": stage_n,
@@ -596,13 +623,15 @@ def eval_checkpoint(r: dict, path: str, out: str, env: dict) -> dict:
                          + ", ".join(f"{k} {saved[k]!r} (recipe {now.get(k)!r})" for k in bad))
     device = torch.device(r["device"])
     model = build_model(r, ck["attention"], device)
-    model.load_state_dict(ck["model"])
+    ema = ck.get("ema")  # a run with --ema was evaluated on the averaged weights: so is this
+    model.load_state_dict(ck["model"] if ema is None else _ema_weights(ema))
     autocast = _autocast(r, device)
     t = time.perf_counter()
     miss: dict = {}
     acc = evaluate(model, r, ck["seed"], device, autocast, miss)
     res = {"checkpoint": path, "attention": ck["attention"], "seed": ck["seed"],
            "step": ck["state"]["step"], "trained_s": round(ck["state"]["elapsed"], 1),
+           "weights": "trained" if ema is None else "ema",
            "eval_positions": r.get("eval_positions", "jittered"),
            "eval_samples": r["eval_samples"], "eval_s": round(time.perf_counter() - t, 1), **acc,
            "misses": miss}
@@ -611,7 +640,7 @@ def eval_checkpoint(r: dict, path: str, out: str, env: dict) -> dict:
     ds = r["eval_distances"]
     lines = results_header("Retrieval accuracy of a checkpoint", info=env, extra=[
         f"checkpoint: `{path}` ({res['attention']}, seed {res['seed']}, step {res['step']}, "
-        f"{res['trained_s']} s of training); recipe `{r['recipe']}`",
+        f"{res['trained_s']} s of training; {res['weights']} weights); recipe `{r['recipe']}`",
         f"eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']}, positions "
         f"{res['eval_positions']}" + (" (acc@d: a distance drawn from (d/2, d] per sequence)"
         if res["eval_positions"] == "jittered" else " (acc@d: exactly d)"),
@@ -641,7 +670,9 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
         + (f"{r['decay_minutes']} min, then held" if r.get("decay_minutes") else "the cap") + ")"
         if r.get("schedule") == "cosine" else "") + f"; stage warmup {r.get('stage_warmup', 0)} "
         f"steps; z-loss {r.get('z_loss', 0.0)}; AdamW betas (0.9, {r.get('beta2', 0.95)}); "
-        + ("runs to the cap" if r.get("run_to_cap") else "stops at the target"),
+        + ("runs to the cap" if r.get("run_to_cap") else "stops at the target")
+        + (f"; evals on an EMA of the weights (decay {r['ema']}, from the last stage's start)"
+           if r.get("ema") else ""),
         f"eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']} (the same "
         f"sequences at every distance, only the planted block moves; "
         + ("acc@d: exactly d, aligned with the segments" if r.get("eval_positions") == "aligned"
@@ -751,6 +782,8 @@ def _check_flags(p: argparse.ArgumentParser, args, r: dict) -> None:
     for key, lo in (("stage_warmup", 0), ("z_loss", 0.0)):
         if r.get(key, 0) < lo:
             p.error(f"--{key.replace('_', '-')} must be >= {lo}, got {r[key]}")
+    if not 0.0 <= r.get("ema", 0.0) < 1.0:
+        p.error(f"--ema must be in [0, 1) (0: evals on the trained weights), got {r['ema']}")
     if not 0.0 <= r.get("min_lr_ratio", 0.1) <= 1.0:
         p.error(f"--min-lr-ratio must be in [0, 1], got {r['min_lr_ratio']}")
     if not r["max_minutes"] > 0:
@@ -833,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage-warmup", type=int, help="steps of warmup at each later stage (0: none)")
     p.add_argument("--z-loss", type=float, help="z-loss coefficient (0: none)")
     p.add_argument("--beta2", type=float, help="AdamW beta2 (default 0.95)")
+    p.add_argument("--ema", type=float,
+                   help="evals on an exponential moving average of the weights with this decay "
+                        "(e.g. 0.99), kept from the last stage's start (0: the trained weights)")
     p.add_argument("--run-to-cap", action="store_true",
                    help="keep training (and evaluating) after the target, to the cap")
     p.add_argument("--pause-after-minutes", type=float,
@@ -849,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("max_minutes", "curriculum", "seq_len", "lr", "warmup", "dim", "n_layer",
                 "num_pairs", "min_distance", "local_window", "eval_samples", "eval_every_s",
                 "eval_distances", "device", "schedule", "min_lr_ratio", "decay_minutes",
-                "eval_positions", "stage_warmup", "z_loss", "beta2"):  # fmt: skip
+                "eval_positions", "stage_warmup", "z_loss", "beta2", "ema"):  # fmt: skip
         if getattr(args, key) is not None:
             r[key] = getattr(args, key)
     if args.run_to_cap:

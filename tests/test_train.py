@@ -369,6 +369,58 @@ def test_train_retrieval_pause_resume_equals_one_run(tmp_path, monkeypatch):
     assert [{k: v for k, v in e.items() if k != "time_s"} for e in done["evals"]] == strip
 
 
+def test_train_retrieval_ema_evals_resume_and_checkpoint(tmp_path, monkeypatch, capsys):
+    """--ema: the evals use an exponential moving average of the weights kept from the last
+    stage's start (one update per step there); a run paused in that stage and resumed ends with
+    the same averaged weights and evals as the run uninterrupted (the average is in the
+    checkpoint); --eval-checkpoint evaluates the averaged weights; a checkpoint written before
+    the setting existed resumes as ema 0; --ema 1 is refused."""
+    mod = _bench("train_retrieval")
+
+    class Clock:
+        t = 0.0
+
+        def perf_counter(self):
+            self.t += 1.0
+            return self.t
+
+    r = dict(mod.RECIPES["tiny-check"], curriculum="64:4:6,128:2:10", target=2.0, impl="torch",
+             advance_loss=0.0, max_minutes=1e6, eval_every_s=1e9, ema=0.8)  # fmt: skip
+    whole_ck, ck = str(tmp_path / "whole.pt"), str(tmp_path / "ck.pt")
+    monkeypatch.setattr(mod, "time", Clock())
+    whole = mod.train_one(r, "dilated", 0, log=lambda m: None, checkpoint=whole_ck)
+    assert whole["steps"] == 16 and whole["eval_weights"] == "ema 0.8"
+    w = mod.load_split(whole_ck, map_location="cpu")
+    assert int(w["ema"]["n_averaged"]) == 10  # the last stage's steps only
+    avg, trained = mod._ema_weights(w["ema"]), w["model"]
+    assert avg.keys() == trained.keys()
+    assert any(not torch.equal(avg[k], trained[k]) for k in avg)  # averaged, not a copy
+    monkeypatch.setattr(mod, "time", Clock())
+    part = mod.train_one(r, "dilated", 0, log=lambda m: None, pause_s=30, checkpoint=ck)
+    assert part["paused"] and 6 < part["steps"] < 16  # paused in the last stage
+    assert mod.load_split(ck, map_location="cpu")["ema"] is not None
+    monkeypatch.setattr(mod, "time", Clock())
+    done = mod.train_one(r, "dilated", 0, log=lambda m: None, checkpoint=ck, resume=ck)
+    d = mod.load_split(ck, map_location="cpu")
+    for k, v in w["ema"].items():
+        assert torch.equal(d["ema"][k], v), k
+    strip = lambda evs: [{k: v for k, v in e.items() if k != "time_s"} for e in evs]  # noqa: E731
+    assert strip(done["evals"]) == strip(whole["evals"]) and done["losses"] == whole["losses"]
+    # --eval-checkpoint: the averaged weights, as the run's evals
+    base = ["--recipe", "tiny-check", "--impl", "torch", "--threads", "1"]
+    assert mod.main(base + ["--eval-checkpoint", whole_ck, "--out", str(tmp_path / "ev")]) == 0
+    ev = json.loads((tmp_path / "ev.json").read_text())["eval"]
+    assert ev["weights"] == "ema" and ev["acc@128"] == whole["evals"][-1]["acc@128"]
+    # a checkpoint from before --ema (no "ema" in its settings) resumes under ema 0
+    old = mod.load_split(ck, map_location="cpu")
+    del old["settings"]["ema"]
+    assert mod._resume_mismatch(old, dict(r, ema=0.0)) is None
+    assert "ema 0.0 (now 0.8)" in mod._resume_mismatch(old, r)
+    with pytest.raises(SystemExit) as e:
+        mod.main(base + ["--ema", "1", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "--ema must be in [0, 1)" in capsys.readouterr().err
+
+
 def test_train_retrieval_bad_flags_one_line_errors(tmp_path, capsys):
     """Bad values and combinations exit with one argparse line before training (they used to
     raise mid-run, or train silently wrong: a negative stage warmup gave a negative learning
