@@ -34,13 +34,40 @@
 #   bash scripts/gpu_check.sh tune-dkdv benchmarks/tune_triton.py --kernels dkdv (issue 24: the dK/dV
 #                                       kernel's block configs at D = 128, N = 131072), then the
 #                                       per-kernel profile of the headline shape
+#   bash scripts/gpu_check.sh merge-cache FILES_AT   (here, not on the device) runs/triton_cache.tgz.part*
+#                                       and a call's new entries (FILES_AT/triton_cache.tgz.part*) into
+#                                       new runs/ parts, the oldest entries dropped until they fit
 # Logs and results files go to $OUT. Uses the image's python3 with PYTHONPATH=src (no install).
-# Triton's compile cache travels between calls: each call leaves it in $OUT/triton_cache.tgz.partNN
-# (15 MiB parts, at most CACHE_PARTS_MAX=4 of them, and only if the results leave room under the
-# 8 files a call returns; SAVE_CACHE=0: none); copy those to runs/ here
-# and pass carry ["runs"] so that the next machine starts warm (kernels whose source changed
-# compile again).
+# Triton's compile cache travels between calls: a call restores runs/triton_cache.tgz.part*
+# (carry those paths) and leaves the entries it compiled itself (not the restored ones) in
+# $OUT/triton_cache.tgz.partNN (15 MiB parts, at most CACHE_PARTS_MAX=4 of them, and only if
+# the results leave room under the 8 files a call returns; SAVE_CACHE=0: none); `merge-cache`
+# folds them into runs/ here, so that the next machine starts warm (kernels whose source
+# changed compile again). 2026-11-27: a whole cache had grown past 4 parts and stopped coming
+# back, and every call recompiled the edited kernels (60-150 s of its time).
 set -uo pipefail
+if [ "${1:-}" = merge-cache ]; then
+  new=${2:?usage: bash scripts/gpu_check.sh merge-cache FILES_AT}
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  mkdir -p "$tmp/c"
+  for src in runs "$new"; do  # the call's entries last: they replace older copies
+    if ls "$src"/triton_cache.tgz.part* >/dev/null 2>&1; then cat "$src"/triton_cache.tgz.part* | tar -xz -C "$tmp/c"; fi
+  done
+  max=${CACHE_MAX_BYTES:-$(( ${CACHE_PARTS_MAX:-4} * 15 * 1024 * 1024 ))}
+  while :; do
+    tar -cz -C "$tmp/c" . > "$tmp/all.tgz"
+    size=$(stat -c %s "$tmp/all.tgz"); n=$(find "$tmp/c" -mindepth 1 -maxdepth 1 | wc -l)
+    [ "$size" -le "$max" ] && break
+    drop=$(( n / 10 + 1 ))  # the oldest tenth of the entries (modification time)
+    find "$tmp/c" -mindepth 1 -maxdepth 1 -printf '%T@ %p\n' | sort -n | head -n "$drop" | cut -d' ' -f2- \
+      | while read -r d; do rm -rf "$d"; done
+    echo "merge-cache: $size bytes > $max: dropped the $drop oldest of $n entries"
+  done
+  rm -f runs/triton_cache.tgz.part*
+  split -b 15m -d -a 2 "$tmp/all.tgz" runs/triton_cache.tgz.part
+  echo "merge-cache: $n entries, $size bytes in $(ls runs/triton_cache.tgz.part* | wc -l) parts under runs/"
+  exit 0
+fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/da_triton_cache}
@@ -48,9 +75,13 @@ mkdir -p "$TRITON_CACHE_DIR"
 if ls runs/triton_cache.tgz.part* >/dev/null 2>&1; then
   cat runs/triton_cache.tgz.part* | tar -xz -C "$TRITON_CACHE_DIR" && echo "triton cache restored: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
 fi
+CACHE_MARK=$(mktemp); sleep 1  # entries modified after this: compiled by this call
 save_cache() {  # split in 15 MiB parts (a device call returns files of <= 16 MiB, 8 at most)
   [ "${SAVE_CACHE:-1}" = 1 ] || return 0
-  tar -cz -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15m -d -a 2 - "$OUT/triton_cache.tgz.part"
+  local fresh; fresh=$(cd "$TRITON_CACHE_DIR" && find . -mindepth 1 -maxdepth 1 -newer "$CACHE_MARK")
+  [ -n "$fresh" ] || { echo "triton cache: nothing compiled by this call"; return 0; }
+  # (restored entries keep their archived times: tar sets them after extracting)
+  (cd "$TRITON_CACHE_DIR" && printf '%s\n' $fresh | tar -cz -T -) 2>/dev/null | split -b 15m -d -a 2 - "$OUT/triton_cache.tgz.part"
   local n; n=$(ls "$OUT"/triton_cache.tgz.part* 2>/dev/null | wc -l)
   if [ "$n" -gt "${CACHE_PARTS_MAX:-4}" ]; then rm -f "$OUT"/triton_cache.tgz.part*; echo "triton cache too big to return ($n parts)"; return 0; fi
   # a call returns at most 8 files: the results first (2026-11-26 a varlen call lost varlen.md
