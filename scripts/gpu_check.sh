@@ -169,9 +169,10 @@ case "${1:-tests}" in
   varlen|varlen-ab)
     if [ "$1" = varlen ]; then tests_default="tests/test_triton_varlen.py tests/test_triton_varlen_flat.py tests/test_train_plan.py tests/test_varlen.py tests/test_models_packed.py"
     else tests_default=tests/test_triton_varlen.py; fi
-    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -q -m cuda -n "${WORKERS:-4}" -p no:cacheprovider -rfE \
+    # -v: a run cut by the timeout still names the tests that passed (2026-11-27: -q left dots)
+    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -v -m cuda -n "${WORKERS:-4}" -p no:cacheprovider -rfE \
       ${VARLEN_TESTS:-$tests_default} > "$OUT/cuda_tests.txt" 2>&1
-    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED lines)" >> "$OUT/cuda_tests.txt"
     if [ -n "${ALT_SRC:-}" ]; then  # the same profile on another src/ tree (carried under runs/)
       PYTHONPATH="$ALT_SRC" timeout "${ALT_TIMEOUT:-150}" python3 benchmarks/profile_varlen.py --configs default \
         --out "$OUT/profile_varlen_alt.md" > "$OUT/profile_varlen_alt.txt" 2>&1
