@@ -23,7 +23,9 @@
 #                                       only), then profile_varlen.py on $ALT_SRC (another src/ tree carried
 #                                       under runs/, if set: an A/B on one machine), profile_varlen.py
 #                                       (per launch, $VARLEN_CONFIGS variants, the API vs the direct launches;
-#                                       $PROFILE=0: skip) and bench_varlen.py ($BENCH=0: skip) on this tree
+#                                       $PROFILE=0: skip) and bench_varlen.py ($BENCH=0: skip) on this tree;
+#                                       with $ALT_SRC and BENCH_AB=1 also bench_varlen.py --ratio-only
+#                                       ($ROUNDS rounds, default 9) on both trees, twice, alternating
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
 #                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
 #                                       each compiles ~6 binaries: a call of its own), causal
@@ -186,6 +188,17 @@ case "${1:-tests}" in
     if [ "${BENCH:-1}" = 1 ]; then
       timeout "${VARLEN_TIMEOUT:-200}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" > "$OUT/varlen.txt" 2>&1
       echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
+    fi
+    if [ -n "${ALT_SRC:-}" ] && [ "${BENCH_AB:-0}" = 1 ]; then  # the ratio of both trees, alternating
+      for i in 1 2; do
+        for tree in "$ALT_SRC" src; do
+          PYTHONPATH="$tree" timeout "${AB_BENCH_TIMEOUT:-150}" python3 benchmarks/bench_varlen.py --ratio-only \
+            --rounds "${ROUNDS:-9}" --out /tmp/varlen_ab.md > /tmp/varlen_ab.txt 2>&1
+          echo "run $i, tree $tree (rc=$?):" >> "$OUT/varlen_ab.txt"
+          grep -E "^- causal|Error" /tmp/varlen_ab.txt >> "$OUT/varlen_ab.txt"
+        done
+      done
+      cat "$OUT/varlen_ab.txt"
     fi
     tail -4 "$OUT/cuda_tests.txt"
     for f in "$OUT"/profile_varlen_alt.txt "$OUT"/profile_varlen.txt; do
