@@ -191,8 +191,9 @@ def api_vs_direct(q, k, v, do, lens, seg, dil, causal, scale, ranges, docs, dire
 
 
 def _runtime_calls(prof) -> str:
-    """The CUDA runtime/driver calls of one profiled step, grouped by name (the last one before
-    ``torch.cuda.synchronize()`` excluded): host syncs, allocations and copies show here."""
+    """The CUDA runtime/driver calls of one profiled step, grouped by name: host syncs,
+    allocations and copies show here (the measurement's own ``torch.cuda.synchronize()``
+    included: ``cudaDeviceSynchronize``, whose host time is the wait for the GPU)."""
     calls: dict[str, list[float]] = collections.defaultdict(list)
     for e in prof.events():
         name = e.name or ""
