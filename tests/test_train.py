@@ -336,31 +336,35 @@ def test_bench_train_tiny_lengths_dense_steps_and_search(tmp_path, monkeypatch):
     assert "dense (largest dense)" in out.with_suffix(".md").read_text()
 
 
+class _Clock:
+    """A fake ``time`` for train_retrieval: one second per ``perf_counter`` reading, so that
+    pauses fall on known steps and wall time decides nothing else."""
+
+    t = 0.0
+
+    def perf_counter(self):
+        self.t += 1.0
+        return self.t
+
+
 def test_train_retrieval_pause_resume_equals_one_run(tmp_path, monkeypatch):
     """A run paused twice mid-stage and resumed gives the losses, steps and evals of the same
     run uninterrupted (constant schedule; a fake clock, one second per reading, so that the
     pauses fall on known steps and wall time decides nothing else)."""
     mod = _bench("train_retrieval")
 
-    class Clock:
-        t = 0.0
-
-        def perf_counter(self):
-            self.t += 1.0
-            return self.t
-
     r = dict(mod.RECIPES["tiny-check"], curriculum="64:4:12,128:2:12", target=2.0, impl="torch",
              advance_loss=0.0, max_minutes=1e6, eval_every_s=1e9, stage_warmup=3, z_loss=1e-3)  # fmt: skip
-    monkeypatch.setattr(mod, "time", Clock())
+    monkeypatch.setattr(mod, "time", _Clock())
     whole = mod.train_one(r, "dilated", 0, log=lambda m: None)
     ck = str(tmp_path / "ck.pt")
-    monkeypatch.setattr(mod, "time", Clock())
+    monkeypatch.setattr(mod, "time", _Clock())
     part = mod.train_one(r, "dilated", 0, log=lambda m: None, pause_s=20, checkpoint=ck)
     assert part["paused"] and 0 < part["steps"] < 12
-    monkeypatch.setattr(mod, "time", Clock())
+    monkeypatch.setattr(mod, "time", _Clock())
     part = mod.train_one(r, "dilated", 0, log=lambda m: None, pause_s=30, checkpoint=ck, resume=ck)
     assert part["paused"] and 12 < part["steps"] < 24  # the second pause is in the second stage
-    monkeypatch.setattr(mod, "time", Clock())
+    monkeypatch.setattr(mod, "time", _Clock())
     done = mod.train_one(r, "dilated", 0, log=lambda m: None, resume=ck)
     assert done["steps"] == whole["steps"] == 24
     assert done["losses"] == whole["losses"]
@@ -377,17 +381,10 @@ def test_train_retrieval_ema_evals_resume_and_checkpoint(tmp_path, monkeypatch, 
     the setting existed resumes as ema 0; --ema 1 is refused."""
     mod = _bench("train_retrieval")
 
-    class Clock:
-        t = 0.0
-
-        def perf_counter(self):
-            self.t += 1.0
-            return self.t
-
     r = dict(mod.RECIPES["tiny-check"], curriculum="64:4:6,128:2:10", target=2.0, impl="torch",
              advance_loss=0.0, max_minutes=1e6, eval_every_s=1e9, ema=0.8)  # fmt: skip
     whole_ck, ck = str(tmp_path / "whole.pt"), str(tmp_path / "ck.pt")
-    monkeypatch.setattr(mod, "time", Clock())
+    monkeypatch.setattr(mod, "time", _Clock())
     whole = mod.train_one(r, "dilated", 0, log=lambda m: None, checkpoint=whole_ck)
     assert whole["steps"] == 16 and whole["eval_weights"] == "ema 0.8"
     w = mod.load_split(whole_ck, map_location="cpu")
@@ -395,11 +392,11 @@ def test_train_retrieval_ema_evals_resume_and_checkpoint(tmp_path, monkeypatch, 
     avg, trained = mod._ema_weights(w["ema"]), w["model"]
     assert avg.keys() == trained.keys()
     assert any(not torch.equal(avg[k], trained[k]) for k in avg)  # averaged, not a copy
-    monkeypatch.setattr(mod, "time", Clock())
+    monkeypatch.setattr(mod, "time", _Clock())
     part = mod.train_one(r, "dilated", 0, log=lambda m: None, pause_s=30, checkpoint=ck)
     assert part["paused"] and 6 < part["steps"] < 16  # paused in the last stage
     assert mod.load_split(ck, map_location="cpu")["ema"] is not None
-    monkeypatch.setattr(mod, "time", Clock())
+    monkeypatch.setattr(mod, "time", _Clock())
     done = mod.train_one(r, "dilated", 0, log=lambda m: None, checkpoint=ck, resume=ck)
     d = mod.load_split(ck, map_location="cpu")
     for k, v in w["ema"].items():
