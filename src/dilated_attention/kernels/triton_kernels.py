@@ -55,8 +55,10 @@ program finds its slot's document by counting the ``a_d`` at or below its slot
 (:func:`_doc_slot`: one vector load of ``CU_K`` per 32 documents; no host work per call) and
 returns at once on a spare slot. It then reads the document's rows (:func:`_doc_bounds`) and
 runs the same geometry with the document's own ``NK`` and ``QOFF = nk - nq`` (segments start
-at its first key row, queries bottom-right aligned in it), base pointers at its first rows and
-the LSE / delta stride ``NQ`` = total_q. Segment slots (U = W) hold the blocks per segment of
+at its first key row, queries bottom-right aligned in it), base pointers at its first rows (the
+dK/dV kernel adds them to the row indices instead, keeping the bases kernel arguments: bases
+from loaded offsets held vector registers in its loops) and the LSE / delta stride ``NQ`` =
+total_q. Segment slots (U = W) hold the blocks per segment of
 the largest document (``max_seqlen``, bucketed by the plans): blocks past a shorter segment's
 end return at once. The launcher's ``triton_launch.block_slot_rows`` makes the same choice of
 U.
