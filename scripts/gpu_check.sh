@@ -25,7 +25,9 @@
 #                                       (per launch, $VARLEN_CONFIGS variants, the API vs the direct launches;
 #                                       $PROFILE=0: skip) and bench_varlen.py ($BENCH=0: skip) on this tree;
 #                                       with $ALT_SRC and BENCH_AB=1 also bench_varlen.py --ratio-only
-#                                       ($ROUNDS rounds, default 9) on both trees, twice, alternating
+#                                       ($ROUNDS rounds, default 9) on both trees, twice, alternating;
+#                                       TESTS_LAST=1: the tests after the measurements (DEADLINE=epoch s: they
+#                                       stop 25 s before it); ALT_PROFILE=0: no profile of $ALT_SRC
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
 #                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
 #                                       each compiles ~6 binaries: a call of its own), causal
@@ -171,11 +173,16 @@ case "${1:-tests}" in
   varlen|varlen-ab)
     if [ "$1" = varlen ]; then tests_default="tests/test_triton_varlen.py tests/test_triton_varlen_flat.py tests/test_train_plan.py tests/test_varlen.py tests/test_models_packed.py"
     else tests_default=tests/test_triton_varlen.py; fi
-    # -v: a run cut by the timeout still names the tests that passed (2026-11-27: -q left dots)
-    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -v -m cuda -n "${WORKERS:-4}" -p no:cacheprovider -rfE \
-      ${VARLEN_TESTS:-$tests_default} > "$OUT/cuda_tests.txt" 2>&1
-    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED lines)" >> "$OUT/cuda_tests.txt"
-    if [ -n "${ALT_SRC:-}" ]; then  # the same profile on another src/ tree (carried under runs/)
+    varlen_tests() {  # -v: a run cut by the timeout still names the tests that passed (2026-11-27: -q left dots)
+      local limit=${CUDA_TEST_TIMEOUT:-200}  # $DEADLINE (epoch s): stop the tests 25 s before it
+      if [ -n "${DEADLINE:-}" ]; then limit=$(( DEADLINE - $(date +%s) - 25 )); [ "$limit" -gt 10 ] || limit=10; fi
+      echo "varlen tests: timeout ${limit}s"
+      timeout "$limit" python3 -m pytest -v -m cuda -n "${WORKERS:-4}" -p no:cacheprovider -rfE \
+        ${VARLEN_TESTS:-$tests_default} > "$OUT/cuda_tests.txt" 2>&1
+      echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED lines)" >> "$OUT/cuda_tests.txt"
+    }
+    [ "${TESTS_LAST:-0}" = 1 ] || varlen_tests  # TESTS_LAST=1: the measurements first, the tests after them
+    if [ -n "${ALT_SRC:-}" ] && [ "${ALT_PROFILE:-1}" = 1 ]; then  # the same profile on another src/ tree (carried under runs/)
       PYTHONPATH="$ALT_SRC" timeout "${ALT_TIMEOUT:-150}" python3 benchmarks/profile_varlen.py --configs default \
         --out "$OUT/profile_varlen_alt.md" > "$OUT/profile_varlen_alt.txt" 2>&1
       echo "profile_varlen (ALT_SRC=$ALT_SRC) rc=$?" >> "$OUT/profile_varlen_alt.txt"
@@ -200,6 +207,7 @@ case "${1:-tests}" in
       done
       cat "$OUT/varlen_ab.txt"
     fi
+    [ "${TESTS_LAST:-0}" = 1 ] && varlen_tests
     tail -4 "$OUT/cuda_tests.txt"
     for f in "$OUT"/profile_varlen_alt.txt "$OUT"/profile_varlen.txt; do
       [ -e "$f" ] && { echo "== $f"; grep -E "^- |rc=|^\| default" "$f" | tail -16; }

@@ -21,7 +21,8 @@
 #                              run stops at the target and keeps its final model (the
 #                              checkpoint: 8 files in all), for --eval-checkpoint
 # A call returns at most 8 files from $OUT and a retrieval mode writes exactly 8 (the checkpoint
-# is 3 of them): write nothing else there in the same call, or the checkpoint stays behind.
+# is 3 of them; with --ema 4, and the mode then leaves out its loss plot, which finalize
+# redraws): write nothing else there in the same call, or the checkpoint stays behind.
 # A K > 1 mode resumes from runs/issue25/ckpt/RUN.pt (+ .1, .2): the checkpoint files the
 # previous call of that run wrote under $OUT, put there by `collect`. Rerunning a K > 1 mode
 # after a killed call resumes from the checkpoint of its last eval (at most one eval interval
@@ -102,6 +103,11 @@ print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_d
       timeout -k 10 "$LIMIT" $PY benchmarks/train_retrieval.py $flags \
         --pause-after-minutes "$PAUSE" --checkpoint "$OUT/$run.pt" --out "$OUT/$run" $res ${EXTRA:-}
       echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
+    # a call returns 8 files: with --ema the checkpoint has 4 parts (2026-11-27), so the loss
+    # plot stays behind (finalize draws both plots again from the json)
+    if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+      rm -f "$OUT/${run}_loss.png"; echo "left out ${run}_loss.png (more than 8 files; finalize redraws it)"
+    fi
     ;;
   retrieval128k-*)
     OUT=${OUT:?}; mkdir -p "$OUT"
@@ -121,7 +127,7 @@ print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_d
     src=${2:?collect FILES_AT MODE}; m=${3:?collect FILES_AT MODE}
     run=${m%-*}
     dest=runs/issue25/out/$m
-    mkdir -p "$dest" && cp -r "$src"/. "$dest"/
+    rm -rf "$dest"; mkdir -p "$dest" && cp -r "$src"/. "$dest"/  # nothing of an older run of MODE stays
     case "$m" in
       retrieval128k-*)  # one call each: its checkpoint is the final model, kept in $dest only
         grep -h "^|" "$dest"/*.md 2>/dev/null | head -12; exit 0 ;;
@@ -159,9 +165,18 @@ sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$dest/$run.json
       [ -z "$d" ] && continue
       name=${run/retrieval512k-seed/retrieval_512k_h100_${date}_seed}
       name=${name/retrieval1m/retrieval_1m_h100_$date}
-      for f in "$d/$run".md "$d/$run".json "$d/$run".png "$d/${run}_loss.png"; do
-        [ -e "$f" ] && cp "$f" "benchmarks/results/$name${f#"$d/$run"}"
+      for f in "$d/$run".md "$d/$run".json; do
+        cp "$f" "benchmarks/results/$name${f#"$d/$run"}"
       done
+      # both plots from the json (the last call's json holds the whole run; its loss plot may
+      # have been left out of the call's files)
+      $PY - "$d/$run.json" "benchmarks/results/$name.png" <<'PLOT' || echo "$run: no plots (matplotlib?)"
+import json, sys
+sys.path.insert(0, "benchmarks")
+import train_retrieval
+d = json.load(open(sys.argv[1]))
+sys.exit(0 if train_retrieval._plot(d["recipe"], d["runs"], sys.argv[2]) else 1)
+PLOT
       echo "$run: $d"
     done
     for w in seed0 seed1 seed2 dense local; do
