@@ -480,7 +480,13 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
     t_call = time.perf_counter()
     t0 = t_call - st["elapsed"]  # training time of earlier calls counts toward the cap
 
+    def note_peak():  # the most GPU memory any call of this run held (issue 25: "state its memory")
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            rec["peak_mem_gib"] = round(max(rec.get("peak_mem_gib", 0.0), peak), 2)
+
     def save():  # split into files of <= 15 MiB: a device call returns files of <= 16 MiB
+        note_peak()
         if checkpoint:
             st["elapsed"] = time.perf_counter() - t0
             save_split({"attention": attention, "seed": seed, "model": model.state_dict(),
@@ -591,6 +597,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             reached = rec["evals"][-1]
     after = [min(v for k, v in ev.items() if k.startswith("acc@")) for ev in rec["evals"]
              if reached is not None and ev["step"] >= reached["step"]]  # fmt: skip
+    note_peak()
     rec.pop("paused", None)
     rec.update(steps=step, wall_s=round(time.perf_counter() - t0, 1), eval_s=round(st["eval_s"], 1),
                reached_target=reached is not None,
@@ -708,7 +715,9 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
             f"### {run['attention']}, seed {run['seed']}",
             "",
             "stages started (N at step, s): "
-            + ", ".join(f"{st['N']} at {st['step']}, {st['time_s']}" for st in run["stage_starts"]),
+            + ", ".join(f"{st['N']} at {st['step']}, {st['time_s']}" for st in run["stage_starts"])
+            + (f"; peak GPU memory {run['peak_mem_gib']} GiB (torch's allocator, the most of any"
+               " call)" if "peak_mem_gib" in run else ""),
             "",
             "| step | stage N | time s | " + " | ".join(f"acc@{d}" for d in ds) + " |",
             "| --- | --- | --- | " + " | ".join("---" for _ in ds) + " |",
