@@ -293,6 +293,29 @@ def eval_distance(r: dict, d: int, i: int) -> int:
     return int(torch.randint(lo, d + 1, (1,), generator=g))
 
 
+def train_distances(r: dict, n: int, bs: int, seed: int, step: int) -> torch.Tensor | None:
+    """The planted distances of training step ``step`` at stage length ``n`` with
+    ``--hard-fraction F``: each row's distance uniform in [min_distance, n] as without it, then,
+    with probability F, its value moved into the last eighth of its segment of the smallest
+    branch (the place where a value reaches the answer over the fewest paths and where the
+    trained models' last misses and the loss spikes sit: docs/training.md, "Spikes at 512K"),
+    if that keeps the distance in range. None (the task draws them) when F is 0, so runs
+    without the flag see the batches they always saw. A function of (seed, step) like the
+    batches themselves (a resumed run draws the same)."""
+    frac = r.get("hard_fraction", 0.0)
+    if not frac:
+        return None
+    g = torch.Generator().manual_seed(_mix(seed, step, 11))
+    lo = r["min_distance"]
+    d = torch.randint(lo, n + 1, (bs,), generator=g)
+    w = r["segments"][0]
+    tail = max(1, w // 8)
+    hard = torch.rand(bs, generator=g) < frac
+    v = value_index(n, d)  # the value's position
+    moved = value_index(n, v - v % w + (w - 1) - torch.randint(0, tail, (bs,), generator=g))
+    return torch.where(hard & (moved >= lo) & (moved <= n), moved, d)
+
+
 def value_index(n: int, distance: int) -> int:
     """The planted value's position in a sequence of ``n`` tokens when its key is ``distance``
     tokens before the end (``RetrievalTask.batch``: key at n + 1 - d, its value next).
@@ -388,11 +411,11 @@ def retrieval_loss(model, x, y, z_loss: float):
 _RESUME_KEYS = ("seq_len", "segments", "rates", "dim", "n_layer", "n_head", "ffn_dim", "curriculum",
                 "lr", "warmup", "num_pairs", "min_distance", "local_window", "schedule",
                 "min_lr_ratio", "decay_minutes", "stage_warmup", "z_loss", "beta2", "advance_loss",
-                "dtype", "ema")  # fmt: skip
+                "dtype", "ema", "hard_fraction")  # fmt: skip
 
 
 _DEFAULTS = dict(schedule="constant", min_lr_ratio=0.1, decay_minutes=None, stage_warmup=0,
-                 z_loss=0.0, beta2=0.95, ema=0.0)
+                 z_loss=0.0, beta2=0.95, ema=0.0, hard_fraction=0.0)
 
 
 def _ema_model(model, decay: float):
@@ -529,7 +552,7 @@ def train_one(r: dict, attention: str, seed: int, log=print, progress=None, resu
             lr = r["lr"] * lr_factor(r, step, st["si"], st["s_step"], elapsed)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x_cpu, y = task.batch(bs, seed, step)
+            x_cpu, y = task.batch(bs, seed, step, distance=train_distances(r, n, bs, seed, step))
             x, y = x_cpu.to(device), y.to(device)
             with autocast:
                 loss, ce = retrieval_loss(model, x, y, r.get("z_loss", 0.0))
@@ -679,7 +702,9 @@ def _markdown(r: dict, runs: list[dict], env: dict) -> str:
         f"steps; z-loss {r.get('z_loss', 0.0)}; AdamW betas (0.9, {r.get('beta2', 0.95)}); "
         + ("runs to the cap" if r.get("run_to_cap") else "stops at the target")
         + (f"; evals on an EMA of the weights (decay {r['ema']}, from the last stage's start)"
-           if r.get("ema") else ""),
+           if r.get("ema") else "")
+        + (f"; training rows with the value in the last eighth of its smallest-branch segment "
+           f"with probability {r['hard_fraction']}" if r.get("hard_fraction") else ""),
         f"eval: {r['eval_samples']} sequences per distance at N = {r['seq_len']} (the same "
         f"sequences at every distance, only the planted block moves; "
         + ("acc@d: exactly d, aligned with the segments" if r.get("eval_positions") == "aligned"
@@ -791,6 +816,8 @@ def _check_flags(p: argparse.ArgumentParser, args, r: dict) -> None:
     for key, lo in (("stage_warmup", 0), ("z_loss", 0.0)):
         if r.get(key, 0) < lo:
             p.error(f"--{key.replace('_', '-')} must be >= {lo}, got {r[key]}")
+    if not 0.0 <= r.get("hard_fraction", 0.0) <= 1.0:
+        p.error(f"--hard-fraction must be in [0, 1], got {r['hard_fraction']}")
     if not 0.0 <= r.get("ema", 0.0) < 1.0:
         p.error(f"--ema must be in [0, 1) (0: evals on the trained weights), got {r['ema']}")
     if not 0.0 <= r.get("min_lr_ratio", 0.1) <= 1.0:
@@ -878,6 +905,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ema", type=float,
                    help="evals on an exponential moving average of the weights with this decay "
                         "(e.g. 0.99), kept from the last stage's start (0: the trained weights)")
+    p.add_argument("--hard-fraction", type=float,
+                   help="training rows whose value is moved into the last eighth of its segment "
+                        "of the smallest branch, with this probability (0: none, the default)")
     p.add_argument("--run-to-cap", action="store_true",
                    help="keep training (and evaluating) after the target, to the cap")
     p.add_argument("--pause-after-minutes", type=float,
@@ -894,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("max_minutes", "curriculum", "seq_len", "lr", "warmup", "dim", "n_layer",
                 "num_pairs", "min_distance", "local_window", "eval_samples", "eval_every_s",
                 "eval_distances", "device", "schedule", "min_lr_ratio", "decay_minutes",
-                "eval_positions", "stage_warmup", "z_loss", "beta2", "ema"):  # fmt: skip
+                "eval_positions", "stage_warmup", "z_loss", "beta2", "ema", "hard_fraction"):  # fmt: skip
         if getattr(args, key) is not None:
             r[key] = getattr(args, key)
     if args.run_to_cap:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -562,3 +563,62 @@ def test_retrieval_offsets_groups_and_a_saved_model(tmp_path):
     assert set(res) == {"end", "other"} and all(0 <= ok <= n == 3 for ok, n in res.values())
     with pytest.raises(SystemExit):
         ro.main(["--recipe", "tiny-check", "--checkpoint", ck, "--bucket", "200,100"])
+
+
+def test_train_retrieval_hard_fraction_moves_values_late_in_their_segment(capsys, monkeypatch):
+    """--hard-fraction F: with F = 1 every training row whose move stays in range has its value
+    in the last eighth of its smallest-branch segment, with F = 0 the task draws the distances
+    as it always did (the batches of older runs are unchanged); the draw is a function of
+    (seed, step); the tensor of distances reaches the batch; F outside [0, 1] is refused."""
+    mod = _bench("train_retrieval")
+    r = dict(mod.RECIPES["tiny-check"], hard_fraction=1.0)
+    w, n, lo = r["segments"][0], 512, r["min_distance"]
+    assert w >= 8 and n > 2 * w
+    d = mod.train_distances(r, n, 64, seed=3, step=5)
+    assert d.shape == (64,) and bool(((d >= lo) & (d <= n)).all())
+    off = mod.value_index(n, d) % w
+    late = off >= w - w // 8
+    assert late.float().mean() > 0.9  # the rest: moves that left [min_distance, n]
+    assert torch.equal(d, mod.train_distances(r, n, 64, seed=3, step=5))
+    assert not torch.equal(d, mod.train_distances(r, n, 64, seed=3, step=6))
+    half = mod.train_distances(dict(r, hard_fraction=0.5), n, 256, seed=3, step=5)
+    frac_late = (mod.value_index(n, half) % w >= w - w // 8).float().mean()
+    assert 0.4 < frac_late < 0.75  # ~0.5 + 0.5 / 8
+    assert mod.train_distances(dict(r, hard_fraction=0.0), n, 4, 3, 5) is None
+    task = mod.RetrievalTask(seq_len=n, num_pairs=1, min_distance=lo, max_distance=n)
+    x, y = task.batch(64, 3, 5, distance=d)
+    key_pos = n + 1 - d  # the planted key, its value right after it
+    for b in range(64):
+        assert int(x[b, key_pos[b]]) == int(x[b, -1])  # the planted key is the queried one
+        assert int(x[b, key_pos[b] + 1]) == int(y[b, -1])  # the answer is the planted value
+    # train_one hands every training batch its distances (evals keep theirs: ints)
+    seen, batch = [], mod.RetrievalTask.batch
+    def spy(self, *a, distance=None):
+        seen.append(distance)
+        return batch(self, *a, distance=distance)
+
+    monkeypatch.setattr(mod.RetrievalTask, "batch", spy)
+    monkeypatch.setattr(mod, "time", _Clock())
+    rr = dict(r, curriculum="64:4:3,128:2:3", target=2.0, impl="torch", advance_loss=0.0,
+              max_minutes=1e6, eval_every_s=1e9)  # fmt: skip
+    mod.train_one(rr, "dilated", 0, log=lambda m: None)
+    train = [x for x in seen if isinstance(x, torch.Tensor)]
+    assert len(train) == 6 and all(x is not None for x in seen)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--recipe", "tiny-check", "--hard-fraction", "1.5", "--out", "/tmp/unused"])
+    assert e.value.code == 2 and "--hard-fraction must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_retrieval_task_takes_one_distance_per_row():
+    task = RetrievalTask(seq_len=64, num_pairs=1, min_distance=8, max_distance=64)
+    d = torch.tensor([8, 20, 64], dtype=torch.int32)
+    x, y = task.batch(3, 0, 0, distance=d)
+    for b, dist in enumerate(d.tolist()):
+        assert task.key0 <= int(x[b, 64 + 1 - dist]) < task.value0
+    x1, _ = task.batch(3, 0, 0, distance=torch.tensor([20, 20, 20]))
+    x2, _ = task.batch(3, 0, 0, distance=20)
+    assert torch.equal(x1, x2)  # a tensor of equal distances is the int
+    for bad, msg in ((torch.tensor([8, 20]), "shape"), (torch.tensor([8.0, 9.0, 10.0]), "integer"),
+                     (torch.tensor([8, 4, 10]), "distance 4 must be in [5, 64]")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            task.batch(3, 0, 0, distance=bad)

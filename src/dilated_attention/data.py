@@ -90,8 +90,9 @@ class RetrievalTask:
     def chance(self) -> float:
         return 1.0 / self.num_values
 
-    def batch(self, batch_size: int, seed: int, step: int, distance: int | None = None):
-        """(x, y), each (batch_size, seq_len) int64 on CPU; ``distance`` fixes the distance."""
+    def batch(self, batch_size: int, seed: int, step: int, distance: int | torch.Tensor | None = None):
+        """(x, y), each (batch_size, seq_len) int64 on CPU; ``distance`` fixes the distance: an
+        int for every row, or an integer tensor of shape (batch_size,) with one per row."""
         g = torch.Generator().manual_seed(_mix(seed, step, 0))
         n, p = self.seq_len, self.num_pairs
         tok = torch.randint(0, self.num_filler, (batch_size, n + 1), generator=g)  # (B, N+1)
@@ -103,6 +104,16 @@ class RetrievalTask:
             dist = torch.randint(
                 self.min_distance, self.max_distance + 1, (batch_size,), generator=g
             )
+        elif isinstance(distance, torch.Tensor):
+            integer = not (distance.dtype.is_floating_point or distance.dtype.is_complex
+                           or distance.dtype == torch.bool)  # fmt: skip
+            if distance.shape != (batch_size,) or not integer:
+                raise ValueError(f"distance as a tensor must be integer of shape (batch_size,) = "
+                                 f"({batch_size},), got {distance.dtype} {tuple(distance.shape)}")  # fmt: skip
+            dist = distance.to("cpu", torch.long)
+            bad = (dist < 5 * p) | (dist > n)
+            if bool(bad.any()):
+                raise ValueError(f"distance {int(dist[bad][0])} must be in [{5 * p}, {n}]")
         else:
             if not 5 * p <= distance <= n:
                 raise ValueError(f"distance {distance} must be in [{5 * p}, {n}]")
