@@ -43,6 +43,9 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 CK=runs/issue25/ckpt
 mode=${1:?mode: throughput, stdlib32k-ATT-K, stdlib128k-ATT-K, retrieval512k-seedS-K, retrieval1m-K, collect, finalize}
+case "$mode" in  # the local modes: this machine's venv (torch, matplotlib) unless PYTHON is set
+  collect|finalize) if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi ;;
+esac
 LIMIT=${LIMIT:-565}   # seconds: the device call's own limit, under 9.5 minutes
 # EXTRA: more flags for the training scripts (a CPU check of this script: EXTRA="--tiny ...")
 PAUSE=${PAUSE:-8.3}   # minutes of a call (setup and evals included) before a run pauses
