@@ -1,6 +1,6 @@
 """The library's process-level switches, in one place.
 
-There are two.
+There are three.
 
 **cuDNN attention.** Whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
 capability >= 9 (see docs/spec.md, "Choices the library makes"). It is read when a block is
@@ -34,6 +34,22 @@ Triton's per-launch dispatch once their compiled kernel is known (``DirectKernel
   every call (reading ``os.environ`` costs about a microsecond).
 
 The switch exists for same-process A/B measurements (``benchmarks/ab_decode.py``).
+
+**The fused rotary kernel of the models.** Whether ``Rotary`` (``models/longnet.py``) rotates q and
+k in eager mode with the Triton kernel of ``kernels/triton_rotary.py`` (one pass, forward and
+backward) or with its torch code (about six float32 passes each way; ``torch.compile`` always
+keeps the torch code, which Inductor fuses). Three answers, from :func:`fused_rotary_mode`:
+
+- ``"auto"`` (the default): the kernel on CUDA where it can run (fp16, bf16, fp32; not xPos),
+  else the torch code;
+- ``"on"``: the kernel wherever it can run, Triton's interpreter on the CPU included
+  (``TRITON_INTERPRET=1``; for tests), else the torch code;
+- ``"off"``: always the torch code.
+
+``set_fused_rotary(True)`` is ``"on"``, ``False`` is ``"off"``, ``None`` returns to the
+environment: ``DILATED_ATTENTION_FUSED_ROTARY=0`` is ``"off"``, ``=1`` is ``"on"``, anything else
+or nothing is ``"auto"``. Read as the direct-launch switch is (once after each set: it is asked in
+every layer of every forward, decode steps included).
 """
 
 from __future__ import annotations
@@ -42,11 +58,14 @@ import os
 
 ENV_CUDNN = "DILATED_ATTENTION_CUDNN"
 ENV_DIRECT_LAUNCH = "DILATED_ATTENTION_DIRECT_LAUNCH"
+ENV_FUSED_ROTARY = "DILATED_ATTENTION_FUSED_ROTARY"
 
 # the value set by set_cudnn_attention; None: the environment decides (the xformers-style setter)
 _cudnn_override: bool | None = None
 _direct_override: bool | None = None
 _direct_env: list[bool] = []  # the environment's answer, read at the first call after a set
+_rotary_override: bool | None = None
+_rotary_env: list[str] = []  # the environment's answer, read at the first call after a set
 
 
 def set_cudnn_attention(enabled: bool | None) -> None:
@@ -91,3 +110,29 @@ def direct_launch_enabled() -> bool:
     if not _direct_env:
         _direct_env.append(os.environ.get(ENV_DIRECT_LAUNCH, "1").strip() != "0")
     return _direct_env[0]
+
+
+def set_fused_rotary(enabled: bool | None) -> None:
+    """Use the fused rotary kernel wherever it can run (True: the interpreter on the CPU
+    included) or never (False) in this process; None returns to the environment's choice
+    (``DILATED_ATTENTION_FUSED_ROTARY``, default ``"auto"``: CUDA only)."""
+    global _rotary_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"set_fused_rotary(enabled={enabled!r}): pass True, False or None (None: the "
+            f"{ENV_FUSED_ROTARY} environment variable decides)"
+        )
+    _rotary_override = enabled
+    _rotary_env.clear()
+
+
+def fused_rotary_mode() -> str:
+    """``"on"``, ``"off"`` or ``"auto"`` for the models' fused rotary kernel: the value set by
+    :func:`set_fused_rotary`, else the environment (``DILATED_ATTENTION_FUSED_ROTARY=0`` off,
+    ``=1`` on, else auto) as read at the first call since the last :func:`set_fused_rotary`."""
+    if _rotary_override is not None:
+        return "on" if _rotary_override else "off"
+    if not _rotary_env:
+        value = os.environ.get(ENV_FUSED_ROTARY, "").strip()
+        _rotary_env.append({"0": "off", "1": "on"}.get(value, "auto"))
+    return _rotary_env[0]

@@ -3,7 +3,10 @@
 What this file owns (gpt-fast / nanoGPT style: read top to bottom):
 
 - :class:`LongNetConfig`: a dataclass with named presets (``LongNetConfig.preset("tiny")``).
-- :class:`Rotary`: rotary position embedding (RoPE) on (B, N, H, D) q/k, optionally xPos.
+- :class:`Rotary`: rotary position embedding (RoPE) on (B, N, H, D) q/k, optionally xPos; its
+  :class:`RotaryTable` (cos/sin of one forward's positions) is built once per forward and shared
+  by every layer; in eager mode on CUDA the rotation is one fused Triton kernel
+  (``kernels/triton_rotary.py``).
 - :class:`Attention`: q/k/v/out projections + rotary + :class:`DilatedAttention` + MAGNETO
   sub-LayerNorm before the output projection. The sub-LN and gamma initialisation are the same
   as :class:`dilated_attention.MultiheadDilatedAttention`; this block exists because rotary must
@@ -26,6 +29,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..decode import MAX_DECODE_ROWS
+from ..flags import fused_rotary_mode
+from ..kernels.select import backend_reason
 from ..modules import DilatedAttention, magneto_init_
 
 # --------------------------------------------------------------------------------------- config
@@ -193,6 +199,27 @@ PRESETS: dict[str, dict] = {
 # --------------------------------------------------------------------------------------- rotary
 
 
+class RotaryTable(NamedTuple):
+    """The rotation of one set of positions: cos, sin (1, N, 1, D) for q and for k, float32
+    (float64 for float64 inputs), each the concatenation of two equal halves.
+
+    Built once per forward by :meth:`Rotary.table` and shared by every layer (the positions are
+    the same in every layer). Without xPos the k tables are the q tables (the same tensors).
+    ``pos`` (N,) int64: the positions it was built for (None when q and k had different ones).
+    """
+
+    pos: torch.Tensor | None
+    cos_q: torch.Tensor
+    sin_q: torch.Tensor
+    cos_k: torch.Tensor
+    sin_k: torch.Tensor
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype rotary computes in for inputs of ``dtype``: float32, or float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (rotate-half form) on (B, N, H, D), with optional xPos decay.
 
@@ -202,6 +229,14 @@ class Rotary(nn.Module):
     decays with the distance i - j. It is not centred (centring would make a cached key depend
     on the final length), so very long sequences in low precision can under/overflow: keep
     ``xpos=False`` beyond a few thousand tokens or compute in float32.
+
+    Two steps, so that a model computes its tables once per forward: :meth:`table` (positions ->
+    :class:`RotaryTable`) and :meth:`rotate` (q, k, table -> rotated q, k). :meth:`forward` does
+    both. :meth:`rotate` runs the fused Triton kernel (``kernels/triton_rotary.py``: one pass
+    over q and k, forward and backward) in eager mode on CUDA, and the torch code
+    (:meth:`_rotate_with`) under ``torch.compile`` (Inductor fuses it), with xPos, for float64
+    and where the kernel cannot run; ``flags.set_fused_rotary`` switches the kernel off (or on
+    in Triton's interpreter, for tests).
     """
 
     def __init__(
@@ -219,10 +254,38 @@ class Rotary(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor):
         """q (B, Nq, H, D), k (B, Nk, Hkv, D), pos_* (N,) int64 -> rotated q, k (same dtypes)."""
-        if pos_k is pos_q and not self.xpos:  # one table serves both (fewer kernels per step)
-            table = self._table(pos_q, +1, q.dtype)
-            return self._rotate_with(q, *table), self._rotate_with(k, *table)
-        return self._rotate(q, pos_q, +1), self._rotate(k, pos_k, -1)
+        if pos_k is pos_q:
+            return self.rotate(q, k, self.table(pos_q, q.dtype))
+        tq, tk = self.table(pos_q, q.dtype), self.table(pos_k, k.dtype)
+        return self.rotate(q, k, RotaryTable(None, tq.cos_q, tq.sin_q, tk.cos_k, tk.sin_k))
+
+    def table(self, pos: torch.Tensor, dtype: torch.dtype) -> RotaryTable:
+        """The :class:`RotaryTable` of positions pos (N,) for q/k of ``dtype``."""
+        cos, sin = self._table(pos, +1, dtype)
+        if not self.xpos:  # one table serves both
+            return RotaryTable(pos, cos, sin, cos, sin)
+        return RotaryTable(pos, cos, sin, *self._table(pos, -1, dtype))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, table: RotaryTable):
+        """q (B, N, H, D), k (B, N, Hkv, D) rotated by ``table`` -> q, k (same dtypes)."""
+        if self._fused_applies(q, k, table):
+            from ..kernels.triton_rotary import rotary_fused
+
+            return rotary_fused(q, k, table.cos_q, table.sin_q, table.cos_k, table.sin_k)
+        return (self._rotate_with(q, table.cos_q, table.sin_q),
+                self._rotate_with(k, table.cos_k, table.sin_k))  # fmt: skip
+
+    def _fused_applies(self, q: torch.Tensor, k: torch.Tensor, table: RotaryTable) -> bool:
+        # compiled graphs keep the torch code (Inductor fuses it; no Triton call to trace), and
+        # this is decided first so that the tracer never reads the switch
+        if torch.compiler.is_compiling() or self.xpos:
+            return False
+        mode = fused_rotary_mode()
+        if mode == "off" or (mode == "auto" and not q.is_cuda):
+            return False
+        if k.dtype != q.dtype or table.cos_q.dtype != torch.float32:
+            return False  # mixed dtypes, or float64 (float64 tables): the torch code
+        return backend_reason("triton_rotary", q.device.type, q.dtype, q.shape[-1]) is None
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor, sign: int) -> torch.Tensor:
         return self._rotate_with(x, *self._table(pos, sign, x.dtype))
@@ -237,7 +300,7 @@ class Rotary(nn.Module):
                 sign * pos.to(self.zeta.dtype)[:, None] / self.scale_base
             )  # (N, D/2)
             cos, sin = cos * scale, sin * scale
-        dt = dtype if dtype == torch.float64 else torch.float32
+        dt = _compute_dtype(dtype)
         cos = torch.cat([cos, cos], -1).to(dt)[None, :, None, :]  # (1, N, 1, D)
         sin = torch.cat([sin, sin], -1).to(dt)[None, :, None, :]
         return cos, sin
@@ -326,8 +389,13 @@ class Attention(nn.Module):
         magneto_init_(self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.gamma_init)
         self.norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None, rope: RotaryTable | None = None
+    ) -> torch.Tensor:
         """x (B, T, E) holding positions [start_pos, start_pos + T) -> (B, T, E).
+
+        ``rope``: the :class:`RotaryTable` of these positions (:func:`rotary_positions`), which
+        the model computes once per forward for all its layers; None: computed here.
 
         ``packed``: ``(pos (T,), cu_seqlens, max_seqlen)`` for one packed row (B = 1) of
         documents: rotary takes the per-document positions ``pos`` and each document attends
@@ -347,19 +415,17 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_head, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
+        if rope is None or rope.cos_q.dtype != _compute_dtype(q.dtype):
+            rope = self.rotary.table(rotary_positions(start_pos, t, x.device, packed), q.dtype)
+        q, k = self.rotary.rotate(q, k, rope)
         if packed is not None:
             if self.kv_cache is not None:
                 raise ValueError("packed documents (cu_seqlens) cannot be written to a KV cache")
-            pos, cu, mx = packed
-            q, k = self.rotary(q, k, pos, pos)
+            _, cu, mx = packed
             y = self.attention(q, k, v, is_causal=self.causal, cu_seqlens=cu, max_seqlen=mx)
             return self.out_proj(self.norm(y.reshape(b, t, e)))
         decoding = isinstance(start_pos, torch.Tensor)
-        if decoding:
-            pos = start_pos + torch.arange(t, device=x.device)  # (T,) global positions
-        else:
-            pos = torch.arange(start_pos, start_pos + t, device=x.device)  # (T,)
-        q, k = self.rotary(q, k, pos, pos)
+        pos = rope.pos  # (T,) global positions
         cache = self.kv_cache
         if cache is None:
             y = self.attention(q, k, v, is_causal=self.causal)  # (B, T, H, D)
@@ -379,6 +445,17 @@ class Attention(nn.Module):
         of every segment length: a branch never reads a key before its own segment start."""
         period = self.attention.period
         return start_pos // period * period
+
+
+def rotary_positions(start_pos: int | torch.Tensor, t: int, device, packed=None) -> torch.Tensor:
+    """The rotary positions (T,) int64 of T tokens starting at ``start_pos``: an int (prefill,
+    training; ``arange``), a 0-dim device tensor (decode: no host synchronisation), or, with
+    ``packed = (pos, cu_seqlens, max_seqlen)``, the per-document positions ``pos``."""
+    if packed is not None:
+        return packed[0]
+    if isinstance(start_pos, torch.Tensor):
+        return start_pos + torch.arange(t, device=device)
+    return torch.arange(start_pos, start_pos + t, device=device)
 
 
 class FeedForward(nn.Module):
@@ -410,8 +487,10 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), start_pos, packed))
+    def forward(
+        self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None, rope: RotaryTable | None = None
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), start_pos, packed, rope))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
@@ -436,11 +515,18 @@ class _Trunk(nn.Module):
 
     def run_layers(self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None) -> torch.Tensor:
         """``packed``: see :meth:`Attention.forward` (one packed row of documents)."""
+        rope = None
+        if len(self.layers):
+            # one rotary table for every layer: the positions are the same in each (the layers'
+            # Rotary modules are equal: same head dim, base and xPos); x's dtype decides the
+            # compute dtype as q's does (autocast leaves float64 alone)
+            pos = rotary_positions(start_pos, x.shape[1], x.device, packed)  # (T,)
+            rope = self.layers[0].attn.rotary.table(pos, x.dtype)
         for layer in self.layers:
             if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, start_pos, packed, use_reentrant=False)
+                x = checkpoint(layer, x, start_pos, packed, rope, use_reentrant=False)
             else:
-                x = layer(x, start_pos, packed)
+                x = layer(x, start_pos, packed, rope)
         return self.norm(x)
 
 

@@ -1,0 +1,222 @@
+"""Rotary position embedding (rotate-half form) as one Triton kernel, forward and backward.
+
+What this module owns: :func:`rotary_fused`, the eager fast path of
+:meth:`dilated_attention.models.longnet.Rotary.rotate`. It rotates q (B, Nq, H, D) and
+k (B, Nk, Hkv, D) in one launch (grid axis 1 picks the tensor), with precomputed tables
+cos, sin (1, N, 1, D) float32 whose two halves are equal (``torch.cat([c, c], -1)``, as
+``Rotary.table`` builds them):
+
+    out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x2, x1)
+        = (x1 * c - x2 * s, x2 * c + x1 * s)
+
+computed in float32 and stored in x's dtype, i.e. exactly the math of ``Rotary._rotate_with``
+in one pass over x instead of about six float32 passes (cast, chunk, cat, two products, sum,
+cast back). The rotation is orthogonal, so its transpose (the backward) is the rotation by the
+opposite angle: the same kernel with ``s`` negated (``INVERSE``),
+
+    dx = (dy1 * c + dy2 * s, dy2 * c - dy1 * s).
+
+The backward calls the same autograd Function with ``inverse`` flipped, so a gradient taken
+with ``create_graph=True`` is itself differentiable (exactly: the map is linear in x).
+
+Eager only: ``torch.compile`` keeps the plain torch code of ``Rotary`` (Inductor fuses it), so
+nothing here is registered as a custom op. The module imports without triton;
+:func:`unavailable_reason` then says why it cannot run, and ``kernels/select.py`` asks it once per
+(device type, dtype, head dim) (``backend_reason("triton_rotary", ...)``). On the CPU the kernel
+runs only in Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # triton is an optional dependency: this module must import without it
+    import triton
+    import triton.language as tl
+
+    TRITON_IMPORT_ERROR: str | None = None
+except ImportError as e:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    TRITON_IMPORT_ERROR = str(e)
+
+MAX_HEADDIM = 256  # one program holds every head of BLOCK_T rows at once: keep the tile small
+# Elements of one half-tile (BLOCK_T rows x BLOCK_H heads x BLOCK_D): a few KiB of registers per
+# program, enough rows per program that the launch is not dominated by tiny programs.
+_TILE_ELEMENTS = 4096
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_tile(
+        X, Y, COS, SIN, rows, N, H,
+        sxb, sxn, sxh, syb, syn, syh, sc, ss, row0,
+        HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        INVERSE: tl.constexpr,
+    ):  # fmt: skip
+        """Rotate rows [row0, row0 + BLOCK_T) of the flattened (B * N) rows of X, every head."""
+        r = row0 + tl.arange(0, BLOCK_T)  # flattened (b, n) row
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        # int64: B * N * H * D passes 2^31 at a few million tokens
+        b = (r // N).to(tl.int64)
+        n = (r % N).to(tl.int64)
+        rmask = r < rows
+        mask = rmask[:, None, None] & (h < H)[None, :, None] & (d < HALF)[None, None, :]
+        cmask = rmask[:, None] & (d < HALF)[None, :]
+        x_off = (b * sxb + n * sxn)[:, None, None] + (h * sxh)[None, :, None] + d[None, None, :]
+        y_off = (b * syb + n * syn)[:, None, None] + (h * syh)[None, :, None] + d[None, None, :]
+        # the table's two halves are equal: the first half serves both
+        c = tl.load(COS + (n * sc)[:, None] + d[None, :], mask=cmask, other=0.0)[:, None, :]
+        s = tl.load(SIN + (n * ss)[:, None] + d[None, :], mask=cmask, other=0.0)[:, None, :]
+        if INVERSE:
+            s = -s
+        x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + y_off, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + y_off + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
+        XB, YB, CB, SB, rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
+        HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HA: tl.constexpr,
+        BLOCK_HB: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (cdiv(max(rows_a, rows_b), BLOCK_T), 1 or 2): axis 1 is tensor A (q) or B (k)."""
+        row0 = tl.program_id(0) * BLOCK_T
+        if tl.program_id(1) == 0:
+            _rotate_tile(XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
+                         row0, HALF, BLOCK_T, BLOCK_HA, BLOCK_D, INVERSE)  # fmt: skip
+        else:
+            _rotate_tile(XB, YB, CB, SB, rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
+                         row0, HALF, BLOCK_T, BLOCK_HB, BLOCK_D, INVERSE)  # fmt: skip
+
+
+def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
+    """Why the rotary kernel cannot run on inputs like ``q`` (None if it can)."""
+    if TRITON_IMPORT_ERROR is not None:
+        return f"the triton package is not importable ({TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
+    if q.device.type == "cuda" and interpret:
+        return "TRITON_INTERPRET=1 is set but the inputs are on CUDA; unset it to run the compiled kernel"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpret):
+        return f"the triton kernel needs a CUDA tensor, got device {q.device} (TRITON_INTERPRET=1 allows the CPU for tests)"
+    d = q.shape[-1]
+    if d % 2 or not 2 <= d <= MAX_HEADDIM:
+        return f"headdim {d} is not supported by the rotary kernel (even, 2 to {MAX_HEADDIM}); the torch path runs"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} is not supported by the rotary kernel (fp16, bf16, fp32); the torch path runs"
+    return None
+
+
+def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str) -> None:
+    b, n, h, d = x.shape
+    for tname, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != n or t.shape[2] != 1 or t.shape[3] != d:
+            raise ValueError(
+                f"rotary_fused: {tname} for {name} must be (1, {n}, 1, {d}) for {name} of shape "
+                f"{tuple(x.shape)}, got {tuple(t.shape)}; build the tables with Rotary.table"
+            )
+        if t.dtype != torch.float32 or t.stride(-1) != 1 or t.device != x.device:
+            raise ValueError(
+                f"rotary_fused: {tname} for {name} must be float32 on {x.device} with unit stride in "
+                f"its last dim, got {t.dtype} on {t.device} with strides {t.stride()}"
+            )
+
+
+def _launch(xa, ca, sa, xb, cb, sb, inverse: bool, dtype_a=None, dtype_b=None):
+    """Rotate xa (and xb, when not None) in one launch: new tensors in ``dtype_*`` (default the
+    input's dtype), contiguous (B, N, H, D). Either input may be None (then its output is None)."""
+    # the kernel addresses batch, row and head by stride but assumes unit stride along headdim
+    # (the model's q/k are views of a Linear output, already so; an incoming gradient may not be)
+    xa = None if xa is None else (xa if xa.stride(-1) == 1 else xa.contiguous())
+    xb = None if xb is None else (xb if xb.stride(-1) == 1 else xb.contiguous())
+    if xa is None:  # the kernel's slot A is always present: move B there
+        if xb is None:
+            return None, None
+        yb, _ = _launch(xb, cb, sb, None, None, None, inverse, dtype_b)
+        return None, yb
+    ya = torch.empty(xa.shape, dtype=dtype_a or xa.dtype, device=xa.device)
+    yb = None if xb is None else torch.empty(xb.shape, dtype=dtype_b or xb.dtype, device=xb.device)
+    d = xa.shape[-1]
+    half = d // 2
+    block_d = triton.next_power_of_2(half)
+    block_ha = triton.next_power_of_2(xa.shape[2])
+    block_hb = block_ha if xb is None else triton.next_power_of_2(xb.shape[2])
+    block_t = max(1, min(64, _TILE_ELEMENTS // (max(block_ha, block_hb) * block_d)))
+    rows_a = xa.shape[0] * xa.shape[1]
+    if xb is None:  # slot B unused: pass A's arguments again (never read: grid axis 1 is 1)
+        xb_, yb_, cb_, sb_, rows_b = xa, ya, ca, sa, 0
+    else:
+        xb_, yb_, cb_, sb_, rows_b = xb, yb, cb, sb, xb.shape[0] * xb.shape[1]
+    if rows_a == 0 and rows_b == 0:
+        return ya, yb
+    grid = (triton.cdiv(max(rows_a, rows_b), block_t), 1 if xb is None else 2)
+    _rotary_kernel[grid](
+        xa, ya, ca, sa, rows_a, max(xa.shape[1], 1), xa.shape[2], *xa.stride()[:3], *ya.stride()[:3],
+        ca.stride(1), sa.stride(1),
+        xb_, yb_, cb_, sb_, rows_b, max(xb_.shape[1], 1), xb_.shape[2], *xb_.stride()[:3],
+        *yb_.stride()[:3], cb_.stride(1), sb_.stride(1),
+        HALF=half, BLOCK_T=block_t, BLOCK_HA=block_ha, BLOCK_HB=block_hb, BLOCK_D=block_d,
+        INVERSE=inverse,
+    )  # fmt: skip
+    return ya, yb
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """q, k rotated by their tables (``inverse``: by the opposite angles); the backward is the
+    same Function with ``inverse`` flipped (the transpose of a rotation is its inverse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos_q, sin_q, cos_k, sin_k, inverse):
+        qo, ko = _launch(q, cos_q, sin_q, k, cos_k, sin_k, inverse)
+        ctx.save_for_backward(cos_q, sin_q, cos_k, sin_k)
+        ctx.inverse = inverse
+        ctx.shapes = (q.shape, q.dtype, k.shape, k.dtype)
+        # a gradient may reach only q or only k (the other output unused): no zeros for it
+        ctx.set_materialize_grads(False)
+        return qo, ko
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos_q, sin_q, cos_k, sin_k = ctx.saved_tensors
+        qshape, qdtype, kshape, kdtype = ctx.shapes
+        if not torch.is_grad_enabled():  # a plain backward: launch, nothing to record
+            gq, gk = _launch(dq, cos_q, sin_q, dk, cos_k, sin_k, not ctx.inverse, qdtype, kdtype)
+            return gq, gk, None, None, None, None, None
+        # create_graph=True: through apply, so that the gradient is itself differentiable
+        if dq is None:
+            dq = torch.zeros(qshape, dtype=qdtype, device=cos_q.device)
+        if dk is None:
+            dk = torch.zeros(kshape, dtype=kdtype, device=cos_k.device)
+        gq, gk = _RotaryFunction.apply(dq.to(qdtype), dk.to(kdtype), cos_q, sin_q, cos_k, sin_k,
+                                       not ctx.inverse)  # fmt: skip
+        return gq, gk, None, None, None, None, None
+
+
+def rotary_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_q: torch.Tensor,
+    sin_q: torch.Tensor,
+    cos_k: torch.Tensor,
+    sin_k: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Nq, H, D), k (B, Nk, Hkv, D) rotated by cos_*/sin_* (1, N*, 1, D) float32 -> rotated
+    q, k (same shapes and dtypes, contiguous), with autograd; one kernel launch for both.
+
+    The tables' two halves must be equal (``Rotary.table`` builds them so). q and k need unit
+    stride in their last dim to be read in place (else they are copied once); fp16, bf16 and
+    fp32 (see :func:`unavailable_reason`; callers ask ``select.backend_reason("triton_rotary",
+    ...)`` first).
+    """
+    if q.dim() != 4 or k.dim() != 4 or k.shape[-1] != q.shape[-1] or k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"rotary_fused: q (B, Nq, H, D) and k (B, Nk, Hkv, D) with the same B and D, got q "
+            f"{tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if q.shape[-1] % 2:
+        raise ValueError(f"rotary_fused: the head dim must be even, got {q.shape[-1]}")
+    _check(q, cos_q, sin_q, "q")
+    _check(k, cos_k, sin_k, "k")
+    return _RotaryFunction.apply(q, k, cos_q, sin_q, cos_k, sin_k, False)
