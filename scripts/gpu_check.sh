@@ -28,6 +28,8 @@
 #                                       ($ROUNDS rounds, default 9) on both trees, twice, alternating;
 #                                       TESTS_LAST=1: the tests after the measurements (DEADLINE=epoch s: they
 #                                       stop 25 s before it); ALT_PROFILE=0: no profile of $ALT_SRC
+#   bash scripts/gpu_check.sh rotary    issue 23 item 5: CUDA tests of the fused rotary kernel, generate and
+#                                       compile, then benchmarks/ab_rotary.py (kernel vs torch code, base steps)
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
 #                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
 #                                       each compiles ~6 binaries: a call of its own), causal
@@ -213,6 +215,16 @@ case "${1:-tests}" in
       [ -e "$f" ] && { echo "== $f"; grep -E "^- |rc=|^\| default" "$f" | tail -16; }
     done
     [ -e "$OUT/varlen.txt" ] && grep -E "^\| (True|False)|^- causal|rc=" "$OUT/varlen.txt"
+    ;;
+  rotary)
+    # issue 23 item 5: the fused rotary kernel (kernels/triton_rotary.py), CUDA tests of the
+    # kernel, the models' generate (CUDA graphs with the kernel) and compile, then the A/B
+    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -v -m cuda -n "${WORKERS:-3}" -p no:cacheprovider -rfE \
+      tests/test_rotary_fused.py tests/test_generate.py tests/test_compile_model.py > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED lines)" >> "$OUT/cuda_tests.txt"
+    timeout "${AB_TIMEOUT:-300}" python3 benchmarks/ab_rotary.py --out "$OUT/ab_rotary.md" > "$OUT/ab_rotary.txt" 2>&1
+    echo "ab_rotary rc=$?" >> "$OUT/ab_rotary.txt"
+    tail -4 "$OUT/cuda_tests.txt"; grep -E "^\||rc=" "$OUT/ab_rotary.txt" | tail -20
     ;;
   varlen-configs)
     timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_varlen.py --causal "${CAUSAL:-yes}" \
