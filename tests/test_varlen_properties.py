@@ -26,8 +26,8 @@ def test_varlen_torch_matches_reference(case):
     assert not bad, f"{case}: {bad}"
 
 
-# generator seeds of cheap cases: 8: three branches, causal, split heads, strided headdim, the
-# per-call path; 29: fewer queries than keys, causal, split, slices of a packed qkv, the folded
+# generator seeds of cheap cases: 8: float16, three branches, causal, split heads, a strided
+# headdim, the per-call path; 29: fewer queries than keys, causal, split, slices of a packed qkv, the folded
 # forward forced; 30: documents with keys but no queries; 31: an empty document, folded, split
 TRITON_SEEDS = [8, 29, 30, 31]
 

@@ -26,6 +26,7 @@ from property_cases import TOLERANCE, _branches, compare
 
 from dilated_attention import dilated_attention_varlen
 
+HALF_ATOL = 1e-2  # float16 results (rounded outputs, fp32 accumulation), times 1 + max |ref|
 SCALES = (None, None, 0.05, 0.5, 1.3, 0.0, -0.5)
 # how q, k, v are laid out in memory (the values are the same)
 LAYOUTS = ("contiguous", "qkv", "transposed", "strided_d")
@@ -53,6 +54,7 @@ class VarlenCase:
     fold: bool  # triton: the folded forward forced (fold_fills_tile -> True), as the tests do
     per_call: bool  # triton: the per-call path (USE_PLANS = False) instead of cached plans
     grad: bool  # else under torch.no_grad() (the torch path sends short queries to decoding)
+    half: bool  # triton: float16 (inputs rounded to it for the reference too), else float32
     seed: int
 
 
@@ -79,7 +81,8 @@ def _build(draw_int, draw_bool, seed: int, d: int) -> VarlenCase:
         scale=SCALES[draw_int(0, len(SCALES) - 1)], extra_max=(0, 0, 1, 17)[draw_int(0, 3)],
         int64=draw_bool(), shared=draw_bool(), offsets_on_device=draw_bool(),
         layout=LAYOUTS[draw_int(0, len(LAYOUTS) - 1)], check_offsets=draw_bool(),
-        fold=draw_bool(), per_call=draw_int(0, 3) == 0, grad=draw_int(0, 3) != 0, seed=seed,
+        fold=draw_bool(), per_call=draw_int(0, 3) == 0, grad=draw_int(0, 3) != 0,
+        half=draw_int(0, 3) == 0, seed=seed,
     )  # fmt: skip
 
 
@@ -113,6 +116,8 @@ def _inputs(c: VarlenCase):
     k = torch.randn(tk, c.hkv, c.d, generator=g, dtype=torch.float64)
     v = torch.randn(tk, c.hkv, c.d, generator=g, dtype=torch.float64)
     do = torch.randn(tq, c.h, c.d, generator=g, dtype=torch.float64)
+    if c.half:  # the reference sees the inputs the float16 run sees
+        q, k, v, do = (t.half().double() for t in (q, k, v, do))
     return q, k, v, do
 
 
@@ -207,5 +212,7 @@ def check_varlen(c: VarlenCase, impl: str, device: str = "cpu") -> list[str]:
     """Mismatches of ``dilated_attention_varlen(impl=impl)`` against the float64 reference run
     on each document alone (empty: equal), forward, LSE and dq/dk/dv."""
     dtype, atol = TOLERANCE[impl]
+    if c.half and impl == "triton":
+        dtype, atol = torch.float16, HALF_ATOL
     got, bad = run(c, impl, dtype, device)
     return bad + compare(reference(c), got, atol)
