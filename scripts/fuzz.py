@@ -58,6 +58,9 @@ def main(argv=None) -> int:
             errors += 1
             print(f"ERROR {case}: {type(e).__name__}: {e}", flush=True)
             continue
+        except KeyboardInterrupt:  # a case that seems to hang: say which one
+            print(f"INTERRUPTED during {case} ({time.monotonic() - t0:.0f} s)", flush=True)
+            raise
         if bad:
             mismatches += 1
             print(f"MISMATCH {case}: {'; '.join(bad)}", flush=True)
