@@ -83,3 +83,26 @@ def qkv(b, nq, nk, h, hkv, d, dtype=torch.float64, device="cpu", requires_grad=F
     k = torch.randn(b, nk, hkv, d, dtype=dtype, device=device, requires_grad=requires_grad)
     v = torch.randn(b, nk, hkv, d, dtype=dtype, device=device, requires_grad=requires_grad)
     return q, k, v
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, seg, dil, do, **kw):
+    """The packed-documents oracle (docs/spec.md, "Packed documents (varlen)"): each document
+    alone through ``dilated_attention(impl="reference")`` in the inputs' dtype (use float64),
+    concatenated. q (total_q, H, D), k/v (total_k, Hkv, D) requiring grad, ``do`` like q;
+    returns out (total_q, H, D), lse (H, total_q), (dq, dk, dv) (zeros where unused)."""
+    from dilated_attention import dilated_attention
+
+    cu_q, cu_k = [int(x) for x in cu_q], [int(x) for x in cu_k]
+    outs, lses = [q[:0] * 0], [q.new_zeros(q.shape[1], 0)]  # no document at all: empty results
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        o, lse = dilated_attention(
+            q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], seg, dil, impl="reference",
+            return_lse=True, **kw,
+        )  # fmt: skip
+        outs.append(o[0])
+        lses.append(lse[0])
+    out, lse = torch.cat(outs), torch.cat(lses, -1)
+    grads = torch.autograd.grad((out * do).sum(), (q, k, v), allow_unused=True)
+    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v), strict=True))
+    return out, lse, grads

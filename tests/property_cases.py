@@ -103,12 +103,20 @@ TOLERANCE = {"torch": (torch.float64, 1e-9), "triton": (torch.float32, 2e-4)}
 def check(c: Case, impl: str, device: str = "cpu") -> list[str]:
     """Mismatches of ``impl`` against the float64 reference on case ``c`` (empty: equal)."""
     dtype, atol = TOLERANCE[impl]
-    ref = _run(c, "reference", torch.float64, "cpu")
-    got = _run(c, impl, dtype, device)
+    return compare(_run(c, "reference", torch.float64, "cpu"), _run(c, impl, dtype, device), atol)
+
+
+def compare(ref: dict, got: dict, atol: float) -> list[str]:
+    """Mismatches of the results ``got`` against ``ref`` (dicts of tensors by name, ``"lse"``
+    compared on its finite entries after its -inf pattern): error at most ``atol`` times
+    ``1 + max |ref|``, no NaN, equal shapes."""
     bad = []
     for name, want in ref.items():
         have = got[name].detach().to("cpu", torch.float64)
         want = want.detach()
+        if have.shape != want.shape:
+            bad.append(f"{name}: shape {tuple(have.shape)} != {tuple(want.shape)}")
+            continue
         if name == "lse":  # -inf (no key) must match exactly; finite values within tolerance
             if not torch.equal(torch.isneginf(have), torch.isneginf(want)):
                 bad.append(f"{name}: -inf pattern differs")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_close
+from helpers import check_close, varlen_reference
 
 from dilated_attention import dilated_attention, dilated_attention_varlen
 
@@ -39,23 +39,6 @@ def _inputs(docs, h, hkv, d=8, dtype=torch.float64):
     return q, k, v, _cu([n for n, _ in docs]), _cu([n for _, n in docs])
 
 
-def _oracle(q, k, v, cu_q, cu_k, seg, dil, do, **kw):
-    """Each document alone through dilated_attention(impl="reference"): out, lse, grads."""
-    outs, lses = [], []
-    for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = (int(x) for x in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
-        o, lse = dilated_attention(
-            q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], seg, dil, impl="reference",
-            return_lse=True, **kw,
-        )  # fmt: skip
-        outs.append(o[0])
-        lses.append(lse[0])
-    out, lse = torch.cat(outs), torch.cat(lses, -1)
-    grads = torch.autograd.grad((out * do).sum(), (q, k, v), allow_unused=True)
-    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v), strict=True))
-    return out, lse, grads
-
-
 def _cases():
     cases = []
     i = 0
@@ -77,7 +60,7 @@ def test_varlen_equals_each_document_alone(impl, branches, docs, causal, heads, 
     mq = max(n for n, _ in DOCS[docs])
     mk = max(n for _, n in DOCS[docs])
     do = torch.randn(q.shape, dtype=q.dtype)
-    want, want_lse, want_g = _oracle(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal, head_assignment=ha)
+    want, want_lse, want_g = varlen_reference(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal, head_assignment=ha)
     out, lse = dilated_attention_varlen(
         q, k, v, cu_q, cu_k, mq, mk, seg, dil, causal=causal, head_assignment=ha, impl=impl,
         return_lse=True,
@@ -161,7 +144,7 @@ def test_varlen_triton_equals_each_document_alone(branches, docs, causal, heads,
         pytest.skip("the fused kernel cannot run here (no CUDA and no TRITON_INTERPRET=1)")
     mq, mk = max(n for n, _ in DOCS[docs]), max(n for _, n in DOCS[docs])
     do = torch.randn(q.shape, dtype=q.dtype)
-    want, want_lse, want_g = _oracle(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal, head_assignment=ha)
+    want, want_lse, want_g = varlen_reference(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal, head_assignment=ha)
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     out, lse = dilated_attention_varlen(
         qf, kf, vf, cu_q, cu_k, mq, mk, seg, dil, causal=causal, head_assignment=ha, impl="triton",
@@ -255,7 +238,7 @@ def test_varlen_cuda_bf16_fast_paths_against_reference(causal, seed):
     seg, dil = (64, 256, 1024), (1, 2, 4)
     args = (cu_q.cuda(), cu_k.cuda(), 1500, 1500, seg, dil)
     do = torch.randn(q.shape, dtype=torch.float64)
-    want, _, want_g = _oracle(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal)
+    want, _, want_g = varlen_reference(q, k, v, cu_q, cu_k, seg, dil, do, causal=causal)
     errs = {}
     for impl in ("torch", "triton"):
         qb, kb, vb = (t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v))
