@@ -30,6 +30,8 @@
 #                                       stop 25 s before it); ALT_PROFILE=0: no profile of $ALT_SRC
 #   bash scripts/gpu_check.sh rotary    issue 23 item 5: CUDA tests of the fused rotary kernel, generate and
 #                                       compile, then benchmarks/ab_rotary.py (kernel vs torch code, base steps)
+#   bash scripts/gpu_check.sh fuzz      scripts/fuzz.py on CUDA: the Triton impl, up to $FUZZ_EXAMPLES (5000)
+#                                       dense cases in $FUZZ_MINUTES (5), then --varlen for 3 minutes
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
 #                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
 #                                       each compiles ~6 binaries: a call of its own), causal
@@ -225,6 +227,17 @@ case "${1:-tests}" in
     timeout "${AB_TIMEOUT:-300}" python3 benchmarks/ab_rotary.py --out "$OUT/ab_rotary.md" > "$OUT/ab_rotary.txt" 2>&1
     echo "ab_rotary rc=$?" >> "$OUT/ab_rotary.txt"
     tail -4 "$OUT/cuda_tests.txt"; grep -E "^\||rc=" "$OUT/ab_rotary.txt" | tail -20
+    ;;
+  fuzz)
+    # issue 24 item 5 (>= 5,000 random configurations on the GPU against the float64 reference)
+    # and the packed-documents fuzzer (issue 22): the Triton impl on CUDA, each until its time
+    timeout "${FUZZ_TIMEOUT:-330}" python3 scripts/fuzz.py --impl triton --device cuda \
+      --examples "${FUZZ_EXAMPLES:-5000}" --minutes "${FUZZ_MINUTES:-5}" --every 500 > "$OUT/fuzz_dense.txt" 2>&1
+    echo "fuzz rc=$?" >> "$OUT/fuzz_dense.txt"
+    timeout "${FUZZ_VARLEN_TIMEOUT:-200}" python3 scripts/fuzz.py --varlen --impl triton --device cuda \
+      --minutes "${FUZZ_VARLEN_MINUTES:-3}" --every 200 > "$OUT/fuzz_varlen.txt" 2>&1
+    echo "fuzz rc=$?" >> "$OUT/fuzz_varlen.txt"
+    tail -4 "$OUT/fuzz_dense.txt"; tail -4 "$OUT/fuzz_varlen.txt"
     ;;
   varlen-configs)
     timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_varlen.py --causal "${CAUSAL:-yes}" \
