@@ -220,8 +220,9 @@ case "${1:-tests}" in
     ;;
   rotary)
     # issue 23 item 5: the fused rotary kernel (kernels/triton_rotary.py), CUDA tests of the
-    # kernel, the models' generate (CUDA graphs with the kernel) and compile, then the A/B
-    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -v -m cuda -n "${WORKERS:-3}" -p no:cacheprovider -rfE \
+    # kernel, the models' generate (CUDA graphs with the kernel) and compile, with the kernel
+    # switched on (off by default until this call has run: flags.ROTARY_DEFAULT), then the A/B
+    DILATED_ATTENTION_FUSED_ROTARY=auto timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -v -m cuda -n "${WORKERS:-3}" -p no:cacheprovider -rfE \
       tests/test_rotary_fused.py tests/test_generate.py tests/test_compile_model.py > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED lines)" >> "$OUT/cuda_tests.txt"
     timeout "${AB_TIMEOUT:-300}" python3 benchmarks/ab_rotary.py --out "$OUT/ab_rotary.md" > "$OUT/ab_rotary.txt" 2>&1

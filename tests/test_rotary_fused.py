@@ -2,8 +2,8 @@
 models with it on against the models with it off (flags.set_fused_rotary).
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-at tiny sizes; ``set_fused_rotary(True)`` is what lets the models use it there (the default,
-"auto", takes it on CUDA only). The ``cuda`` tests run a realistic size in bf16.
+at tiny sizes; ``set_fused_rotary(True)`` is what lets the models use it there ("auto" takes it
+on CUDA only; the default is off until the kernel has run on a GPU: ``flags.ROTARY_DEFAULT``). The ``cuda`` tests run a realistic size in bf16.
 
 Tolerances: the kernel and the torch code compute the same float32 products and round once to
 the input's dtype, so fp32 and fp16 agree to rounding (an FMA may move the last fp32 bit) and
@@ -264,7 +264,7 @@ def test_compiled_model_keeps_the_torch_code(seed, fused_on, monkeypatch):
 
 
 def test_switch(monkeypatch):
-    """set_fused_rotary: True/False/None; the environment (0 off, 1 on, else auto) read once
+    """set_fused_rotary: True/False/None; the environment (0 off, 1 on, auto, else the default) read once
     after each set; anything but a bool or None is refused."""
     try:
         monkeypatch.setenv(flags.ENV_FUSED_ROTARY, "0")
@@ -274,9 +274,12 @@ def test_switch(monkeypatch):
         assert flags.fused_rotary_mode() == "off"  # read once since the last set
         flags.set_fused_rotary(None)
         assert flags.fused_rotary_mode() == "on"
-        monkeypatch.delenv(flags.ENV_FUSED_ROTARY)
+        monkeypatch.setenv(flags.ENV_FUSED_ROTARY, "auto")
         flags.set_fused_rotary(None)
         assert flags.fused_rotary_mode() == "auto"
+        monkeypatch.delenv(flags.ENV_FUSED_ROTARY)
+        flags.set_fused_rotary(None)
+        assert flags.fused_rotary_mode() == flags.ROTARY_DEFAULT
         flags.set_fused_rotary(True)
         assert flags.fused_rotary_mode() == "on"
         flags.set_fused_rotary(False)
@@ -296,7 +299,7 @@ def test_rejects_bad_tables():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("hkv", [12, 4])
-def test_cuda_realistic_size(seed, hkv):
+def test_cuda_realistic_size(seed, hkv, monkeypatch):
     """The LongNet base shapes (B 4, N 8192, 12 heads of 64, bf16), positions from 10^6: kernel
     against the torch code, forward and backward; and the base-width model's training step
     (2 layers, bf16 autocast, the kernel by default on CUDA) against the same step with it off."""
@@ -310,7 +313,10 @@ def test_cuda_realistic_size(seed, hkv):
     want = _grads(_torch_path, q, k, table, gq, gk)
     for name, a, w in zip(("q", "k", "dq", "dk"), got, want, strict=True):
         torch.testing.assert_close(a, w, **TOL[torch.bfloat16], msg=name)
+    monkeypatch.setenv(flags.ENV_FUSED_ROTARY, "auto")  # what "auto" picks on CUDA: the kernel
+    flags.set_fused_rotary(None)
     assert flags.fused_rotary_mode() == "auto"
+    flags.set_fused_rotary(None)  # (read again when the env is restored)
     cfg = LongNetConfig.preset("base", n_layer=2, n_kv_head=hkv, vocab_size=512)
     model = LongNetLM(cfg).cuda().train()
     idx = torch.randint(0, 512, (1, 8192), device="cuda")

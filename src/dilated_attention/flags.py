@@ -40,15 +40,17 @@ k in eager mode with the Triton kernel of ``kernels/triton_rotary.py`` (one pass
 backward) or with its torch code (about six float32 passes each way; ``torch.compile`` always
 keeps the torch code, which Inductor fuses). Three answers, from :func:`fused_rotary_mode`:
 
-- ``"auto"`` (the default): the kernel on CUDA where it can run (fp16, bf16, fp32; not xPos),
-  else the torch code;
+- ``"auto"``: the kernel on CUDA where it can run (fp16, bf16, fp32; not xPos), else the torch
+  code;
 - ``"on"``: the kernel wherever it can run, Triton's interpreter on the CPU included
   (``TRITON_INTERPRET=1``; for tests), else the torch code;
-- ``"off"``: always the torch code.
+- ``"off"`` (the default until the kernel has run on a GPU: it was built and tested in Triton's
+  interpreter on 2026-11-27; ``scripts/gpu_check.sh rotary`` is its first GPU call): always the
+  torch code.
 
 ``set_fused_rotary(True)`` is ``"on"``, ``False`` is ``"off"``, ``None`` returns to the
-environment: ``DILATED_ATTENTION_FUSED_ROTARY=0`` is ``"off"``, ``=1`` is ``"on"``, anything else
-or nothing is ``"auto"``. Read as the direct-launch switch is (once after each set: it is asked in
+environment: ``DILATED_ATTENTION_FUSED_ROTARY=0`` is ``"off"``, ``=1`` is ``"on"``, ``=auto`` is
+``"auto"``, anything else or nothing is the default (``ROTARY_DEFAULT``). Read as the direct-launch switch is (once after each set: it is asked in
 every layer of every forward, decode steps included).
 """
 
@@ -59,6 +61,7 @@ import os
 ENV_CUDNN = "DILATED_ATTENTION_CUDNN"
 ENV_DIRECT_LAUNCH = "DILATED_ATTENTION_DIRECT_LAUNCH"
 ENV_FUSED_ROTARY = "DILATED_ATTENTION_FUSED_ROTARY"
+ROTARY_DEFAULT = "off"  # "auto" once the kernel is verified and measured on a GPU
 
 # the value set by set_cudnn_attention; None: the environment decides (the xformers-style setter)
 _cudnn_override: bool | None = None
@@ -115,7 +118,7 @@ def direct_launch_enabled() -> bool:
 def set_fused_rotary(enabled: bool | None) -> None:
     """Use the fused rotary kernel wherever it can run (True: the interpreter on the CPU
     included) or never (False) in this process; None returns to the environment's choice
-    (``DILATED_ATTENTION_FUSED_ROTARY``, default ``"auto"``: CUDA only)."""
+    (``DILATED_ATTENTION_FUSED_ROTARY``: ``0``, ``1`` or ``auto``, CUDA only; unset: ``ROTARY_DEFAULT``)."""
     global _rotary_override
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(
@@ -129,10 +132,11 @@ def set_fused_rotary(enabled: bool | None) -> None:
 def fused_rotary_mode() -> str:
     """``"on"``, ``"off"`` or ``"auto"`` for the models' fused rotary kernel: the value set by
     :func:`set_fused_rotary`, else the environment (``DILATED_ATTENTION_FUSED_ROTARY=0`` off,
-    ``=1`` on, else auto) as read at the first call since the last :func:`set_fused_rotary`."""
+    ``=1`` on, ``=auto`` auto, else ``ROTARY_DEFAULT``) as read at the first call since the last
+    :func:`set_fused_rotary`."""
     if _rotary_override is not None:
         return "on" if _rotary_override else "off"
     if not _rotary_env:
         value = os.environ.get(ENV_FUSED_ROTARY, "").strip()
-        _rotary_env.append({"0": "off", "1": "on"}.get(value, "auto"))
+        _rotary_env.append({"0": "off", "1": "on", "auto": "auto"}.get(value.lower(), ROTARY_DEFAULT))
     return _rotary_env[0]
