@@ -50,8 +50,9 @@ keeps the torch code, which Inductor fuses). Three answers, from :func:`fused_ro
 
 ``set_fused_rotary(True)`` is ``"on"``, ``False`` is ``"off"``, ``None`` returns to the
 environment: ``DILATED_ATTENTION_FUSED_ROTARY=0`` is ``"off"``, ``=1`` is ``"on"``, ``=auto`` is
-``"auto"``, anything else or nothing is the default (``ROTARY_DEFAULT``). Read as the direct-launch switch is (once after each set: it is asked in
-every layer of every forward, decode steps included).
+``"auto"``, anything else or nothing is the default (``ROTARY_DEFAULT``). Read as the
+direct-launch switch is (once after each set: it is asked in every layer of every forward,
+decode steps included).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def direct_launch_enabled() -> bool:
 def set_fused_rotary(enabled: bool | None) -> None:
     """Use the fused rotary kernel wherever it can run (True: the interpreter on the CPU
     included) or never (False) in this process; None returns to the environment's choice
-    (``DILATED_ATTENTION_FUSED_ROTARY``: ``0``, ``1`` or ``auto``, CUDA only; unset: ``ROTARY_DEFAULT``)."""
+    (``DILATED_ATTENTION_FUSED_ROTARY``: ``0``, ``1`` or ``auto``, CUDA only; unset:
+    ``ROTARY_DEFAULT``)."""
     global _rotary_override
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(

@@ -70,8 +70,8 @@ def _compute_reason(backend: str, device_type: str, dtype: torch.dtype, headdim:
 
 def backend_reason(backend: str, device_type: str, dtype: torch.dtype, headdim: int) -> str | None:
     """Why ``backend`` (``"triton"``: the fused kernel; ``"triton_decode"``: the decode kernel;
-    ``"triton_rotary"``: the rotary kernel of the models) cannot run on inputs of this device type, dtype and head dim (None if it can). Decided once
-    per process for each key."""
+    ``"triton_rotary"``: the rotary kernel of the models) cannot run on inputs of this device
+    type, dtype and head dim (None if it can). Decided once per process for each key."""
     key = (backend, device_type, dtype, headdim)
     if key in _REASONS:
         return _REASONS[key]
