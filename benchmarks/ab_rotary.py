@@ -8,7 +8,8 @@ in interleaved rounds (A, B, A, B, ...) so that the host's drift cancels out:
   (q and k read and written once each way; the tables are small);
 - end to end: LongNet ``base`` training steps (bf16 autocast, fwd + bwd + AdamW) at 8K x 4 and
   16K x 2 with the branches of ``bench_overhead.py``, eager with the kernel, eager without it,
-  and ``torch.compile`` (which keeps the torch code; ``--no-compile`` skips it).
+  and ``torch.compile`` (which keeps the torch code; ``--no-compile`` skips it), beside the
+  same model with dense attention (one branch w = N: the SDPA path), eager, as the baseline.
 
 Per round and arm: the median of back-to-back calls (``dilated_attention.timing.median_ms``);
 reported: the median over rounds and the spread (min-max).
@@ -107,7 +108,12 @@ def e2e_rows(cfg, device, dtype, args) -> list[dict]:
         x = torch.randint(0, mcfg.vocab_size, (batch, n + 1), device=device)
         inp, tgt = x[:, :-1], x[:, 1:]
 
-        def step(run):
+        # the dense-SDPA baseline of the same run: the same model with one branch w = N, r = 1
+        # (the dense path), eager, rotary as shipped (flags default)
+        dense = LongNetLM(mcfg.with_attention("dense", n)).to(device).train()
+        dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-4)
+
+        def step(run, opt):
             def go():
                 with amp:
                     _, loss = run(inp, tgt, return_logits=False)
@@ -117,12 +123,13 @@ def e2e_rows(cfg, device, dtype, args) -> list[dict]:
 
             return go
 
-        arms = {"eager fused": (True, step(model)), "eager torch": (False, step(model))}
+        arms = {"eager fused": (True, step(model, opt)), "eager torch": (False, step(model, opt))}
         if not args.no_compile:
-            arms["compiled"] = (None, step(torch.compile(model, backend=args.compile_backend)))
+            arms["compiled"] = (None, step(torch.compile(model, backend=args.compile_backend), opt))
+        arms["eager dense"] = (None, step(dense, dense_opt))
         res = rounds(arms, device, args)
         rows.append(dict(shape=f"N{n} x {batch}", **res))
-        del model, opt
+        del model, opt, dense, dense_opt
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -160,15 +167,15 @@ def main(argv=None) -> int:
         lines.append(f"| {r['shape']} | {r['what']} | {_spread(r['fused'])} | {_spread(r['torch'])} | "
                      f"{ratio:.2f}x | {r['gbs']:.0f} |")  # fmt: skip
     if e2e:
-        lines += ["", "| tokens | eager fused ms | eager torch ms | compiled ms | fused / compiled | torch / compiled |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| tokens | eager fused ms | eager torch ms | compiled ms | fused / compiled | "
+                  "torch / compiled | eager dense-SDPA ms |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in e2e:
             comp = r.get("compiled")
             c = statistics.median(comp) if comp else float("nan")
             lines.append(
                 f"| {r['shape']} | {_spread(r['eager fused'])} | {_spread(r['eager torch'])} | "
                 f"{_spread(comp) if comp else '-'} | {statistics.median(r['eager fused']) / c:.2f}x | "
-                f"{statistics.median(r['eager torch']) / c:.2f}x |"
+                f"{statistics.median(r['eager torch']) / c:.2f}x | {_spread(r['eager dense'])} |"
             )
     text = "\n".join(lines) + "\n"
     if args.out:

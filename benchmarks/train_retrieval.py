@@ -104,6 +104,10 @@ RECIPES: dict[str, dict] = {
         decay_minutes=4.0,
         stage_warmup=50,
         z_loss=1e-4,
+        # a quarter of the training rows with the value in the last eighth of its 1024-segment,
+        # the place the persistent misses sit (docs/training.md): seeds 0 and 1 reached >= 0.95
+        # everywhere in 215 / 238 s with it (2026-11-27); seed 0 missed without it
+        hard_fraction=0.25,
         num_pairs=1,
         min_distance=16,
         local_window=1024,
@@ -137,6 +141,10 @@ RECIPES: dict[str, dict] = {
         decay_minutes=10.0,
         stage_warmup=50,
         z_loss=1e-4,
+        # evals on an average of the weights from the last stage's start: seed 0 held 0.97 at
+        # every distance from its first 512K eval to the end of a 20-minute run (2026-11-27),
+        # where without it one or two sequences came and went
+        ema=0.99,
         num_pairs=1,
         min_distance=16,
         local_window=1024,

@@ -221,7 +221,7 @@ case "${1:-tests}" in
   rotary)
     # issue 23 item 5: the fused rotary kernel (kernels/triton_rotary.py), CUDA tests of the
     # kernel, the models' generate (CUDA graphs with the kernel) and compile, with the kernel
-    # switched on (off by default until this call has run: flags.ROTARY_DEFAULT), then the A/B
+    # switched on (the default since 2026-11-27: flags.ROTARY_DEFAULT; auto set here anyway), then the A/B
     DILATED_ATTENTION_FUSED_ROTARY=auto timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -v -m cuda -n "${WORKERS:-3}" -p no:cacheprovider -rfE \
       tests/test_rotary_fused.py tests/test_generate.py tests/test_compile_model.py > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED lines)" >> "$OUT/cuda_tests.txt"

@@ -3,7 +3,8 @@ models with it on against the models with it off (flags.set_fused_rotary).
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
 at tiny sizes; ``set_fused_rotary(True)`` is what lets the models use it there ("auto" takes it
-on CUDA only; the default is off until the kernel has run on a GPU: ``flags.ROTARY_DEFAULT``). The ``cuda`` tests run a realistic size in bf16.
+on CUDA only, and is the default: ``flags.ROTARY_DEFAULT``). The ``cuda`` tests run a realistic
+size in bf16.
 
 Tolerances: the kernel and the torch code compute the same float32 products and round once to
 the input's dtype, so fp32 and fp16 agree to rounding (an FMA may move the last fp32 bit) and
@@ -279,7 +280,10 @@ def test_switch(monkeypatch):
         assert flags.fused_rotary_mode() == "auto"
         monkeypatch.delenv(flags.ENV_FUSED_ROTARY)
         flags.set_fused_rotary(None)
-        assert flags.fused_rotary_mode() == flags.ROTARY_DEFAULT
+        assert flags.fused_rotary_mode() == flags.ROTARY_DEFAULT == "auto"  # the shipped default
+        monkeypatch.setenv(flags.ENV_FUSED_ROTARY, "yes")
+        flags.set_fused_rotary(None)
+        assert flags.fused_rotary_mode() == "auto"  # not 0, 1 or auto: the default
         flags.set_fused_rotary(True)
         assert flags.fused_rotary_mode() == "on"
         flags.set_fused_rotary(False)
