@@ -30,6 +30,9 @@
 #                                       stop 25 s before it); ALT_PROFILE=0: no profile of $ALT_SRC
 #   bash scripts/gpu_check.sh rotary    issue 23 item 5: CUDA tests of the fused rotary kernel, generate and
 #                                       compile, then benchmarks/ab_rotary.py (kernel vs torch code, base steps)
+#   bash scripts/gpu_check.sh step      issue 23 item 5: benchmarks/profile_step.py (one eager, one compiled and one
+#                                       dense-SDPA LongNet base step profiled at 8K x 4 and 16K x 2: kernels per
+#                                       category, eager by origin, host vs GPU time; no tests)
 #   bash scripts/gpu_check.sh fuzz      scripts/fuzz.py on CUDA: the Triton impl, up to $FUZZ_EXAMPLES (5000)
 #                                       dense cases in $FUZZ_MINUTES (5), then --varlen for 3 minutes
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
@@ -228,6 +231,14 @@ case "${1:-tests}" in
     timeout "${AB_TIMEOUT:-300}" python3 benchmarks/ab_rotary.py --out "$OUT/ab_rotary.md" > "$OUT/ab_rotary.txt" 2>&1
     echo "ab_rotary rc=$?" >> "$OUT/ab_rotary.txt"
     tail -4 "$OUT/cuda_tests.txt"; grep -E "^\||rc=" "$OUT/ab_rotary.txt" | tail -20
+    ;;
+  step)
+    # issue 23 item 5: where the eager LongNet step loses to the compiled one (1.56x at 8K x 4 on
+    # 2026-11-27): torch.profiler on one step per arm, the kernels per category side by side
+    timeout "${STEP_TIMEOUT:-480}" python3 benchmarks/profile_step.py --out "$OUT/profile_step.md" > "$OUT/profile_step.txt" 2>&1
+    echo "profile_step rc=$?" >> "$OUT/profile_step.txt"
+    sed -n '/^### Per category/,/^### Eager by origin/p' "$OUT/profile_step.md" 2>/dev/null | grep "^|" | head -24
+    sed -n '/^## Summary/,/^## N/p' "$OUT/profile_step.md" 2>/dev/null | grep -E "^\||^- N"; tail -2 "$OUT/profile_step.txt"
     ;;
   fuzz)
     # issue 24 item 5 (>= 5,000 random configurations on the GPU against the float64 reference)

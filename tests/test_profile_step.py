@@ -1,0 +1,157 @@
+"""benchmarks/profile_step.py (issue 23 item 5: where the eager LongNet step loses to compiled):
+its kernel / op classifier on the names a CUDA profile gives, and the whole script at CPU size
+(--tiny: eager, compiled with aot_eager and the dense baseline profiled, CPU ops for kernels)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import profile_step  # noqa: E402
+
+
+@pytest.mark.parametrize("name, origin, want", [
+    ("dilated_fwd_kernel", "DilatedAttention", "attention"),
+    ("dilated_bwd_dkdv_kernel", "bwd _EagerFusedBackward", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>(Flash_fwd_params)", "DilatedAttention", "attention"),
+    ("_rotary_kernel", "rotary", "rotary"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "Linear", "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "bwd Linear", "gemm"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(int, float)", "LayerNorm", "layernorm"),
+    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<float, float>(long)", "bwd LayerNorm", "layernorm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda(at::TensorIteratorBase&)>", "Linear", "cast/copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "bwd torch::autograd::AccumulateGrad", "grad accumulation"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "Block", "residual/other elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "FeedForward", "gelu"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float>", "ce", "cross-entropy"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "bwd ce", "cross-entropy"),
+    ("void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>>", "optimizer", "optimizer"),
+    ("void at::native::(anonymous namespace)::fused_adamw_kernel", "optimizer", "optimizer"),
+    ("Memset (Device)", "zero_grad", "optimizer"),
+    ("Memset (Device)", "bwd Linear", "memset/fill"),
+    ("Memcpy HtoD (Pageable -> Device)", "unattributed", "memcpy"),
+    ("triton_per_fused__log_softmax__to_copy_nll_loss_forward_3", "unattributed", "cross-entropy"),
+    ("triton_red_fused_native_layer_norm_native_layer_norm_backward_7", "unattributed", "layernorm"),
+    ("triton_poi_fused__to_copy_cat_mul_neg_5", "unattributed", "rotary"),
+    ("triton_poi_fused_gelu_12", "unattributed", "gelu"),
+    ("triton_poi_fused__to_copy_2", "unattributed", "cast/copy"),
+    ("aten::addmm", "Linear", "gemm"),
+    ("aten::nonzero", "loss", "host sync"),
+    ("aten::item", "optimizer", "optimizer"),
+])  # fmt: skip
+def test_categories_of_cuda_kernel_and_op_names(name, origin, want):
+    assert profile_step.category(name, origin) == want
+
+
+def test_triton_kernel_names_read_from_the_source():
+    assert "dilated_fwd_kernel" in profile_step.ATTN_KERNELS
+    assert "dilated_bwd_dq_kernel" in profile_step.ATTN_KERNELS
+    assert profile_step.ROTARY_KERNELS == ("_rotary_kernel",)
+
+
+def _category_rows(text: str, section: str) -> dict:
+    """category -> [eager count, eager ms, compiled count, ...] of a '### Per category' table."""
+    body = text.split(section, 1)[1].split("### Per category", 1)[1].split("###", 1)[0]
+    rows = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 2 and cells[0] not in ("category", "") and not cells[0].startswith("---"):
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    return rows
+
+
+@pytest.mark.slow  # the whole script at CPU size, compile (aot_eager) included: ~30 s
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the --tiny smoke test runs on the CPU")
+def test_tiny_profile_writes_the_tables(tmp_path):
+    out = tmp_path / "profile_step.md"
+    assert profile_step.main(["--tiny", "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# LongNet training step profile, eager vs compiled")
+    assert "- versions:" in text and "torch" in text
+    summary = text.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    for arm in ("eager", "compiled", "dense"):
+        assert re.search(rf"\| N128 x 2 \| {arm} \| [0-9.]+ \|", summary), arm
+    rows = _category_rows(text, "## N128 x 2")
+    total = rows.pop("**total**")
+    # the categories add up to the total, per arm (counts exactly, times to rounding)
+    for col in range(0, len(total) - 1, 2):
+        assert sum(r[col] for r in rows.values()) == total[col]
+        assert sum(r[col + 1] for r in rows.values()) == pytest.approx(total[col + 1], abs=0.01 * len(rows) + 1e-3)
+    # a training step has all of these, in every arm (the optimizer stays eager when compiled)
+    for cat in ("gemm", "layernorm", "cross-entropy", "optimizer"):
+        assert rows[cat][0] > 0 and rows[cat][2] > 0 and rows[cat][4] > 0, cat
+    # the eager rotary is the torch code on the CPU: labelled through its wrapper, fwd and bwd
+    assert rows["rotary"][0] > 0
+    origins = text.split("### Eager by origin", 1)[1].split("###", 1)[0]
+    for o in ("| Linear |", "| bwd Linear |", "| optimizer |", "| ce |", "| bwd ce |", "| rotary |"):
+        assert o in origins, o
+    assert "### Top 25 CPU ops, compiled" in text
+    # the labels are gone afterwards: the model code is as it was
+    from dilated_attention.models import longnet
+
+    assert longnet._ce_sum.__name__ == "_ce_sum"
+    assert longnet.chunked_cross_entropy.__name__ == "chunked_cross_entropy"
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+class _Ev:
+    """The fields of a profiler FunctionEvent that profile_step.analyse reads."""
+
+    def __init__(self, name, start, end, parent=None, device=torch.autograd.DeviceType.CPU, id=0, seq=-1):
+        self.name, self.device_type, self.id, self.sequence_nr = name, device, id, seq
+        self.time_range, self.is_async, self.cpu_parent, self.cpu_children = _Range(start, end), False, parent, []
+        self.linked_correlation_id = 0
+        self.cpu_time_total = self.self_cpu_time_total = end - start
+        if parent is not None:
+            parent.cpu_children.append(self)
+
+
+def test_analyse_attributes_cuda_kernels_to_their_launch():
+    """The CUDA branch of analyse on a made-up trace (no GPU here): a forward Linear's weight
+    cast and GEMM, the backward GEMM of that Linear's node, a grad accumulation, an optimizer
+    kernel; kernels matched to their runtime launch by correlation id, overlaps counted once."""
+    cuda = torch.autograd.DeviceType.CUDA
+    lin = _Ev("mod:Linear", 0, 100)
+    to = _Ev("aten::_to_copy", 1, 10, lin, seq=5)
+    _Ev("cudaLaunchKernel", 2, 3, to, id=11)
+    mm = _Ev("aten::addmm", 10, 20, lin, seq=6)
+    _Ev("cudaLaunchKernel", 11, 12, mm, id=12)
+    node = _Ev("autograd::engine::evaluate_function: AddmmBackward0", 200, 300, seq=6)
+    bmm = _Ev("aten::mm", 201, 210, _Ev("AddmmBackward0", 200, 299, node, seq=6))
+    _Ev("cuLaunchKernelEx", 202, 203, bmm, id=13)
+    acc = _Ev("aten::add_", 301, 310, _Ev("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 300, 320))
+    _Ev("cudaLaunchKernel", 302, 303, acc, id=14)
+    opt = _Ev("aten::_foreach_add_", 401, 410, _Ev("optimizer", 400, 420))
+    _Ev("cudaLaunchKernel", 402, 403, opt, id=15)
+    kernels = [
+        _Ev("void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda>", 5, 15, device=cuda, id=11),
+        _Ev("sm90_xmma_gemm_bf16bf16_bf16f32", 15, 45, device=cuda, id=12),  # 15-45 overlaps nothing
+        _Ev("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", 210, 250, device=cuda, id=13),
+        _Ev("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", 240, 260, device=cuda, id=14),
+        _Ev("void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>>", 410, 430, device=cuda, id=15),
+        _Ev("Memset (Device)", 500, 501, device=cuda, id=99),  # no launch found: unattributed
+    ]
+    cpu = [e for e in (lin, to, mm, node, bmm, acc, opt)]
+    everything = cpu + [c for e in cpu for c in e.cpu_children] + kernels
+    res = profile_step.analyse(list(dict.fromkeys(everything)), torch.device("cuda"))
+    assert res["n"] == 6 and res["memops"] == 1
+    assert res["sum_ms"] == pytest.approx((10 + 30 + 40 + 20 + 20 + 1) / 1e3)
+    assert res["busy_ms"] == pytest.approx((10 + 30 + 50 + 20 + 1) / 1e3)  # 210-260 once
+    assert res["origins"]["Linear"] == [2, 40.0]
+    assert res["origins"]["bwd Linear"] == [1, 40.0]  # the node's forward op was in mod:Linear
+    assert res["origins"]["unattributed"] == [1, 1.0]
+    cats = {k: v[0] for k, v in res["cats"].items()}
+    assert cats == {"cast/copy": 1, "gemm": 2, "grad accumulation": 1, "optimizer": 1, "memset/fill": 1}
