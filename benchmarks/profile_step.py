@@ -6,6 +6,9 @@ bf16 autocast, fwd + bwd + AdamW (``torch.optim.AdamW``'s defaults, as there), t
 kernel on), profiled with ``torch.profiler`` after warm-up, one step per arm:
 
 - ``eager``: the model as a user runs it without compiling;
+- ``eager fused-loss``: the same model with ``LongNetConfig.fused_loss=True`` (the LM loss and
+  its gradients in one pass over the head, ``models/linear_ce.py``; off by default until this
+  arm has measured it; ``--no-fused-loss`` skips it);
 - ``compiled``: ``torch.compile(model)`` (inductor; the optimizer step stays eager, as in
   ``ab_rotary.py``);
 - ``dense``: the same model with ``LongNetConfig.with_attention("dense", n)`` (one branch
@@ -436,6 +439,11 @@ def e2e(cfg, device, dtype, args) -> list[dict]:
         arms = {}
         model, opt, inp, tgt = build(cfg["preset"], n, batch, seg, dil, device, adamw=args.adamw)
         arms["eager"] = run_arm("eager", make_step(model, opt, inp, tgt, amp), device, args, model)
+        if not args.no_fused_loss:  # the same model with the fused LM loss (models/linear_ce.py)
+            model.cfg.fused_loss = True
+            arms["eager fused-loss"] = run_arm("eager fused-loss", make_step(model, opt, inp, tgt, amp),
+                                               device, args, model)  # fmt: skip
+            model.cfg.fused_loss = False
         if not args.no_compile:
             cm = torch.compile(model, backend=args.compile_backend)
             arms["compiled"] = run_arm("compiled", make_step(cm, opt, inp, tgt, amp), device, args)
@@ -567,6 +575,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled arm")
     p.add_argument("--no-dense", action="store_true", help="skip the dense-SDPA arm")
+    p.add_argument("--no-fused-loss", action="store_true",
+                   help="skip the eager arm with LongNetConfig.fused_loss=True")
     p.add_argument("--torch-rotary", action="store_true", help="eager rotary in torch code (kernel off)")
     p.add_argument("--compile-backend", default=None, help="default inductor (aot_eager with --tiny)")
     p.add_argument("--out", default=None, help="markdown file (default results/profile_step_<gpu>_<date>.md)")

@@ -87,17 +87,19 @@ def test_chunked_cross_entropy_equals_plain(seed, reduction, chunk_rows):
     torch.testing.assert_close(g_w, e_w, rtol=1e-12, atol=1e-12)
 
 
-def test_lm_loss_matches_logits_and_never_builds_full_logits(monkeypatch, seed):
+@pytest.mark.parametrize("fused", [False, True])
+def test_lm_loss_matches_logits_and_never_builds_full_logits(monkeypatch, seed, fused):
     """LongNetLM's training loss (return_logits=False): same value and gradients as the
     cross-entropy of its full logits, and no tensor with more than one chunk of logits is ever
-    created in forward or backward (recorded by a TorchDispatchMode over every op's outputs)."""
+    created in forward or backward (recorded by a TorchDispatchMode over every op's outputs);
+    with the checkpointed chunks and with the fused loss (``fused_loss``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from dilated_attention.models import longnet
 
     vocab, rows = 50, 8
     monkeypatch.setattr(longnet, "CE_CHUNK_ELEMENTS", rows * vocab)
-    m = LongNetLM(_cfg()).double()
+    m = LongNetLM(dataclasses.replace(_cfg(), fused_loss=fused)).double()
     idx = torch.randint(0, vocab, (2, 37))
     tgt = torch.randint(0, vocab, (2, 37))
     tgt[:, :3] = -100

@@ -68,6 +68,9 @@ class LongNetConfig:
     tie_embeddings: bool = True
     gamma_init: float | None = None  # None = MAGNETO's sqrt(log(2 * n_layer))
     checkpoint_activations: bool = False
+    # the LM loss with its gradients in one pass over the head (models/linear_ce.py; eager
+    # training only): off until measured on a GPU (benchmarks/profile_step.py)
+    fused_loss: bool = False
     impl: str = "auto"
     # encoder (LongViT) only
     image_size: tuple[int, int] = (224, 224)
@@ -554,6 +557,7 @@ def chunked_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_rows: int | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits = hidden @ weight.T`` without materialising all the logits.
 
@@ -567,6 +571,10 @@ def chunked_cross_entropy(
     Autocast applies to the matmul as it would in ``lm_head``; the softmax is in float32
     (float64 for float64 inputs).
     ``reduction``: "mean" over the scored rows (NaN when there are none, as torch's) or "sum".
+    ``fused=True`` (eager, when a gradient is needed): the chunks' gradients are computed in the
+    forward pass instead of recomputing each chunk in backward (``models/linear_ce.py``: one
+    head matmul fewer per chunk, the weight cast once); same values and gradients to rounding;
+    no double backward.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -589,10 +597,14 @@ def chunked_cross_entropy(
         count = h.shape[0]
     m = h.shape[0]
     step = chunk_rows or max(1, CE_CHUNK_ELEMENTS // weight.shape[0])
-    if m <= step:
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if fused and grad and not torch.compiler.is_compiling():
+        from .linear_ce import linear_cross_entropy_sum
+
+        total = linear_cross_entropy_sum(h, weight, t, ignore_index=ignore_index, chunk_rows=step)
+    elif m <= step:
         total = _ce_sum(h, weight, t, ignore_index)  # one chunk: nothing to gain from recomputation
     else:
-        grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         parts = []
         for c in range(0, m, step):
             hc, tc = h[c : c + step], t[c : c + step]
@@ -662,7 +674,8 @@ class LongNetLM(_Trunk):
         logits = self.lm_head(x) if return_logits or targets is None else None  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = chunked_cross_entropy(x, self.lm_head.weight, targets, reduction=loss_reduction)
+            loss = chunked_cross_entropy(x, self.lm_head.weight, targets, reduction=loss_reduction,
+                                         fused=self.cfg.fused_loss)  # fmt: skip
         return logits, loss
 
     def hidden_states(

@@ -1,0 +1,90 @@
+"""The LM head and its cross-entropy in one pass, gradients included (eager training).
+
+``linear_cross_entropy_sum(h, weight, t)`` is ``F.cross_entropy(F.linear(h, weight).float(), t,
+reduction="sum")`` (float64 stays float64) computed chunk by chunk, as
+``longnet.chunked_cross_entropy`` does, but with each chunk's gradients written in the same pass:
+softmax minus one-hot of the chunk's logits times the weight (``dh``) and its transpose times the
+chunk's rows (``dweight``, summed over chunks in float32), kept until backward, which only scales
+them by the incoming gradient. Against the checkpointed chunks this saves, per chunk, the
+recomputed head matmul, the weight's autocast cast (the recompute opens a new autocast context:
+a cast of the whole (V, E) weight per chunk) and the scatter of the chunk's ``dh`` into a
+zeroed full-size tensor plus the add of those tensors (2026-11-27, ``profile_step.py
+--census``: 25 chunks at 8K x 4 with a 50304-word vocabulary).
+
+Numerics follow autocast: under ``torch.autocast`` the matmuls run in the autocast dtype (h and
+the weight cast once per call), the logits and the softmax in float32, ``dlogits`` is cast to
+the autocast dtype for the two gradient matmuls as autocast's backward of ``F.linear`` does, and
+the weight's gradient is accumulated over chunks in float32 (as autograd accumulates the
+chunks' separate cast nodes). Without autocast everything is in h's dtype (float64 exact to the
+plain formula; tested). Memory: the gradients of h (M, E) and of the weight (V, E, float32) live
+from the forward to the backward, instead of one chunk's logits recomputed in backward.
+
+Limits (the callers choose the plain path there): no double backward (the gradient is not
+differentiable again: ``create_graph=True`` raises), and rows whose target is ``ignore_index``
+contribute nothing (kept for safety; ``chunked_cross_entropy`` drops them before it calls this).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's for h's device if on (and h is floating
+    point below float64, as autocast leaves float64 alone), else h's."""
+    dev = h.device.type
+    if h.dtype != torch.float64 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return h.dtype
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, t, ignore_index: int, step: int, cdtype: torch.dtype):
+        acc = torch.float64 if cdtype == torch.float64 else torch.float32
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(h.device.type, enabled=False):
+            wc = weight.to(cdtype)  # once per call (a no-op when already cdtype)
+            hc = h.to(cdtype)
+            dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_h else None
+            dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+            total = torch.zeros((), dtype=acc, device=h.device)
+            for c in range(0, h.shape[0], step):
+                xc, tc = hc[c : c + step], t[c : c + step]
+                logits = (xc @ wc.T).to(acc)  # (rows, V)
+                valid = tc != ignore_index
+                tcl = tc.clamp(min=0).unsqueeze(1)
+                lse = torch.logsumexp(logits, dim=1)
+                picked = logits.gather(1, tcl).squeeze(1)
+                total += torch.where(valid, lse - picked, 0.0).sum()
+                if not (need_h or need_w):
+                    continue
+                g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+                g.scatter_add_(1, tcl, torch.full_like(picked, -1.0).unsqueeze(1))
+                g.mul_(valid.unsqueeze(1).to(acc))  # ignored rows: no gradient
+                gc = g.to(cdtype)
+                if need_h:
+                    dh[c : c + step] = gc @ wc
+                if need_w:
+                    dw += (gc.T @ xc).to(acc)
+        ctx.save_for_backward(dh, dw)
+        ctx.w_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    @once_differentiable  # the saved gradients are constants: a second derivative would be wrong
+    def backward(ctx, grad):
+        dh, dw = ctx.saved_tensors
+        gh = None if dh is None else dh * grad.to(dh.dtype)
+        gw = None if dw is None else (dw * grad.to(dw.dtype)).to(ctx.w_dtype)
+        return gh, gw, None, None, None, None
+
+
+def linear_cross_entropy_sum(
+    h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, *, ignore_index: int = -100,
+    chunk_rows: int,
+) -> torch.Tensor:
+    """Summed cross-entropy of ``h (M, E) @ weight (V, E).T`` against ``t (M,)`` in chunks of
+    ``chunk_rows`` rows, gradients computed in the forward (module docstring)."""
+    return _LinearCrossEntropy.apply(h, weight, t, ignore_index, int(chunk_rows), _compute_dtype(h))
