@@ -477,6 +477,7 @@ def census(device, args) -> dict:
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     try:
         model, opt, inp, tgt = build("base", n, 1, seg, (1, 2, 4), device, adamw=args.adamw)
+        model.cfg.fused_loss = args.census_fused_loss
         fn = make_step(model, opt, inp, tgt, amp)
         fn()  # the optimizer's state exists from here on
         res = profile_one(fn, device, model)
@@ -568,6 +569,8 @@ def main(argv=None) -> int:
                    help="instead: an op census of one eager base-shaped step at N tokens x 1")
     p.add_argument("--census-ce-chunks", type=int, default=25,
                    help="cross-entropy chunks in the census (25: as at 8K x 4 with V = 50304)")
+    p.add_argument("--census-fused-loss", action="store_true",
+                   help="census with LongNetConfig.fused_loss=True (models/linear_ce.py)")
     p.add_argument("--census-dtype", choices=("bf16", "fp32"), default="bf16", help="census autocast dtype")
     p.add_argument("--adamw", choices=("default", "foreach", "fused"), default=None,
                    help="AdamW implementation (default: torch's choice, as ab_rotary.py; the census: foreach)")
@@ -595,7 +598,8 @@ def main(argv=None) -> int:
             f"Op census of one eager LongNet 'base' training step: {info['device']}", info=info,
             extra=[f"N {res['tokens']} x 1, branches {res['seg']}/(1, 2, 4), {res['dtype']} autocast, 12 layers, "
                    f"dim 768, vocabulary 50304; cross-entropy in {res['chunks']} chunks of {res['rows']} rows "
-                   f"(as at 8K x 4); AdamW {args.adamw}",
+                   f"(as at 8K x 4); AdamW {args.adamw}"
+                   + ("; fused_loss=True (models/linear_ce.py)" if args.census_fused_loss else ""),
                    f"{what}s: the outermost aten ops that do work (views, allocations and composites such as "
                    f"linear left out), CPU time with children; "
                    f"the attention on the CPU is the torch path (on CUDA: the Triton kernels)"],

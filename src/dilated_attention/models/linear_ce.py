@@ -62,7 +62,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     continue
                 g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
                 g.scatter_add_(1, tcl, torch.full_like(picked, -1.0).unsqueeze(1))
-                g.mul_(valid.unsqueeze(1).to(acc))  # ignored rows: no gradient
+                g.mul_(valid.unsqueeze(1))  # ignored rows: no gradient
                 gc = g.to(cdtype)
                 if need_h:
                     dh[c : c + step] = gc @ wc
