@@ -67,11 +67,11 @@ def run(args) -> tuple[list[dict], dict]:
             v = torch.randn(b, n, hkv, d, device=device, dtype=dtype, requires_grad=True)
             do = torch.randn_like(q)
 
-            def fwd():
+            def fwd(q=q, k=k, v=v, causal=causal):
                 with torch.no_grad():
                     dilated_attention(q, k, v, s["seg"], s["dil"], causal=causal, impl="triton")
 
-            def fb():
+            def fb(q=q, k=k, v=v, do=do, causal=causal):
                 out = dilated_attention(q, k, v, s["seg"], s["dil"], causal=causal, impl="triton")
                 torch.autograd.backward(out, do)
                 q.grad = k.grad = v.grad = None
@@ -93,11 +93,11 @@ def run(args) -> tuple[list[dict], dict]:
                 vt = v.detach().repeat_interleave(h // hkv, 2).transpose(1, 2).requires_grad_()
                 dot = do.transpose(1, 2)
 
-                def dfwd(qt=qt, kt=kt, vt=vt):
+                def dfwd(qt=qt, kt=kt, vt=vt, causal=causal):
                     with torch.no_grad():
                         F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-                def dfb(qt=qt, kt=kt, vt=vt, dot=dot):
+                def dfb(qt=qt, kt=kt, vt=vt, dot=dot, causal=causal):
                     o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                     torch.autograd.backward(o, dot)
                     qt.grad = kt.grad = vt.grad = None
@@ -112,7 +112,7 @@ def run(args) -> tuple[list[dict], dict]:
                     times[name].append(median_ms(fn, device, args.warmup, iters))
             flags.set_gqa_pack(None)
             if "dense fwd" in times:
-                dense[causal] = {"fwd": times.pop("dense fwd"), "fwd+bwd": times.pop("dense fwd+bwd")}
+                dense[causal] = {w: times.pop(f"dense {w}") for w in ("fwd", "fwd+bwd")}
                 del qt, kt, vt, dot
             for what in ("fwd", "fwd+bwd"):
                 bw = what == "fwd+bwd"

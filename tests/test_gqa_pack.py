@@ -191,7 +191,8 @@ def test_gqa_pack_factor(nh, hkv, r, bm, varlen, setting, want):
 def test_gqa_pack_cuda(seed, pack, dtype, causal, hkv):
     # real tiles (BM = 128, P up to 8), LongNet-like branches, 6000 rows (partial segments):
     # packed vs unpacked both against the float32 reference of the same inputs; the packed
-    # error may exceed the unpacked one by at most 10% + a little
+    # error may exceed the unpacked one by at most 10% + one ulp of the result's dtype at its
+    # largest magnitude (a result rounded the other way at its largest element; lse: float32)
     n, h, d = 6000, 16, 128
     seg, dil = [1024, 2048, 4096], [1, 2, 4]
     q, k, v, do = _inputs(1, n, n, h, hkv, d, dtype, "cuda")
@@ -203,4 +204,6 @@ def test_gqa_pack_cuda(seed, pack, dtype, causal, hkv):
     assert all(x >= 1 for x in _packed_kernels_launched())
     for name, a, b, r in zip(NAMES, on, off, ref, strict=True):
         e_on, e_off = _maxerr(a, r), _maxerr(b, r)
-        assert e_on <= 1.1 * e_off + 1e-3, f"{name}: packed {e_on:.3g} vs unpacked {e_off:.3g}"
+        amax = r.double().nan_to_num(posinf=0, neginf=0).abs().max().item()
+        slack = torch.finfo(a.dtype).eps * amax
+        assert e_on <= 1.1 * e_off + slack, f"{name}: packed {e_on:.3g} vs unpacked {e_off:.3g}"
