@@ -166,6 +166,20 @@ def test_gqa_pack_switch(monkeypatch):
         flags.set_gqa_pack(None)
 
 
+def test_plan_key_includes_the_switch():
+    # a plan built under one setting is never reused under another (its launches differ)
+    q = torch.randn(1, 32, 4, 16)
+    k = v = torch.randn(1, 32, 1, 16)
+    args = (q, k, v, None, (8, 16), (1, 2), True, 0.25, [(0, 4), (0, 4)])
+    try:
+        flags.set_gqa_pack(0)
+        off = triton_launch.plan_key(*args)
+        flags.set_gqa_pack(4)
+        assert triton_launch.plan_key(*args) != off
+    finally:
+        flags.set_gqa_pack(None)
+
+
 @pytest.mark.parametrize(
     "nh,hkv,r,bm,varlen,setting,want",
     [
