@@ -3,7 +3,8 @@
 :func:`forward` and :func:`backward` take validated, last-dim-contiguous tensors and return
 plain tensors (no autograd); ``triton_ops.py`` wraps them in the custom ops, the only entry
 point other code should use. Tuning knobs are keyword arguments (``config=``, ``fold=``,
-``lo_rows=``) for ``benchmarks/tune_triton.py``; nothing here reads the environment at call time.
+``lo_rows=``) for ``benchmarks/tune_triton.py``; nothing here reads the environment at call time
+(the GQA packing switch, ``flags.gqa_pack()``, reads it once after each ``set_gqa_pack``).
 
 Launches run through a per-configuration :class:`TrainPlan` (built once: grids, argument
 lists, lo ranges, buffer shapes; see "training plans" below); :func:`forward_per_call` /
