@@ -748,3 +748,187 @@ def dilated_bwd_dq_kernel(
     # shifted by one scalar
     dq_lo = DQ_LO + (lo_base - dq_base - LO_ROW0 * sdqn.to(tl.int64)) + dq_off
     _acc_store(DQ + dq_off, dq_lo, dq, valid_m[:, None], FIRST, COMP, STORE_LO)
+
+
+# ------------------------------------------------------------------ GQA packing (off by default)
+#
+# ``flags.gqa_pack()`` > 1 (issue 24 target 2; CPU-verified only, not yet measured on a GPU):
+# the per-branch forward and the dQ kernel take the rows of P query heads that read the same
+# dilated rows of the same kv head (same kv group, same offset h % R) in ONE M tile: BM rows =
+# P heads x BMP = BM // P consecutive dilated rows of one block, so each K/V tile loaded serves
+# P heads (as the dK/dV kernel already loops over them). Rows keep their own head in the
+# pointer arithmetic; the causal diagonal of a tile spans BMP rows, not BM. Batch layout only
+# (packed documents keep the unpacked kernels). Grid: (query block of BMP rows x segment,
+# batch x kv head x offset class x chunk of P heads).
+
+
+@triton.jit
+def _pack_heads(pid_x, HS, HE, HKV, REP, NI, NCH, R, P: tl.constexpr):
+    # (batch, kv head, first head of this program, end of its head list): the heads of kv
+    # head g with the offset class i0 inside [HS, HE) are h_start + k * R < h_end (as the dK/dV
+    # kernel's); chunk ch takes k in [ch * P, ch * P + P)
+    b = pid_x // (HKV * NI * NCH)
+    rest = pid_x % (HKV * NI * NCH)
+    g = rest // (NI * NCH)
+    i0 = (rest // NCH) % NI
+    ch = rest % NCH
+    h0 = g * REP + i0
+    h_start = h0 + (tl.maximum(HS - h0, 0) + R - 1) // R * R
+    h_end = tl.minimum((g + 1) * REP, HE)
+    return b, g, h_start + ch * P * R, h_end
+
+
+@triton.jit
+def dilated_fwd_pack_kernel(
+    Q, K, V, KPM, ACC_O, ACC_LO, ACC_L, CU_Q, CU_K, NDOCS,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sob, son, soh, slob, LO_ROW0,
+    NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, NCH, W, R, S0, NM,
+    qk_scale,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, FIRST: tl.constexpr, PREC: tl.constexpr,
+    COMP: tl.constexpr, STORE_LO: tl.constexpr, P: tl.constexpr,
+):
+    # dilated_fwd_kernel with P heads per tile (see above); CU_Q, CU_K, NDOCS unused
+    BMP: tl.constexpr = BM // P
+    pid0 = tl.program_id(0)
+    pid_m = pid0 % NM
+    pid_s = pid0 // NM + S0
+    b, kvh, h1, h_end = _pack_heads(tl.program_id(1), HS, HE, HKV, REP, NI, NCH, R, P)
+    if h1 >= h_end:
+        return
+    b64 = b.to(tl.int64)
+    seg_start, o, L = _block_geometry(pid_s, h1, W, R, NK)  # o = h % R for all P heads
+    m_lo = pid_m * BMP
+    if m_lo >= L:
+        return
+    m_hi = tl.minimum(m_lo + BMP, L)
+    if seg_start + o + R * (m_hi - 1) < QOFF:
+        return
+    rows = tl.arange(0, BM)
+    hr = h1 + (rows // BMP) * R  # each row's query head
+    offs_m = m_lo + rows % BMP
+    offs_d = tl.arange(0, D)
+    pos_m = (seg_start + o + R * offs_m).to(tl.int64)
+    qrow = pos_m - QOFF
+    valid_m = (offs_m < L) & (qrow >= 0) & (hr < h_end)
+    q = tl.load(Q + b64 * sqb + qrow[:, None] * sqn + hr[:, None] * sqh + offs_d[None, :],
+                mask=valid_m[:, None], other=0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    kbase = K + b64 * skb + kvh * skh
+    vbase = V + b64 * svb + kvh * svh
+    pos0 = seg_start + o
+    hi = L
+    if CAUSAL:
+        hi = m_hi
+    mid = 0
+    if not HAS_KPM:
+        if CAUSAL:
+            mid = m_lo // BN * BN  # keys before the first query row of the block, whole blocks
+        else:
+            mid = L // BN * BN
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, kbase, vbase, KPM + b64 * skpb, skn, svn, pos0, R, L, offs_m, 0, mid,
+        qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, False,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, kbase, vbase, KPM + b64 * skpb, skn, svn, pos0, R, L, offs_m, mid, hi,
+        qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
+    )
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    lse_b = tl.where(has, (m_i + tl.math.log2(l_safe)) / LOG2E, float("-inf"))
+    out_b = acc / l_safe[:, None]
+    lptrs = ACC_L + (b64 * H + hr) * NQ + qrow
+    ooff = b64 * sob + qrow[:, None] * son + hr[:, None] * soh + offs_d[None, :]
+    optrs = ACC_O + ooff
+    lo_ptrs = ACC_LO + (b64 * slob - b64 * sob - LO_ROW0 * son.to(tl.int64)) + ooff
+    if FIRST:
+        new_lse = lse_b
+        new_out = out_b
+    else:
+        lse_a = tl.load(lptrs, mask=valid_m, other=float("-inf"))
+        out_a = tl.load(optrs, mask=valid_m[:, None], other=0.0).to(tl.float32)
+        if COMP:
+            out_a += tl.load(lo_ptrs, mask=valid_m[:, None], other=0.0).to(tl.float32)
+        mx = tl.maximum(lse_a, lse_b)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        wa = tl.exp(lse_a - mx_safe)
+        wb = tl.exp(lse_b - mx_safe)
+        tot = wa + wb
+        tot_safe = tl.where(tot > 0, tot, 1.0)
+        new_lse = tl.where(tot > 0, mx_safe + tl.log(tot_safe), float("-inf"))
+        new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / tot_safe[:, None]
+    tl.store(lptrs, new_lse, mask=valid_m)
+    _acc_store(optrs, lo_ptrs, new_out, valid_m[:, None], True, COMP, STORE_LO)
+
+
+@triton.jit
+def dilated_bwd_dq_pack_kernel(
+    Q, K, V, KPM, DO, LSE, DELTA, DQ, DQ_LO, CU_Q, CU_K, NDOCS,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, skpb, sdob, sdon, sdoh,
+    sdqb, sdqn, sdqh, slob, LO_ROW0,
+    NQ, NK, QOFF, HS, HE, H, HKV, REP, NI, NCH, W, R, S0, NM,
+    qk_scale, sm_scale,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr, PREC: tl.constexpr, COMP: tl.constexpr, STORE_LO: tl.constexpr,
+    FIRST: tl.constexpr, P: tl.constexpr,
+):
+    # dilated_bwd_dq_kernel with P heads per tile (see above); CU_Q, CU_K, NDOCS unused
+    BMP: tl.constexpr = BM // P
+    pid0 = tl.program_id(0)
+    pid_m = pid0 % NM
+    pid_s = pid0 // NM + S0
+    b, kvh, h1, h_end = _pack_heads(tl.program_id(1), HS, HE, HKV, REP, NI, NCH, R, P)
+    if h1 >= h_end:
+        return
+    b64 = b.to(tl.int64)
+    seg_start, o, L = _block_geometry(pid_s, h1, W, R, NK)
+    m_lo = pid_m * BMP
+    if m_lo >= L:
+        return
+    m_hi = tl.minimum(m_lo + BMP, L)
+    if seg_start + o + R * (m_hi - 1) < QOFF:
+        return
+    rows = tl.arange(0, BM)
+    hr = h1 + (rows // BMP) * R
+    offs_m = m_lo + rows % BMP
+    offs_d = tl.arange(0, D)
+    pos_m = (seg_start + o + R * offs_m).to(tl.int64)
+    qrow = pos_m - QOFF
+    valid_m = (offs_m < L) & (qrow >= 0) & (hr < h_end)
+    q = tl.load(Q + b64 * sqb + qrow[:, None] * sqn + hr[:, None] * sqh + offs_d[None, :],
+                mask=valid_m[:, None], other=0.0)
+    do = tl.load(DO + b64 * sdob + qrow[:, None] * sdon + hr[:, None] * sdoh + offs_d[None, :],
+                 mask=valid_m[:, None], other=0.0)
+    hq = (b64 * H + hr) * NQ
+    lse = tl.load(LSE + hq + qrow, mask=valid_m, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    dlt = tl.load(DELTA + hq + qrow, mask=valid_m, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    hi = L
+    if CAUSAL:
+        hi = m_hi
+    Kb = K + b64 * skb + kvh * skh
+    Vb = V + b64 * svb + kvh * svh
+    KPMb = KPM + b64 * skpb
+    pos0 = seg_start + o
+    mid = 0
+    if not HAS_KPM:
+        if CAUSAL:
+            mid = m_lo // BN * BN
+        else:
+            mid = L // BN * BN
+    dq = _dq_inner(
+        dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, 0, mid,
+        qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, False,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse, dlt, Kb, Vb, KPMb, skn, svn, pos0, R, L, offs_m, mid, hi,
+        qk_scale, D, BN, CAUSAL, HAS_KPM, PREC, True,
+    )
+    dq = dq * sm_scale
+    dq_off = b64 * sdqb + qrow[:, None] * sdqn + hr[:, None] * sdqh + offs_d[None, :]
+    dq_lo = DQ_LO + (b64 * slob - b64 * sdqb - LO_ROW0 * sdqn.to(tl.int64)) + dq_off
+    _acc_store(DQ + dq_off, dq_lo, dq, valid_m[:, None], FIRST, COMP, STORE_LO)
