@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import sys
 
@@ -34,9 +33,7 @@ from dilated_attention import dilated_attention, flags
 from dilated_attention.flops import dense_flops, dilated_flops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, results_header, run_info, utc_now  # noqa: E402
-
-HERE = pathlib.Path(__file__).resolve().parent
+from common import median_ms, results_header, run_info, write_report  # noqa: E402
 
 
 def shape(tiny: bool) -> dict:
@@ -189,16 +186,7 @@ def main(argv=None) -> int:
     info = run_info(torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"),
                     " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]))
     rows, meta = run(args)
-    text = report(rows, meta, args, info)
-    if args.out:
-        out = pathlib.Path(args.out)
-    else:
-        tag = "cpu" if meta["device"].type == "cpu" else info["device"].split()[-1].lower().replace("-", "")
-        out = HERE / "results" / f"ab_gqa_{tag}_{utc_now()[:10]}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
-    print(f"wrote {out}")
+    write_report(report(rows, meta, args, info), args.out, "ab_gqa", meta["device"], info)
     return 0
 
 

@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import gc
 import os
-import pathlib
 import statistics
 import sys
 
@@ -34,9 +33,7 @@ from dilated_attention import flags
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM, Rotary
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, results_header, run_info, utc_now  # noqa: E402
-
-HERE = pathlib.Path(__file__).resolve().parent
+from common import median_ms, results_header, run_info, write_report  # noqa: E402
 
 
 def configs(tiny: bool) -> dict:
@@ -177,16 +174,7 @@ def main(argv=None) -> int:
                 f"{_spread(comp) if comp else '-'} | {statistics.median(r['eager fused']) / c:.2f}x | "
                 f"{statistics.median(r['eager torch']) / c:.2f}x | {_spread(r['eager dense'])} |"
             )
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        out = pathlib.Path(args.out)
-    else:
-        tag = "cpu" if device.type == "cpu" else info["device"].split()[-1].lower().replace("-", "")
-        out = HERE / "results" / f"ab_rotary_{tag}_{utc_now()[:10]}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
-    print(f"wrote {out}")
+    write_report("\n".join(lines) + "\n", args.out, "ab_rotary", device, info)
     return 0
 
 

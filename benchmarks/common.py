@@ -216,3 +216,20 @@ def split_files(path: str) -> list[str]:
     """The files of the checkpoint at ``path`` (to copy or carry them together)."""
     head = torch.load(path, map_location="cpu", weights_only=False)
     return _split_files(path, head["n_files"])
+
+
+def write_report(text: str, out: str | None, topic: str, device: torch.device, info: dict) -> str:
+    """Write a markdown report to ``out``, or to ``benchmarks/results/<topic>_<gpu>_<date>.md``
+    (gpu: the last word of the device name, lower case, or "cpu"), print it and the path."""
+    import pathlib
+
+    if out:
+        path = pathlib.Path(out)
+    else:
+        tag = "cpu" if device.type == "cpu" else info["device"].split()[-1].lower().replace("-", "")
+        path = pathlib.Path(__file__).resolve().parent / "results" / f"{topic}_{tag}_{utc_now()[:10]}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+    return str(path)

@@ -63,7 +63,7 @@ from dilated_attention.models import longnet
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, results_header, run_info, utc_now  # noqa: E402
+from common import median_ms, results_header, run_info, write_report  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 KERNELS_DIR = HERE.parent / "src" / "dilated_attention" / "kernels"
@@ -611,7 +611,7 @@ def main(argv=None) -> int:
         lines += ["", "## Per origin", ""] + origin_table(res, unit, top=60)
         lines += ["", "## Most launched (origin, op) pairs", ""] + pair_table(res, unit, top=60)
         lines += ["", "## Top ops", ""] + top_table(res, unit, top=40)
-        tag = "census_cpu"
+        topic = "profile_step_census"
     else:
         cfg = configs(args.tiny)
         dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -636,16 +636,8 @@ def main(argv=None) -> int:
                 lines += pair_table(s["arms"]["eager"], unit)
             for a, r in s["arms"].items():
                 lines += ["", f"### Top 25 {what}s, {a}", ""] + top_table(r, unit)
-        tag = "cpu" if device.type == "cpu" else info["device"].split()[-1].lower().replace("-", "")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        out = pathlib.Path(args.out)
-    else:
-        out = HERE / "results" / f"profile_step_{tag}_{utc_now()[:10]}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
-    print(f"wrote {out}")
+        topic = "profile_step"
+    write_report("\n".join(lines) + "\n", args.out, topic, device, info)
     return 0
 
 
