@@ -124,6 +124,28 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str) -> 
             )
 
 
+_SIZES: dict[tuple, tuple] = {}
+
+
+def _sizes(d: int, ha: int, hb: int | None, rows_a: int, rows_b: int) -> tuple:
+    """(HALF, BLOCK_D, BLOCK_HA, BLOCK_HB, BLOCK_T, grid) of a launch, once per shape (a decode
+    step repeats one shape in every layer; ~1-2 us of Python per call saved)."""
+    key = (d, ha, hb, rows_a, rows_b)
+    got = _SIZES.get(key)
+    if got is None:
+        half = d // 2
+        block_d = triton.next_power_of_2(half)
+        block_ha = triton.next_power_of_2(ha)
+        block_hb = block_ha if hb is None else triton.next_power_of_2(hb)
+        block_t = max(1, min(64, _TILE_ELEMENTS // (max(block_ha, block_hb) * block_d)))
+        grid = (triton.cdiv(max(rows_a, rows_b), block_t), 1 if hb is None else 2)
+        got = (half, block_d, block_ha, block_hb, block_t, grid)
+        if len(_SIZES) >= 1024:  # a bound for processes that sweep shapes (training: one per N)
+            _SIZES.clear()
+        _SIZES[key] = got
+    return got
+
+
 def _launch(xa, ca, sa, xb, cb, sb, inverse: bool, dtype_a=None, dtype_b=None):
     """Rotate xa (and xb, when not None) in one launch: new tensors in ``dtype_*`` (default the
     input's dtype), contiguous (B, N, H, D). Either input may be None (then its output is None)."""
@@ -138,12 +160,6 @@ def _launch(xa, ca, sa, xb, cb, sb, inverse: bool, dtype_a=None, dtype_b=None):
         return None, yb
     ya = torch.empty(xa.shape, dtype=dtype_a or xa.dtype, device=xa.device)
     yb = None if xb is None else torch.empty(xb.shape, dtype=dtype_b or xb.dtype, device=xb.device)
-    d = xa.shape[-1]
-    half = d // 2
-    block_d = triton.next_power_of_2(half)
-    block_ha = triton.next_power_of_2(xa.shape[2])
-    block_hb = block_ha if xb is None else triton.next_power_of_2(xb.shape[2])
-    block_t = max(1, min(64, _TILE_ELEMENTS // (max(block_ha, block_hb) * block_d)))
     rows_a = xa.shape[0] * xa.shape[1]
     if xb is None:  # slot B unused: pass A's arguments again (never read: grid axis 1 is 1)
         xb_, yb_, cb_, sb_, rows_b = xa, ya, ca, sa, 0
@@ -151,7 +167,9 @@ def _launch(xa, ca, sa, xb, cb, sb, inverse: bool, dtype_a=None, dtype_b=None):
         xb_, yb_, cb_, sb_, rows_b = xb, yb, cb, sb, xb.shape[0] * xb.shape[1]
     if rows_a == 0 and rows_b == 0:
         return ya, yb
-    grid = (triton.cdiv(max(rows_a, rows_b), block_t), 1 if xb is None else 2)
+    half, block_d, block_ha, block_hb, block_t, grid = _sizes(
+        xa.shape[-1], xa.shape[2], None if xb is None else xb.shape[2], rows_a, rows_b
+    )
     _rotary_kernel[grid](
         xa, ya, ca, sa, rows_a, max(xa.shape[1], 1), xa.shape[2], *xa.stride()[:3], *ya.stride()[:3],
         ca.stride(1), sa.stride(1),
@@ -219,4 +237,11 @@ def rotary_fused(
         raise ValueError(f"rotary_fused: the head dim must be even, got {q.shape[-1]}")
     _check(q, cos_q, sin_q, "q")
     _check(k, cos_k, sin_k, "k")
+    if not torch.is_grad_enabled() or not (
+        q.requires_grad or k.requires_grad or cos_q.requires_grad or sin_q.requires_grad
+        or cos_k.requires_grad or sin_k.requires_grad
+    ):  # fmt: skip
+        # nothing to record (a decode step, no_grad): the Function's forward without the
+        # autograd.Function machinery (its apply costs more host time than the launch's Python)
+        return _launch(q, cos_q, sin_q, k, cos_k, sin_k, False)
     return _RotaryFunction.apply(q, k, cos_q, sin_q, cos_k, sin_k, False)

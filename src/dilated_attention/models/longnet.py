@@ -223,6 +223,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_ROTARY_FUSED = []  # kernels.triton_rotary.rotary_fused, once imported (an import per call costs ~1 us)
+
+
+def _rotary_fused():
+    # imported at the first fused call, not with the package (triton.jit picks the interpreter
+    # or the compiler when the kernel is defined, and tests set TRITON_INTERPRET late)
+    if not _ROTARY_FUSED:
+        from ..kernels.triton_rotary import rotary_fused
+
+        _ROTARY_FUSED.append(rotary_fused)
+    return _ROTARY_FUSED[0]
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (rotate-half form) on (B, N, H, D), with optional xPos decay.
 
@@ -272,9 +285,7 @@ class Rotary(nn.Module):
     def rotate(self, q: torch.Tensor, k: torch.Tensor, table: RotaryTable):
         """q (B, N, H, D), k (B, N, Hkv, D) rotated by ``table`` -> q, k (same dtypes)."""
         if self._fused_applies(q, k, table):
-            from ..kernels.triton_rotary import rotary_fused
-
-            return rotary_fused(q, k, table.cos_q, table.sin_q, table.cos_k, table.sin_k)
+            return _rotary_fused()(q, k, table.cos_q, table.sin_q, table.cos_k, table.sin_k)
         return (self._rotate_with(q, table.cos_q, table.sin_q),
                 self._rotate_with(k, table.cos_k, table.sin_k))  # fmt: skip
 
@@ -339,7 +350,11 @@ class KVCache(nn.Module):
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k/v (B, T, Hkv, D) of positions ``pos`` (T,) int64 into their slots."""
-        slots = pos % self.capacity  # (T,)
+        self.write_slots(pos % self.capacity, k, v)
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:meth:`write` with the slots ``pos % capacity`` (T,) int64 already computed (a decode
+        step computes them once for every layer of one capacity)."""
         self.k.index_copy_(1, slots, k)
         self.v.index_copy_(1, slots, v)
 
@@ -393,9 +408,14 @@ class Attention(nn.Module):
         self.norm.reset_parameters()
 
     def forward(
-        self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None, rope: RotaryTable | None = None
+        self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None, rope: RotaryTable | None = None,
+        step: DecodeIndex | None = None,
     ) -> torch.Tensor:
         """x (B, T, E) holding positions [start_pos, start_pos + T) -> (B, T, E).
+
+        ``step``: the :class:`DecodeIndex` of a decode step (the cache slots and lengths of
+        ``rope.pos``, which the model computes once per step for all its layers); None: computed
+        here.
 
         ``rope``: the :class:`RotaryTable` of these positions (:func:`rotary_positions`), which
         the model computes once per forward for all its layers; None: computed here.
@@ -433,9 +453,10 @@ class Attention(nn.Module):
         if cache is None:
             y = self.attention(q, k, v, is_causal=self.causal)  # (B, T, H, D)
         elif decoding:
-            cache.write(pos, k, v)
-            seqlens = (pos[-1:] + 1).to(torch.int32).expand(b).contiguous()  # (B,)
-            y = self.attention.decode(q, cache.k, cache.v, seqlens, is_causal=self.causal)
+            if step is None or step.pos is not pos:
+                step = DecodeIndex(pos)
+            cache.write_slots(step.slots(cache.capacity), k, v)
+            y = self.attention.decode(q, cache.k, cache.v, step.seqlens(b), is_causal=self.causal)
         else:
             cache.write(pos, k, v)
             kw, vw = cache.window(self.align_start(start_pos), start_pos + t)
@@ -450,6 +471,33 @@ class Attention(nn.Module):
         return start_pos // period * period
 
 
+class DecodeIndex:
+    """What every layer of one decode step derives from the step's positions ``pos`` (T,) int64,
+    computed once per step (:meth:`_Trunk.run_layers`) instead of once per layer: the cache slots
+    ``pos % capacity`` (per capacity) and the cache lengths ``pos[-1] + 1`` as the int32 (B,)
+    tensor that :func:`dilated_attention_with_kvcache` takes. The same ops as the per-layer code,
+    so the same values, with no host synchronisation."""
+
+    __slots__ = ("pos", "_slots", "_seqlens")
+
+    def __init__(self, pos: torch.Tensor):
+        self.pos = pos
+        self._slots: dict[int, torch.Tensor] = {}
+        self._seqlens: dict[int, torch.Tensor] = {}
+
+    def slots(self, capacity: int) -> torch.Tensor:
+        s = self._slots.get(capacity)
+        if s is None:
+            s = self._slots[capacity] = self.pos % capacity  # (T,)
+        return s
+
+    def seqlens(self, batch: int) -> torch.Tensor:
+        s = self._seqlens.get(batch)
+        if s is None:
+            s = self._seqlens[batch] = (self.pos[-1:] + 1).to(torch.int32).expand(batch).contiguous()  # (B,)
+        return s
+
+
 def rotary_positions(start_pos: int | torch.Tensor, t: int, device, packed=None) -> torch.Tensor:
     """The rotary positions (T,) int64 of T tokens starting at ``start_pos``: an int (prefill,
     training; ``arange``), a 0-dim device tensor (decode: no host synchronisation), or, with
@@ -457,6 +505,9 @@ def rotary_positions(start_pos: int | torch.Tensor, t: int, device, packed=None)
     if packed is not None:
         return packed[0]
     if isinstance(start_pos, torch.Tensor):
+        if t == 1 and start_pos.dim() == 0 and not start_pos.dtype.is_floating_point:
+            # one decode token: start_pos + arange(1) is start_pos itself (no arange, no add)
+            return start_pos.reshape(1).to(torch.int64)
         return start_pos + torch.arange(t, device=device)
     return torch.arange(start_pos, start_pos + t, device=device)
 
@@ -476,7 +527,10 @@ class FeedForward(nn.Module):
                 nn.init.zeros_(lin.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.norm(self.dropout(F.gelu(self.fc1(x)))))
+        h = F.gelu(self.fc1(x))
+        if self.training:  # eval: dropout is the identity (the same tensor back)
+            h = self.dropout(h)
+        return self.fc2(self.norm(h))
 
 
 class Block(nn.Module):
@@ -491,10 +545,15 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None, rope: RotaryTable | None = None
+        self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None, rope: RotaryTable | None = None,
+        step: DecodeIndex | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), start_pos, packed, rope))
-        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+        if self.training:
+            x = x + self.dropout(self.attn(self.attn_norm(x), start_pos, packed, rope, step))
+            return x + self.dropout(self.ffn(self.ffn_norm(x)))
+        # eval: dropout is the identity (the same tensor back); no module call for it
+        x = x + self.attn(self.attn_norm(x), start_pos, packed, rope, step)
+        return x + self.ffn(self.ffn_norm(x))
 
 
 class _Trunk(nn.Module):
@@ -518,18 +577,21 @@ class _Trunk(nn.Module):
 
     def run_layers(self, x: torch.Tensor, start_pos: int | torch.Tensor, packed=None) -> torch.Tensor:
         """``packed``: see :meth:`Attention.forward` (one packed row of documents)."""
-        rope = None
+        rope = step = None
         if len(self.layers):
             # one rotary table for every layer: the positions are the same in each (the layers'
             # Rotary modules are equal: same head dim, base and xPos); x's dtype decides the
             # compute dtype as q's does (autocast leaves float64 alone)
             pos = rotary_positions(start_pos, x.shape[1], x.device, packed)  # (T,)
             rope = self.layers[0].attn.rotary.table(pos, x.dtype)
-        for layer in self.layers:
-            if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, start_pos, packed, rope, use_reentrant=False)
-            else:
-                x = layer(x, start_pos, packed, rope)
+            if packed is None and isinstance(start_pos, torch.Tensor):
+                step = DecodeIndex(pos)  # a decode step: cache slots and lengths once for all layers
+        if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
+            for layer in self.layers:
+                x = checkpoint(layer, x, start_pos, packed, rope, step, use_reentrant=False)
+        else:
+            for layer in self.layers:
+                x = layer(x, start_pos, packed, rope, step)
         return self.norm(x)
 
 
@@ -697,7 +759,9 @@ class LongNetLM(_Trunk):
                     "with a KV cache, pass start_pos (the cache length before these tokens)"
                 )
             start_pos = self.position_offset(t)
-        x = self.emb_dropout(self.tok_emb(idx))  # (B, T, E)
+        x = self.tok_emb(idx)  # (B, T, E)
+        if self.training:  # eval: dropout is the identity
+            x = self.emb_dropout(x)
         return self.run_layers(x, start_pos)  # (B, T, E)
 
     def _hidden_packed(self, idx, start_pos, cu_seqlens, max_seqlen) -> torch.Tensor:
@@ -877,7 +941,9 @@ class LongNetLM(_Trunk):
         """A callable (tokens (B, 1), position int) -> logits (B, V) of one decode step."""
         dev = self.tok_emb.weight.device
         if mode == "eager":
-            return lambda tok, pos: self._hidden_last(tok, torch.tensor(pos, device=dev))
+            # torch.full: a fill with the value as a launch argument; torch.tensor(pos, device=)
+            # copies a host tensor to the device and, on CUDA, waits for it (a sync per token)
+            return lambda tok, pos: self._hidden_last(tok, torch.full((), pos, dtype=torch.long, device=dev))
         tok_buf = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         pos_buf = torch.full((), first_pos, dtype=torch.long, device=dev)
         if mode == "compile":

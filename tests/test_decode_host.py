@@ -1,0 +1,204 @@
+"""The eager decode step's host-side shortcuts (issue 23 item 6) compute exactly what the
+per-layer code computes.
+
+A decode step of :class:`LongNetLM` computes once per step, for all layers, what each layer used
+to compute for itself (the cache slots ``pos % capacity`` and the int32 cache lengths:
+``DecodeIndex``), takes a 0-dim position as its own (1,) position vector (no ``arange``), skips
+the identity dropout calls in eval mode, and rotates with the fused kernel without the
+``autograd.Function`` when nothing needs a gradient. Each test compares against the per-layer /
+previous computation bit for bit (``torch.equal``), over dtype x GQA x cache lengths that cross
+the segment boundaries of every branch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dilated_attention import flags
+from dilated_attention.models import longnet as ln
+from dilated_attention.models.longnet import LongNetConfig, LongNetLM
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _model(dtype, kv, seed=0, **over):
+    cfg = LongNetConfig.preset("tiny", n_kv_head=kv, **over)
+    torch.manual_seed(seed)
+    return LongNetLM(cfg).to(dtype).eval()
+
+
+def _per_layer_step(model, tok, pos):
+    """The previous decode step: every layer builds its own rotary table and its own cache
+    slots and lengths (``rope=None``, ``step=None``), positions ``pos + arange(1)``, dropout
+    modules called."""
+    p = pos + torch.arange(tok.shape[1])
+    x = model.emb_dropout(model.tok_emb(tok))
+    for layer in model.layers:
+        a = layer.attn
+        h = layer.attn_norm(x)
+        b, t, e = h.shape
+        q = a.q_proj(h).view(b, t, a.n_head, a.head_dim)
+        k = a.k_proj(h).view(b, t, a.n_kv_head, a.head_dim)
+        v = a.v_proj(h).view(b, t, a.n_kv_head, a.head_dim)
+        q, k = a.rotary.rotate(q, k, a.rotary.table(p, q.dtype))
+        a.kv_cache.write(p, k, v)
+        seqlens = (p[-1:] + 1).to(torch.int32).expand(b).contiguous()
+        y = a.attention.decode(q, a.kv_cache.k, a.kv_cache.v, seqlens, is_causal=a.causal)
+        x = x + layer.dropout(a.out_proj(a.norm(y.reshape(b, t, e))))
+        f = layer.ffn
+        x = x + layer.dropout(f.fc2(f.norm(f.dropout(torch.nn.functional.gelu(f.fc1(layer.ffn_norm(x)))))))
+    return model.lm_head(model.norm(x)[:, -1])
+
+
+def _caches(model):
+    return [(lay.attn.kv_cache.k.clone(), lay.attn.kv_cache.v.clone()) for lay in model.layers]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv", [None, 2, 1])
+@pytest.mark.parametrize("rolling", [False, True])
+@torch.no_grad()
+def test_decode_step_equals_per_layer_step(dtype, kv, rolling):
+    """generate's eager step (model._decode_step) against the per-layer step on a second copy of
+    the model, token by token from position 27 to 160 (the tiny preset's segments 32, 128, 256:
+    every step's logits and the whole caches bit for bit."""
+    m1, m2 = _model(dtype, kv), _model(dtype, kv)
+    b, t, n = 2, 27, 133
+    cap = m1.rolling_capacity(16) if rolling else t + n + 1
+    for m in (m1, m2):
+        m.setup_cache(b, cap)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, m1.cfg.vocab_size, (b, t))
+    for c0 in range(0, t, 16):
+        last1 = m1._hidden_last(prompt[:, c0 : c0 + 16], c0)
+        last2 = m2._hidden_last(prompt[:, c0 : c0 + 16], c0)
+    assert torch.equal(last1, last2)
+    step = m1._decode_step(b, t, "eager")
+    for s in range(n):
+        tok = last1.argmax(-1, keepdim=True)
+        last1 = step(tok, t + s)
+        last2 = _per_layer_step(m2, tok, torch.tensor(t + s))
+        assert torch.equal(last1, last2), f"step {s} (position {t + s})"
+    for (k1, v1), (k2, v2) in zip(_caches(m1), _caches(m2), strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv", [None, 2])
+@torch.no_grad()
+def test_decode_logits_match_full_forward(dtype, kv):
+    """Each eager decode step's logits equal the full forward's last-position logits (to
+    rounding: another attention path) across the segment boundaries 32 and 128."""
+    m = _model(dtype, kv)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, m.cfg.vocab_size, (1, 30))
+    idx, steps = m.generate(prompt, 110, temperature=0.0, return_logits=True, decode="eager")
+    tol = 6e-2 if dtype == torch.bfloat16 else 1e-4
+    for s in (1, 2, 3, 98, 99, 100, 109):  # positions 31..33 (first boundary), 128..130, 139
+        full, _ = m(idx[:, : 30 + s])
+        torch.testing.assert_close(steps[s].float(), full[:, -1].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_rotary_positions_one_token(dtype):
+    """A 0-dim start position of one token gives the (1,) int64 vector start + arange(1)."""
+    start = torch.tensor(4097, dtype=dtype)
+    got = ln.rotary_positions(start, 1, start.device)
+    want = start + torch.arange(1)
+    assert got.dtype == torch.int64 and got.shape == (1,) and torch.equal(got, want.to(torch.int64))
+    assert torch.equal(ln.rotary_positions(start, 3, start.device), start + torch.arange(3))
+
+
+def test_decode_index_values():
+    """DecodeIndex: the slots and int32 lengths the per-layer code computed, once per key."""
+    pos = torch.tensor([300])
+    d = ln.DecodeIndex(pos)
+    assert torch.equal(d.slots(128), pos % 128) and d.slots(128) is d.slots(128)
+    assert torch.equal(d.slots(1000), pos % 1000)
+    lens = d.seqlens(3)
+    assert lens.dtype == torch.int32 and lens.is_contiguous() and lens.tolist() == [301] * 3
+    assert d.seqlens(3) is lens
+
+
+@torch.no_grad()
+def test_attention_without_step_builds_its_own():
+    """Attention.forward called alone while decoding (step None) gives what the model's step
+    gives (the per-layer fallback)."""
+    m1, m2 = _model(torch.float32, 2), _model(torch.float32, 2)
+    for m in (m1, m2):
+        m.setup_cache(1, 64)
+        m._hidden_last(torch.arange(10)[None], 0)
+    x = torch.randn(1, 1, m1.cfg.dim)
+    pos = torch.tensor(10)
+    a1, a2 = m1.layers[0].attn, m2.layers[0].attn
+    y1 = a1(x, pos)
+    y2 = a2(x, pos, None, None, ln.DecodeIndex(ln.rotary_positions(pos, 1, x.device)))
+    assert torch.equal(y1, y2)
+
+
+def test_dropout_still_applies_in_training():
+    """Training mode keeps the dropout calls (the eval shortcut is only for eval)."""
+    m = _model(torch.float32, None, dropout=0.5)
+    m.train()
+    idx = torch.randint(0, m.cfg.vocab_size, (1, 16))
+    torch.manual_seed(3)
+    a, _ = m(idx)
+    torch.manual_seed(4)
+    b, _ = m(idx)
+    assert not torch.equal(a, b)  # different dropout masks
+    m.eval()
+    c, _ = m(idx)
+    d, _ = m(idx)
+    assert torch.equal(c, d)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_fused_no_grad_equals_function(dtype):
+    """rotary_fused without a gradient to record (the Function skipped) gives the Function's
+    bits; with one it still records the Function (a backward exists)."""
+    from dilated_attention.kernels.triton_rotary import _RotaryFunction, rotary_fused
+
+    torch.manual_seed(5)
+    q = torch.randn(2, 3, 4, 16).to(dtype)
+    k = torch.randn(2, 3, 2, 16).to(dtype)
+    rot = ln.Rotary(16)
+    tab = rot.table(torch.arange(100, 103), dtype)
+    args = (tab.cos_q, tab.sin_q, tab.cos_k, tab.sin_k)
+    with torch.no_grad():
+        fast = rotary_fused(q, k, *args)
+        ref = _RotaryFunction.apply(q, k, *args, False)
+    assert all(torch.equal(x, y) for x, y in zip(fast, ref, strict=True))
+    plain = rotary_fused(q, k, *args)  # grad enabled but nothing requires it
+    assert all(torch.equal(x, y) and not x.requires_grad for x, y in zip(plain, ref, strict=True))
+    qg = q.clone().requires_grad_()
+    qo, ko = rotary_fused(qg, k, *args)
+    assert qo.grad_fn is not None and torch.equal(qo.detach(), ref[0])
+    qo.float().sum().backward()
+    assert qg.grad is not None
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("kv", [None, 2])
+@torch.no_grad()
+def test_decode_step_fused_rotary_equals_per_layer_step(kv):
+    """The same comparison as above with the fused rotary kernel (interpreter) in both."""
+    flags.set_fused_rotary(True)
+    try:
+        m1, m2 = _model(torch.bfloat16, kv), _model(torch.bfloat16, kv)
+        b, t, n = 1, 30, 5
+        for m in (m1, m2):
+            m.setup_cache(b, t + n + 1)
+        prompt = torch.randint(0, m1.cfg.vocab_size, (b, t))
+        last1, last2 = m1._hidden_last(prompt, 0), m2._hidden_last(prompt, 0)
+        step = m1._decode_step(b, t, "eager")
+        for s in range(n):
+            tok = last1.argmax(-1, keepdim=True)
+            last1 = step(tok, t + s)
+            last2 = _per_layer_step(m2, tok, torch.tensor(t + s))
+            assert torch.equal(last1, last2)
+    finally:
+        flags.set_fused_rotary(None)
