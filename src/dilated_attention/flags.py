@@ -83,10 +83,36 @@ ROTARY_DEFAULT = "auto"  # since 2026-11-27 (verified and measured on an H100)
 
 # the value set by set_cudnn_attention; None: the environment decides (the xformers-style setter)
 _cudnn_override: bool | None = None
-_direct_override: bool | None = None
-_direct_env: list[bool] = []  # the environment's answer, read at the first call after a set
-_rotary_override: bool | None = None
-_rotary_env: list[str] = []  # the environment's answer, read at the first call after a set
+
+
+class _Switch:
+    """A process-wide switch asked on hot paths: the value set by its setter, else its
+    environment variable parsed by ``parse`` at the first ask after each set (then cached)."""
+
+    __slots__ = ("env", "parse", "override", "_env")
+
+    def __init__(self, env: str, parse):
+        self.env, self.parse = env, parse
+        self.override = None
+        self._env: list = []
+
+    def set(self, value) -> None:
+        self.override = value
+        self._env.clear()
+
+    def get(self):
+        if self.override is not None:
+            return self.override
+        if not self._env:
+            self._env.append(self.parse(os.environ.get(self.env, "").strip()))
+        return self._env[0]
+
+
+_direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
+_rotary = _Switch(
+    ENV_FUSED_ROTARY, lambda v: {"0": "off", "1": "on", "auto": "auto"}.get(v.lower(), ROTARY_DEFAULT)
+)
+_gqa = _Switch(ENV_GQA_PACK, lambda v: int(v) if v.isdigit() else GQA_PACK_DEFAULT)
 
 
 def set_cudnn_attention(enabled: bool | None) -> None:
@@ -112,25 +138,19 @@ def cudnn_attention_enabled() -> bool:
 def set_direct_launch(enabled: bool | None) -> None:
     """Use (True) or bypass (False) the decode plans and their direct kernel launch in this
     process; None returns to the environment's choice (``DILATED_ATTENTION_DIRECT_LAUNCH``)."""
-    global _direct_override
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(
             f"set_direct_launch(enabled={enabled!r}): pass True, False or None (None: the "
             f"{ENV_DIRECT_LAUNCH} environment variable decides)"
         )
-    _direct_override = enabled
-    _direct_env.clear()
+    _direct.set(enabled)
 
 
 def direct_launch_enabled() -> bool:
     """Whether Triton kernels are launched directly (decode plans, training launches) now: the value set by
     :func:`set_direct_launch`, else the environment (``DILATED_ATTENTION_DIRECT_LAUNCH=0`` turns
     it off; on by default) as read at the first call since the last :func:`set_direct_launch`."""
-    if _direct_override is not None:
-        return _direct_override
-    if not _direct_env:
-        _direct_env.append(os.environ.get(ENV_DIRECT_LAUNCH, "1").strip() != "0")
-    return _direct_env[0]
+    return _direct.get()
 
 
 def set_fused_rotary(enabled: bool | None) -> None:
@@ -138,14 +158,12 @@ def set_fused_rotary(enabled: bool | None) -> None:
     included) or never (False) in this process; None returns to the environment's choice
     (``DILATED_ATTENTION_FUSED_ROTARY``: ``0``, ``1`` or ``auto``, CUDA only; unset:
     ``ROTARY_DEFAULT``)."""
-    global _rotary_override
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(
             f"set_fused_rotary(enabled={enabled!r}): pass True, False or None (None: the "
             f"{ENV_FUSED_ROTARY} environment variable decides)"
         )
-    _rotary_override = enabled
-    _rotary_env.clear()
+    _rotary.set(None if enabled is None else "on" if enabled else "off")
 
 
 def fused_rotary_mode() -> str:
@@ -153,39 +171,23 @@ def fused_rotary_mode() -> str:
     :func:`set_fused_rotary`, else the environment (``DILATED_ATTENTION_FUSED_ROTARY=0`` off,
     ``=1`` on, ``=auto`` auto, else ``ROTARY_DEFAULT``) as read at the first call since the last
     :func:`set_fused_rotary`."""
-    if _rotary_override is not None:
-        return "on" if _rotary_override else "off"
-    if not _rotary_env:
-        value = os.environ.get(ENV_FUSED_ROTARY, "").strip()
-        _rotary_env.append({"0": "off", "1": "on", "auto": "auto"}.get(value.lower(), ROTARY_DEFAULT))
-    return _rotary_env[0]
-
-
-_gqa_override: int | None = None
-_gqa_env: list[int] = []  # the environment's answer, read at the first call after a set
+    return _rotary.get()
 
 
 def set_gqa_pack(heads: int | None) -> None:
     """Let the Triton forward and dQ kernels take up to ``heads`` query heads of one kv group
     in one tile (0 or 1: off) in this process; None returns to the environment's choice
     (``DILATED_ATTENTION_GQA_PACK``)."""
-    global _gqa_override
     if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 0):
         raise TypeError(
             f"set_gqa_pack(heads={heads!r}): pass an int >= 0 (0 or 1: off) or None (None: the "
             f"{ENV_GQA_PACK} environment variable decides)"
         )
-    _gqa_override = heads
-    _gqa_env.clear()
+    _gqa.set(heads)
 
 
 def gqa_pack() -> int:
     """The most query heads per tile of the GQA-packed kernels (0 or 1: off): the value set by
     :func:`set_gqa_pack`, else ``DILATED_ATTENTION_GQA_PACK`` (an integer >= 0; else
     ``GQA_PACK_DEFAULT``) as read at the first call since the last :func:`set_gqa_pack`."""
-    if _gqa_override is not None:
-        return _gqa_override
-    if not _gqa_env:
-        value = os.environ.get(ENV_GQA_PACK, "").strip()
-        _gqa_env.append(int(value) if value.isdigit() else GQA_PACK_DEFAULT)
-    return _gqa_env[0]
+    return _gqa.get()
