@@ -86,26 +86,23 @@ _cudnn_override: bool | None = None
 
 
 class _Switch:
-    """A process-wide switch asked on hot paths: the value set by its setter, else its
-    environment variable parsed by ``parse`` at the first ask after each set (then cached)."""
+    """A process-wide switch asked on hot paths: ``value`` is what its setter set, or, after
+    ``set(None)``, its environment variable parsed by ``parse`` at the next ask (:meth:`load`),
+    then kept. A getter reads ``value`` and calls :meth:`load` only while it is None (no call on
+    the common path: the decode fast path counts its calls)."""
 
-    __slots__ = ("env", "parse", "override", "_env")
+    __slots__ = ("env", "parse", "value")
 
     def __init__(self, env: str, parse):
         self.env, self.parse = env, parse
-        self.override = None
-        self._env: list = []
+        self.value = None
 
     def set(self, value) -> None:
-        self.override = value
-        self._env.clear()
+        self.value = value  # None: the environment decides, read at the next ask
 
-    def get(self):
-        if self.override is not None:
-            return self.override
-        if not self._env:
-            self._env.append(self.parse(os.environ.get(self.env, "").strip()))
-        return self._env[0]
+    def load(self):
+        self.value = self.parse(os.environ.get(self.env, "").strip())
+        return self.value
 
 
 _direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
@@ -150,7 +147,8 @@ def direct_launch_enabled() -> bool:
     """Whether Triton kernels are launched directly (decode plans, training launches) now: the value set by
     :func:`set_direct_launch`, else the environment (``DILATED_ATTENTION_DIRECT_LAUNCH=0`` turns
     it off; on by default) as read at the first call since the last :func:`set_direct_launch`."""
-    return _direct.get()
+    v = _direct.value
+    return _direct.load() if v is None else v
 
 
 def set_fused_rotary(enabled: bool | None) -> None:
@@ -171,7 +169,8 @@ def fused_rotary_mode() -> str:
     :func:`set_fused_rotary`, else the environment (``DILATED_ATTENTION_FUSED_ROTARY=0`` off,
     ``=1`` on, ``=auto`` auto, else ``ROTARY_DEFAULT``) as read at the first call since the last
     :func:`set_fused_rotary`."""
-    return _rotary.get()
+    v = _rotary.value
+    return _rotary.load() if v is None else v
 
 
 def set_gqa_pack(heads: int | None) -> None:
@@ -190,4 +189,5 @@ def gqa_pack() -> int:
     """The most query heads per tile of the GQA-packed kernels (0 or 1: off): the value set by
     :func:`set_gqa_pack`, else ``DILATED_ATTENTION_GQA_PACK`` (an integer >= 0; else
     ``GQA_PACK_DEFAULT``) as read at the first call since the last :func:`set_gqa_pack`."""
-    return _gqa.get()
+    v = _gqa.value
+    return _gqa.load() if v is None else v
