@@ -37,16 +37,7 @@ import torch
 
 from . import direct_launch
 from .constants import int32_table
-
-try:  # triton is an optional dependency: this module must import without it
-    import triton
-    import triton.language as tl
-
-    TRITON_IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    TRITON_IMPORT_ERROR = str(e)
+from .triton_import import device_reason, tl, triton  # triton, tl: None without triton
 
 SUPPORTED_HEADDIMS = (16, 32, 64, 128, 256)
 _LOG2E = 1.4426950408889634
@@ -186,12 +177,9 @@ if triton is not None:
 
 def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
     """Why the decode kernel cannot run on inputs like ``q`` (None if it can)."""
-    if TRITON_IMPORT_ERROR is not None:
-        return f"the triton package is not importable ({TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
-    if q.device.type == "cuda" and interpret:
-        return "TRITON_INTERPRET=1 is set but the inputs are on CUDA; unset it to run the compiled kernel"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpret):
-        return f"the triton kernel needs a CUDA tensor, got device {q.device} (TRITON_INTERPRET=1 allows the CPU for tests)"
+    reason = device_reason(q, interpret)
+    if reason is not None:
+        return reason
     if q.shape[-1] not in SUPPORTED_HEADDIMS:
         return f"headdim {q.shape[-1]} is not supported by the triton decode kernel (supported: {SUPPORTED_HEADDIMS}); use impl='torch'"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -30,15 +30,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # triton is an optional dependency: this module must import without it
-    import triton
-    import triton.language as tl
-
-    TRITON_IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    TRITON_IMPORT_ERROR = str(e)
+from .triton_import import device_reason, tl, triton  # triton, tl: None without triton
 
 MAX_HEADDIM = 256  # one program holds every head of BLOCK_T rows at once: keep the tile small
 # Elements of one half-tile (BLOCK_T rows x BLOCK_H heads x BLOCK_D): a few KiB of registers per
@@ -95,12 +87,9 @@ if triton is not None:
 
 def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
     """Why the rotary kernel cannot run on inputs like ``q`` (None if it can)."""
-    if TRITON_IMPORT_ERROR is not None:
-        return f"the triton package is not importable ({TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
-    if q.device.type == "cuda" and interpret:
-        return "TRITON_INTERPRET=1 is set but the inputs are on CUDA; unset it to run the compiled kernel"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpret):
-        return f"the triton kernel needs a CUDA tensor, got device {q.device} (TRITON_INTERPRET=1 allows the CPU for tests)"
+    reason = device_reason(q, interpret)
+    if reason is not None:
+        return reason
     d = q.shape[-1]
     if d % 2 or not 2 <= d <= MAX_HEADDIM:
         return f"headdim {d} is not supported by the rotary kernel (even, 2 to {MAX_HEADDIM}); the torch path runs"

@@ -1,0 +1,32 @@
+"""Triton, imported if it can be (an optional dependency: the modules that define kernels must
+import without it), and the reasons a Triton kernel cannot run that do not depend on the kernel.
+
+``triton`` and ``tl`` are None when the import failed; ``TRITON_IMPORT_ERROR`` says why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_IMPORT_ERROR: str | None = None
+except ImportError as e:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    TRITON_IMPORT_ERROR = str(e)
+
+
+def device_reason(q: torch.Tensor, interpret: bool) -> str | None:
+    """Why no Triton kernel can run on inputs like ``q`` here (None if one can): triton missing,
+    CUDA inputs under the interpreter, or inputs on a device that is neither CUDA nor (with the
+    interpreter) the CPU."""
+    if TRITON_IMPORT_ERROR is not None:
+        return f"the triton package is not importable ({TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
+    if q.device.type == "cuda" and interpret:
+        return "TRITON_INTERPRET=1 is set but the inputs are on CUDA; unset it to run the compiled kernel"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpret):
+        return f"the triton kernel needs a CUDA tensor, got device {q.device} (TRITON_INTERPRET=1 allows the CPU for tests)"
+    return None
