@@ -67,7 +67,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_h:
                     dh[c : c + step] = gc @ wc
                 if need_w:
-                    dw += (gc.T @ xc).to(acc)
+                    dw.add_(gc.T @ xc)  # the chunk's product in cdtype, summed in float32
         ctx.save_for_backward(dh, dw)
         ctx.w_dtype = weight.dtype
         return total
