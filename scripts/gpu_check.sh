@@ -68,7 +68,9 @@ if [ "${1:-}" = merge-cache ]; then
   for src in runs "$new"; do  # the call's entries last: they replace older copies
     if ls "$src"/triton_cache.tgz.part* >/dev/null 2>&1; then cat "$src"/triton_cache.tgz.part* | tar -xz -C "$tmp/c"; fi
   done
-  max=${CACHE_MAX_BYTES:-$(( ${CACHE_PARTS_MAX:-4} * 15 * 1024 * 1024 ))}
+  # 3 parts by default: a call carries at most 64 MiB (tracked files + carried paths); with ~7 MiB
+  # tracked, 4 parts (60 MiB) stopped fitting on 2026-11-27 (thirteenth session)
+  max=${CACHE_MAX_BYTES:-$(( ${CACHE_PARTS_MAX:-3} * 15 * 1024 * 1024 ))}
   while :; do
     tar -cz -C "$tmp/c" . > "$tmp/all.tgz"
     size=$(stat -c %s "$tmp/all.tgz"); n=$(find "$tmp/c" -mindepth 1 -maxdepth 1 | wc -l)
@@ -125,13 +127,15 @@ case "${1:-tests}" in
     tail -14 "$OUT/verify.txt"; tail -8 "$OUT/bench_131072.txt"; grep -E "^\||plans with launchers|rc=" "$OUT/ab_decode.txt" | tail -30
     ;;
   close)
-    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -q -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=8 > "$OUT/cuda_tests.txt" 2>&1
-    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    # -v: a suite cut by its timeout still names each test's result (2026-11-27: a cut -q run
+    # showed 5 F's and no names); on a cold Triton cache the suite needs more than 330 s
+    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -v -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=8 > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
     timeout "${AB_TIMEOUT:-150}" python3 benchmarks/ab_decode.py --out "$OUT/ab_decode.md" > "$OUT/ab_decode.txt" 2>&1
     echo "ab_decode rc=$?" >> "$OUT/ab_decode.txt"
     timeout 70 python3 benchmarks/bench_overhead.py --no-e2e --out "$OUT/overhead.md" > "$OUT/overhead.txt" 2>&1
     echo "overhead rc=$?" >> "$OUT/overhead.txt"
-    grep -E "passed|failed|error" "$OUT/cuda_tests.txt" | tail -12; grep -E "^\\||rc=" "$OUT/ab_decode.txt" | tail -16; grep -E "^\\||rc=" "$OUT/overhead.txt"
+    grep -E " FAILED |passed|failed|error|rc=" "$OUT/cuda_tests.txt" | tail -14; grep -E "^\\||rc=" "$OUT/ab_decode.txt" | tail -16; grep -E "^\\||rc=" "$OUT/overhead.txt"
     ;;
   mem)
     timeout "${MEM_TIMEOUT:-400}" python3 benchmarks/mem_account.py --device cuda --n 2097152 --fresh --causal both --out "$OUT/mem2m.md" > "$OUT/mem2m.txt" 2>&1
@@ -139,8 +143,9 @@ case "${1:-tests}" in
     ;;
   tests)
     timeout 150 python3 -m dilated_attention verify 2>&1 | tee "$OUT/verify.txt" | tail -30
-    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -q -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=15 2>&1 \
-      | tee "$OUT/cuda_tests.txt" | tail -45
+    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -v -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=15 > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    grep -E " FAILED |passed|failed|error|rc=" "$OUT/cuda_tests.txt" | tail -30
     timeout 100 python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_131072.md" 2>&1 | tail -12
     ;;
   overhead)
