@@ -98,6 +98,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         dh[c : c + step] = gc @ wc
                     if need_w:
                         dw.add_(gc.T @ xc)
+                    del gc  # freed before the next chunk's logits: one chunk alive at a time
                     continue
                 logits = (xc @ wc.T).to(acc)  # (rows, V)
                 valid = tc != ignore_index
