@@ -7,16 +7,19 @@ kernel on), profiled with ``torch.profiler`` after warm-up, one step per arm:
 
 - ``eager``: the model as a user runs it without compiling;
 - ``eager fused-loss``: the same model with ``LongNetConfig.fused_loss=True`` (the LM loss and
-  its gradients in one pass over the head, ``models/linear_ce.py``; off by default until this
-  arm has measured it; ``--no-fused-loss`` skips it);
+  its gradients in one pass over the head, ``models/linear_ce.py``, each chunk's loss and
+  gradient in the Triton kernel of ``kernels/triton_ce.py``, or its torch code with
+  ``--torch-ce``; off by default until this arm has measured it; ``--no-fused-loss`` skips it);
 - ``compiled``: ``torch.compile(model)`` (inductor; the optimizer step stays eager, as in
   ``ab_rotary.py``);
 - ``dense``: the same model with ``LongNetConfig.with_attention("dense", n)`` (one branch
   w = N, r = 1: SDPA), eager: the baseline a user compares with.
 
 Per arm: the wall time per step (median of ``--iters`` unprofiled steps, CUDA events), the
-summed GPU kernel time of the profiled step, the GPU busy time (union of the kernel intervals)
-and the idle rest, the number of kernels and of memsets / memcpys, the host's issue time (until
+summed GPU kernel time of the profiled step (kernels, memsets and memcpys; the user annotations
+that the profiler mirrors on the GPU timeline -- the ``mod:*`` / ``da:*`` labels, the phases,
+``Optimizer.step#...`` -- are spans around kernels and left out), the GPU busy time (union of
+the kernel intervals) and the idle rest, the number of kernels and of memsets / memcpys, the host's issue time (until
 the step's Python returns, before the final synchronisation) and the host synchronisations
 (``nonzero`` / ``item``). Then the kernels grouped into categories (attention = the Triton
 dilated kernels or SDPA's, GEMMs, layernorm, rotary, casts, GELU, dropout, other elementwise,
@@ -94,6 +97,10 @@ def _triton_names(filename: str) -> tuple[str, ...]:
 
 ATTN_KERNELS = _triton_names("triton_kernels.py") + _triton_names("triton_decode.py")
 ROTARY_KERNELS = _triton_names("triton_rotary.py") or ("_rotary_kernel",)
+CE_KERNELS = _triton_names("triton_ce.py") or ("_ce_loss_grad_kernel",)
+# record_function ranges (the labels below, the phases, the optimizer's own) that the profiler
+# mirrors on the GPU timeline as user annotations: spans around kernels, not kernels
+LABEL_PREFIXES = ("mod:", "da:", "Optimizer.", "ProfilerStep#")
 SDPA_PAT = re.compile(r"flash|fmha|cudnn.*(attn|attention|sdpa)|scaled_dot_product|efficient_attention|sdpa",
                       re.I)  # fmt: skip
 GEMM_PAT = re.compile(r"gemm|xmma|cutlass|cublas|nvjet|splitkreduce|s16816|wgmma|^aten::(mm|addmm|bmm|baddbmm|"
@@ -135,6 +142,8 @@ def _base_category(name: str) -> str:
         return "attention"
     if any(k.lower() in n for k in ROTARY_KERNELS):
         return "rotary"
+    if any(k.lower() in n for k in CE_KERNELS):
+        return "cross-entropy"
     if n.startswith("memset"):
         return "memset/fill"
     if n.startswith("memcpy"):
@@ -242,6 +251,13 @@ def origin_labels(model: torch.nn.Module):
 
 # ------------------------------------------------------------------------------ analysis
 
+def is_annotation(e) -> bool:
+    """Whether a device-side profiler event is a user annotation (a ``record_function`` range
+    mirrored on the GPU timeline: ``mod:*``, ``da:*``, the phases, ``Optimizer.step#...``) rather
+    than a kernel, memset or memcpy: its time spans kernels that are counted on their own."""
+    return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith(LABEL_PREFIXES) or e.name in PHASES
+
+
 def _origin_of(fe, fwd_origin: dict) -> str:
     """The innermost label above a profiler event: a module / loss / rotary label ("bwd " in
     front in backward: the chunks' recomputation), else, in backward, the forward label of the
@@ -317,8 +333,8 @@ def analyse(events, device: torch.device) -> dict:
         runtime = {e.id: e for e in cpu if e.name.startswith("cu") and not e.name.startswith("cudnn")}
         by_id = {e.id: e for e in cpu if not e.is_async and not e.name.startswith("cu")}
         for e in events:
-            if e.device_type != DeviceType.CUDA:
-                continue
+            if e.device_type != DeviceType.CUDA or is_annotation(e):
+                continue  # annotations span kernels: summed with them they inflate the totals
             src = runtime.get(e.id) or by_id.get(getattr(e, "linked_correlation_id", 0) or -1)
             origin = _origin_of(src, fwd_origin) if src is not None else "unattributed"
             items.append(Item(e.name, origin, e.time_range.elapsed_us(), e.time_range.start, e.time_range.end))
@@ -581,6 +597,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-fused-loss", action="store_true",
                    help="skip the eager arm with LongNetConfig.fused_loss=True")
     p.add_argument("--torch-rotary", action="store_true", help="eager rotary in torch code (kernel off)")
+    p.add_argument("--torch-ce", action="store_true",
+                   help="fused loss with the torch code per chunk (kernels/triton_ce.py off)")
     p.add_argument("--compile-backend", default=None, help="default inductor (aot_eager with --tiny)")
     p.add_argument("--out", default=None, help="markdown file (default results/profile_step_<gpu>_<date>.md)")
     args = p.parse_args(argv)
@@ -589,6 +607,8 @@ def main(argv=None) -> int:
     args.adamw = args.adamw or ("foreach" if args.census else "default")
     # the kernel where it runs (CUDA); the torch code on the CPU (no interpreter here)
     flags.set_fused_rotary(device.type == "cuda" and not args.torch_rotary)
+    # likewise the fused loss's cross-entropy kernel (only the eager fused-loss arm reaches it)
+    flags.set_ce_kernel(device.type == "cuda" and not args.torch_ce)
     info = run_info(device, None if argv is None else " ".join(["python", sys.argv[0], *argv]))
     what = "kernel" if device.type == "cuda" else "CPU op"
     unit = "ms"
@@ -620,7 +640,8 @@ def main(argv=None) -> int:
             f"LongNet training step profile, eager vs compiled: {info['device']}", info=info,
             extra=[f"LongNet {cfg['preset']!r}, {str(dtype).removeprefix('torch.')} autocast, fwd + bwd + "
                    f"AdamW ({args.adamw}), compiled with {args.compile_backend} (model only), fused rotary "
-                   f"{flags.fused_rotary_mode()}; dense: with_attention('dense', n), eager",
+                   f"{flags.fused_rotary_mode()}, fused-loss CE kernel {flags.ce_kernel_mode()}; dense: "
+                   f"with_attention('dense', n), eager",
                    f"one profiled step per arm after {args.warmup} warm-up; wall: median of {args.iters} "
                    f"unprofiled steps; {what} times from the profiler"
                    + ("" if device.type == "cuda" else " (CPU self time: not comparable to a GPU)")],

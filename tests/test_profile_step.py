@@ -21,6 +21,8 @@ import profile_step  # noqa: E402
     ("dilated_bwd_dkdv_kernel", "bwd _EagerFusedBackward", "attention"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>(Flash_fwd_params)", "DilatedAttention", "attention"),
     ("_rotary_kernel", "rotary", "rotary"),
+    ("_ce_loss_grad_kernel", "loss", "cross-entropy"),
+    ("_ce_loss_grad_kernel", "unattributed", "cross-entropy"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "Linear", "gemm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "bwd Linear", "gemm"),
     ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(int, float)", "LayerNorm", "layernorm"),
@@ -53,6 +55,7 @@ def test_triton_kernel_names_read_from_the_source():
     assert "dilated_fwd_kernel" in profile_step.ATTN_KERNELS
     assert "dilated_bwd_dq_kernel" in profile_step.ATTN_KERNELS
     assert profile_step.ROTARY_KERNELS == ("_rotary_kernel",)
+    assert profile_step.CE_KERNELS == ("_ce_loss_grad_kernel",)
 
 
 def _category_rows(text: str, section: str) -> dict:
@@ -110,8 +113,10 @@ class _Range:
 class _Ev:
     """The fields of a profiler FunctionEvent that profile_step.analyse reads."""
 
-    def __init__(self, name, start, end, parent=None, device=torch.autograd.DeviceType.CPU, id=0, seq=-1):
+    def __init__(self, name, start, end, parent=None, device=torch.autograd.DeviceType.CPU, id=0, seq=-1,
+                 annotation=False):  # fmt: skip
         self.name, self.device_type, self.id, self.sequence_nr = name, device, id, seq
+        self.is_user_annotation = annotation
         self.time_range, self.is_async, self.cpu_parent, self.cpu_children = _Range(start, end), False, parent, []
         self.linked_correlation_id = 0
         self.cpu_time_total = self.self_cpu_time_total = end - start
@@ -143,6 +148,13 @@ def test_analyse_attributes_cuda_kernels_to_their_launch():
         _Ev("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", 240, 260, device=cuda, id=14),
         _Ev("void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>>", 410, 430, device=cuda, id=15),
         _Ev("Memset (Device)", 500, 501, device=cuda, id=99),  # no launch found: unattributed
+        # user annotations mirrored on the GPU timeline: spans, not kernels (left out), flagged
+        # by the profiler or known by name
+        _Ev("mod:Linear", 0, 100, device=cuda, id=11, annotation=True),
+        _Ev("mod:LayerNorm", 100, 200, device=cuda, id=12),
+        _Ev("da:ce", 100, 200, device=cuda, id=12),
+        _Ev("Optimizer.step#AdamW.step", 400, 440, device=cuda, id=15),
+        _Ev("forward", 0, 200, device=cuda, id=11),
     ]
     cpu = [e for e in (lin, to, mm, node, bmm, acc, opt)]
     everything = cpu + [c for e in cpu for c in e.cpu_children] + kernels

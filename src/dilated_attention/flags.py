@@ -1,6 +1,6 @@
 """The library's process-level switches, in one place.
 
-There are four.
+There are five.
 
 **cuDNN attention.** Whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
 capability >= 9 (see docs/spec.md, "Choices the library makes"). It is read when a block is
@@ -68,6 +68,26 @@ P, the heads that share and BM // 8). ``set_gqa_pack(n)`` sets it for this proce
 returns to the environment); without a call ``DILATED_ATTENTION_GQA_PACK=n`` (an integer; unset
 or anything else: ``GQA_PACK_DEFAULT``, 0) decides, read at the first call after each set. The
 training plans key on it (``triton_launch.plan_key``), so a change takes effect on the next call.
+
+**The cross-entropy kernel of the fused LM loss.** Whether ``models/linear_ce.py`` (the loss of
+``LongNetConfig(fused_loss=True)``, itself off by default) computes each chunk's loss and
+gradient with the Triton kernel of ``kernels/triton_ce.py`` (one launch per chunk, the gradient
+written over the chunk's logits in their dtype) or with its torch code (a float32 copy of the
+chunk's logits and about six passes over it). Three answers, from :func:`ce_kernel_mode`, as
+for the rotary kernel:
+
+- ``"auto"`` (the default, ``CE_KERNEL_DEFAULT``): the kernel on CUDA where it can run (fp16,
+  bf16, fp32 logits), else the torch code;
+- ``"on"``: the kernel wherever it can run, Triton's interpreter on the CPU included
+  (``TRITON_INTERPRET=1``; for tests), else the torch code;
+- ``"off"``: always the torch code.
+
+Built and tested in Triton's interpreter on 2026-11-27, not yet measured on a GPU; it only ever
+runs where ``fused_loss`` is on, which stays off until ``benchmarks/profile_step.py``'s fused-loss
+arm has measured it. ``set_ce_kernel(True)`` is ``"on"``, ``False`` is ``"off"``, ``None``
+returns to the environment: ``DILATED_ATTENTION_CE_KERNEL=0`` is ``"off"``, ``=1`` is ``"on"``,
+``=auto`` is ``"auto"``, anything else or nothing is the default. Read as the rotary switch is
+(once after each set).
 """
 
 from __future__ import annotations
@@ -78,6 +98,8 @@ ENV_CUDNN = "DILATED_ATTENTION_CUDNN"
 ENV_DIRECT_LAUNCH = "DILATED_ATTENTION_DIRECT_LAUNCH"
 ENV_FUSED_ROTARY = "DILATED_ATTENTION_FUSED_ROTARY"
 ENV_GQA_PACK = "DILATED_ATTENTION_GQA_PACK"
+ENV_CE_KERNEL = "DILATED_ATTENTION_CE_KERNEL"
+CE_KERNEL_DEFAULT = "auto"  # only reached with fused_loss=True (off by default; not yet GPU-measured)
 GQA_PACK_DEFAULT = 0  # off until a GPU has measured it (benchmarks/ab_gqa.py)
 ROTARY_DEFAULT = "auto"  # since 2026-11-27 (verified and measured on an H100)
 
@@ -106,9 +128,9 @@ class _Switch:
 
 
 _direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
-_rotary = _Switch(
-    ENV_FUSED_ROTARY, lambda v: {"0": "off", "1": "on", "auto": "auto"}.get(v.lower(), ROTARY_DEFAULT)
-)
+_MODES = {"0": "off", "1": "on", "auto": "auto"}  # the rotary and cross-entropy kernels' switches
+_rotary = _Switch(ENV_FUSED_ROTARY, lambda v: _MODES.get(v.lower(), ROTARY_DEFAULT))
+_ce = _Switch(ENV_CE_KERNEL, lambda v: _MODES.get(v.lower(), CE_KERNEL_DEFAULT))
 _gqa = _Switch(ENV_GQA_PACK, lambda v: int(v) if v.isdigit() else GQA_PACK_DEFAULT)
 
 
@@ -191,3 +213,25 @@ def gqa_pack() -> int:
     ``GQA_PACK_DEFAULT``) as read at the first call since the last :func:`set_gqa_pack`."""
     v = _gqa.value
     return _gqa.load() if v is None else v
+
+
+def set_ce_kernel(enabled: bool | None) -> None:
+    """Use the cross-entropy kernel of the fused LM loss wherever it can run (True: the
+    interpreter on the CPU included) or never (False) in this process; None returns to the
+    environment's choice (``DILATED_ATTENTION_CE_KERNEL``: ``0``, ``1`` or ``auto``, CUDA only;
+    unset: ``CE_KERNEL_DEFAULT``)."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"set_ce_kernel(enabled={enabled!r}): pass True, False or None (None: the "
+            f"{ENV_CE_KERNEL} environment variable decides)"
+        )
+    _ce.set(None if enabled is None else "on" if enabled else "off")
+
+
+def ce_kernel_mode() -> str:
+    """``"on"``, ``"off"`` or ``"auto"`` for the fused loss's cross-entropy kernel: the value set
+    by :func:`set_ce_kernel`, else the environment (``DILATED_ATTENTION_CE_KERNEL=0`` off, ``=1``
+    on, ``=auto`` auto, else ``CE_KERNEL_DEFAULT``) as read at the first call since the last
+    :func:`set_ce_kernel`."""
+    v = _ce.value
+    return _ce.load() if v is None else v

@@ -12,12 +12,25 @@ zeroed full-size tensor plus the add of those tensors (2026-11-27, ``profile_ste
 --census``: 25 chunks at 8K x 4 with a 50304-word vocabulary).
 
 Numerics follow autocast: under ``torch.autocast`` the matmuls run in the autocast dtype (h and
-the weight cast once per call), the logits and the softmax in float32, ``dlogits`` is cast to
+the weight cast once per call), the matmul's logits widened to float32 for the softmax and the
+loss, ``dlogits`` is cast to
 the autocast dtype for the two gradient matmuls as autocast's backward of ``F.linear`` does, and
 the weight's gradient is accumulated over chunks in float32 (as autograd accumulates the
 chunks' separate cast nodes). Without autocast everything is in h's dtype (float64 exact to the
 plain formula; tested). Memory: the gradients of h (M, E) and of the weight (V, E, float32) live
 from the forward to the backward, instead of one chunk's logits recomputed in backward.
+
+The chunk's loss and gradient: on CUDA (fp16, bf16, fp32) one Triton kernel per chunk
+(``kernels/triton_ce.py``): the head matmul's output in the compute dtype goes straight in, the
+per-row loss comes out in float32 and ``softmax - onehot`` is written over the logits in the
+compute dtype, all its math in float32 (the same formula and the same single rounding of the
+gradient as the torch code; two passes over the logits in one launch instead of a float32 copy
+and about six passes over it). Elsewhere (the CPU, float64, triton missing) and with
+``flags.set_ce_kernel(False)`` / ``DILATED_ATTENTION_CE_KERNEL=0``, the torch code: the logits
+widened to float32 (float64 stays), logsumexp, gather, the softmax in place, minus one at the
+target, cast to the compute dtype. ``set_ce_kernel(True)`` also runs the kernel in Triton's
+interpreter on the CPU (``TRITON_INTERPRET=1``; tests). 2026-11-27: tested in the interpreter,
+not yet measured on a GPU.
 
 Limits (the callers choose the plain path there): no double backward (the gradient is not
 differentiable again: ``create_graph=True`` raises), and rows whose target is ``ignore_index``
@@ -29,6 +42,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..flags import ce_kernel_mode
+from ..kernels.select import backend_reason
+
 
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     """The dtype the head's matmul runs in: autocast's for h's device if on (and h is floating
@@ -37,6 +53,27 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     if h.dtype != torch.float64 and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return h.dtype
+
+
+_CE_KERNEL = []  # kernels.triton_ce.ce_loss_grad_, once imported
+
+
+def _ce_kernel(hc: torch.Tensor):
+    """``triton_ce.ce_loss_grad_`` if the chunks' loss runs in the Triton kernel for logits of
+    ``hc``'s device and dtype (``flags.ce_kernel_mode``: "auto" on CUDA, "on" also in the
+    interpreter on the CPU), else None (the torch code)."""
+    mode = ce_kernel_mode()
+    if mode == "off" or (mode == "auto" and not hc.is_cuda):
+        return None
+    if backend_reason("triton_ce", hc.device.type, hc.dtype, 0) is not None:
+        return None
+    if not _CE_KERNEL:
+        # imported at the first use, not with the package (triton.jit picks the interpreter or
+        # the compiler when the kernel is defined, and tests set TRITON_INTERPRET late)
+        from ..kernels.triton_ce import ce_loss_grad_
+
+        _CE_KERNEL.append(ce_loss_grad_)
+    return _CE_KERNEL[0]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -50,8 +87,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_h else None
             dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
             total = torch.zeros((), dtype=acc, device=h.device)
+            kernel = _ce_kernel(hc) if acc == torch.float32 else None
             for c in range(0, h.shape[0], step):
                 xc, tc = hc[c : c + step], t[c : c + step]
+                if kernel is not None:
+                    # the logits in cdtype -> per-row loss (float32), the gradient over them
+                    gc = xc @ wc.T  # (rows, V)
+                    total += kernel(gc, tc, ignore_index, write_grad=need_h or need_w).sum()
+                    if need_h:
+                        dh[c : c + step] = gc @ wc
+                    if need_w:
+                        dw.add_(gc.T @ xc)
+                    del gc  # freed before the next chunk's logits: one chunk alive at a time
+                    continue
                 logits = (xc @ wc.T).to(acc)  # (rows, V)
                 valid = tc != ignore_index
                 tcl = tc.clamp(min=0).unsqueeze(1)
