@@ -47,7 +47,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join(HERE, "..", "src", "dilated_attention", "kernels", "triton_kernels.py")
-NAMES = ("VARLEN", "BM", "BN", "CAUSAL", "FIRST", "COMP", "STORE_LO", "R", "HAS_KPM", "P")
+NAMES = ("VARLEN", "BM", "BN", "CAUSAL", "FIRST", "COMP", "STORE_LO", "R", "HAS_KPM")
 
 
 def parse_config(text: str | None) -> dict | None:
@@ -61,16 +61,14 @@ def parse_config(text: str | None) -> dict | None:
     return out
 
 
-def record(what: str, causal: bool, config: dict | None, path: str, hkv: int = 16,
-           gqa_pack: int = 0) -> None:
+def record(what: str, causal: bool, config: dict | None, path: str, hkv: int = 16) -> None:
     """Phase 1 (a subprocess with TRITON_INTERPRET=1): one forward + backward of the profile
     shape (``what``: varlen or one) with the GPU's block configs, every launch recorded
     (kernel name, arguments with tensors as (dtype, 16-byte aligned), keyword arguments).
-    ``hkv``: kv heads (16 query heads); ``gqa_pack``: ``flags.set_gqa_pack`` for the call."""
+    ``hkv``: kv heads (16 query heads)."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
-    from dilated_attention import flags
     from dilated_attention.branches import branch_head_ranges
     from dilated_attention.kernels import triton_launch as L
 
@@ -97,7 +95,6 @@ def record(what: str, causal: bool, config: dict | None, path: str, hkv: int = 1
         cu = _offsets(lens, torch.device("cpu"))
         docs = L.Docs(cu, cu, max(lens), max(lens), True)
     ranges = branch_head_ranges(h, len(seg), "all")
-    flags.set_gqa_pack(gqa_pack)
     q, do = (torch.empty(1, total, h, d, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty(1, total, hkv, d, dtype=torch.bfloat16) for _ in range(2))
     out, lse = L.forward(q, k, v, None, seg, dil, causal, d**-0.5, ranges, config=config, docs=docs)
@@ -194,11 +191,8 @@ def main(argv=None):
     p.add_argument("--what", choices=["varlen", "one", "both"], default="both")
     p.add_argument("--causal", choices=["yes", "no"], default="yes")
     p.add_argument("--config", default=None, help='block configs, e.g. "dkdv=64,64,4,1" (default: the GPU\'s)')
-    p.add_argument("--kernels", default="dilated_fwd_kernel,dilated_fwd_folded_kernel,dilated_bwd_dkdv_kernel,"
-                   "dilated_bwd_dq_kernel,dilated_fwd_pack_kernel,dilated_bwd_dq_pack_kernel")
+    p.add_argument("--kernels", default="dilated_fwd_kernel,dilated_fwd_folded_kernel,dilated_bwd_dkdv_kernel,dilated_bwd_dq_kernel")
     p.add_argument("--hkv", type=int, default=16, help="kv heads of the call (16 query heads; default 16)")
-    p.add_argument("--gqa-pack", type=int, default=0,
-                   help="flags.set_gqa_pack for the call (0: off; 8: the packed fwd / dQ kernels where heads share)")
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
     p.add_argument("--sass", default=None, help="write each variant's SASS (cuobjdump -sass) to this folder")
     p.add_argument("--record", default=None, help=argparse.SUPPRESS)  # phase 1 (internal)
@@ -206,7 +200,7 @@ def main(argv=None):
     causal = a.causal == "yes"
     config = parse_config(a.config)
     if a.record:
-        record(a.what, causal, config, a.record, a.hkv, a.gqa_pack)
+        record(a.what, causal, config, a.record, a.hkv)
         return None
     import triton
 
@@ -216,14 +210,14 @@ def main(argv=None):
             path = os.path.join(tmp, f"{what}.pkl")
             env = dict(os.environ, TRITON_INTERPRET="1")
             cmd = [sys.executable, os.path.abspath(__file__), "--what", what, "--causal", a.causal,
-                   "--record", path, "--hkv", str(a.hkv), "--gqa-pack", str(a.gqa_pack)]
+                   "--record", path, "--hkv", str(a.hkv)]
             cmd += ["--config", a.config] if a.config else []
             subprocess.run(cmd, env=env, check=True)
             with open(path, "rb") as f:
                 launches += [(what, *x) for x in pickle.load(f)]
     rows = compile_launches(launches, a.kernels.split(","), a.sass)
     lines = [f"triton {triton.__version__}, target sm_90 (cuobjdump of the cubin), causal={causal}, "
-             f"configs {config or 'default (the GPU ones)'}, 16/{a.hkv} heads, gqa_pack {a.gqa_pack}",
+             f"configs {config or 'default (the GPU ones)'}, 16/{a.hkv} heads",
              "", *rows]
     text = "\n".join(lines) + "\n"
     print(text)

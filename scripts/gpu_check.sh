@@ -33,10 +33,9 @@
 #   bash scripts/gpu_check.sh step      issue 23 item 5: benchmarks/profile_step.py (one eager, one compiled and one
 #                                       dense-SDPA LongNet base step profiled at 8K x 4 and 16K x 2: kernels per
 #                                       category, eager by origin, host vs GPU time; no tests)
-#   bash scripts/gpu_check.sh gqa       issue 24 target 2: GQA packing (flags.set_gqa_pack, off by default): its
-#                                       CUDA tests, tests/test_triton.py -m cuda with it on
-#                                       (DILATED_ATTENTION_GQA_PACK=8), then benchmarks/ab_gqa.py (on / off /
-#                                       dense SDPA, headline shape, kv heads 16/4/1, causal and not)
+#   bash scripts/gpu_check.sh gqa       issue 24 target 2: benchmarks/bench_gqa.py only (the fused kernel with
+#                                       kv heads 16/4/1 at the headline shape, causal and not, fwd and fwd+bwd,
+#                                       same-run dense SDPA; each GQA / MQA row's % of dense over MHA's; no tests)
 #   bash scripts/gpu_check.sh fuzz      scripts/fuzz.py on CUDA: the Triton impl, up to $FUZZ_EXAMPLES (5000)
 #                                       dense cases in $FUZZ_MINUTES (5), then --varlen for 3 minutes
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
@@ -250,17 +249,10 @@ case "${1:-tests}" in
     sed -n '/^## Summary/,/^## N/p' "$OUT/profile_step.md" 2>/dev/null | grep -E "^\||^- N"; tail -2 "$OUT/profile_step.txt"
     ;;
   gqa)
-    # issue 24 target 2: the GQA-packed forward / dQ kernels (CPU-verified only until this call),
-    # their CUDA tests, the existing Triton CUDA tests with packing on, then the same-process A/B
-    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -v -m cuda -p no:cacheprovider -rfE \
-      tests/test_gqa_pack.py > "$OUT/cuda_tests.txt" 2>&1
-    echo "pytest gqa_pack rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED lines)" >> "$OUT/cuda_tests.txt"
-    DILATED_ATTENTION_GQA_PACK=8 timeout "${CUDA_TEST_TIMEOUT2:-150}" python3 -m pytest -v -m cuda -p no:cacheprovider -rfE \
-      tests/test_triton.py > "$OUT/cuda_tests_packed.txt" 2>&1
-    echo "pytest test_triton.py (pack 8) rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests_packed.txt") PASSED lines)" >> "$OUT/cuda_tests_packed.txt"
-    timeout "${AB_TIMEOUT:-330}" python3 benchmarks/ab_gqa.py --out "$OUT/ab_gqa.md" > "$OUT/ab_gqa.txt" 2>&1
-    echo "ab_gqa rc=$?" >> "$OUT/ab_gqa.txt"
-    tail -3 "$OUT/cuda_tests.txt" "$OUT/cuda_tests_packed.txt"; grep -E "^\||rc=" "$OUT/ab_gqa.txt" | tail -24
+    # issue 24 target 2: GQA / MQA rows within 10% of the MHA row (% of dense), headline shape
+    timeout "${GQA_TIMEOUT:-300}" python3 benchmarks/bench_gqa.py --out "$OUT/bench_gqa.md" > "$OUT/bench_gqa.txt" 2>&1
+    echo "bench_gqa rc=$?" >> "$OUT/bench_gqa.txt"
+    grep -E "^\||rc=" "$OUT/bench_gqa.txt" | tail -24
     ;;
   fuzz)
     # issue 24 item 5 (>= 5,000 random configurations on the GPU against the float64 reference)

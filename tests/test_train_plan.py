@@ -507,7 +507,7 @@ def _stand_ins(monkeypatch):
     monkeypatch.setattr(direct_launch, "unavailable_reason", lambda: None)
     flags.set_direct_launch(True)
     spies = {}
-    for name in ("_FWD_FOLDED", "_FWD", "_DELTA", "_DKDV", "_DQ", "_FWD_PACK", "_DQ_PACK"):
+    for name in ("_FWD_FOLDED", "_FWD", "_DELTA", "_DKDV", "_DQ"):
         dk = getattr(L, name)
         monkeypatch.setattr(dk, "plans", {})
         spy = _JitSpy(dk.kernel)

@@ -1,6 +1,6 @@
 """The library's process-level switches, in one place.
 
-There are five.
+There are four.
 
 **cuDNN attention.** Whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
 capability >= 9 (see docs/spec.md, "Choices the library makes"). It is read when a block is
@@ -57,18 +57,6 @@ environment: ``DILATED_ATTENTION_FUSED_ROTARY=0`` is ``"off"``, ``=1`` is ``"on"
 direct-launch switch is (once after each set: it is asked in every layer of every forward,
 decode steps included).
 
-**GQA packing of the Triton kernels** (issue 24 target 2; off by default: built and tested in
-Triton's interpreter on 2026-11-27, not yet measured on a GPU). With grouped-query or
-multi-query attention, the query heads of one kv group that read the same dilated rows (one
-offset h % r) can share each K/V tile: the per-branch forward and the dQ kernel then take the
-rows of up to P such heads in one M tile (``kernels/triton_kernels.py``,
-``dilated_fwd_pack_kernel``; the dK/dV kernel loops over them already). :func:`gqa_pack` gives
-P, the most query heads per tile (0 or 1: off; the launcher takes a power of two no larger than
-P, the heads that share and BM // 8). ``set_gqa_pack(n)`` sets it for this process (``None``
-returns to the environment); without a call ``DILATED_ATTENTION_GQA_PACK=n`` (an integer; unset
-or anything else: ``GQA_PACK_DEFAULT``, 0) decides, read at the first call after each set. The
-training plans key on it (``triton_launch.plan_key``), so a change takes effect on the next call.
-
 **The cross-entropy kernel of the fused LM loss.** Whether ``models/linear_ce.py`` (the loss of
 ``LongNetConfig(fused_loss=True)``, itself off by default) computes each chunk's loss and
 gradient with the Triton kernel of ``kernels/triton_ce.py`` (one launch per chunk, the gradient
@@ -97,10 +85,8 @@ import os
 ENV_CUDNN = "DILATED_ATTENTION_CUDNN"
 ENV_DIRECT_LAUNCH = "DILATED_ATTENTION_DIRECT_LAUNCH"
 ENV_FUSED_ROTARY = "DILATED_ATTENTION_FUSED_ROTARY"
-ENV_GQA_PACK = "DILATED_ATTENTION_GQA_PACK"
 ENV_CE_KERNEL = "DILATED_ATTENTION_CE_KERNEL"
 CE_KERNEL_DEFAULT = "auto"  # only reached with fused_loss=True (off by default; not yet GPU-measured)
-GQA_PACK_DEFAULT = 0  # off until a GPU has measured it (benchmarks/ab_gqa.py)
 ROTARY_DEFAULT = "auto"  # since 2026-11-27 (verified and measured on an H100)
 
 # the value set by set_cudnn_attention; None: the environment decides (the xformers-style setter)
@@ -131,7 +117,6 @@ _direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
 _MODES = {"0": "off", "1": "on", "auto": "auto"}  # the rotary and cross-entropy kernels' switches
 _rotary = _Switch(ENV_FUSED_ROTARY, lambda v: _MODES.get(v.lower(), ROTARY_DEFAULT))
 _ce = _Switch(ENV_CE_KERNEL, lambda v: _MODES.get(v.lower(), CE_KERNEL_DEFAULT))
-_gqa = _Switch(ENV_GQA_PACK, lambda v: int(v) if v.isdigit() else GQA_PACK_DEFAULT)
 
 
 def set_cudnn_attention(enabled: bool | None) -> None:
@@ -193,26 +178,6 @@ def fused_rotary_mode() -> str:
     :func:`set_fused_rotary`."""
     v = _rotary.value
     return _rotary.load() if v is None else v
-
-
-def set_gqa_pack(heads: int | None) -> None:
-    """Let the Triton forward and dQ kernels take up to ``heads`` query heads of one kv group
-    in one tile (0 or 1: off) in this process; None returns to the environment's choice
-    (``DILATED_ATTENTION_GQA_PACK``)."""
-    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 0):
-        raise TypeError(
-            f"set_gqa_pack(heads={heads!r}): pass an int >= 0 (0 or 1: off) or None (None: the "
-            f"{ENV_GQA_PACK} environment variable decides)"
-        )
-    _gqa.set(heads)
-
-
-def gqa_pack() -> int:
-    """The most query heads per tile of the GQA-packed kernels (0 or 1: off): the value set by
-    :func:`set_gqa_pack`, else ``DILATED_ATTENTION_GQA_PACK`` (an integer >= 0; else
-    ``GQA_PACK_DEFAULT``) as read at the first call since the last :func:`set_gqa_pack`."""
-    v = _gqa.value
-    return _gqa.load() if v is None else v
 
 
 def set_ce_kernel(enabled: bool | None) -> None:

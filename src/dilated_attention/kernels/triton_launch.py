@@ -3,8 +3,7 @@
 :func:`forward` and :func:`backward` take validated, last-dim-contiguous tensors and return
 plain tensors (no autograd); ``triton_ops.py`` wraps them in the custom ops, the only entry
 point other code should use. Tuning knobs are keyword arguments (``config=``, ``fold=``,
-``lo_rows=``) for ``benchmarks/tune_triton.py``; nothing here reads the environment at call time
-(the GQA packing switch, ``flags.gqa_pack()``, reads it once after each ``set_gqa_pack``).
+``lo_rows=``) for ``benchmarks/tune_triton.py``; nothing here reads the environment at call time.
 
 Launches run through a per-configuration :class:`TrainPlan` (built once: grids, argument
 lists, lo ranges, buffer shapes; see "training plans" below); :func:`forward_per_call` /
@@ -89,36 +88,11 @@ _FWD = direct_launch.DirectKernel(kern.dilated_fwd_kernel, 9, max_plans=256)
 _DELTA = direct_launch.DirectKernel(kern.dilated_bwd_delta_kernel, 3, max_plans=256)
 _DKDV = direct_launch.DirectKernel(kern.dilated_bwd_dkdv_kernel, 13, max_plans=256)
 _DQ = direct_launch.DirectKernel(kern.dilated_bwd_dq_kernel, 11, max_plans=256)
-_FWD_PACK = direct_launch.DirectKernel(kern.dilated_fwd_pack_kernel, 9, max_plans=256)
-_DQ_PACK = direct_launch.DirectKernel(kern.dilated_bwd_dq_pack_kernel, 11, max_plans=256)
 
 
 def _cdiv(a: int, b: int) -> int:
     # triton.cdiv on ints (on Triton 3.6 a ConstexprFunction: a Python __call__ per use)
     return -(-a // b)
-
-
-def gqa_pack_factor(nh: int, hkv: int, r: int, bm: int, varlen: bool, setting: int) -> int:
-    """Query heads per M tile of the per-branch forward and dQ launches of branch dilation
-    ``r`` (``triton_kernels.dilated_fwd_pack_kernel``; 1: the unpacked kernels). ``setting``:
-    ``flags.gqa_pack()``, the most heads per tile (0 or 1: off, the default). The heads that
-    share a K/V tile are those of one kv group with one offset h % r: at most ceil(rep / r); the
-    factor is the largest power of two <= all of setting, that count and bm // 8 (so BM // P
-    >= 8 rows of a block per head). Packed documents: 1 (not implemented there)."""
-    if setting <= 1 or varlen:
-        return 1
-    share = _cdiv(nh // hkv, r)
-    p = min(setting, share, bm // 8)
-    return 1 << (p.bit_length() - 1) if p > 1 else 1
-
-
-def _pack_grid1(bsz: int, nh: int, hkv: int, r: int, p: int) -> tuple[int, int, int]:
-    """(classes NI, chunks NCH, grid axis 1) of a packed launch: batch x kv head x offset class
-    (min(rep, r), as the dK/dV grid) x chunks of ``p`` of the class's <= ceil(rep / r) heads."""
-    rep = nh // hkv
-    ni = min(rep, r)
-    nch = _cdiv(_cdiv(rep, r), p)
-    return ni, nch, bsz * hkv * ni * nch
 
 
 def _launch_kw(cfg: Config) -> dict:
@@ -430,32 +404,13 @@ def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, conf
     acc_lo = _lo_buffer(acc_o, comp, chunks)
     acc_l = torch.full((bsz, nh, nq), float("-inf"), dtype=torch.float32, device=q.device)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
-    setting = flags.gqa_pack()
-    packs = [gqa_pack_factor(nh, hkv, r, bm, lay.varlen, setting) for _, r, _, _ in branches]
-    nms = [_cdiv(max_block_length(lay.nk, w, r), bm // p)
-           for (w, r, _, _), p in zip(branches, packs, strict=True)]  # fmt: skip
+    nms = [_cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
     first = _first_launch(lay, branches, nms)
     for c0, c1 in chunks:
         lo, slob, lo_row0 = _lo_range(acc_lo, acc_o, c0 - lay.qoff, len(chunks) > 1)
         for bi, (w, r, hs, he) in enumerate(branches):
             nm = nms[bi]
             s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1, r, bm)
-            if packs[bi] > 1:
-                ni, nch, g1 = _pack_grid1(lay.batch, nh, hkv, r, packs[bi])
-                if fixed * g1 == 0:
-                    continue
-                _FWD_PACK[(fixed, g1)](
-                    q, k, v, kp, acc_o, lo, acc_l, lay.cu_q, lay.cu_k, lay.ndocs,
-                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                    v.stride(0), v.stride(1), v.stride(2), skp,
-                    acc_o.stride(0), acc_o.stride(1), acc_o.stride(2), slob, lo_row0,
-                    lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, nh // hkv, ni, nch, w, r,
-                    s0, nm, scale * kern.LOG2E.value,
-                    D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, FIRST=bi == first,
-                    PREC=_prec(q.dtype), COMP=comp, STORE_LO=bi < len(branches) - 1,
-                    P=packs[bi], **_launch_kw(cfg),
-                )
-                continue
             grid = (fixed + per_doc * lay.ndocs, lay.batch * (he - hs))
             if grid[0] * grid[1] == 0:
                 continue
@@ -555,29 +510,12 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
     chunks = lo_chunks(lay, branches, row_bytes, lo_rows) if comp else [(0, lay.nk)]
     dq_lo = _lo_buffer(dq, comp, chunks, not q_all)
     bm, bn = cfgs["dq"][:2]
-    setting = flags.gqa_pack()
     for c0, c1 in chunks:
         # query rows: dq row i is key position i + qoff
         lq, slob, lo_row0 = _lo_range(dq_lo, dq, c0 - lay.qoff, len(chunks) > 1, not q_all)
         for bi, (w, r, hs, he) in enumerate(branches):
-            p = gqa_pack_factor(nh, hkv, r, bm, lay.varlen, setting)
-            nm = -(-geom(w, r) // (bm // p))
+            nm = -(-geom(w, r) // bm)
             s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1, r, bm)
-            if p > 1:
-                ni, nch, g1 = _pack_grid1(lay.batch, nh, hkv, r, p)
-                if fixed * g1 == 0:
-                    continue
-                _DQ_PACK[(fixed, g1)](
-                    q, k, v, kp, dout, lse, delta, dq, lq,
-                    lay.cu_q, lay.cu_k, lay.ndocs, *strides_in,
-                    dq.stride(0), dq.stride(1), dq.stride(2), slob, lo_row0,
-                    lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, nch, w, r, s0, nm,
-                    qk_scale, scale,
-                    D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
-                    COMP=comp, STORE_LO=bi < len(branches) - 1,
-                    FIRST=q_all and bi == 0, P=p, **_launch_kw(cfgs["dq"]),
-                )
-                continue
             grid = (fixed + per_doc * lay.ndocs, lay.batch * (he - hs))
             if grid[0] * grid[1] == 0:
                 continue
@@ -790,7 +728,7 @@ def plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fo
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
         q.device, None if kpm is None else (kpm.shape, kpm.stride(), kpm.dtype),
         causal, scale, tuple(seg), tuple(dil), tuple(head_ranges), _config_key(config), fold,
-        lo_rows, LO_CHUNKS, LO_MIN_BYTES, INTERPRET, flags.gqa_pack(),
+        lo_rows, LO_CHUNKS, LO_MIN_BYTES, INTERPRET,
         None if docs is None else (docs.cu_q.dtype, docs.cu_k.dtype, grid_bucket(docs.max_q),
                                    grid_bucket(docs.max_k), docs.same_offsets(),
                                    bool(docs.checked)),
@@ -835,7 +773,6 @@ class TrainPlan:
         self.nd_arg = () if self.varlen else (0,)
         self.cfgs = resolve_configs(q.shape[-1], config)
         self.branches = branch_list(seg, dil, head_ranges)
-        self.gqa_pack = flags.gqa_pack()  # (plan_key holds it)
         self.has_kpm = kpm is not None
         self.skp = _kpm_arg(kpm, q)[1] if kpm is not None else 0
         self.several_q, self.several_kv = _rows_with_several_branches(
@@ -890,10 +827,7 @@ class TrainPlan:
         self.fwd_comp, self.fwd_chunked = comp, chunked
         self.fwd_lo_shape = (bsz, max(c1 - c0 for c0, c1 in chunks), nh, d) if chunked else self.out_shape
         lost = _contiguous_strides(self.fwd_lo_shape)
-        packs = [gqa_pack_factor(nh, hkv, r, bm, lay.varlen, self.gqa_pack)
-                 for _, r, _, _ in branches]  # fmt: skip
-        nms = [_cdiv(max_block_length(lay.nk, w, r), bm // p)
-               for (w, r, _, _), p in zip(branches, packs, strict=True)]  # fmt: skip
+        nms = [_cdiv(max_block_length(lay.nk, w, r), bm) for w, r, _, _ in branches]
         first = _first_launch(lay, branches, nms)
         self.fwd_fill = not _first_branch_writes_all(branches, first, nh, lay.covered, lay.qoff)
         steps = []
@@ -907,20 +841,6 @@ class TrainPlan:
             for bi, (w, r, hs, he) in enumerate(branches):
                 nm = nms[bi]
                 s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1, r, bm)
-                if packs[bi] > 1:  # as forward_per_call
-                    ni, nch, g1 = _pack_grid1(lay.batch, nh, hkv, r, packs[bi])
-                    if fixed * g1 == 0:
-                        continue
-                    steps.append(_Launch(
-                        _FWD_PACK, (fixed, g1), (0, 1, 2, 3, 4, 5, 6, 8, 9),
-                        (*self.nd_arg, *strides_in, ost[0], ost[1], ost[2], slob, lo_row0,
-                         lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, nh // hkv, ni, nch,
-                         w, r, s0, nm, qk_scale),
-                        dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm,
-                             FIRST=bi == first, PREC=_prec(q.dtype), COMP=comp,
-                             STORE_LO=bi < len(branches) - 1, P=packs[bi], **_launch_kw(cfg)),
-                    ))  # fmt: skip
-                    continue
                 grid = (fixed, lay.batch * (he - hs))
                 if (fixed + per_doc) * grid[1] == 0:
                     continue
@@ -1060,23 +980,8 @@ class TrainPlan:
             else:
                 slob, lo_row0 = qst[0], 0
             for bi, (w, r, hs, he) in enumerate(branches):
-                p = gqa_pack_factor(nh, hkv, r, bm, lay.varlen, self.gqa_pack)
-                nm = -(-geom(w, r) // (bm // p))
+                nm = -(-geom(w, r) // bm)
                 s0, fixed, per_doc = _axis0(lay, w, nm, c0, c1, r, bm)
-                if p > 1:  # as backward_per_call
-                    ni, nch, g1 = _pack_grid1(lay.batch, nh, hkv, r, p)
-                    if fixed * g1 == 0:
-                        continue
-                    steps.append(_Launch(
-                        _DQ_PACK, (fixed, g1), (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
-                        (*self.nd_arg, *strides_in, qst[0], qst[1], qst[2], slob, lo_row0,
-                         lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, nch, w, r,
-                         s0, nm, qk_scale, scale),
-                        dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
-                             COMP=comp, STORE_LO=bi < len(branches) - 1,
-                             FIRST=q_all and bi == 0, P=p, **_launch_kw(cfgs["dq"])),
-                    ))  # fmt: skip
-                    continue
                 grid = (fixed, lay.batch * (he - hs))
                 if (fixed + per_doc) * grid[1] == 0:
                     continue

@@ -23,7 +23,6 @@ import math
 
 import torch
 
-from .. import flags
 from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
 
@@ -185,7 +184,7 @@ def _plan_knobs() -> tuple:
     # what decides whether a call gets a plan, and which, beyond the call's own arguments: the
     # switch and the lo-range knobs (plan_key holds them); the memo also remembers the plan
     # table it came from (a test or a tool that swaps a fresh table in gets its plans built)
-    return _launch.USE_PLANS, _launch.LO_CHUNKS, _launch.LO_MIN_BYTES, flags.gqa_pack()
+    return _launch.USE_PLANS, _launch.LO_CHUNKS, _launch.LO_MIN_BYTES
 
 
 def _fused_forward(q, k, v, kpm, fc: FusedCall):

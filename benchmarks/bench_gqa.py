@@ -1,19 +1,17 @@
-"""Same-process A/B of GQA packing in the Triton kernels (issue 24 target 2), with dense SDPA.
+"""GQA / MQA against MHA on the fused Triton kernel (issue 24 target 2), with dense SDPA.
 
-Arms, switched by ``flags.set_gqa_pack`` (``--pack`` heads per tile, default 8: on; 0: off),
-and dense ``F.scaled_dot_product_attention`` (k, v repeated to the query heads outside the
-timed call: the same FLOPs as GQA, as benchmarks/sweep.py), in interleaved rounds (on, off,
-dense, on, off, dense, ...) so that the host's and the GPU's drift cancel out. Per row (kv heads
-x causal): forward (no grad) and forward+backward of ``dilated_attention(impl="triton")``.
+Per row (kv heads x causal): forward (no grad) and forward+backward of
+``dilated_attention(impl="triton")``, and dense ``F.scaled_dot_product_attention`` of the same
+run (k, v repeated to the query heads outside the timed call: the same FLOPs as GQA, as
+benchmarks/sweep.py), in interleaved rounds (fused, dense, fused, dense, ...) so that the host's
+and the GPU's drift cancel out.
 
 Reported per row and pass: the median over rounds (min-max) of each round's median ms, useful
-TF/s (``dilated_attention.flops``), % of the same run's dense SDPA, on / off, and, per causal
-mode, each GQA / MQA row's % of dense over the MHA row's (issue 24 target 2: >= 0.9). Also the
-largest |on - off| of out and of dq, dk, dv on the row's inputs (the packing is exact up to
-float32 summation order: expect ~1e-2 of a bf16 ulp's worth, never O(1)).
+TF/s (``dilated_attention.flops``), % of the same run's dense SDPA and, per causal mode, each
+GQA / MQA row's % of dense over the MHA row's (issue 24 target 2: >= 0.90).
 
-    python benchmarks/ab_gqa.py --out $OUT/ab_gqa.md              # H100: ~5 min with compiles
-    TRITON_INTERPRET=1 python benchmarks/ab_gqa.py --tiny --out /tmp/g.md   # CPU smoke run
+    python benchmarks/bench_gqa.py --out $OUT/bench_gqa.md              # H100: a few minutes
+    TRITON_INTERPRET=1 python benchmarks/bench_gqa.py --tiny --out /tmp/g.md   # CPU smoke run
 
 Headline shape: B 1, N 131072, 16 query heads x 128, bf16, branches w 2048..32768, r 1..16,
 kv heads 16 / 4 / 1, causal and not. ``--tiny``: N 128, 8 x 16 heads (kv 8 / 2 / 1), fp32.
@@ -29,7 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from dilated_attention import dilated_attention, flags
+from dilated_attention import dilated_attention
 from dilated_attention.flops import dense_flops, dilated_flops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -73,17 +71,7 @@ def run(args) -> tuple[list[dict], dict]:
                 torch.autograd.backward(out, do)
                 q.grad = k.grad = v.grad = None
 
-            # exactness on this row's inputs: on vs off
-            res = {}
-            for pk in (args.pack, 0):
-                flags.set_gqa_pack(pk)
-                out = dilated_attention(q, k, v, s["seg"], s["dil"], causal=causal, impl="triton")
-                res[pk] = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
-            diff = max((a.float() - c.float()).abs().max().item()
-                       for a, c in zip(res[args.pack], res[0], strict=True))  # fmt: skip
-            del res, out
-            arms = {"on fwd": (args.pack, fwd), "off fwd": (0, fwd),
-                    "on fwd+bwd": (args.pack, fb), "off fwd+bwd": (0, fb)}  # fmt: skip
+            arms = {"fused fwd": fwd, "fused fwd+bwd": fb}
             if causal not in dense:  # dense does not depend on hkv (k, v repeated)
                 qt = q.detach().transpose(1, 2).requires_grad_()
                 kt = k.detach().repeat_interleave(h // hkv, 2).transpose(1, 2).requires_grad_()
@@ -99,15 +87,13 @@ def run(args) -> tuple[list[dict], dict]:
                     torch.autograd.backward(o, dot)
                     qt.grad = kt.grad = vt.grad = None
 
-                arms["dense fwd"] = (None, dfwd)
-                arms["dense fwd+bwd"] = (None, dfb)
+                arms["dense fwd"] = dfwd
+                arms["dense fwd+bwd"] = dfb
             times = {name: [] for name in arms}
             for _ in range(args.rounds):
-                for name, (pk, fn) in arms.items():
-                    flags.set_gqa_pack(pk)
+                for name, fn in arms.items():
                     iters = args.dense_iters if name.startswith("dense") else args.iters
                     times[name].append(median_ms(fn, device, args.warmup, iters))
-            flags.set_gqa_pack(None)
             if "dense fwd" in times:
                 dense[causal] = {w: times.pop(f"dense {w}") for w in ("fwd", "fwd+bwd")}
                 del qt, kt, vt, dot
@@ -115,9 +101,8 @@ def run(args) -> tuple[list[dict], dict]:
                 bw = what == "fwd+bwd"
                 useful = dilated_flops(b, n, n, h, d, s["seg"], s["dil"], causal, backward=bw)
                 dfl = dense_flops(b, n, h, d, causal, backward=bw)
-                rows.append(dict(causal=causal, hkv=hkv, what=what, on=times[f"on {what}"],
-                                 off=times[f"off {what}"], useful=useful, dense_flops=dfl,
-                                 diff=diff))  # fmt: skip
+                rows.append(dict(causal=causal, hkv=hkv, what=what, ms=times[f"fused {what}"],
+                                 useful=useful, dense_flops=dfl))  # fmt: skip
             del q, k, v, do
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -131,7 +116,7 @@ def report(rows, meta, args, info) -> str:
         return flops / (ms * 1e-3) / 1e12
 
     lines = results_header(
-        f"GQA packing A/B (flags.set_gqa_pack({args.pack}) vs 0) with dense SDPA: {info['device']}",
+        f"GQA / MQA vs MHA on the fused Triton kernel, with dense SDPA: {info['device']}",
         info=info,
         extra=[f"B {s['b']}, N {s['n']}, {s['h']} query heads x {s['d']}, kv heads "
                f"{'/'.join(str(x) for x in meta['hkvs'])}, {str(s['dtype']).removeprefix('torch.')}, "
@@ -140,53 +125,48 @@ def report(rows, meta, args, info) -> str:
                f"{args.dense_iters}), {args.warmup} warm-up; median over rounds (min-max), ms; "
                "% dense = useful TF/s / dense SDPA's TF/s (k, v repeated: same FLOPs)"],
     )  # fmt: skip
-    lines += ["", "| causal | H/Hkv | pass | on ms | off ms | off / on | on TF/s | off TF/s | dense ms "
-              "| on % dense | off % dense | max abs on-off |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| causal | H/Hkv | pass | fused ms | fused TF/s | dense ms | dense TF/s | % dense |",
+              "|---|---|---|---|---|---|---|---|"]
     pct = {}
     for r in rows:
-        on, off = statistics.median(r["on"]), statistics.median(r["off"])
+        ms = statistics.median(r["ms"])
         dn = statistics.median(dense[r["causal"]][r["what"]])
         dt = tfs(r["dense_flops"], dn)
-        p_on, p_off = tfs(r["useful"], on) / dt, tfs(r["useful"], off) / dt
-        pct[(r["causal"], r["hkv"], r["what"])] = (p_on, p_off)
-        lines.append(f"| {r['causal']} | {s['h']}/{r['hkv']} | {r['what']} | {_spread(r['on'])} | "
-                     f"{_spread(r['off'])} | {off / on:.3f} | {tfs(r['useful'], on):.0f} | "
-                     f"{tfs(r['useful'], off):.0f} | {_spread(dense[r['causal']][r['what']])} | "
-                     f"{100 * p_on:.1f}% | {100 * p_off:.1f}% | {r['diff']:.2e} |")  # fmt: skip
+        p = tfs(r["useful"], ms) / dt
+        pct[(r["causal"], r["hkv"], r["what"])] = p
+        lines.append(f"| {r['causal']} | {s['h']}/{r['hkv']} | {r['what']} | {_spread(r['ms'])} | "
+                     f"{tfs(r['useful'], ms):.0f} | {_spread(dense[r['causal']][r['what']])} | "
+                     f"{dt:.0f} | {100 * p:.1f}% |")  # fmt: skip
     mha = s["h"]
-    lines += ["", f"Issue 24 target 2: each row's % of dense over the MHA row's ({s['h']}/{mha}, "
-              "same arm): >= 0.90 meets it.", "",
-              "| causal | H/Hkv | pass | on / MHA on | off / MHA off | on / MHA off |", "|---|---|---|---|---|---|"]
-    for (causal, hkv, what), (p_on, p_off) in pct.items():
+    lines += ["", f"Issue 24 target 2: each GQA / MQA row's % of dense over the MHA row's ({s['h']}/{mha}): "
+              ">= 0.90 meets it.", "",
+              "| causal | H/Hkv | pass | % dense / MHA's | meets |", "|---|---|---|---|---|"]
+    for (causal, hkv, what), p in pct.items():
         if hkv == mha or (causal, mha, what) not in pct:
             continue
-        m_on, m_off = pct[(causal, mha, what)]
-        lines.append(f"| {causal} | {s['h']}/{hkv} | {what} | {p_on / m_on:.3f} | {p_off / m_off:.3f} | "
-                     f"{p_on / m_off:.3f} |")  # fmt: skip
+        ratio = p / pct[(causal, mha, what)]
+        lines.append(f"| {causal} | {s['h']}/{hkv} | {what} | {ratio:.3f} | {'yes' if ratio >= 0.9 else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1)")
-    p.add_argument("--pack", type=int, default=8, help="flags.set_gqa_pack of the 'on' arm")
     p.add_argument("--hkv", default=None, help="kv heads, comma-separated (default 16,4,1; tiny 8,2,1)")
     p.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     p.add_argument("--iters", type=int, default=None, help="timed calls per round and arm (default 10; tiny 1)")
     p.add_argument("--dense-iters", type=int, default=None, help="for dense SDPA (default 3; tiny 1)")
     p.add_argument("--warmup", type=int, default=None, help="default 2; tiny 1")
     p.add_argument("--rounds", type=int, default=None, help="default 5; tiny 2")
-    p.add_argument("--out", default=None, help="markdown file (default results/ab_gqa_<gpu>_<date>.md)")
+    p.add_argument("--out", default=None, help="markdown file (default results/bench_gqa_<gpu>_<date>.md)")
     args = p.parse_args(argv)
     for name, full, tiny in (("iters", 10, 1), ("dense_iters", 3, 1), ("warmup", 2, 1), ("rounds", 5, 2)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
-    if args.pack <= 1:
-        p.error("--pack: the 'on' arm needs >= 2 heads per tile")
     info = run_info(torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"),
                     " ".join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]))
     rows, meta = run(args)
-    write_report(report(rows, meta, args, info), args.out, "ab_gqa", meta["device"], info)
+    write_report(report(rows, meta, args, info), args.out, "bench_gqa", meta["device"], info)
     return 0
 
 
