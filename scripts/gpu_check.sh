@@ -36,8 +36,15 @@
 #   bash scripts/gpu_check.sh gqa       issue 24 target 2: benchmarks/bench_gqa.py only (the fused kernel with
 #                                       kv heads 16/4/1 at the headline shape, causal and not, fwd and fwd+bwd,
 #                                       same-run dense SDPA; each GQA / MQA row's % of dense over MHA's; no tests)
-#   bash scripts/gpu_check.sh fuzz      scripts/fuzz.py on CUDA: the Triton impl, up to $FUZZ_EXAMPLES (5000)
-#                                       dense cases in $FUZZ_MINUTES (5), then --varlen for 3 minutes
+#   bash scripts/gpu_check.sh fuzz      issue 24 item 5: scripts/fuzz.py on CUDA, the Triton impl against the float64
+#                                       reference (fwd, LSE, dq/dk/dv), $FUZZ_WORKERS (12) processes with a compile pool
+#                                       of $FUZZ_POOL (4) templates each: up to $FUZZ_EXAMPLES (5000) dense cases in
+#                                       $FUZZ_MINUTES (4; timeout $FUZZ_TIMEOUT 290 s), then up to $FUZZ_VARLEN_EXAMPLES
+#                                       (5000) --varlen cases in $FUZZ_VARLEN_MINUTES (3; timeout 220 s): <= 8.7 min in
+#                                       all. Expected ~2-3 min each (estimate, not yet measured: the slowest worker
+#                                       compiles ~31 dense / ~26 varlen binaries (mean 24 / 15) at ~3-4 s each, then
+#                                       ~10-50 ms a case); the binaries go to their own cache dir (random
+#                                       specialisations: not carried back)
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
 #                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
 #                                       each compiles ~6 binaries: a call of its own), causal
@@ -256,14 +263,21 @@ case "${1:-tests}" in
     ;;
   fuzz)
     # issue 24 item 5 (>= 5,000 random configurations on the GPU against the float64 reference)
-    # and the packed-documents fuzzer (issue 22): the Triton impl on CUDA, each until its time
-    timeout "${FUZZ_TIMEOUT:-330}" python3 scripts/fuzz.py --impl triton --device cuda \
-      --examples "${FUZZ_EXAMPLES:-5000}" --minutes "${FUZZ_MINUTES:-5}" --every 500 > "$OUT/fuzz_dense.txt" 2>&1
+    # and the packed-documents fuzzer (issue 22): the Triton impl on CUDA, each until its count
+    # or its time. Free draws compile ~1-6 binaries per configuration (~18 s per dense example on
+    # 2026-11-27); the compile pool (scripts/fuzz.py's docstring) compiles each worker's
+    # templates once and runs variants of them. Binaries into a cache dir of their own: they
+    # are random specialisations that a later call would not reuse (the carried cache stays as is)
+    fz=(env TRITON_CACHE_DIR=/tmp/da_fuzz_cache OMP_NUM_THREADS=1 python3 scripts/fuzz.py --impl triton --device cuda
+        --workers "${FUZZ_WORKERS:-12}" --pool "${FUZZ_POOL:-4}")
+    timeout "${FUZZ_TIMEOUT:-290}" "${fz[@]}" --examples "${FUZZ_EXAMPLES:-5000}" --minutes "${FUZZ_MINUTES:-4}" \
+      --every 200 > "$OUT/fuzz_dense.txt" 2>&1
     echo "fuzz rc=$?" >> "$OUT/fuzz_dense.txt"
-    timeout "${FUZZ_VARLEN_TIMEOUT:-200}" python3 scripts/fuzz.py --varlen --impl triton --device cuda \
+    timeout "${FUZZ_VARLEN_TIMEOUT:-220}" "${fz[@]}" --varlen --examples "${FUZZ_VARLEN_EXAMPLES:-5000}" \
       --minutes "${FUZZ_VARLEN_MINUTES:-3}" --every 200 > "$OUT/fuzz_varlen.txt" 2>&1
     echo "fuzz rc=$?" >> "$OUT/fuzz_varlen.txt"
-    tail -4 "$OUT/fuzz_dense.txt"; tail -4 "$OUT/fuzz_varlen.txt"
+    grep -E "MISMATCH|ERROR|FAILED" "$OUT/fuzz_dense.txt" "$OUT/fuzz_varlen.txt" | head -5
+    tail -6 "$OUT/fuzz_dense.txt"; tail -6 "$OUT/fuzz_varlen.txt"
     ;;
   varlen-configs)
     timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_varlen.py --causal "${CAUSAL:-yes}" \

@@ -60,6 +60,61 @@ def random_case(rng: random.Random, d: int = 16) -> Case:
     )
 
 
+def spec_class(x: int) -> int:
+    """The class Triton specialises an integer kernel argument on (``direct_launch.int_class``
+    at test sizes): 1 for the value 1 (compiled as a constant), 16 for a multiple of 16 (0
+    included), else 0. Values of one class share the compiled binaries."""
+    return 1 if x == 1 else 16 if x % 16 == 0 else 0
+
+
+def draw_like(rng: random.Random, lo: int, hi: int, like: int) -> int | None:
+    """A uniform draw from ``[lo, hi]`` of the :func:`spec_class` of ``like`` (None if none)."""
+    want = spec_class(like)
+    pool = [x for x in range(lo, hi + 1) if spec_class(x) == want]
+    return rng.choice(pool) if pool else None
+
+
+def variant(c: Case, rng: random.Random) -> Case | None:
+    """A random case that would, as a rule, run on the Triton binaries ``c`` compiled (fuzz.py's
+    compile pool): the structure of ``c`` kept (heads, kv heads, headdim, number of branches,
+    causal, split heads, whether there is a padding mask) and every value redrawn as
+    :func:`random_case` draws it, but within the :func:`spec_class` of ``c``'s value: lengths,
+    queries shorter than keys (and nk - nq), each branch's w and r (and (nk - nq) // w, the first
+    segment a launch covers), batch (and batch x nq x heads), the mask's density, the tensors'
+    seed. None when no such values exist. Other kernel arguments can still change class:
+    fuzz.py's gate checks the launches themselves."""
+    nk = draw_like(rng, 1, 24, c.nk)
+    if nk is None:
+        return None
+    if c.nq == c.nk:
+        nq = nk
+    else:
+        opts = [x for x in range(1, nk) if spec_class(x) == spec_class(c.nq)
+                and spec_class(nk - x) == spec_class(c.nk - c.nq)]  # fmt: skip
+        if not opts:
+            return None
+        nq = rng.choice(opts)
+    seg, dil = [], []
+    for w0, r0 in zip(c.seg, c.dil, strict=True):
+        # w's class, and that of the launch's first segment with a query, (nk - nq) // w
+        ws = [x for x in range(1, max(1, nk + 3) + 1) if spec_class(x) == spec_class(w0)
+              and spec_class((nk - nq) // x) == spec_class((c.nk - c.nq) // w0)]  # fmt: skip
+        w = rng.choice(ws) if ws else None
+        r = None if w is None else draw_like(rng, 1, w, r0)
+        if r is None:
+            return None
+        seg.append(w)
+        dil.append(r)
+    bs = [x for x in (1, 2) if spec_class(x * nq * c.h) == spec_class(c.b * c.nq * c.h)]  # rows of q
+    if not bs:
+        return None
+    pad = rng.choice([0.3, 0.9]) if c.pad_frac > 0 else 0.0
+    return Case(
+        b=rng.choice(bs), nq=nq, nk=nk, h=c.h, hkv=c.hkv, d=c.d, seg=tuple(seg), dil=tuple(dil),
+        causal=c.causal, split=c.split, pad_frac=pad, seed=rng.randrange(2**31),
+    )
+
+
 def case_strategy(d: int = 16):
     """A hypothesis strategy of :class:`Case` (imported lazily: fuzz.py may run without it)."""
     from hypothesis import strategies as st
@@ -98,6 +153,12 @@ def _run(c: Case, impl: str, dtype, device):
 
 # tolerances per impl: float64 torch path is exact to rounding; triton runs in float32
 TOLERANCE = {"torch": (torch.float64, 1e-9), "triton": (torch.float32, 2e-4)}
+
+
+def run_impl(c: Case, impl: str, device: str = "cpu") -> dict:
+    """``impl`` alone on case ``c`` (forward and backward, in :data:`TOLERANCE`'s dtype), its
+    results unchecked: fuzz.py's compile gate runs it with the kernel launches recorded only."""
+    return _run(c, impl, TOLERANCE[impl][0], device)
 
 
 def check(c: Case, impl: str, device: str = "cpu") -> list[str]:

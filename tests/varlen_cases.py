@@ -16,13 +16,14 @@ sizes and the per-call path instead of cached plans.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
 from helpers import varlen_reference
-from property_cases import TOLERANCE, _branches, compare
+from property_cases import TOLERANCE, _branches, compare, draw_like, spec_class
 
 from dilated_attention import dilated_attention_varlen
 
@@ -88,6 +89,52 @@ def _build(draw_int, draw_bool, seed: int, d: int) -> VarlenCase:
 
 def random_varlen_case(rng: random.Random, d: int = 16) -> VarlenCase:
     return _build(rng.randint, lambda: rng.random() < 0.5, rng.randrange(2**31), d)
+
+
+def _totals(qlens, klens, h: int, extra: int) -> tuple[int, ...]:
+    """The specialisation classes of the row counts the kernels take as integers: total query
+    rows (the LSE stride), total key rows, query rows x heads (the delta kernel's rows), the
+    longest documents as passed (``max_seqlen``)."""
+    tq, tk = sum(qlens), sum(klens)
+    vals = (tq, tk, tq * h, max([0, *qlens]) + extra, max([0, *klens]) + extra)
+    return tuple(spec_class(x) for x in vals)
+
+
+def variant(c: VarlenCase, rng: random.Random) -> VarlenCase | None:
+    """A random case that would, as a rule, run on the Triton binaries ``c`` compiled (fuzz.py's
+    compile pool): heads, kv heads, headdim, number of branches and every switch of ``c`` kept
+    (causal, split, return_lse, offsets' dtype / sharing / device, layout, check_offsets, fold,
+    per_call, grad, float16, self-attention packing, whether there is any document); the
+    documents (count and lengths), the queries per document, ``softmax_scale``,
+    ``max_seqlen``'s excess and the seed redrawn as :func:`random_varlen_case` draws them, but
+    with the row totals of :func:`_totals` in the Triton specialisation classes of ``c``'s
+    (``property_cases.spec_class``), and each branch's w and r in the classes of ``c``'s. None
+    when no such values turn up. fuzz.py's gate checks the launches themselves."""
+    for _ in range(100):  # documents whose row totals keep their classes (the LSE strides, ...)
+        n = 0 if not c.klens else rng.randint(1, 6)
+        klens = [_length(rng.randint) for _ in range(n)]
+        if c.qlens == c.klens:
+            qlens = list(klens)
+        else:
+            qlens = [nk if rng.randint(0, 2) == 0 else rng.randint(0, nk) for nk in klens]
+        extra = (0, 0, 1, 17)[rng.randint(0, 3)]
+        if _totals(qlens, klens, c.h, extra) == _totals(c.qlens, c.klens, c.h, c.extra_max):
+            break
+    else:
+        return None
+    top = max([1, *klens])
+    seg, dil = [], []
+    for w0, r0 in zip(c.seg, c.dil, strict=True):
+        w = draw_like(rng, 1, max(top + 3, w0), w0)
+        r = None if w is None else draw_like(rng, 1, w, r0)
+        if r is None:
+            return None
+        seg.append(w)
+        dil.append(r)
+    return dataclasses.replace(
+        c, qlens=tuple(qlens), klens=tuple(klens), seg=tuple(seg), dil=tuple(dil),
+        scale=SCALES[rng.randint(0, len(SCALES) - 1)], extra_max=extra, seed=rng.randrange(2**31),
+    )  # fmt: skip
 
 
 def varlen_case_strategy(d: int = 16):
@@ -208,11 +255,21 @@ def run(c: VarlenCase, impl: str, dtype, device) -> tuple[dict, list[str]]:
     return got, bad
 
 
+def _dtype_atol(c: VarlenCase, impl: str):
+    if c.half and impl == "triton":
+        return torch.float16, HALF_ATOL
+    return TOLERANCE[impl]
+
+
+def run_impl(c: VarlenCase, impl: str, device: str = "cpu") -> dict:
+    """``impl`` alone on case ``c`` (in :func:`check_varlen`'s dtype), its results unchecked:
+    fuzz.py's compile gate runs it with the kernel launches recorded only."""
+    return run(c, impl, _dtype_atol(c, impl)[0], device)[0]
+
+
 def check_varlen(c: VarlenCase, impl: str, device: str = "cpu") -> list[str]:
     """Mismatches of ``dilated_attention_varlen(impl=impl)`` against the float64 reference run
     on each document alone (empty: equal), forward, LSE and dq/dk/dv."""
-    dtype, atol = TOLERANCE[impl]
-    if c.half and impl == "triton":
-        dtype, atol = torch.float16, HALF_ATOL
+    dtype, atol = _dtype_atol(c, impl)
     got, bad = run(c, impl, dtype, device)
     return bad + compare(reference(c), got, atol)
