@@ -12,6 +12,7 @@
 #   bash scripts/gpu_check.sh measure   verify, the N = 131072 bench, ab_decode.py, host profile (ON)
 #   bash scripts/gpu_check.sh close     the CUDA tests, then ab_decode.py and bench_overhead.py --no-e2e
 #                                       (the last call of a session: re-verify, re-measure issue 23)
+#   bash scripts/gpu_check.sh suite     the whole CUDA test suite alone (-v, $CUDA_TEST_TIMEOUT 540 s, $WORKERS 4)
 #   bash scripts/gpu_check.sh mem       benchmarks/mem_account.py at N = 2M, causal and not, fresh
 #                                       processes (issue 24 item 3)
 #   bash scripts/gpu_check.sh profile   where the time goes: profile_host.py --gpu-time (issue 23: host vs GPU
@@ -142,6 +143,13 @@ case "${1:-tests}" in
     timeout 70 python3 benchmarks/bench_overhead.py --no-e2e --out "$OUT/overhead.md" > "$OUT/overhead.txt" 2>&1
     echo "overhead rc=$?" >> "$OUT/overhead.txt"
     grep -E " FAILED |passed|failed|error|rc=" "$OUT/cuda_tests.txt" | tail -14; grep -E "^\\||rc=" "$OUT/ab_decode.txt" | tail -16; grep -E "^\\||rc=" "$OUT/overhead.txt"
+    ;;
+  suite)
+    # the whole CUDA suite alone (a cold Triton cache compiles for minutes: 2026-11-27's `close`
+    # was cut at 49% by 330 s), -v so that every result is named even if cut
+    timeout "${CUDA_TEST_TIMEOUT:-540}" python3 -m pytest -v -m cuda tests -n "${WORKERS:-4}" -p no:cacheprovider -rfE --durations=15 > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    grep -E " FAILED |passed|failed|error|rc=" "$OUT/cuda_tests.txt" | tail -30
     ;;
   mem)
     timeout "${MEM_TIMEOUT:-400}" python3 benchmarks/mem_account.py --device cuda --n 2097152 --fresh --causal both --out "$OUT/mem2m.md" > "$OUT/mem2m.txt" 2>&1
