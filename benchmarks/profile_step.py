@@ -599,6 +599,9 @@ def main(argv=None) -> int:
     p.add_argument("--torch-rotary", action="store_true", help="eager rotary in torch code (kernel off)")
     p.add_argument("--torch-ce", action="store_true",
                    help="fused loss with the torch code per chunk (kernels/triton_ce.py off)")
+    p.add_argument("--triton-layernorm", action="store_true",
+                   help="eager arms: the models' LayerNorms as the Triton kernels (flags.set_triton_layernorm; "
+                        "the compiled arm keeps nn.LayerNorm)")
     p.add_argument("--compile-backend", default=None, help="default inductor (aot_eager with --tiny)")
     p.add_argument("--out", default=None, help="markdown file (default results/profile_step_<gpu>_<date>.md)")
     args = p.parse_args(argv)
@@ -609,6 +612,7 @@ def main(argv=None) -> int:
     flags.set_fused_rotary(device.type == "cuda" and not args.torch_rotary)
     # likewise the fused loss's cross-entropy kernel (only the eager fused-loss arm reaches it)
     flags.set_ce_kernel(device.type == "cuda" and not args.torch_ce)
+    flags.set_triton_layernorm(args.triton_layernorm)  # off unless asked (flags.LAYERNORM_DEFAULT)
     info = run_info(device, None if argv is None else " ".join(["python", sys.argv[0], *argv]))
     what = "kernel" if device.type == "cuda" else "CPU op"
     unit = "ms"

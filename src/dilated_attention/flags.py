@@ -1,6 +1,6 @@
 """The library's process-level switches, in one place.
 
-There are four.
+There are five.
 
 **cuDNN attention.** Whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
 capability >= 9 (see docs/spec.md, "Choices the library makes"). It is read when a block is
@@ -76,6 +76,23 @@ arm has measured it. ``set_ce_kernel(True)`` is ``"on"``, ``False`` is ``"off"``
 returns to the environment: ``DILATED_ATTENTION_CE_KERNEL=0`` is ``"off"``, ``=1`` is ``"on"``,
 ``=auto`` is ``"auto"``, anything else or nothing is the default. Read as the rotary switch is
 (once after each set).
+
+**The Triton LayerNorm of the models** (issue 23 item 5; off by default: built and tested in
+Triton's interpreter on 2026-11-27, not yet measured on a GPU). Whether the LayerNorms of the
+LongNet models (``models/longnet.py``: each block's two pre-LNs, the MAGNETO sub-LNs of the
+attention and the FFN, the language model's final LN) run, in eager mode under a bf16/fp16
+autocast, as the Triton kernels of ``kernels/triton_layernorm.py``: the input read in its own
+dtype (the float32 residual stream or a bf16 activation) with float32 gamma/beta, the output
+written in the autocast dtype, all math in float32. Autocast instead runs ``layer_norm`` in
+float32 and every Linear after it casts the float32 output back (q, k and v each), plus the
+mirror casts in backward; the result is the same up to float32 summation order (the kernel's
+docstring states the contract). Without a bf16/fp16 autocast on the input's device, off CUDA
+(unless Triton's interpreter runs, for tests), under ``torch.compile`` (Inductor fuses the
+LayerNorm and its casts) or with the switch off, ``nn.LayerNorm`` runs as before.
+``set_triton_layernorm(True)`` turns it on for this process, ``False`` off, ``None`` returns to
+the environment: ``DILATED_ATTENTION_TRITON_LAYERNORM=1`` on, ``=0`` off, anything else or
+nothing ``LAYERNORM_DEFAULT`` (False). Read as the direct-launch switch is (once after each
+set: it is asked by every LayerNorm of every forward, decode steps included).
 """
 
 from __future__ import annotations
@@ -87,7 +104,9 @@ ENV_DIRECT_LAUNCH = "DILATED_ATTENTION_DIRECT_LAUNCH"
 ENV_FUSED_ROTARY = "DILATED_ATTENTION_FUSED_ROTARY"
 ENV_CE_KERNEL = "DILATED_ATTENTION_CE_KERNEL"
 CE_KERNEL_DEFAULT = "auto"  # only reached with fused_loss=True (off by default; not yet GPU-measured)
+ENV_TRITON_LAYERNORM = "DILATED_ATTENTION_TRITON_LAYERNORM"
 ROTARY_DEFAULT = "auto"  # since 2026-11-27 (verified and measured on an H100)
+LAYERNORM_DEFAULT = False  # off until a GPU has measured it (benchmarks/profile_step.py --triton-layernorm)
 
 # the value set by set_cudnn_attention; None: the environment decides (the xformers-style setter)
 _cudnn_override: bool | None = None
@@ -117,6 +136,7 @@ _direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
 _MODES = {"0": "off", "1": "on", "auto": "auto"}  # the rotary and cross-entropy kernels' switches
 _rotary = _Switch(ENV_FUSED_ROTARY, lambda v: _MODES.get(v.lower(), ROTARY_DEFAULT))
 _ce = _Switch(ENV_CE_KERNEL, lambda v: _MODES.get(v.lower(), CE_KERNEL_DEFAULT))
+_layernorm = _Switch(ENV_TRITON_LAYERNORM, lambda v: {"0": False, "1": True}.get(v, LAYERNORM_DEFAULT))
 
 
 def set_cudnn_attention(enabled: bool | None) -> None:
@@ -200,3 +220,26 @@ def ce_kernel_mode() -> str:
     :func:`set_ce_kernel`."""
     v = _ce.value
     return _ce.load() if v is None else v
+
+
+def set_triton_layernorm(enabled: bool | None) -> None:
+    """Run the models' LayerNorms under a bf16/fp16 autocast as the Triton kernels of
+    ``kernels/triton_layernorm.py`` (True; wherever they can run, Triton's interpreter on the CPU
+    included) or as ``nn.LayerNorm`` (False) in this process; None returns to the environment's
+    choice (``DILATED_ATTENTION_TRITON_LAYERNORM``: ``1`` on, ``0`` off; unset:
+    ``LAYERNORM_DEFAULT``)."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"set_triton_layernorm(enabled={enabled!r}): pass True, False or None (None: the "
+            f"{ENV_TRITON_LAYERNORM} environment variable decides)"
+        )
+    _layernorm.set(enabled)
+
+
+def triton_layernorm_enabled() -> bool:
+    """Whether the models' LayerNorms may run as the Triton kernels under autocast: the value set
+    by :func:`set_triton_layernorm`, else the environment (``DILATED_ATTENTION_TRITON_LAYERNORM=1``
+    on, ``=0`` off, else ``LAYERNORM_DEFAULT``) as read at the first call since the last
+    :func:`set_triton_layernorm`."""
+    v = _layernorm.value
+    return _layernorm.load() if v is None else v

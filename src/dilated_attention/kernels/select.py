@@ -71,14 +71,21 @@ def _compute_reason(backend: str, device_type: str, dtype: torch.dtype, headdim:
         except ImportError as e:
             return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
         return triton_ce.unavailable_reason(probe, interpreting())
+    if backend == "triton_layernorm":  # headdim: the normalized dim
+        try:
+            from . import triton_layernorm
+        except ImportError as e:
+            return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
+        return triton_layernorm.unavailable_reason(probe, interpreting())
     raise ValueError(f"unknown backend {backend!r}")
 
 
 def backend_reason(backend: str, device_type: str, dtype: torch.dtype, headdim: int) -> str | None:
     """Why ``backend`` (``"triton"``: the fused kernel; ``"triton_decode"``: the decode kernel;
     ``"triton_rotary"``: the rotary kernel of the models; ``"triton_ce"``: the cross-entropy
-    kernel of the fused LM loss, head dim 0) cannot run on inputs of this device
-    type, dtype and head dim (None if it can). Decided once per process for each key."""
+    kernel of the fused LM loss, head dim 0; ``"triton_layernorm"``: the LayerNorm kernels of the
+    models, ``headdim`` then the normalized dim) cannot run on inputs of this device type, dtype
+    and head dim (None if it can). Decided once per process for each key."""
     key = (backend, device_type, dtype, headdim)
     if key in _REASONS:
         return _REASONS[key]

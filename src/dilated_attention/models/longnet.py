@@ -7,6 +7,10 @@ What this file owns (gpt-fast / nanoGPT style: read top to bottom):
   :class:`RotaryTable` (cos/sin of one forward's positions) is built once per forward and shared
   by every layer; in eager mode on CUDA the rotation is one fused Triton kernel
   (``kernels/triton_rotary.py``).
+- :class:`AutocastLayerNorm`: ``nn.LayerNorm`` whose output, in eager mode under a bf16/fp16
+  autocast with ``flags.set_triton_layernorm(True)`` (off by default), is written in the
+  autocast dtype by one Triton kernel (``kernels/triton_layernorm.py``), not in float32 for
+  each following Linear to cast; every LayerNorm of the models is one.
 - :class:`Attention`: q/k/v/out projections + rotary + :class:`DilatedAttention` + MAGNETO
   sub-LayerNorm before the output projection. The sub-LN and gamma initialisation are the same
   as :class:`dilated_attention.MultiheadDilatedAttention`; this block exists because rotary must
@@ -37,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..decode import MAX_DECODE_ROWS
+from ..flags import _layernorm as _LAYERNORM_SWITCH
 from ..flags import fused_rotary_mode
 from ..kernels.select import backend_reason
 from ..modules import DilatedAttention, magneto_init_
@@ -327,6 +332,61 @@ class Rotary(nn.Module):
         return (xf * cos + rot * sin).to(x.dtype)
 
 
+# ------------------------------------------------------------------------------------ layernorm
+
+_LN_TRITON = []  # kernels.triton_layernorm.layer_norm, once imported (as _ROTARY_FUSED)
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _ln_triton():
+    if not _LN_TRITON:
+        from ..kernels.triton_layernorm import layer_norm
+
+        _LN_TRITON.append(layer_norm)
+    return _LN_TRITON[0]
+
+
+class AutocastLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters, same state_dict) whose output, under a bf16/fp16
+    autocast with ``flags.set_triton_layernorm(True)``, is written in the autocast dtype by the
+    Triton kernels of ``kernels/triton_layernorm.py`` (the input read in its own dtype, float32
+    math; the same values as autocast's float32 ``layer_norm`` rounded by the Linear after it,
+    up to summation order), instead of a float32 output that each following Linear casts.
+
+    Everywhere else (the switch off, the default; no such autocast on the input's device; under
+    ``torch.compile``, whose Inductor fuses the LayerNorm and its casts; where the kernel cannot
+    run) it is ``nn.LayerNorm`` itself. ``autocast_output = False`` keeps it so always (the
+    encoder's final LayerNorm, whose output is the model's output: its dtype stays autocast's).
+    """
+
+    autocast_output = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the switch's slot read here, not through flags.triton_layernorm_enabled(): no extra
+        # call per LayerNorm while it is off (decode steps call four per layer)
+        on = _LAYERNORM_SWITCH.value
+        if on or (on is None and _LAYERNORM_SWITCH.load()):
+            dtype = self._kernel_dtype(x)
+            if dtype is not None:
+                return _ln_triton()(x, self.weight, self.bias, self.eps, dtype)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def _kernel_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The autocast dtype the kernel writes for ``x``, or None (nn.LayerNorm runs)."""
+        # decided first under compile, so that the tracer never reaches the autocast queries
+        if torch.compiler.is_compiling() or not self.autocast_output or self.weight is None:
+            return None
+        dev = x.device.type
+        if not torch.is_autocast_enabled(dev):
+            return None
+        dtype = torch.get_autocast_dtype(dev)
+        if dtype not in _LOW_PRECISION or len(self.normalized_shape) != 1:
+            return None
+        if backend_reason("triton_layernorm", dev, x.dtype, x.shape[-1]) is not None:
+            return None  # float64 (autocast leaves it alone), no triton, not CUDA, N too large
+        return dtype
+
+
 # --------------------------------------------------------------------------------------- blocks
 
 
@@ -398,7 +458,7 @@ class Attention(nn.Module):
             head_assignment=cfg.head_assignment, impl=cfg.impl,
             ordering=cfg.ordering if grid is not None else None, grid=grid,
         )  # fmt: skip
-        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)  # MAGNETO sub-LN
+        self.norm = AutocastLayerNorm(cfg.dim, eps=cfg.norm_eps)  # MAGNETO sub-LN
         self.out_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.kv_cache: KVCache | None = None
         self.reset_parameters()
@@ -518,7 +578,7 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: LongNetConfig):
         super().__init__()
         self.fc1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=cfg.bias)
-        self.norm = nn.LayerNorm(cfg.ffn_hidden, eps=cfg.norm_eps)
+        self.norm = AutocastLayerNorm(cfg.ffn_hidden, eps=cfg.norm_eps)
         self.fc2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         for lin in (self.fc1, self.fc2):
@@ -538,9 +598,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: LongNetConfig, causal: bool, grid: tuple[int, int] | None = None):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn_norm = AutocastLayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg, causal, grid)
-        self.ffn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = AutocastLayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.ffn = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -563,7 +623,7 @@ class _Trunk(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(Block(cfg, causal, grid) for _ in range(cfg.n_layer))
-        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = AutocastLayerNorm(cfg.dim, eps=cfg.norm_eps)
         # Set by parallelize(): the sequence-parallel group; the input is then this rank's shard.
         self.sp_group = None
 
@@ -749,7 +809,9 @@ class LongNetLM(_Trunk):
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """idx (B, T) -> final-LayerNorm hidden states (B, T, E), the input of ``lm_head``
-        (``cu_seqlens``, ``max_seqlen``: packed documents, see :meth:`forward`)."""
+        (``cu_seqlens``, ``max_seqlen``: packed documents, see :meth:`forward`). Under a
+        bf16/fp16 autocast they are float32, or in the autocast dtype with
+        ``flags.set_triton_layernorm(True)`` (the dtype ``lm_head`` reads them in)."""
         if cu_seqlens is not None:
             return self._hidden_packed(idx, start_pos, cu_seqlens, max_seqlen)
         b, t = idx.shape
@@ -1038,6 +1100,9 @@ class LongNetEncoder(_Trunk):
         if cfg.ordering not in (None, "none", "hilbert"):
             raise ValueError(f"ordering must be None or 'hilbert', got {cfg.ordering!r}")
         super().__init__(cfg, causal=False, grid=grid if cfg.ordering == "hilbert" else None)
+        # the final LayerNorm's output is the features this model returns (or mean-pools): its
+        # dtype stays what autocast gives (float32), whatever flags.set_triton_layernorm says
+        self.norm.autocast_output = False
         self.grid = grid
         self.patch_embed = nn.Conv2d(
             cfg.in_chans, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size
