@@ -1,7 +1,7 @@
 """LayerNorm over the last dim as Triton kernels, forward and backward, for the models under autocast.
 
 What this module owns: :func:`layer_norm`, the eager path of the LongNet models' LayerNorms
-(``models/longnet.py``, ``_LayerNorm``) under a lower-precision autocast when
+(``models/longnet.py``, ``AutocastLayerNorm``) under a lower-precision autocast when
 ``flags.set_triton_layernorm(True)``. It exists for the casts around LayerNorm: CUDA autocast
 runs ``layer_norm`` in float32 (it is on autocast's float32 list), so each LayerNorm of the
 model writes a float32 output that every following Linear casts back to bf16 (q, k and v each
