@@ -244,7 +244,8 @@ def _loss_and_grads(model, idx, targets, on: bool, dtype=torch.bfloat16):
         flags.set_triton_layernorm(None)
 
 
-@pytest.mark.parametrize("kw", [{}, dict(checkpoint_activations=True, n_kv_head=2)], ids=["plain", "ckpt-gqa"])
+@pytest.mark.parametrize("kw", [{}, dict(checkpoint_activations=True, n_kv_head=2), dict(fused_loss=True)],
+                         ids=["plain", "ckpt-gqa", "fused-loss"])  # fmt: skip
 def test_model_on_equals_off_under_bf16_autocast(seed, kw, launches):
     """LongNetLM under CPU bf16 autocast (TRITON_INTERPRET=1), the switch on against off: the
     same loss and parameter gradients up to bf16 noise, and the kernels really ran (four
