@@ -33,7 +33,8 @@
 #                                       compile, then benchmarks/ab_rotary.py (kernel vs torch code, base steps)
 #   bash scripts/gpu_check.sh step      issue 23 item 5: benchmarks/profile_step.py (one eager, one compiled and one
 #                                       dense-SDPA LongNet base step profiled at 8K x 4 and 16K x 2: kernels per
-#                                       category, eager by origin, host vs GPU time; no tests)
+#                                       category, eager by origin, host vs GPU time; no tests), then (STEP_LN=1) the eager
+#                                       arms again with flags.set_triton_layernorm(True)
 #   bash scripts/gpu_check.sh gqa       issue 24 target 2: benchmarks/bench_gqa.py only (the fused kernel with
 #                                       kv heads 16/4/1 at the headline shape, causal and not, fwd and fwd+bwd,
 #                                       same-run dense SDPA; each GQA / MQA row's % of dense over MHA's; no tests)
@@ -258,10 +259,21 @@ case "${1:-tests}" in
   step)
     # issue 23 item 5: where the eager LongNet step loses to the compiled one (1.56x at 8K x 4 on
     # 2026-11-27): torch.profiler on one step per arm, the kernels per category side by side
-    timeout "${STEP_TIMEOUT:-480}" python3 benchmarks/profile_step.py --out "$OUT/profile_step.md" > "$OUT/profile_step.txt" 2>&1
+    # (since 2026-11-27 the fused-loss arm uses the Triton cross-entropy kernel); STEP_LN=1 (default):
+    # then the eager arms again with the Triton LayerNorm (flags.set_triton_layernorm), no compile / dense
+    timeout "${STEP_TIMEOUT:-400}" python3 benchmarks/profile_step.py --out "$OUT/profile_step.md" > "$OUT/profile_step.txt" 2>&1
     echo "profile_step rc=$?" >> "$OUT/profile_step.txt"
-    sed -n '/^### Per category/,/^### Eager by origin/p' "$OUT/profile_step.md" 2>/dev/null | grep "^|" | head -24
-    sed -n '/^## Summary/,/^## N/p' "$OUT/profile_step.md" 2>/dev/null | grep -E "^\||^- N"; tail -2 "$OUT/profile_step.txt"
+    if [ "${STEP_LN:-1}" = 1 ]; then
+      timeout "${STEP_LN_TIMEOUT:-150}" python3 benchmarks/profile_step.py --triton-layernorm --no-compile --no-dense \
+        --out "$OUT/profile_step_ln.md" > "$OUT/profile_step_ln.txt" 2>&1
+      echo "profile_step --triton-layernorm rc=$?" >> "$OUT/profile_step_ln.txt"
+    fi
+    for f in "$OUT/profile_step.md" "$OUT/profile_step_ln.md"; do
+      [ -e "$f" ] || continue; echo "== $f"
+      sed -n '/^### Per category/,/^### Eager by origin/p' "$f" | grep "^|" | head -18
+      sed -n '/^## Summary/,/^## N/p' "$f" | grep -E "^\||^- N"
+    done
+    tail -2 "$OUT/profile_step.txt"; [ -e "$OUT/profile_step_ln.txt" ] && tail -2 "$OUT/profile_step_ln.txt"
     ;;
   gqa)
     # issue 24 target 2: GQA / MQA rows within 10% of the MHA row (% of dense), headline shape
