@@ -62,6 +62,33 @@ def _per_document_reference(q, k, v, do, qlens, klens, seg, dil, cdtype, **kw):
     return out.detach(), lse.detach(), grads
 
 
+def _per_document_backward_each(fn, impl, q, k, v, do, qlens, klens, seg, dil, dtype, **kw):
+    """out (total_q, H, D), lse (H, total_q), [dq, dk, dv]: ``fn(..., impl=impl)`` on each
+    document alone in ``dtype``, each document's backward run before the next document's forward,
+    so that one document's graph is alive at a time (all 30 documents' float32 reference graphs
+    at once held tens of GiB: out of memory beside 3 other pytest workers on one GPU,
+    2026-11-26). Rows of documents without queries: zero gradients."""
+    cq, ck = _offsets(qlens, "cpu").tolist(), _offsets(klens, "cpu").tolist()
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    lse = None
+    grads = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v)]
+    for i in range(len(qlens)):
+        if not qlens[i]:
+            continue
+        rows = [(cq[i], cq[i + 1]), (ck[i], ck[i + 1]), (ck[i], ck[i + 1])]
+        xs = [t[a:b].detach().to(dtype).requires_grad_() for t, (a, b) in zip((q, k, v), rows, strict=True)]
+        o, l = fn(*(x[None] for x in xs), seg, dil, return_lse=True, impl=impl, **kw)
+        gs = torch.autograd.grad(o[0], xs, do[cq[i]:cq[i + 1]].to(dtype), allow_unused=True)
+        out[cq[i]:cq[i + 1]] = o[0].detach()
+        if lse is None:
+            lse = torch.zeros(l.shape[1], q.shape[0], dtype=l.dtype, device=q.device)
+        lse[:, cq[i]:cq[i + 1]] = l[0].detach()
+        for g, gi, (a, b) in zip(grads, gs, rows, strict=True):
+            if gi is not None:
+                g[a:b] = gi
+    return out, lse, grads
+
+
 def _triton_varlen(q, k, v, do, qlens, klens, seg, dil, dtype, same_offsets=False, **kw):
     xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     cu_q = _offsets(qlens, q.device)
@@ -348,21 +375,8 @@ def test_varlen_cuda_vs_per_document(seed, causal, same_offsets, docs):
     kw = dict(causal=causal, head_assignment="all")
 
     def per_doc(impl, dtype):
-        xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        cq, ck = _offsets(qlens, "cpu").tolist(), _offsets(klens, "cpu").tolist()
-        outs, lses = [], []
-        for i in range(len(qlens)):
-            if qlens[i]:
-                o, lse = dilated_attention(
-                    xs[0][cq[i]:cq[i + 1]][None], xs[1][ck[i]:ck[i + 1]][None],
-                    xs[2][ck[i]:ck[i + 1]][None], seg, dil, return_lse=True, impl=impl, **kw,
-                )
-                outs.append(o[0])
-                lses.append(lse[0])
-        out = torch.cat(outs)
-        grads = torch.autograd.grad(out, xs, do.to(dtype), allow_unused=True)
-        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs, strict=True)]
-        return out, torch.cat(lses, 1), grads
+        return _per_document_backward_each(dilated_attention, impl, q, k, v, do, qlens, klens,
+                                           seg, dil, dtype, **kw)  # fmt: skip
 
     ref = per_doc("reference", torch.float32)
     base = per_doc("torch", torch.bfloat16)
