@@ -45,39 +45,26 @@ _REASONS: dict[tuple, str | None] = {}
 
 def _compute_reason(backend: str, device_type: str, dtype: torch.dtype, headdim: int) -> str | None:
     probe = torch.empty(0, 0, 0, headdim, dtype=dtype, device=device_type)
+    # each module imported when asked (plain import statements, which torch.compile can trace),
+    # so that importing the package never needs triton
+    try:
+        if backend == "triton":
+            from . import triton_ops as kernel
+        elif backend == "triton_decode":
+            from . import triton_decode as kernel
+        elif backend == "triton_rotary":
+            from . import triton_rotary as kernel
+        elif backend == "triton_ce":
+            from . import triton_ce as kernel
+        elif backend == "triton_layernorm":  # headdim: the normalized dim
+            from . import triton_layernorm as kernel
+        else:
+            raise ValueError(f"unknown backend {backend!r}")
+    except ImportError as e:  # triton not installed
+        return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
     if backend == "triton":
-        # imported when asked (a plain import statement, which torch.compile can trace), so that
-        # importing the package never needs triton
-        try:
-            from . import triton_ops
-        except ImportError as e:  # triton not installed
-            return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
-        return triton_ops.unavailable_reason(probe)
-    if backend == "triton_decode":
-        try:
-            from . import triton_decode
-        except ImportError as e:
-            return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
-        return triton_decode.unavailable_reason(probe, interpreting())
-    if backend == "triton_rotary":
-        try:
-            from . import triton_rotary
-        except ImportError as e:
-            return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
-        return triton_rotary.unavailable_reason(probe, interpreting())
-    if backend == "triton_ce":
-        try:
-            from . import triton_ce
-        except ImportError as e:
-            return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
-        return triton_ce.unavailable_reason(probe, interpreting())
-    if backend == "triton_layernorm":  # headdim: the normalized dim
-        try:
-            from . import triton_layernorm
-        except ImportError as e:
-            return f"the triton package is not importable ({e}); pip install 'dilated-attention[triton]'"
-        return triton_layernorm.unavailable_reason(probe, interpreting())
-    raise ValueError(f"unknown backend {backend!r}")
+        return kernel.unavailable_reason(probe)
+    return kernel.unavailable_reason(probe, interpreting())
 
 
 def backend_reason(backend: str, device_type: str, dtype: torch.dtype, headdim: int) -> str | None:
