@@ -139,15 +139,20 @@ _ce = _Switch(ENV_CE_KERNEL, lambda v: _MODES.get(v.lower(), CE_KERNEL_DEFAULT))
 _layernorm = _Switch(ENV_TRITON_LAYERNORM, lambda v: {"0": False, "1": True}.get(v, LAYERNORM_DEFAULT))
 
 
+def _check_bool(setter: str, enabled, env: str) -> None:
+    """The setters' argument check: True, False or None, else a TypeError naming the setter."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"{setter}(enabled={enabled!r}): pass True, False or None (None: the {env} "
+            f"environment variable decides)"
+        )
+
+
 def set_cudnn_attention(enabled: bool | None) -> None:
     """Allow (True) or forbid (False) cuDNN attention for the torch path's dense blocks in this
     process; None returns to the environment's choice (``DILATED_ATTENTION_CUDNN``)."""
     global _cudnn_override
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(
-            f"set_cudnn_attention(enabled={enabled!r}): pass True, False or None (None: the "
-            f"{ENV_CUDNN} environment variable decides)"
-        )
+    _check_bool("set_cudnn_attention", enabled, ENV_CUDNN)
     _cudnn_override = enabled
 
 
@@ -162,11 +167,7 @@ def cudnn_attention_enabled() -> bool:
 def set_direct_launch(enabled: bool | None) -> None:
     """Use (True) or bypass (False) the decode plans and their direct kernel launch in this
     process; None returns to the environment's choice (``DILATED_ATTENTION_DIRECT_LAUNCH``)."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(
-            f"set_direct_launch(enabled={enabled!r}): pass True, False or None (None: the "
-            f"{ENV_DIRECT_LAUNCH} environment variable decides)"
-        )
+    _check_bool("set_direct_launch", enabled, ENV_DIRECT_LAUNCH)
     _direct.set(enabled)
 
 
@@ -183,11 +184,7 @@ def set_fused_rotary(enabled: bool | None) -> None:
     included) or never (False) in this process; None returns to the environment's choice
     (``DILATED_ATTENTION_FUSED_ROTARY``: ``0``, ``1`` or ``auto``, CUDA only; unset:
     ``ROTARY_DEFAULT``)."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(
-            f"set_fused_rotary(enabled={enabled!r}): pass True, False or None (None: the "
-            f"{ENV_FUSED_ROTARY} environment variable decides)"
-        )
+    _check_bool("set_fused_rotary", enabled, ENV_FUSED_ROTARY)
     _rotary.set(None if enabled is None else "on" if enabled else "off")
 
 
@@ -205,11 +202,7 @@ def set_ce_kernel(enabled: bool | None) -> None:
     interpreter on the CPU included) or never (False) in this process; None returns to the
     environment's choice (``DILATED_ATTENTION_CE_KERNEL``: ``0``, ``1`` or ``auto``, CUDA only;
     unset: ``CE_KERNEL_DEFAULT``)."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(
-            f"set_ce_kernel(enabled={enabled!r}): pass True, False or None (None: the "
-            f"{ENV_CE_KERNEL} environment variable decides)"
-        )
+    _check_bool("set_ce_kernel", enabled, ENV_CE_KERNEL)
     _ce.set(None if enabled is None else "on" if enabled else "off")
 
 
@@ -228,11 +221,7 @@ def set_triton_layernorm(enabled: bool | None) -> None:
     included) or as ``nn.LayerNorm`` (False) in this process; None returns to the environment's
     choice (``DILATED_ATTENTION_TRITON_LAYERNORM``: ``1`` on, ``0`` off; unset:
     ``LAYERNORM_DEFAULT``)."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(
-            f"set_triton_layernorm(enabled={enabled!r}): pass True, False or None (None: the "
-            f"{ENV_TRITON_LAYERNORM} environment variable decides)"
-        )
+    _check_bool("set_triton_layernorm", enabled, ENV_TRITON_LAYERNORM)
     _layernorm.set(enabled)
 
 
