@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dilated_attention import dilated_attention
+from dilated_attention.kernels.direct_launch import int_class
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,9 @@ def random_case(rng: random.Random, d: int = 16) -> Case:
     )
 
 
-def spec_class(x: int) -> int:
-    """The class Triton specialises an integer kernel argument on (``direct_launch.int_class``
-    at test sizes): 1 for the value 1 (compiled as a constant), 16 for a multiple of 16 (0
-    included), else 0. Values of one class share the compiled binaries."""
-    return 1 if x == 1 else 16 if x % 16 == 0 else 0
+# The class Triton specialises an integer kernel argument on (the value 1, a multiple of 16, other;
+# int32 / int64): values of one class share the compiled binaries. The launcher's own rule.
+spec_class = int_class
 
 
 def draw_like(rng: random.Random, lo: int, hi: int, like: int) -> int | None:
