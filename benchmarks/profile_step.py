@@ -5,11 +5,14 @@ The model and shapes of ``ab_rotary.py``'s end-to-end rows (LongNet ``base``, th
 bf16 autocast, fwd + bwd + AdamW (``torch.optim.AdamW``'s defaults, as there), the fused rotary
 kernel on), profiled with ``torch.profiler`` after warm-up, one step per arm:
 
-- ``eager``: the model as a user runs it without compiling;
-- ``eager fused-loss``: the same model with ``LongNetConfig.fused_loss=True`` (the LM loss and
-  its gradients in one pass over the head, ``models/linear_ce.py``, each chunk's loss and
-  gradient in the Triton kernel of ``kernels/triton_ce.py``, or its torch code with
-  ``--torch-ce``; off by default until this arm has measured it; ``--no-fused-loss`` skips it);
+- ``eager``: the model as a user runs it without compiling, with the library's defaults (since
+  2026-11-27: ``LongNetConfig.fused_loss=True``, the LM loss and its gradients in one pass over
+  the head, ``models/linear_ce.py``, each chunk in the Triton kernel of ``kernels/triton_ce.py``
+  -- its torch code with ``--torch-ce``; the models' LayerNorms as the Triton kernels of
+  ``kernels/triton_layernorm.py`` -- ``nn.LayerNorm`` with ``--torch-layernorm``);
+- ``eager plain``: the same model as it ran before those defaults (``fused_loss=False``, the
+  checkpointed cross-entropy chunks; ``nn.LayerNorm``), to show what they save (``--no-plain``
+  skips it);
 - ``compiled``: ``torch.compile(model)`` (inductor; the optimizer step stays eager, as in
   ``ab_rotary.py``);
 - ``dense``: the same model with ``LongNetConfig.with_attention("dense", n)`` (one branch
@@ -455,11 +458,16 @@ def e2e(cfg, device, dtype, args) -> list[dict]:
         arms = {}
         model, opt, inp, tgt = build(cfg["preset"], n, batch, seg, dil, device, adamw=args.adamw)
         arms["eager"] = run_arm("eager", make_step(model, opt, inp, tgt, amp), device, args, model)
-        if not args.no_fused_loss:  # the same model with the fused LM loss (models/linear_ce.py)
-            model.cfg.fused_loss = True
-            arms["eager fused-loss"] = run_arm("eager fused-loss", make_step(model, opt, inp, tgt, amp),
-                                               device, args, model)  # fmt: skip
+        if not args.no_plain:  # the step before the 2026-11-27 defaults: checkpointed loss, nn.LayerNorm
+            fused, mode = model.cfg.fused_loss, flags.triton_layernorm_mode()
             model.cfg.fused_loss = False
+            flags.set_triton_layernorm(False)
+            try:
+                arms["eager plain"] = run_arm("eager plain", make_step(model, opt, inp, tgt, amp),
+                                              device, args, model)  # fmt: skip
+            finally:
+                model.cfg.fused_loss = fused
+                flags.set_triton_layernorm({"on": True, "off": False}.get(mode))
         if not args.no_compile:
             cm = torch.compile(model, backend=args.compile_backend)
             arms["compiled"] = run_arm("compiled", make_step(cm, opt, inp, tgt, amp), device, args)
@@ -493,7 +501,7 @@ def census(device, args) -> dict:
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     try:
         model, opt, inp, tgt = build("base", n, 1, seg, (1, 2, 4), device, adamw=args.adamw)
-        model.cfg.fused_loss = args.census_fused_loss
+        model.cfg.fused_loss = not args.census_plain_loss
         fn = make_step(model, opt, inp, tgt, amp)
         fn()  # the optimizer's state exists from here on
         res = profile_one(fn, device, model)
@@ -585,8 +593,8 @@ def main(argv=None) -> int:
                    help="instead: an op census of one eager base-shaped step at N tokens x 1")
     p.add_argument("--census-ce-chunks", type=int, default=25,
                    help="cross-entropy chunks in the census (25: as at 8K x 4 with V = 50304)")
-    p.add_argument("--census-fused-loss", action="store_true",
-                   help="census with LongNetConfig.fused_loss=True (models/linear_ce.py)")
+    p.add_argument("--census-plain-loss", action="store_true",
+                   help="census with LongNetConfig.fused_loss=False (the checkpointed cross-entropy chunks)")
     p.add_argument("--census-dtype", choices=("bf16", "fp32"), default="bf16", help="census autocast dtype")
     p.add_argument("--adamw", choices=("default", "foreach", "fused"), default=None,
                    help="AdamW implementation (default: torch's choice, as ab_rotary.py; the census: foreach)")
@@ -594,14 +602,14 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled arm")
     p.add_argument("--no-dense", action="store_true", help="skip the dense-SDPA arm")
-    p.add_argument("--no-fused-loss", action="store_true",
-                   help="skip the eager arm with LongNetConfig.fused_loss=True")
+    p.add_argument("--no-plain", action="store_true",
+                   help="skip the eager arm without the fused loss and the Triton LayerNorm")
     p.add_argument("--torch-rotary", action="store_true", help="eager rotary in torch code (kernel off)")
     p.add_argument("--torch-ce", action="store_true",
                    help="fused loss with the torch code per chunk (kernels/triton_ce.py off)")
-    p.add_argument("--triton-layernorm", action="store_true",
-                   help="eager arms: the models' LayerNorms as the Triton kernels (flags.set_triton_layernorm; "
-                        "the compiled arm keeps nn.LayerNorm)")
+    p.add_argument("--torch-layernorm", action="store_true",
+                   help="eager arms: the models' LayerNorms as nn.LayerNorm (flags.set_triton_layernorm(False); "
+                        "the compiled arm always keeps nn.LayerNorm)")
     p.add_argument("--compile-backend", default=None, help="default inductor (aot_eager with --tiny)")
     p.add_argument("--out", default=None, help="markdown file (default results/profile_step_<gpu>_<date>.md)")
     args = p.parse_args(argv)
@@ -610,9 +618,9 @@ def main(argv=None) -> int:
     args.adamw = args.adamw or ("foreach" if args.census else "default")
     # the kernel where it runs (CUDA); the torch code on the CPU (no interpreter here)
     flags.set_fused_rotary(device.type == "cuda" and not args.torch_rotary)
-    # likewise the fused loss's cross-entropy kernel (only the eager fused-loss arm reaches it)
+    # likewise the fused loss's cross-entropy kernel and the models' LayerNorm kernels
     flags.set_ce_kernel(device.type == "cuda" and not args.torch_ce)
-    flags.set_triton_layernorm(args.triton_layernorm)  # off unless asked (flags.LAYERNORM_DEFAULT)
+    flags.set_triton_layernorm(False if args.torch_layernorm else None)  # None: the default, "auto"
     info = run_info(device, None if argv is None else " ".join(["python", sys.argv[0], *argv]))
     what = "kernel" if device.type == "cuda" else "CPU op"
     unit = "ms"
@@ -623,7 +631,7 @@ def main(argv=None) -> int:
             extra=[f"N {res['tokens']} x 1, branches {res['seg']}/(1, 2, 4), {res['dtype']} autocast, 12 layers, "
                    f"dim 768, vocabulary 50304; cross-entropy in {res['chunks']} chunks of {res['rows']} rows "
                    f"(as at 8K x 4); AdamW {args.adamw}"
-                   + ("; fused_loss=True (models/linear_ce.py)" if args.census_fused_loss else ""),
+                   + ("; fused_loss=False" if args.census_plain_loss else "; fused_loss=True (models/linear_ce.py)"),
                    f"{what}s: the outermost aten ops that do work (views, allocations and composites such as "
                    f"linear left out), CPU time with children; "
                    f"the attention on the CPU is the torch path (on CUDA: the Triton kernels)"],
@@ -644,7 +652,8 @@ def main(argv=None) -> int:
             f"LongNet training step profile, eager vs compiled: {info['device']}", info=info,
             extra=[f"LongNet {cfg['preset']!r}, {str(dtype).removeprefix('torch.')} autocast, fwd + bwd + "
                    f"AdamW ({args.adamw}), compiled with {args.compile_backend} (model only), fused rotary "
-                   f"{flags.fused_rotary_mode()}, fused-loss CE kernel {flags.ce_kernel_mode()}; dense: "
+                   f"{flags.fused_rotary_mode()}, fused-loss CE kernel {flags.ce_kernel_mode()}, Triton LayerNorm "
+                   f"{flags.triton_layernorm_mode()}; dense: "
                    f"with_attention('dense', n), eager",
                    f"one profiled step per arm after {args.warmup} warm-up; wall: median of {args.iters} "
                    f"unprofiled steps; {what} times from the profiler"

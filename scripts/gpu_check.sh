@@ -33,8 +33,10 @@
 #                                       compile, then benchmarks/ab_rotary.py (kernel vs torch code, base steps)
 #   bash scripts/gpu_check.sh step      issue 23 item 5: benchmarks/profile_step.py (one eager, one compiled and one
 #                                       dense-SDPA LongNet base step profiled at 8K x 4 and 16K x 2: kernels per
-#                                       category, eager by origin, host vs GPU time; no tests), then (STEP_LN=1) the eager
-#                                       arms again with flags.set_triton_layernorm(True)
+#                                       category, eager by origin, host vs GPU time; no tests): eager = the defaults
+#                                       (fused loss, CE and LayerNorm kernels), eager plain = without them
+#   bash scripts/gpu_check.sh defaults after the fused-loss / LayerNorm defaults: verify, their CUDA tests,
+#                                       bench_layernorm_rows.py, profile_step.py eager vs eager plain
 #   bash scripts/gpu_check.sh gqa       issue 24 target 2: benchmarks/bench_gqa.py only (the fused kernel with
 #                                       kv heads 16/4/1 at the headline shape, causal and not, fwd and fwd+bwd,
 #                                       same-run dense SDPA; each GQA / MQA row's % of dense over MHA's; no tests)
@@ -259,21 +261,34 @@ case "${1:-tests}" in
   step)
     # issue 23 item 5: where the eager LongNet step loses to the compiled one (1.56x at 8K x 4 on
     # 2026-11-27): torch.profiler on one step per arm, the kernels per category side by side
-    # (since 2026-11-27 the fused-loss arm uses the Triton cross-entropy kernel); STEP_LN=1 (default):
-    # then the eager arms again with the Triton LayerNorm (flags.set_triton_layernorm), no compile / dense
+    # (since 2026-11-27 the eager arm has the library's defaults: the fused loss with the Triton
+    # cross-entropy kernel, the Triton LayerNorm; "eager plain" is the step without them)
     timeout "${STEP_TIMEOUT:-400}" python3 benchmarks/profile_step.py --out "$OUT/profile_step.md" > "$OUT/profile_step.txt" 2>&1
     echo "profile_step rc=$?" >> "$OUT/profile_step.txt"
-    if [ "${STEP_LN:-1}" = 1 ]; then
-      timeout "${STEP_LN_TIMEOUT:-150}" python3 benchmarks/profile_step.py --triton-layernorm --no-compile --no-dense \
-        --out "$OUT/profile_step_ln.md" > "$OUT/profile_step_ln.txt" 2>&1
-      echo "profile_step --triton-layernorm rc=$?" >> "$OUT/profile_step_ln.txt"
-    fi
-    for f in "$OUT/profile_step.md" "$OUT/profile_step_ln.md"; do
-      [ -e "$f" ] || continue; echo "== $f"
+    f="$OUT/profile_step.md"
+    if [ -e "$f" ]; then
       sed -n '/^### Per category/,/^### Eager by origin/p' "$f" | grep "^|" | head -18
       sed -n '/^## Summary/,/^## N/p' "$f" | grep -E "^\||^- N"
-    done
-    tail -2 "$OUT/profile_step.txt"; [ -e "$OUT/profile_step_ln.txt" ] && tail -2 "$OUT/profile_step_ln.txt"
+    fi
+    tail -2 "$OUT/profile_step.txt"
+    ;;
+  defaults)
+    # after the 2026-11-27 defaults (fused loss + CE kernel, Triton LayerNorm on CUDA from 2048
+    # rows): verify beside the CUDA tests they touch, the LayerNorm's row crossover, and the
+    # eager step with the defaults against the step without them (no compile / dense: ~4 min)
+    (timeout "${VERIFY_TIMEOUT:-170}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt") &
+    timeout "${CUDA_TEST_TIMEOUT:-170}" python3 -m pytest -v -m cuda -n 3 -p no:cacheprovider -rfE --durations=8 \
+      tests/test_triton_layernorm.py tests/test_triton_ce.py tests/test_linear_ce.py tests/test_models.py \
+      tests/test_generate.py tests/test_compile_model.py tests/test_train_fast.py ${EXTRA_TESTS:-} > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    wait
+    timeout "${LN_TIMEOUT:-60}" python3 benchmarks/bench_layernorm_rows.py --out "$OUT/layernorm_rows.md" > "$OUT/layernorm_rows.txt" 2>&1
+    echo "bench_layernorm_rows rc=$?" >> "$OUT/layernorm_rows.txt"
+    timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/profile_step.py --no-compile --no-dense --out "$OUT/profile_step.md" > "$OUT/profile_step.txt" 2>&1
+    echo "profile_step rc=$?" >> "$OUT/profile_step.txt"
+    grep -E " FAILED |passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12; tail -6 "$OUT/verify.txt"
+    grep -E "^\||faster|rc=" "$OUT/layernorm_rows.txt" | tail -14
+    sed -n '/^## Summary/,/^## N/p' "$OUT/profile_step.md" | grep -E "^\|"; tail -1 "$OUT/profile_step.txt"
     ;;
   gqa)
     # issue 24 target 2: GQA / MQA rows within 10% of the MHA row (% of dense), headline shape

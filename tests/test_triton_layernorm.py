@@ -331,26 +331,55 @@ def test_compiled_model_keeps_nn_layernorm(seed, ln_on, launches):
 
 
 def test_switch(monkeypatch):
-    """set_triton_layernorm: True/False/None; the environment (1 on, 0 off, else the default,
-    off) read once after each set; anything but a bool or None is refused."""
+    """set_triton_layernorm: True ("on"), False ("off"), None; the environment (1 on, 0 off, auto,
+    else the default, "auto") read once after each set; anything but a bool or None is refused."""
     try:
         monkeypatch.setenv(flags.ENV_TRITON_LAYERNORM, "1")
         flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_enabled() is True
+        assert flags.triton_layernorm_mode() == "on"
         monkeypatch.setenv(flags.ENV_TRITON_LAYERNORM, "0")
-        assert flags.triton_layernorm_enabled() is True  # read once since the last set
+        assert flags.triton_layernorm_mode() == "on"  # read once since the last set
         flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_enabled() is False
+        assert flags.triton_layernorm_mode() == "off"
+        monkeypatch.setenv(flags.ENV_TRITON_LAYERNORM, "AUTO")
+        flags.set_triton_layernorm(None)
+        assert flags.triton_layernorm_mode() == "auto"
         monkeypatch.setenv(flags.ENV_TRITON_LAYERNORM, "yes")
         flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_enabled() is flags.LAYERNORM_DEFAULT is False
+        assert flags.triton_layernorm_mode() == flags.LAYERNORM_DEFAULT == "auto"
         monkeypatch.delenv(flags.ENV_TRITON_LAYERNORM)
         flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_enabled() is False  # the shipped default: off
+        assert flags.triton_layernorm_mode() == "auto"  # the shipped default
         flags.set_triton_layernorm(True)
-        assert flags.triton_layernorm_enabled() is True
+        assert flags.triton_layernorm_mode() == "on"
+        flags.set_triton_layernorm(False)
+        assert flags.triton_layernorm_mode() == "off"
         with pytest.raises(TypeError, match="True, False or None"):
             flags.set_triton_layernorm(1)
+    finally:
+        flags.set_triton_layernorm(None)
+
+
+def test_auto_mode_runs_on_cuda_from_min_rows_only(monkeypatch, launches):
+    """The default ("auto"): never on the CPU (Triton's interpreter only with "on"), and on CUDA
+    only from LAYERNORM_AUTO_MIN_ROWS rows (decode steps keep nn.LayerNorm). The CUDA half is
+    played on the CPU by reporting the input as a CUDA tensor to the rule."""
+    from dilated_attention.models import longnet as L
+
+    ln = AutocastLayerNorm(16).to(DEV)
+    flags.set_triton_layernorm(None)
+    monkeypatch.delenv(flags.ENV_TRITON_LAYERNORM, raising=False)
+    try:
+        assert flags.triton_layernorm_mode() == "auto"
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            y = ln(torch.randn(4, L.LAYERNORM_AUTO_MIN_ROWS, 16, device=DEV))
+        assert y.dtype == torch.float32 and launches["fwd"] == 0  # CPU: nn.LayerNorm
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            small = ln(torch.randn(L.LAYERNORM_AUTO_MIN_ROWS - 1, 16, device=DEV))
+            assert small.dtype == torch.float32 and launches["fwd"] == 0  # too few rows
+            big = ln(torch.randn(L.LAYERNORM_AUTO_MIN_ROWS, 16, device=DEV))
+            assert big.dtype == torch.bfloat16 and launches["fwd"] == 1  # the kernel
     finally:
         flags.set_triton_layernorm(None)
 

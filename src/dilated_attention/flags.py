@@ -58,11 +58,10 @@ direct-launch switch is (once after each set: it is asked in every layer of ever
 decode steps included).
 
 **The cross-entropy kernel of the fused LM loss.** Whether ``models/linear_ce.py`` (the loss of
-``LongNetConfig(fused_loss=True)``, itself off by default) computes each chunk's loss and
-gradient with the Triton kernel of ``kernels/triton_ce.py`` (one launch per chunk, the gradient
-written over the chunk's logits in their dtype) or with its torch code (a float32 copy of the
-chunk's logits and about six passes over it). Three answers, from :func:`ce_kernel_mode`, as
-for the rotary kernel:
+``LongNetConfig(fused_loss=True)``, the default) computes each chunk's loss and gradient with the
+Triton kernel of ``kernels/triton_ce.py`` (one launch per chunk, the gradient written over the
+chunk's logits in their dtype) or with its torch code (a float32 copy of the chunk's logits and
+about six passes over it). Three answers, from :func:`ce_kernel_mode`, as for the rotary kernel:
 
 - ``"auto"`` (the default, ``CE_KERNEL_DEFAULT``): the kernel on CUDA where it can run (fp16,
   bf16, fp32 logits), else the torch code;
@@ -70,29 +69,36 @@ for the rotary kernel:
   (``TRITON_INTERPRET=1``; for tests), else the torch code;
 - ``"off"``: always the torch code.
 
-Built and tested in Triton's interpreter on 2026-11-27, not yet measured on a GPU; it only ever
-runs where ``fused_loss`` is on, which stays off until ``benchmarks/profile_step.py``'s fused-loss
-arm has measured it. ``set_ce_kernel(True)`` is ``"on"``, ``False`` is ``"off"``, ``None``
-returns to the environment: ``DILATED_ATTENTION_CE_KERNEL=0`` is ``"off"``, ``=1`` is ``"on"``,
-``=auto`` is ``"auto"``, anything else or nothing is the default. Read as the rotary switch is
-(once after each set).
+Measured on an H100 on 2026-11-27 (``benchmarks/profile_step.py``, LongNet ``base``, 8K x 4):
+the eager step's cross-entropy kernels 52.6 -> 8.5 ms, the step 207.6 -> 158.4 ms
+(``benchmarks/results/profile_step_h100_2026-11-27_s14.md``). ``set_ce_kernel(True)`` is
+``"on"``, ``False`` is ``"off"``, ``None`` returns to the environment:
+``DILATED_ATTENTION_CE_KERNEL=0`` is ``"off"``, ``=1`` is ``"on"``, ``=auto`` is ``"auto"``,
+anything else or nothing is the default. Read as the rotary switch is (once after each set).
 
-**The Triton LayerNorm of the models** (issue 23 item 5; off by default: built and tested in
-Triton's interpreter on 2026-11-27, not yet measured on a GPU). Whether the LayerNorms of the
-LongNet models (``models/longnet.py``: each block's two pre-LNs, the MAGNETO sub-LNs of the
-attention and the FFN, the language model's final LN) run, in eager mode under a bf16/fp16
-autocast, as the Triton kernels of ``kernels/triton_layernorm.py``: the input read in its own
-dtype (the float32 residual stream or a bf16 activation) with float32 gamma/beta, the output
-written in the autocast dtype, all math in float32. Autocast instead runs ``layer_norm`` in
-float32 and every Linear after it casts the float32 output back (q, k and v each), plus the
-mirror casts in backward; the result is the same up to float32 summation order (the kernel's
-docstring states the contract). Without a bf16/fp16 autocast on the input's device, off CUDA
-(unless Triton's interpreter runs, for tests), under ``torch.compile`` (Inductor fuses the
-LayerNorm and its casts) or with the switch off, ``nn.LayerNorm`` runs as before.
-``set_triton_layernorm(True)`` turns it on for this process, ``False`` off, ``None`` returns to
-the environment: ``DILATED_ATTENTION_TRITON_LAYERNORM=1`` on, ``=0`` off, anything else or
-nothing ``LAYERNORM_DEFAULT`` (False). Read as the direct-launch switch is (once after each
-set: it is asked by every LayerNorm of every forward, decode steps included).
+**The Triton LayerNorm of the models** (issue 23 item 5). Whether the LayerNorms of the LongNet
+models (``models/longnet.py``: each block's two pre-LNs, the MAGNETO sub-LNs of the attention and
+the FFN, the language model's final LN) run, in eager mode under a bf16/fp16 autocast, as the
+Triton kernels of ``kernels/triton_layernorm.py``: the input read in its own dtype (the float32
+residual stream or a bf16 activation) with float32 gamma/beta, the output written in the autocast
+dtype, all math in float32. Autocast instead runs ``layer_norm`` in float32 and every Linear
+after it casts the float32 output back (q, k and v each), plus the mirror casts in backward; the
+result is the same up to float32 summation order (the kernel's docstring states the contract).
+Three answers, from :func:`triton_layernorm_mode`, as for the rotary kernel:
+
+- ``"auto"`` (the default, ``LAYERNORM_DEFAULT``): the kernels on CUDA;
+- ``"on"``: wherever they can run, Triton's interpreter on the CPU included (for tests);
+- ``"off"``: always ``nn.LayerNorm``.
+
+Without a bf16/fp16 autocast on the input's device, under ``torch.compile`` (Inductor fuses the
+LayerNorm and its casts) or where the kernels cannot run, ``nn.LayerNorm`` runs whatever the
+mode. Measured on an H100 on 2026-11-27 (same profile, with the fused loss): the eager step
+158.4 -> 118.1 ms at 8K x 4 (LayerNorm kernels 28.8 -> 10.2 ms, casts 23.7 -> 2.3 ms).
+``set_triton_layernorm(True)`` is ``"on"``, ``False`` is ``"off"``, ``None`` returns to the
+environment: ``DILATED_ATTENTION_TRITON_LAYERNORM=0`` is ``"off"``, ``=1`` is ``"on"``,
+``=auto`` is ``"auto"``, anything else or nothing is the default. Read as the direct-launch
+switch is (once after each set: it is asked by every LayerNorm of every forward, decode steps
+included).
 """
 
 from __future__ import annotations
@@ -103,10 +109,10 @@ ENV_CUDNN = "DILATED_ATTENTION_CUDNN"
 ENV_DIRECT_LAUNCH = "DILATED_ATTENTION_DIRECT_LAUNCH"
 ENV_FUSED_ROTARY = "DILATED_ATTENTION_FUSED_ROTARY"
 ENV_CE_KERNEL = "DILATED_ATTENTION_CE_KERNEL"
-CE_KERNEL_DEFAULT = "auto"  # only reached with fused_loss=True (off by default; not yet GPU-measured)
+CE_KERNEL_DEFAULT = "auto"  # since 2026-11-27 (measured on an H100: profile_step.py)
 ENV_TRITON_LAYERNORM = "DILATED_ATTENTION_TRITON_LAYERNORM"
 ROTARY_DEFAULT = "auto"  # since 2026-11-27 (verified and measured on an H100)
-LAYERNORM_DEFAULT = False  # off until a GPU has measured it (benchmarks/profile_step.py --triton-layernorm)
+LAYERNORM_DEFAULT = "auto"  # since 2026-11-27 (measured on an H100: profile_step.py --triton-layernorm)
 
 # the value set by set_cudnn_attention; None: the environment decides (the xformers-style setter)
 _cudnn_override: bool | None = None
@@ -133,10 +139,10 @@ class _Switch:
 
 
 _direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
-_MODES = {"0": "off", "1": "on", "auto": "auto"}  # the rotary and cross-entropy kernels' switches
+_MODES = {"0": "off", "1": "on", "auto": "auto"}  # the rotary, cross-entropy and LayerNorm switches
 _rotary = _Switch(ENV_FUSED_ROTARY, lambda v: _MODES.get(v.lower(), ROTARY_DEFAULT))
 _ce = _Switch(ENV_CE_KERNEL, lambda v: _MODES.get(v.lower(), CE_KERNEL_DEFAULT))
-_layernorm = _Switch(ENV_TRITON_LAYERNORM, lambda v: {"0": False, "1": True}.get(v, LAYERNORM_DEFAULT))
+_layernorm = _Switch(ENV_TRITON_LAYERNORM, lambda v: _MODES.get(v.lower(), LAYERNORM_DEFAULT))
 
 
 def _check_bool(setter: str, enabled, env: str) -> None:
@@ -217,18 +223,18 @@ def ce_kernel_mode() -> str:
 
 def set_triton_layernorm(enabled: bool | None) -> None:
     """Run the models' LayerNorms under a bf16/fp16 autocast as the Triton kernels of
-    ``kernels/triton_layernorm.py`` (True; wherever they can run, Triton's interpreter on the CPU
+    ``kernels/triton_layernorm.py`` wherever they can run (True: Triton's interpreter on the CPU
     included) or as ``nn.LayerNorm`` (False) in this process; None returns to the environment's
-    choice (``DILATED_ATTENTION_TRITON_LAYERNORM``: ``1`` on, ``0`` off; unset:
+    choice (``DILATED_ATTENTION_TRITON_LAYERNORM``: ``0``, ``1`` or ``auto``, CUDA only; unset:
     ``LAYERNORM_DEFAULT``)."""
     _check_bool("set_triton_layernorm", enabled, ENV_TRITON_LAYERNORM)
-    _layernorm.set(enabled)
+    _layernorm.set(None if enabled is None else "on" if enabled else "off")
 
 
-def triton_layernorm_enabled() -> bool:
-    """Whether the models' LayerNorms may run as the Triton kernels under autocast: the value set
-    by :func:`set_triton_layernorm`, else the environment (``DILATED_ATTENTION_TRITON_LAYERNORM=1``
-    on, ``=0`` off, else ``LAYERNORM_DEFAULT``) as read at the first call since the last
-    :func:`set_triton_layernorm`."""
+def triton_layernorm_mode() -> str:
+    """``"on"``, ``"off"`` or ``"auto"`` for the models' Triton LayerNorm: the value set by
+    :func:`set_triton_layernorm`, else the environment (``DILATED_ATTENTION_TRITON_LAYERNORM=0``
+    off, ``=1`` on, ``=auto`` auto, else ``LAYERNORM_DEFAULT``) as read at the first call since
+    the last :func:`set_triton_layernorm`."""
     v = _layernorm.value
     return _layernorm.load() if v is None else v

@@ -8,9 +8,9 @@ What this file owns (gpt-fast / nanoGPT style: read top to bottom):
   by every layer; in eager mode on CUDA the rotation is one fused Triton kernel
   (``kernels/triton_rotary.py``).
 - :class:`AutocastLayerNorm`: ``nn.LayerNorm`` whose output, in eager mode under a bf16/fp16
-  autocast with ``flags.set_triton_layernorm(True)`` (off by default), is written in the
-  autocast dtype by one Triton kernel (``kernels/triton_layernorm.py``), not in float32 for
-  each following Linear to cast; every LayerNorm of the models is one.
+  autocast on CUDA (``flags.set_triton_layernorm``; on by default from 2048 rows), is written
+  in the autocast dtype by one Triton kernel (``kernels/triton_layernorm.py``), not in float32
+  for each following Linear to cast; every LayerNorm of the models is one.
 - :class:`Attention`: q/k/v/out projections + rotary + :class:`DilatedAttention` + MAGNETO
   sub-LayerNorm before the output projection. The sub-LN and gamma initialisation are the same
   as :class:`dilated_attention.MultiheadDilatedAttention`; this block exists because rotary must
@@ -74,8 +74,9 @@ class LongNetConfig:
     gamma_init: float | None = None  # None = MAGNETO's sqrt(log(2 * n_layer))
     checkpoint_activations: bool = False
     # the LM loss with its gradients in one pass over the head (models/linear_ce.py; eager
-    # training only): off until measured on a GPU (benchmarks/profile_step.py)
-    fused_loss: bool = False
+    # training only; on since 2026-11-27, measured on an H100: benchmarks/profile_step.py).
+    # False: the checkpointed chunks (no gradient work in forward; double backward allowed)
+    fused_loss: bool = True
     impl: str = "auto"
     # encoder (LongViT) only
     image_size: tuple[int, int] = (224, 224)
@@ -336,6 +337,10 @@ class Rotary(nn.Module):
 
 _LN_TRITON = []  # kernels.triton_layernorm.layer_norm, once imported (as _ROTARY_FUSED)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+# "auto" runs the kernel from this many rows (tokens x batch) up: below it (decode steps, short
+# calls) one Triton launch costs more host time than the casts it saves (benchmarks/results/
+# layernorm_rows_h100_2026-11-27.md); "on" runs it at any size
+LAYERNORM_AUTO_MIN_ROWS = 2048
 
 
 def _ln_triton():
@@ -348,12 +353,14 @@ def _ln_triton():
 
 class AutocastLayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters, same state_dict) whose output, under a bf16/fp16
-    autocast with ``flags.set_triton_layernorm(True)``, is written in the autocast dtype by the
+    autocast on CUDA (``flags.triton_layernorm_mode()`` ``"auto"``, the default, for inputs of
+    at least ``LAYERNORM_AUTO_MIN_ROWS`` rows; ``"on"``: any size, Triton's interpreter on the
+    CPU included), is written in the autocast dtype by the
     Triton kernels of ``kernels/triton_layernorm.py`` (the input read in its own dtype, float32
     math; the same values as autocast's float32 ``layer_norm`` rounded by the Linear after it,
     up to summation order), instead of a float32 output that each following Linear casts.
 
-    Everywhere else (the switch off, the default; no such autocast on the input's device; under
+    Everywhere else (the switch ``"off"``; no such autocast on the input's device; under
     ``torch.compile``, whose Inductor fuses the LayerNorm and its casts; where the kernel cannot
     run) it is ``nn.LayerNorm`` itself. ``autocast_output = False`` keeps it so always (the
     encoder's final LayerNorm, whose output is the model's output: its dtype stays autocast's).
@@ -362,10 +369,10 @@ class AutocastLayerNorm(nn.LayerNorm):
     autocast_output = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the switch's slot read here, not through flags.triton_layernorm_enabled(): no extra
-        # call per LayerNorm while it is off (decode steps call four per layer)
-        on = _LAYERNORM_SWITCH.value
-        if on or (on is None and _LAYERNORM_SWITCH.load()):
+        # the switch's slot read here, not through flags.triton_layernorm_mode(): no extra call
+        # per LayerNorm (decode steps call four per layer)
+        mode = _LAYERNORM_SWITCH.value or _LAYERNORM_SWITCH.load()
+        if mode == "on" or (mode == "auto" and x.is_cuda and x.numel() >= LAYERNORM_AUTO_MIN_ROWS * x.shape[-1]):
             dtype = self._kernel_dtype(x)
             if dtype is not None:
                 return _ln_triton()(x, self.weight, self.bias, self.eps, dtype)
