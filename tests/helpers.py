@@ -4,6 +4,7 @@ tests directory on ``sys.path``). Process-group spawning lives in dist_utils.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -30,6 +31,39 @@ def poisoned_empty(monkeypatch) -> None:
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_like(*a, **kw)))
+
+
+class DeviceSwitch:
+    """The CUDA current device, stood in on the CPU (:func:`device_switch`): ``current`` is what
+    ``direct_launch.current_device()`` returns, ``entered`` the device indices
+    ``torch.cuda.device(...)`` was entered with, in order; entering one makes it current until
+    the block exits (as the real context manager does)."""
+
+    def __init__(self, current: int):
+        self.current = current
+        self.entered: list[int] = []
+
+    @contextlib.contextmanager
+    def device(self, idx):
+        idx = idx if isinstance(idx, int) else torch.device(idx).index
+        self.entered.append(idx)
+        prev, self.current = self.current, idx
+        try:
+            yield
+        finally:
+            self.current = prev
+
+
+def device_switch(monkeypatch, current: int) -> DeviceSwitch:
+    """Stand in ``direct_launch.current_device`` and ``torch.cuda.device`` (the device guard's
+    two reads, ``kernels/direct_launch.py``) with a :class:`DeviceSwitch` whose current device is
+    ``current``."""
+    from dilated_attention.kernels import direct_launch
+
+    sw = DeviceSwitch(current)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: sw.current)
+    monkeypatch.setattr(torch.cuda, "device", sw.device)
+    return sw
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import device_switch
 
 from dilated_attention import dilated_attention, flags
 from dilated_attention.decode import dilated_attention_with_kvcache, triton_unavailable_reason
@@ -229,9 +230,9 @@ def test_misaligned_pointer_never_reaches_a_compiled_binary(seed, monkeypatch, w
     _same(got, td.decode_triton_jit(q, k, v, sl, lp, ROWS, True, 0.3))
 
 
-def test_direct_path_needs_current_device_and_idle_hooks(seed, monkeypatch):
+def test_direct_path_needs_idle_hooks_and_runs_on_the_plans_device(seed, monkeypatch):
     # Triton's own launch hooks (knobs.runtime): a HookChain with a hook, a hook of another kind
-    # (a plain function, as older Tritons took), then none; the current device last
+    # (a plain function, as older Tritons took), then none; another current device last
     td = _td()
     from triton import knobs
 
@@ -265,9 +266,11 @@ def test_direct_path_needs_current_device_and_idle_hooks(seed, monkeypatch):
         monkeypatch.setattr(rt, name, chain)
     td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)  # no hook: the direct launch
     assert len(split.calls) == 1
-    monkeypatch.setattr(direct_launch, "current_device", lambda: plan.dev_index + 1)
+    # another current device: the call switches to the plan's (the device guard), launches
+    # directly there, and leaves the current device as it found it
+    sw = device_switch(monkeypatch, plan.dev_index + 1)
     td.decode_triton(q, k, v, sl, None, ROWS, True, 0.3)
-    assert len(split.calls) == 1
+    assert len(split.calls) == 2 and sw.entered == [plan.dev_index] and sw.current == plan.dev_index + 1
 
 
 def test_workspace_reused_per_stream_fresh_while_capturing(seed, monkeypatch):

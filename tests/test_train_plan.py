@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import poisoned_empty  # noqa: E402
+from helpers import device_switch, poisoned_empty  # noqa: E402
 
 from dilated_attention import dilated_attention, flags  # noqa: E402
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
@@ -564,7 +564,7 @@ def test_direct_launches_repeat_tritons_arguments(seed, monkeypatch, fold):
 
 
 @interp_only
-def test_direct_path_needs_alignment_device_hooks_and_the_switch(seed, monkeypatch):
+def test_direct_path_needs_alignment_hooks_and_the_switch(seed, monkeypatch):
     spies = _stand_ins(monkeypatch)
     try:
         q, k, v, do, _ = _inputs(1, 32, 32, 2, 2, 16, torch.float16)
@@ -588,9 +588,16 @@ def test_direct_path_needs_alignment_device_hooks_and_the_switch(seed, monkeypat
         monkeypatch.setattr(direct_launch, "hooks_idle", lambda: False)
         jit_only((q, k, v))
         monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
-        monkeypatch.setattr(direct_launch, "current_device", lambda: 1)
-        jit_only((q, k, v))
-        monkeypatch.setattr(direct_launch, "current_device", lambda: 0)
+        # another current device: the plan switches to its own (the device guard) and launches
+        # directly there, forward and backward, leaving the current device as it found it
+        sw = device_switch(monkeypatch, 1)
+        out, lse = L.forward(q, k, v, None, seg, dil, True, 0.25, hr)
+        assert len(_direct_calls(spies)) > n_direct and sw.entered == [0] and sw.current == 1
+        n_direct = len(_direct_calls(spies))
+        L.backward(do, q, k, v, None, out, lse, seg, dil, True, 0.25, hr)
+        assert sw.entered == [0, 0] and sw.current == 1
+        sw.current = 0
+        n_direct = len(_direct_calls(spies))
         flags.set_direct_launch(False)
         jit_only((q, k, v))
     finally:

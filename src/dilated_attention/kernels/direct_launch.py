@@ -220,9 +220,25 @@ def grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] | Non
 #       Triton launches on);
 #   current_device() -> int: the current CUDA device index (Triton launches on it, whatever the
 #       tensors' device);
-#   capturing() -> bool: whether the current CUDA stream is capturing a graph.
+#   capturing() -> bool: whether the current CUDA stream is capturing a graph;
+#   tensor_device(t) -> int: the CUDA device index of tensor t, -1 on the CPU.
 # Module attributes, so that a test can stand them in. A torch built without CUDA lacks some of
 # them: then they raise (no plan on a CPU tensor launches directly, nothing calls them there).
+#
+# The device guard. Triton launches on the current device, whatever the tensors' (their pointers
+# then belong to another device: an illegal address, or with peer access a launch on the wrong
+# device's stream, unordered with the tensors' own: a race), and so does a direct launch. So
+# every entry point that launches (TrainPlan.forward / backward and the per-call paths of
+# triton_launch.py, DecodePlan.launch and decode_triton_jit of triton_decode.py, the rotary,
+# cross-entropy and LayerNorm launches) starts with
+#     dev = tensor_device(x)          # or the plan's device index, read once when it was built
+#     if dev >= 0 and current_device() != dev:
+#         with torch.cuda.device(dev):
+#             return <the same call>
+# one C call on the usual path (a plan already read the current device per call for its direct
+# launch), the context manager only for a call whose current device is another: under it the
+# call's buffers, stream lookups and launches (the direct ones included) are the tensors'
+# device's, and the current device is restored on exit.
 
 
 def _no_cuda(*_args):
@@ -234,9 +250,7 @@ current_device = getattr(torch._C, "_cuda_getDevice", _no_cuda)
 capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", _no_cuda)
 
 
-def tensor_device(t: torch.Tensor) -> int:
-    """The CUDA device index of ``t``, -1 on the CPU."""
-    return t.get_device()
+tensor_device = torch.Tensor.get_device  # a C method: no Python frame per call
 
 
 class DirectKernel:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from . import direct_launch
 from .triton_import import device_reason, tl, triton  # triton, tl: None without triton
 
 # Columns per block: 4096 float32 values over 8 warps is 16 per thread (a few registers each for
@@ -114,6 +115,14 @@ def ce_loss_grad_(
         )
     if logits.stride(1) != 1 and logits.shape[1] > 1:
         raise ValueError(f"ce_loss_grad_: the logits need unit stride along V, got strides {logits.stride()}")
+    if targets.device != logits.device:
+        raise ValueError(
+            f"ce_loss_grad_: logits and targets must be on one device, got {logits.device} and {targets.device}"
+        )
+    dev = direct_launch.tensor_device(logits)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return ce_loss_grad_(logits, targets, ignore_index, write_grad=write_grad, block_v=block_v)
     rows, v = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:

@@ -230,6 +230,12 @@ def decode_triton_jit(
     Triton's ``kernel[grid](...)``, four fresh buffers. Same contract and the same bits as
     :func:`decode_triton`; kept as the baseline of the A/B switch
     (``flags.set_direct_launch(False)``) and as the oracle of the plan tests."""
+    dev = direct_launch.tensor_device(q)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return decode_triton_jit(q, k_cache, v_cache, cache_seqlens, cache_leftpad, branches, causal, scale,
+                                     block_n=block_n, num_warps=num_warps, reduce_splits=reduce_splits,
+                                     reduce_cols=reduce_cols)  # fmt: skip
     bsz, nq, nh, d = q.shape
     cap, hkv = k_cache.shape[1], k_cache.shape[2]
     rep = nh // hkv
@@ -324,7 +330,7 @@ class DecodePlan:
         rep = nh // hkv
         self.device, self.dtype = q.device, q.dtype
         self.cuda = q.device.type == "cuda"
-        self.dev_index = q.get_device()
+        self.dev_index = direct_launch.tensor_device(q)
         interp = not self.cuda
         block_n, num_warps = _defaults(q, block_n, num_warps)
         self.table, nsplit = _table(branches, block_n, q.device)
@@ -397,13 +403,19 @@ class DecodePlan:
         The fp32 workspace: one buffer per (device, stream, size) reused by eager calls (the plan
         keeps the one of its last stream and its pointers, fetched again when the stream changes
         or the table of :func:`_workspace` was replaced since), a fresh one while the stream is
-        capturing a CUDA graph or when ``reuse_workspace`` is off. With the launch forms kept and
-        every pointer 16-byte aligned, the current device the plan's and no launch hook
-        installed (``direct_launch.hooks_idle``, its common case inlined), both kernels are
-        launched directly; otherwise through Triton (:meth:`_launch_jit`)."""
+        capturing a CUDA graph or when ``reuse_workspace`` is off. With the launch forms kept,
+        every pointer 16-byte aligned and no launch hook installed (``direct_launch.hooks_idle``,
+        its common case inlined), both kernels are launched directly; otherwise through Triton
+        (:meth:`_launch_jit`). Either way on the plan's device, whatever the current one (the
+        device guard of ``direct_launch.py``: the current device is read once per call, as the
+        direct launch read it before)."""
         go = self.split_go
         if go is None:  # the interpreter, or a GPU plan before its first aligned launch
             return self._run_jit(q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, reuse_workspace)
+        if direct_launch.current_device() != self.dev_index:  # (a plan with launchers is a GPU's)
+            with torch.cuda.device(self.dev_index):
+                return self.launch(q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, c, k_stride,
+                                   v_stride, reuse_workspace)  # fmt: skip
         stream = direct_launch.current_stream(self.dev_index)
         if reuse_workspace and not direct_launch.capturing():
             st = self.ws_state
@@ -420,8 +432,8 @@ class DecodePlan:
         sp = self.table_ptr if self.full else cache_seqlens.data_ptr()
         lpp = cache_leftpad.data_ptr() if self.has_lpad else sp
         lsep = lse.data_ptr() if need_lse else lsw
-        # the binaries assume 16-byte aligned pointers; Triton runs on the current device
-        if not (wp | qp | kp | vp | outp | sp | lpp | lsep) & 15 and direct_launch.current_device() == self.dev_index:
+        # the binaries assume 16-byte aligned pointers (the current device is the plan's: above)
+        if not (wp | qp | kp | vp | outp | sp | lpp | lsep) & 15:
             rt = self.rt
             try:  # direct_launch.hooks_idle(), inlined for Triton 3.6's HookChains
                 idle = not (rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)
@@ -448,7 +460,11 @@ class DecodePlan:
         return st
 
     def _run_jit(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, reuse_workspace):
-        """A call through Triton's launch (no launch forms kept): the buffers, then :meth:`_launch_jit`."""
+        """A call through Triton's launch (no launch forms kept): the buffers, then :meth:`_launch_jit`;
+        on the plan's device whatever the current one (as :meth:`launch`)."""
+        if self.dev_index >= 0 and direct_launch.current_device() != self.dev_index:
+            with torch.cuda.device(self.dev_index):
+                return self._run_jit(q, k_cache, v_cache, cache_seqlens, cache_leftpad, need_lse, reuse_workspace)
         if self.cuda and reuse_workspace and not direct_launch.capturing():
             stream = direct_launch.current_stream(self.dev_index)
             st = self.ws_state

@@ -383,6 +383,11 @@ def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, conf
     """:func:`forward` with every argument and buffer built on this call (the code before the
     training plans): ``USE_PLANS = False`` routes every call to it, and it is the oracle of the
     plan tests (tests/test_train_plan.py). Contract as there."""
+    dev = direct_launch.tensor_device(q)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges,
+                                    config=config, fold=fold, docs=docs, lo_rows=lo_rows)  # fmt: skip
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
@@ -444,6 +449,11 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
                       config=None, docs: Docs | None = None, lo_rows: int | None = None):
     """:func:`backward` with every argument and buffer built on this call (see
     :func:`forward_per_call`). Contract as there."""
+    dev = direct_launch.tensor_device(q)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale,
+                                     head_ranges, config=config, docs=docs, lo_rows=lo_rows)  # fmt: skip
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
@@ -857,7 +867,12 @@ class TrainPlan:
         self.fwd = _Seq(steps)
 
     def forward(self, q, k, v, kpm, docs: Docs | None = None):
-        """(out, lse) of one call with tensors of the plan's configuration."""
+        """(out, lse) of one call with tensors of the plan's configuration, on the plan's device
+        whatever the current one (the device guard of ``direct_launch.py``; one check per call,
+        which :meth:`_stream` then needs not repeat)."""
+        if self.gpu and direct_launch.current_device() != self.dev:
+            with torch.cuda.device(self.dev):
+                return self.forward(q, k, v, kpm, docs)
         kp = q if kpm is None else kpm.contiguous().view(torch.uint8)
         cq, ck = (q, q) if docs is None else (docs.cu_q, docs.cu_k)  # q: dummies, never read
         nd = 1 if docs is None else docs.cu_q.shape[0] - 1  # documents: a shape, no sync
@@ -1000,7 +1015,11 @@ class TrainPlan:
 
     def backward(self, dout, q, k, v, kpm, out, lse, docs: Docs | None = None):
         """dq, dk, dv of one call (see :func:`backward`); the same buffers as
-        :func:`backward_per_call` but for the one allocation holding dk's and dv's lo."""
+        :func:`backward_per_call` but for the one allocation holding dk's and dv's lo. On the
+        plan's device whatever the current one (as :meth:`forward`)."""
+        if self.gpu and direct_launch.current_device() != self.dev:
+            with torch.cuda.device(self.dev):
+                return self.backward(dout, q, k, v, kpm, out, lse, docs)
         dout = _broadcast_view(dout)
         out = _broadcast_view(out)
         bkey = (dout.shape, dout.stride(), out.shape, out.stride(), dout.dtype, out.dtype, lse.dtype)
@@ -1040,10 +1059,9 @@ class TrainPlan:
     # ------------------------------------------------------------------------------ launch
     def _stream(self):
         """The raw stream to launch on directly, or None for Triton's path (CPU, the switch off,
-        another current device, a launch hook installed): checked once per call."""
-        if not self.gpu or not flags.direct_launch_enabled():
-            return None
-        if direct_launch.current_device() != self.dev or not direct_launch.hooks_idle():
+        a launch hook installed): checked once per call. The current device is the plan's
+        (:meth:`forward` and :meth:`backward` made it so)."""
+        if not self.gpu or not flags.direct_launch_enabled() or not direct_launch.hooks_idle():
             return None
         return direct_launch.current_stream(self.dev)
 

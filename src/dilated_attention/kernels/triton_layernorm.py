@@ -44,6 +44,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import direct_launch
 from .triton_import import device_reason, tl, triton  # triton, tl: None without triton
 
 # One program holds a whole row (BLOCK_N >= N) in registers. Compiled for sm_90 (Triton 3.6,
@@ -157,6 +158,10 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def _forward(x, weight, bias, eps: float, out_dtype: torch.dtype):
     """(y in out_dtype shaped as x, mean (M,) float32, rstd (M,) float32)."""
+    dev = direct_launch.tensor_device(x)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return _forward(x, weight, bias, eps, out_dtype)
     n = x.shape[-1]
     x2 = _rows(x, n)
     m = x2.shape[0]
@@ -174,6 +179,10 @@ def _forward(x, weight, bias, eps: float, out_dtype: torch.dtype):
 
 def _backward(dy, x, weight, bias, mean, rstd, programs: int | None = None):
     """(dx in x's dtype, dweight, dbias or None in the parameters' dtypes)."""
+    dev = direct_launch.tensor_device(x)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return _backward(dy, x, weight, bias, mean, rstd, programs)
     n = x.shape[-1]
     x2, dy2 = _rows(x, n), _rows(dy, n)
     m = x2.shape[0]
@@ -223,13 +232,18 @@ def layer_norm(
     """LayerNorm of x (..., N) over its last dim with weight (N,) and optional bias (N,), the
     output in ``out_dtype`` (default x's dtype), with autograd (see the module docstring for the
     numerics). Callers ask :func:`unavailable_reason` (``select.backend_reason("triton_layernorm",
-    ...)``) first; this checks only the shapes."""
+    ...)``) first; this checks only the shapes and devices."""
     n = x.shape[-1] if x.dim() else 0
     if x.dim() == 0 or weight.shape != (n,) or (bias is not None and bias.shape != (n,)):
         raise ValueError(
             f"layer_norm: x (..., N) with weight (N,) and bias (N,) or None, got x "
             f"{tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
             f"{None if bias is None else tuple(bias.shape)}"
+        )
+    if weight.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError(
+            f"layer_norm: x, weight and bias must be on one device, got {x.device}, {weight.device} and "
+            f"{None if bias is None else bias.device}"
         )
     out_dtype = x.dtype if out_dtype is None else out_dtype
     weight = weight.contiguous()  # no-ops for a module's parameters

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from . import direct_launch
 from .triton_import import device_reason, tl, triton  # triton, tl: None without triton
 
 MAX_HEADDIM = 256  # one program holds every head of BLOCK_T rows at once: keep the tile small
@@ -147,6 +148,10 @@ def _launch(xa, ca, sa, xb, cb, sb, inverse: bool, dtype_a=None, dtype_b=None):
             return None, None
         yb, _ = _launch(xb, cb, sb, None, None, None, inverse, dtype_b)
         return None, yb
+    dev = direct_launch.tensor_device(xa)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return _launch(xa, ca, sa, xb, cb, sb, inverse, dtype_a, dtype_b)
     ya = torch.empty(xa.shape, dtype=dtype_a or xa.dtype, device=xa.device)
     yb = None if xb is None else torch.empty(xb.shape, dtype=dtype_b or xb.dtype, device=xb.device)
     rows_a = xa.shape[0] * xa.shape[1]
@@ -224,6 +229,8 @@ def rotary_fused(
         )
     if q.shape[-1] % 2:
         raise ValueError(f"rotary_fused: the head dim must be even, got {q.shape[-1]}")
+    if k.device != q.device:
+        raise ValueError(f"rotary_fused: q and k must be on one device, got {q.device} and {k.device}")
     _check(q, cos_q, sin_q, "q")
     _check(k, cos_k, sin_k, "k")
     if not torch.is_grad_enabled() or not (
