@@ -338,7 +338,8 @@ class Rotary(nn.Module):
 _LN_TRITON = []  # kernels.triton_layernorm.layer_norm, once imported (as _ROTARY_FUSED)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # "auto" runs the kernel from this many rows (tokens x batch) up: below it (decode steps, short
-# calls) one Triton launch costs more host time than the casts it saves (benchmarks/results/
+# calls) one Triton launch costs more host time than the casts it saves (H100: not faster up to
+# 1024 rows, faster at 32768; the crossover between is not measured, benchmarks/results/
 # layernorm_rows_h100_2026-11-27.md); "on" runs it at any size
 LAYERNORM_AUTO_MIN_ROWS = 2048
 
