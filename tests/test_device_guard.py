@@ -13,7 +13,8 @@ until exit). Each test asserts that the call entered device 1 exactly once per l
 (forward, backward), left device 0 current, and gave the same bits as the call without stand-ins;
 and that a call already on its device never enters the context manager (the guard costs one
 device read there). The ``cuda`` tests need two GPUs: inputs on cuda:1 with cuda:0 current,
-against the same computation on cuda:0 and against the float64 reference.
+against the same computation on cuda:0 and against the float64 reference. ``LongNetLM.generate``
+enters the model's device once per call, around its prefill, decode steps and decode graph.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dilated_attention.kernels import triton_launch as L  # noqa: E402
 from dilated_attention.kernels.triton_ce import ce_loss_grad_  # noqa: E402
 from dilated_attention.kernels.triton_layernorm import layer_norm  # noqa: E402
 from dilated_attention.kernels.triton_rotary import rotary_fused  # noqa: E402
+from dilated_attention.models import LongNetConfig, LongNetLM  # noqa: E402
 from dilated_attention.models.longnet import Rotary  # noqa: E402
 from dilated_attention.varlen import dilated_attention_varlen  # noqa: E402
 
@@ -217,6 +219,42 @@ def test_layernorm_switches_to_the_inputs_device(seed):
     _same(got, want)
 
 
+# ------------------------------------------------------------------------------------ generate
+def _lm(impl, device="cpu"):
+    cfg = LongNetConfig(vocab_size=50, dim=64, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=96,
+                        segment_lengths=SEG, dilation_rates=DIL, impl=impl)  # fmt: skip
+    return LongNetLM(cfg).to(device).eval()
+
+
+@interp_only
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_generate_runs_on_the_models_device(seed, impl):
+    # LongNetLM.generate enters the model's device once per call, around all of it (prefill,
+    # every decode step; on CUDA the decode graph and its capture stream too), whatever the
+    # current device; the kernels' own guards then find their device current
+    m = _lm(impl)
+    prompt = torch.randint(0, 50, (2, 11))
+    want = m.generate(prompt, 6, temperature=0.0)
+    want_roll = m.generate(prompt, 6, temperature=0.0, rolling=True, prefill_chunk=5)
+    hidden_last, seen = m._hidden_last, []
+
+    def probe(*a):  # the current device at each prefill chunk and decode step
+        seen.append(sw.current)
+        return hidden_last(*a)
+
+    with _as_device_1() as sw, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m, "_hidden_last", probe)
+        got = m.generate(prompt, 6, temperature=0.0)
+        assert sw.entered == [1] and sw.current == 0
+        got_roll = m.generate(prompt, 6, temperature=0.0, rolling=True, prefill_chunk=5)
+        assert sw.entered == [1, 1] and sw.current == 0  # one per call, none per token
+    assert seen == [1] * (1 + 5 + 3 + 5)  # prefill, decode steps; rolling: 3 prefill chunks
+    with _as_device_1(current=1) as sw:
+        got_here = m.generate(prompt, 6, temperature=0.0)
+    assert sw.entered == []
+    assert torch.equal(got, want) and torch.equal(got_here, want) and torch.equal(got_roll, want_roll)
+
+
 # --------------------------------------------------------------------------- inputs on two devices
 def test_rotary_refuses_q_and_k_on_two_devices():
     q, k, t = _rotary_case()
@@ -375,3 +413,27 @@ def test_cuda_rotary_ce_layernorm_on_the_second_gpu(seed):
     ref = (y, *torch.autograd.grad(y, xs, dy.to("cuda:1", torch.float64)))
     for name, g, r, tol in zip(("y", "dx", "dw", "db"), got, ref, (1e-5, 1e-4, 1e-3, 1e-3), strict=True):
         _close(name, g, r, tol)
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("decode", ["graph", "eager"])
+def test_cuda_generate_on_the_second_gpu(seed, decode, monkeypatch):
+    # the decode graph is captured on the model's device (and on a stream of that device, not on
+    # torch.cuda.graph's default capture stream: one per process, here made on cuda:0 as an
+    # earlier capture with cuda:0 current would have); a model moved to cuda:0 after a call on
+    # cuda:1 captures afresh there
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", torch.cuda.Stream(0))
+    m = _lm("auto", "cuda:0")
+    prompt = torch.randint(0, 50, (2, 40))
+    with torch.cuda.device(0):
+        want = m.generate(prompt.to("cuda:0"), 30, temperature=0.0, decode=decode)
+        m.to("cuda:1")
+        for _ in range(2):
+            got = m.generate(prompt.to("cuda:1"), 30, temperature=0.0, decode=decode)
+            assert torch.cuda.current_device() == 0
+            assert got.device == torch.device("cuda:1")
+            assert torch.equal(got.cpu(), want.cpu()), "cuda:1 differs from cuda:0"
+        m.to("cuda:0")
+        back = m.generate(prompt.to("cuda:0"), 30, temperature=0.0, decode=decode)
+        assert torch.equal(back, want), "cuda:0 after cuda:1 differs"

@@ -29,6 +29,7 @@ parallelism").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -43,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from ..decode import MAX_DECODE_ROWS
 from ..flags import _layernorm as _LAYERNORM_SWITCH
 from ..flags import fused_rotary_mode
+from ..kernels import direct_launch
 from ..kernels.select import backend_reason
 from ..modules import DilatedAttention, magneto_init_
 
@@ -985,25 +987,33 @@ class LongNetLM(_Trunk):
         temperature, top_k, prefill_chunk = _check_generate_args(temperature, top_k, prefill_chunk)
         chunk = prefill_chunk if prefill_chunk is not None else (max(self.cfg.segment_lengths) if rolling else t)
         capacity = self.rolling_capacity(chunk) if rolling else t + max_new_tokens
+        # the model's device, whatever the current one (a model on cuda:1 while cuda:0 is current):
+        # the decode graph, its capture stream and memory pool, the compiled step's graphs and
+        # every launch of the call are that device's; one check per call, the current device
+        # restored on return (the kernels' own device guard, kernels/direct_launch.py)
+        i = direct_launch.tensor_device(self.tok_emb.weight)  # -1 on the CPU
+        switch = i >= 0 and direct_launch.current_device() != i
+        on_device = torch.cuda.device(i) if switch else contextlib.nullcontext()
         was_training = self.training
         self.eval()
-        self.setup_cache(b, capacity)
         steps = []
-        try:
-            for c0 in range(0, t, chunk):  # prefill
-                last = self._hidden_last(idx[:, c0 : c0 + chunk], c0)  # (B, V)
-            step = self._decode_step(b, t, decode)
-            out = [idx]
-            for s in range(max_new_tokens):
-                if return_logits:  # a graph step returns its static output buffer: copy
-                    steps.append(last.clone() if decode != "eager" else last)
-                nxt = _sample(last, temperature, top_k, generator)  # (B, 1)
-                out.append(nxt)
-                if s + 1 < max_new_tokens:
-                    last = step(nxt, t + s)  # (B, V)
-        finally:
-            self.clear_cache()
-            self.train(was_training)
+        with on_device:
+            self.setup_cache(b, capacity)
+            try:
+                for c0 in range(0, t, chunk):  # prefill
+                    last = self._hidden_last(idx[:, c0 : c0 + chunk], c0)  # (B, V)
+                step = self._decode_step(b, t, decode)
+                out = [idx]
+                for s in range(max_new_tokens):
+                    if return_logits:  # a graph step returns its static output buffer: copy
+                        steps.append(last.clone() if decode != "eager" else last)
+                    nxt = _sample(last, temperature, top_k, generator)  # (B, 1)
+                    out.append(nxt)
+                    if s + 1 < max_new_tokens:
+                        last = step(nxt, t + s)  # (B, V)
+            finally:
+                self.clear_cache()
+                self.train(was_training)
         idx = torch.cat(out, dim=1)
         return (idx, steps) if return_logits else idx
 
@@ -1033,8 +1043,10 @@ class LongNetLM(_Trunk):
             for _ in range(2):
                 self._hidden_last(tok_buf, pos_buf)
         torch.cuda.current_stream(dev).wait_stream(side)
+        # captured on `side` (this device's), not on torch.cuda.graph's default capture stream:
+        # that one is made once per process, on whichever device was current at the first capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             logits = self._hidden_last(tok_buf, pos_buf)
 
         def replay(tok, pos):
