@@ -23,10 +23,19 @@ def test_info(capsys):
 @pytest.mark.slow  # every impl x dtype x case vs the reference (~45 s on 2 cores)
 def test_verify_passes_on_cpu(tmp_path, capsys):
     assert main(["verify", "--json", str(tmp_path / "v.json")]) == 0
-    out = capsys.readouterr().out
+    cap = capsys.readouterr()
+    out = cap.out
     assert "all passed" in out and "FAIL" not in out
     data = json.loads((tmp_path / "v.json").read_text())
     assert len(data["rows"]) >= 8
+    # one progress line per (case, causal, dtype) on stderr as it ends, numbered to the total,
+    # naming each impl's result; none on stdout (the table stays the only thing there)
+    progress = [line for line in cap.err.splitlines() if line.startswith("verify ")]
+    impls = sorted({r[0] for r in data["rows"]})
+    assert len(progress) * len(impls) == len(data["rows"])
+    assert progress[-1].startswith(f"verify {len(progress)}/{len(progress)}: ")
+    assert all(f"{i} ok" in line for line in progress for i in impls)
+    assert not any(line.startswith("verify 1/") for line in out.splitlines())
 
 
 def test_bench_small(tmp_path, capsys):

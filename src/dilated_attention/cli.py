@@ -113,10 +113,12 @@ def cmd_verify(args) -> int:
     impls = [i for i in available_impls(torch.empty(1, 1, 1, 64, device=dev, dtype=dtypes[0])) if i != "reference"]
     rows, failed = [], False
     torch.manual_seed(args.seed)
+    total, done = len(VERIFY_CASES) * 2 * len(dtypes), 0
     for case in VERIFY_CASES:
         b, nq, nk, h, hkv, d, seg, dil, ha = case
         for causal in (False, True):
             for dt in dtypes:
+                done += 1
                 q = torch.randn(b, nq, h, d, device=dev, dtype=dt)
                 k = torch.randn(b, nk, hkv, d, device=dev, dtype=dt)
                 v = torch.randn(b, nk, hkv, d, device=dev, dtype=dt)
@@ -141,6 +143,11 @@ def cmd_verify(args) -> int:
                          f"w={list(seg)} r={list(dil)} {ha}", "yes" if causal else "no",
                          *[f"{e:.2e}" for e in errs], "ok" if ok else "FAIL"]
                     )
+                # progress on stderr as each check ends (a GPU's first calls compile for minutes;
+                # a run stopped early still says how far it got), the table on stdout at the end
+                mine = rows[len(rows) - len(impls):]
+                print(f"verify {done}/{total}: {mine[0][2]} {mine[0][3]} causal={mine[0][4]} {mine[0][1]}: "
+                      + ", ".join(f"{r[0]} {r[-1]}" for r in mine), file=sys.stderr, flush=True)  # fmt: skip
     hdr = ["impl", "dtype", "B x Nq/Nk x H/Hkv x D", "branches", "causal", "out", "dq", "dk", "dv", "result"]
     print(f"verify on {dev} ({device_name(dev)}), relative L2 error vs impl='reference' in float64")
     _print_table(hdr, rows)
