@@ -35,6 +35,7 @@
 #                                       dense-SDPA LongNet base step profiled at 8K x 4 and 16K x 2: kernels per
 #                                       category, eager by origin, host vs GPU time; no tests): eager = the defaults
 #                                       (fused loss, CE and LayerNorm kernels), eager plain = without them
+#   bash scripts/gpu_check.sh verify    `verify` alone (330 s), then bench_layernorm_rows.py alone
 #   bash scripts/gpu_check.sh defaults after the fused-loss / LayerNorm defaults: verify, their CUDA tests,
 #                                       bench_layernorm_rows.py, profile_step.py eager vs eager plain
 #   bash scripts/gpu_check.sh gqa       issue 24 target 2: benchmarks/bench_gqa.py only (the fused kernel with
@@ -271,6 +272,17 @@ case "${1:-tests}" in
       sed -n '/^## Summary/,/^## N/p' "$f" | grep -E "^\||^- N"
     fi
     tail -2 "$OUT/profile_step.txt"
+    ;;
+  verify)
+    # verify alone (cut twice beside other work: it compiles every impl x dtype x case first),
+    # then the LayerNorm's row crossover alone (LAYERNORM_AUTO_MIN_ROWS; cut and contended on
+    # 2026-11-27); progress lines of verify go to verify.txt as each check ends
+    timeout "${VERIFY_TIMEOUT:-330}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1
+    echo "verify rc=$?" >> "$OUT/verify.txt"
+    timeout "${LN_TIMEOUT:-120}" python3 benchmarks/bench_layernorm_rows.py --out "$OUT/layernorm_rows.md" > "$OUT/layernorm_rows.txt" 2>&1
+    echo "bench_layernorm_rows rc=$?" >> "$OUT/layernorm_rows.txt"
+    grep -E "FAIL|passed|FAILED|rc=" "$OUT/verify.txt" | tail -5; grep -c "^verify [0-9]" "$OUT/verify.txt"
+    grep -E "^\||faster|rc=" "$OUT/layernorm_rows.txt" | tail -14
     ;;
   defaults)
     # after the 2026-11-27 defaults (fused loss + CE kernel, Triton LayerNorm on CUDA from 2048
