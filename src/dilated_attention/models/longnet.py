@@ -358,10 +358,10 @@ class AutocastLayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters, same state_dict) whose output, under a bf16/fp16
     autocast on CUDA (``flags.triton_layernorm_mode()`` ``"auto"``, the default, for inputs of
     at least ``LAYERNORM_AUTO_MIN_ROWS`` rows; ``"on"``: any size, Triton's interpreter on the
-    CPU included), is written in the autocast dtype by the
-    Triton kernels of ``kernels/triton_layernorm.py`` (the input read in its own dtype, float32
-    math; the same values as autocast's float32 ``layer_norm`` rounded by the Linear after it,
-    up to summation order), instead of a float32 output that each following Linear casts.
+    CPU included), is written in the autocast dtype by the Triton kernels of
+    ``kernels/triton_layernorm.py`` (the input read in its own dtype, float32 math; the same
+    values as autocast's float32 ``layer_norm`` rounded by the Linear after it, up to summation
+    order), instead of a float32 output that each following Linear casts.
 
     Everywhere else (the switch ``"off"``; no such autocast on the input's device; under
     ``torch.compile``, whose Inductor fuses the LayerNorm and its casts; where the kernel cannot
@@ -820,8 +820,10 @@ class LongNetLM(_Trunk):
     ) -> torch.Tensor:
         """idx (B, T) -> final-LayerNorm hidden states (B, T, E), the input of ``lm_head``
         (``cu_seqlens``, ``max_seqlen``: packed documents, see :meth:`forward`). Under a
-        bf16/fp16 autocast they are float32, or in the autocast dtype with
-        ``flags.set_triton_layernorm(True)`` (the dtype ``lm_head`` reads them in)."""
+        bf16/fp16 autocast they are float32 where the final LayerNorm is ``nn.LayerNorm`` and
+        in the autocast dtype (the dtype ``lm_head`` reads them in) where it runs as the Triton
+        kernel: on CUDA from ``LAYERNORM_AUTO_MIN_ROWS`` rows by default, at any size with
+        ``flags.set_triton_layernorm(True)`` (see :class:`AutocastLayerNorm`)."""
         if cu_seqlens is not None:
             return self._hidden_packed(idx, start_pos, cu_seqlens, max_seqlen)
         b, t = idx.shape
