@@ -140,3 +140,14 @@ def varlen_reference(q, k, v, cu_q, cu_k, seg, dil, do, **kw):
     grads = torch.autograd.grad((out * do).sum(), (q, k, v), allow_unused=True)
     grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v), strict=True))
     return out, lse, grads
+
+
+def needs_backend(backend: str, what: str, headdim: int):
+    """A module's ``pytestmark``: skip unless ``select.backend_reason(backend, DEV, float32,
+    headdim)`` says the kernel can run here (CUDA, or Triton's interpreter on the CPU)."""
+    import pytest
+
+    from dilated_attention.kernels.select import backend_reason
+
+    reason = backend_reason(backend, DEV, torch.float32, headdim)
+    return pytest.mark.skipif(reason is not None, reason=f"the {what} kernel cannot run here: {reason}")

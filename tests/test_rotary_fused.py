@@ -19,8 +19,8 @@ import torch
 
 from dilated_attention import flags
 from dilated_attention.kernels import triton_rotary
-from dilated_attention.kernels.select import backend_reason
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM, Rotary, RotaryTable
+from helpers import needs_backend
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
@@ -29,10 +29,7 @@ TOL = {
     torch.bfloat16: dict(atol=1e-6, rtol=2**-7),
 }
 
-pytestmark = pytest.mark.skipif(
-    backend_reason("triton_rotary", DEV, torch.float32, 64) is not None,
-    reason=f"the rotary kernel cannot run here: {backend_reason('triton_rotary', DEV, torch.float32, 64)}",
-)
+pytestmark = needs_backend("triton_rotary", "rotary", 64)
 
 
 @pytest.fixture

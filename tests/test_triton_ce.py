@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from dilated_attention import flags
-from dilated_attention.kernels.select import backend_reason
 from dilated_attention.models import linear_ce
 from dilated_attention.models.linear_ce import linear_cross_entropy_sum
 from dilated_attention.models.longnet import chunked_cross_entropy
+from helpers import needs_backend
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 IGNORE = -100
@@ -34,10 +34,7 @@ GRAD_TOL = {
     torch.bfloat16: dict(rtol=2**-7, atol=1e-7),
 }
 
-pytestmark = pytest.mark.skipif(
-    backend_reason("triton_ce", DEV, torch.float32, 0) is not None,
-    reason=f"the cross-entropy kernel cannot run here: {backend_reason('triton_ce', DEV, torch.float32, 0)}",
-)
+pytestmark = needs_backend("triton_ce", "cross-entropy", 0)
 
 
 def _kernel():

@@ -23,18 +23,15 @@ import torch.nn.functional as F
 
 from dilated_attention import flags
 from dilated_attention.kernels import triton_layernorm as tln
-from dilated_attention.kernels.select import backend_reason
 from dilated_attention.models.longnet import AutocastLayerNorm, LongNetConfig, LongNetEncoder, LongNetLM
+from helpers import needs_backend
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_REL = 2**-7  # one bf16 ulp, relative
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-5, rtol=BF16_REL),
        torch.float16: dict(atol=1e-5, rtol=2**-10)}
 
-pytestmark = pytest.mark.skipif(
-    backend_reason("triton_layernorm", DEV, torch.float32, 64) is not None,
-    reason=f"the LayerNorm kernel cannot run here: {backend_reason('triton_layernorm', DEV, torch.float32, 64)}",
-)
+pytestmark = needs_backend("triton_layernorm", "LayerNorm", 64)
 
 
 @pytest.fixture
