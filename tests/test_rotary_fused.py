@@ -261,36 +261,6 @@ def test_compiled_model_keeps_the_torch_code(seed, fused_on, monkeypatch):
         torch.testing.assert_close(p.grad, want[1][name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_switch(monkeypatch):
-    """set_fused_rotary: True/False/None; the environment (0 off, 1 on, auto, else the default) read once
-    after each set; anything but a bool or None is refused."""
-    try:
-        monkeypatch.setenv(flags.ENV_FUSED_ROTARY, "0")
-        flags.set_fused_rotary(None)
-        assert flags.fused_rotary_mode() == "off"
-        monkeypatch.setenv(flags.ENV_FUSED_ROTARY, "1")
-        assert flags.fused_rotary_mode() == "off"  # read once since the last set
-        flags.set_fused_rotary(None)
-        assert flags.fused_rotary_mode() == "on"
-        monkeypatch.setenv(flags.ENV_FUSED_ROTARY, "auto")
-        flags.set_fused_rotary(None)
-        assert flags.fused_rotary_mode() == "auto"
-        monkeypatch.delenv(flags.ENV_FUSED_ROTARY)
-        flags.set_fused_rotary(None)
-        assert flags.fused_rotary_mode() == flags.ROTARY_DEFAULT == "auto"  # the shipped default
-        monkeypatch.setenv(flags.ENV_FUSED_ROTARY, "yes")
-        flags.set_fused_rotary(None)
-        assert flags.fused_rotary_mode() == "auto"  # not 0, 1 or auto: the default
-        flags.set_fused_rotary(True)
-        assert flags.fused_rotary_mode() == "on"
-        flags.set_fused_rotary(False)
-        assert flags.fused_rotary_mode() == "off"
-        with pytest.raises(TypeError, match="True, False or None"):
-            flags.set_fused_rotary(1)
-    finally:
-        flags.set_fused_rotary(None)
-
-
 def test_rejects_bad_tables():
     table = Rotary(16).table(torch.arange(4), torch.float32)
     q = torch.randn(1, 5, 2, 16, device=DEV)

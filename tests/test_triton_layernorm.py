@@ -327,36 +327,6 @@ def test_compiled_model_keeps_nn_layernorm(seed, ln_on, launches):
     assert launches == {"fwd": 0, "bwd": 0} and torch.isfinite(loss)
 
 
-def test_switch(monkeypatch):
-    """set_triton_layernorm: True ("on"), False ("off"), None; the environment (1 on, 0 off, auto,
-    else the default, "auto") read once after each set; anything but a bool or None is refused."""
-    try:
-        monkeypatch.setenv(flags.ENV_TRITON_LAYERNORM, "1")
-        flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_mode() == "on"
-        monkeypatch.setenv(flags.ENV_TRITON_LAYERNORM, "0")
-        assert flags.triton_layernorm_mode() == "on"  # read once since the last set
-        flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_mode() == "off"
-        monkeypatch.setenv(flags.ENV_TRITON_LAYERNORM, "AUTO")
-        flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_mode() == "auto"
-        monkeypatch.setenv(flags.ENV_TRITON_LAYERNORM, "yes")
-        flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_mode() == flags.LAYERNORM_DEFAULT == "auto"
-        monkeypatch.delenv(flags.ENV_TRITON_LAYERNORM)
-        flags.set_triton_layernorm(None)
-        assert flags.triton_layernorm_mode() == "auto"  # the shipped default
-        flags.set_triton_layernorm(True)
-        assert flags.triton_layernorm_mode() == "on"
-        flags.set_triton_layernorm(False)
-        assert flags.triton_layernorm_mode() == "off"
-        with pytest.raises(TypeError, match="True, False or None"):
-            flags.set_triton_layernorm(1)
-    finally:
-        flags.set_triton_layernorm(None)
-
-
 def test_auto_mode_runs_on_cuda_from_min_rows_only(monkeypatch, launches):
     """The default ("auto"): never on the CPU (Triton's interpreter only with "on"), and on CUDA
     only from LAYERNORM_AUTO_MIN_ROWS rows (decode steps keep nn.LayerNorm). The CUDA half is
