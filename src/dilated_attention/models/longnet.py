@@ -8,7 +8,7 @@ What this file owns (gpt-fast / nanoGPT style: read top to bottom):
   by every layer; in eager mode on CUDA the rotation is one fused Triton kernel
   (``kernels/triton_rotary.py``).
 - :class:`AutocastLayerNorm`: ``nn.LayerNorm`` whose output, in eager mode under a bf16/fp16
-  autocast on CUDA (``flags.set_triton_layernorm``; on by default from 2048 rows), is written
+  autocast on CUDA (``flags.set_triton_layernorm``; on by default from 32768 rows), is written
   in the autocast dtype by one Triton kernel (``kernels/triton_layernorm.py``), not in float32
   for each following Linear to cast; every LayerNorm of the models is one.
 - :class:`Attention`: q/k/v/out projections + rotary + :class:`DilatedAttention` + MAGNETO
@@ -340,10 +340,13 @@ class Rotary(nn.Module):
 _LN_TRITON = []  # kernels.triton_layernorm.layer_norm, once imported (as _ROTARY_FUSED)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # "auto" runs the kernel from this many rows (tokens x batch) up: below it (decode steps, short
-# calls) one Triton launch costs more host time than the casts it saves (H100: not faster up to
-# 1024 rows, faster at 32768; the crossover between is not measured, benchmarks/results/
-# layernorm_rows_h100_2026-11-27.md); "on" runs it at any size
-LAYERNORM_AUTO_MIN_ROWS = 2048
+# calls) its launches cost more host time than the casts save. H100, a block's pre-LN and its
+# q/k/v Linears, back-to-back eager calls (benchmarks/results/layernorm_rows_h100_2026-11-27_s15.md):
+# forward + backward 1.23-1.51x slower than nn.LayerNorm at every size from 1 to 8192 rows,
+# even (1.01x) at 32768; the LongNet base step at 32768 rows (8K x 4, 16K x 2) 118 / 130 ms with
+# it against 158 / 163 without (profile_step_h100_2026-11-27_s14.md). 8193-32767 rows: not
+# measured. "on" runs it at any size
+LAYERNORM_AUTO_MIN_ROWS = 32768
 
 
 def _ln_triton():
