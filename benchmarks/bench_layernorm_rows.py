@@ -53,7 +53,7 @@ def per_call_us(fn, dev: torch.device, iters: int, rounds: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 32768])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (Triton's interpreter)")

@@ -35,7 +35,8 @@
 #                                       dense-SDPA LongNet base step profiled at 8K x 4 and 16K x 2: kernels per
 #                                       category, eager by origin, host vs GPU time; no tests): eager = the defaults
 #                                       (fused loss, CE and LayerNorm kernels), eager plain = without them
-#   bash scripts/gpu_check.sh verify    `verify` alone (330 s), then bench_layernorm_rows.py alone
+#   bash scripts/gpu_check.sh verify    `verify` alone (one process per dtype, 330 s; 104 s cold on
+#                                       2026-11-27), then bench_layernorm_rows.py alone
 #   bash scripts/gpu_check.sh defaults after the fused-loss / LayerNorm defaults: verify, their CUDA tests,
 #                                       bench_layernorm_rows.py, profile_step.py eager vs eager plain
 #   bash scripts/gpu_check.sh gqa       issue 24 target 2: benchmarks/bench_gqa.py only (the fused kernel with
@@ -275,10 +276,15 @@ case "${1:-tests}" in
     ;;
   verify)
     # verify alone (cut twice beside other work: it compiles every impl x dtype x case first),
-    # then the LayerNorm's row crossover alone (LAYERNORM_AUTO_MIN_ROWS; cut and contended on
-    # 2026-11-27); progress lines of verify go to verify.txt as each check ends
-    timeout "${VERIFY_TIMEOUT:-330}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1
-    echo "verify rc=$?" >> "$OUT/verify.txt"
+    # one process per dtype side by side (2026-11-27: both passed in 104 s on a cold machine),
+    # then the LayerNorm's row crossover alone (LAYERNORM_AUTO_MIN_ROWS); progress lines of
+    # verify go to verify_DTYPE.txt as each check ends
+    for dt in bf16 fp16; do
+      (timeout "${VERIFY_TIMEOUT:-330}" python3 -m dilated_attention verify --dtype $dt > "$OUT/verify_$dt.txt" 2>&1
+       echo "verify $dt rc=$?" >> "$OUT/verify_$dt.txt") &
+    done
+    wait
+    cat "$OUT/verify_bf16.txt" "$OUT/verify_fp16.txt" > "$OUT/verify.txt"; rm -f "$OUT"/verify_*.txt
     timeout "${LN_TIMEOUT:-120}" python3 benchmarks/bench_layernorm_rows.py --out "$OUT/layernorm_rows.md" > "$OUT/layernorm_rows.txt" 2>&1
     echo "bench_layernorm_rows rc=$?" >> "$OUT/layernorm_rows.txt"
     grep -E "FAIL|passed|FAILED|rc=" "$OUT/verify.txt" | tail -5; grep -c "^verify [0-9]" "$OUT/verify.txt"
