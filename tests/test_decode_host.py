@@ -200,5 +200,8 @@ def test_decode_step_fused_rotary_equals_per_layer_step(kv):
             last1 = step(tok, t + s)
             last2 = _per_layer_step(m2, tok, torch.tensor(t + s))
             assert torch.equal(last1, last2)
+        # the step's rotation writes the caches itself (rotary_into_cache): the same rows
+        for (k1, v1), (k2, v2) in zip(_caches(m1), _caches(m2), strict=True):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
     finally:
         flags.set_fused_rotary(None)

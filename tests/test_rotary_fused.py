@@ -261,6 +261,87 @@ def test_compiled_model_keeps_the_torch_code(seed, fused_on, monkeypatch):
         torch.testing.assert_close(p.grad, want[1][name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+# (B, T new rows, H, Hkv, D, capacity, first slot): one decode token, a few (the rows wrap
+# around a rolling cache), GQA / MQA, a head dim that is not a power of two
+CACHE_CASES = [
+    (1, 1, 4, 4, 16, 8, 5),
+    (2, 3, 6, 2, 64, 8, 6),
+    (2, 5, 4, 1, 48, 7, 4),
+    (1, 2, 3, 3, 128, 40, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: "B{}T{}H{}kv{}D{}cap{}s{}".format(*c))
+def test_rotary_into_cache_equals_rotate_then_copy(seed, dtype, case):
+    """The decode step's one launch: q the same bits as rotary_fused's, and the caches the same
+    bits as rotary_fused's k and the raw v written with index_copy_ (every other row untouched),
+    on k / v that are strided views of one Linear output, as the model's are."""
+    b, t, h, hkv, d, cap, s0 = case
+    p0 = 10**6 + 11
+    table = Rotary(d).to(DEV).table(torch.arange(p0, p0 + t, device=DEV), dtype)
+    qkv = torch.randn(b, t, (h + 2 * hkv) * d, device=DEV).to(dtype)
+    q = qkv[..., : h * d].view(b, t, h, d)
+    k = qkv[..., h * d : (h + hkv) * d].view(b, t, hkv, d)
+    v = qkv[..., (h + hkv) * d :].view(b, t, hkv, d)
+    slots = (s0 + torch.arange(t, device=DEV)) % cap
+    ck, cv = torch.randn(b, cap, hkv, d, device=DEV).to(dtype), torch.randn(b, cap, hkv, d, device=DEV).to(dtype)
+    want_ck, want_cv = ck.clone(), cv.clone()
+    qo_want, ko_want = _fused(q, k, table)
+    want_ck.index_copy_(1, slots, ko_want)
+    want_cv.index_copy_(1, slots, v)
+    qo = triton_rotary.rotary_into_cache(q, k, v, table.cos_q, table.sin_q, table.cos_k, table.sin_k, ck, cv, slots)
+    assert torch.equal(qo, qo_want) and qo.is_contiguous()
+    assert torch.equal(ck, want_ck) and torch.equal(cv, want_cv)
+
+
+def test_rotary_into_cache_rejects_bad_inputs():
+    table = Rotary(16).table(torch.arange(2, device=DEV), torch.float32)
+    q, k = torch.randn(1, 2, 4, 16, device=DEV), torch.randn(1, 2, 2, 16, device=DEV)
+    ck, cv = torch.zeros(1, 8, 2, 16, device=DEV), torch.zeros(1, 8, 2, 16, device=DEV)
+    slots = torch.tensor([3, 4], device=DEV)
+    args = (table.cos_q, table.sin_q, table.cos_k, table.sin_k)
+    with pytest.raises(ValueError, match="slots must be"):
+        triton_rotary.rotary_into_cache(q, k, k, *args, ck, cv, slots.int())
+    with pytest.raises(ValueError, match="cache_v must be torch.float32"):
+        triton_rotary.rotary_into_cache(q, k, k, *args, ck, cv.half(), slots)
+    with pytest.raises(ValueError, match=r"cache_k must be \(B=1, capacity, Hkv=2, D=16\)"):
+        triton_rotary.rotary_into_cache(q, k, k, *args, ck[:, :, :1], cv, slots)
+    with pytest.raises(ValueError, match="k and v"):
+        triton_rotary.rotary_into_cache(q, k, q, *args, ck, cv, slots)
+
+
+@torch.no_grad()
+def test_decode_step_takes_one_launch_for_rotary_and_cache(seed, fused_on, monkeypatch):
+    """A decode step of the model calls rotary_into_cache once per layer (no index_copy_ of its
+    own); Rotary.rotate_into_cache keeps rotate + index_copy_ when a gradient is wanted (the
+    kernel has no autograd), with the same values."""
+    from dilated_attention.models import longnet as ln
+
+    calls = []
+    real = ln._rotary_into_cache()
+    monkeypatch.setattr(ln, "_ROTARY_FUSED", [ln._rotary_fused(), lambda *a: calls.append(1) or real(*a)])
+    model = _lm(n_kv_head=2).eval()
+    model.setup_cache(1, 16)
+    prompt = torch.randint(0, 40, (1, 5), device=DEV)
+    model._hidden_last(prompt, 0)
+    assert calls == []  # the prefill writes its window with index_copy_
+    model._hidden_last(prompt[:, :1], torch.tensor(5, device=DEV))
+    assert len(calls) == model.cfg.n_layer
+    rot = model.layers[0].attn.rotary
+    table = rot.table(torch.tensor([6, 7], device=DEV), torch.float32)
+    d = model.cfg.dim // model.cfg.n_head
+    q, k, v = (torch.randn(1, 2, hh, d, device=DEV) for hh in (4, 2, 2))
+    caches = [torch.zeros(1, 16, 2, d, device=DEV) for _ in range(4)]
+    slots = torch.tensor([6, 7], device=DEV)
+    want = rot.rotate_into_cache(q, k, v, table, caches[0], caches[1], slots)
+    assert len(calls) == model.cfg.n_layer + 1
+    with torch.enable_grad():
+        got = rot.rotate_into_cache(q.requires_grad_(), k, v, table, caches[2], caches[3], slots)
+    assert len(calls) == model.cfg.n_layer + 1 and got.grad_fn is not None
+    assert torch.equal(got.detach(), want) and torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
 def test_rejects_bad_tables():
     table = Rotary(16).table(torch.arange(4), torch.float32)
     q = torch.randn(1, 5, 2, 16, device=DEV)

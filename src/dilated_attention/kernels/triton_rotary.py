@@ -43,11 +43,13 @@ if triton is not None:
     @triton.jit
     def _rotate_tile(
         X, Y, COS, SIN, rows, N, H,
-        sxb, sxn, sxh, syb, syn, syh, sc, ss, row0,
+        sxb, sxn, sxh, syb, syn, syh, sc, ss, row0, SLOTS,
         HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        INVERSE: tl.constexpr,
+        INVERSE: tl.constexpr, SLOTTED: tl.constexpr, COPY: tl.constexpr,
     ):  # fmt: skip
-        """Rotate rows [row0, row0 + BLOCK_T) of the flattened (B * N) rows of X, every head."""
+        """Rotate rows [row0, row0 + BLOCK_T) of the flattened (B * N) rows of X, every head.
+        SLOTTED: row n of batch b goes to row SLOTS[n] of Y (a KV cache's slots); COPY: X is
+        copied, not rotated (the cache's values)."""
         r = row0 + tl.arange(0, BLOCK_T)  # flattened (b, n) row
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
@@ -56,18 +58,27 @@ if triton is not None:
         n = (r % N).to(tl.int64)
         rmask = r < rows
         mask = rmask[:, None, None] & (h < H)[None, :, None] & (d < HALF)[None, None, :]
-        cmask = rmask[:, None] & (d < HALF)[None, :]
+        if SLOTTED:
+            yn = tl.load(SLOTS + n, mask=rmask, other=0).to(tl.int64)
+        else:
+            yn = n
         x_off = (b * sxb + n * sxn)[:, None, None] + (h * sxh)[None, :, None] + d[None, None, :]
-        y_off = (b * syb + n * syn)[:, None, None] + (h * syh)[None, :, None] + d[None, None, :]
-        # the table's two halves are equal: the first half serves both
-        c = tl.load(COS + (n * sc)[:, None] + d[None, :], mask=cmask, other=0.0)[:, None, :]
-        s = tl.load(SIN + (n * ss)[:, None] + d[None, :], mask=cmask, other=0.0)[:, None, :]
-        if INVERSE:
-            s = -s
-        x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(X + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + y_off, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
-        tl.store(Y + y_off + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
+        y_off = (b * syb + yn * syn)[:, None, None] + (h * syh)[None, :, None] + d[None, None, :]
+        if COPY:
+            tl.store(Y + y_off, tl.load(X + x_off, mask=mask, other=0.0).to(Y.dtype.element_ty), mask=mask)
+            tl.store(Y + y_off + HALF, tl.load(X + x_off + HALF, mask=mask, other=0.0).to(Y.dtype.element_ty),
+                     mask=mask)  # fmt: skip
+        else:
+            cmask = rmask[:, None] & (d < HALF)[None, :]
+            # the table's two halves are equal: the first half serves both
+            c = tl.load(COS + (n * sc)[:, None] + d[None, :], mask=cmask, other=0.0)[:, None, :]
+            s = tl.load(SIN + (n * ss)[:, None] + d[None, :], mask=cmask, other=0.0)[:, None, :]
+            if INVERSE:
+                s = -s
+            x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(X + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+            tl.store(Y + y_off, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
+            tl.store(Y + y_off + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotary_kernel(
@@ -80,10 +91,33 @@ if triton is not None:
         row0 = tl.program_id(0) * BLOCK_T
         if tl.program_id(1) == 0:
             _rotate_tile(XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
-                         row0, HALF, BLOCK_T, BLOCK_HA, BLOCK_D, INVERSE)  # fmt: skip
+                         row0, CA, HALF, BLOCK_T, BLOCK_HA, BLOCK_D, INVERSE, False, False)  # fmt: skip
         else:
             _rotate_tile(XB, YB, CB, SB, rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
-                         row0, HALF, BLOCK_T, BLOCK_HB, BLOCK_D, INVERSE)  # fmt: skip
+                         row0, CA, HALF, BLOCK_T, BLOCK_HB, BLOCK_D, INVERSE, False, False)  # fmt: skip
+
+    @triton.jit
+    def _rotary_cache_kernel(
+        XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
+        XB, YB, CB, SB, rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
+        XC, YC, scb_, scn, sch, tcb, tcn, tch, SLOTS,
+        HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HA: tl.constexpr,
+        BLOCK_HB: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """A decode step's rotation and cache write. Grid (cdiv(max(rows_a, rows_b), BLOCK_T), 3):
+        axis 1 is q (A, rotated into YA), k (B, rotated into the cache YB at rows SLOTS[n]) or v
+        (C, copied into the cache YC at rows SLOTS[n]); C has B's rows and heads."""
+        row0 = tl.program_id(0) * BLOCK_T
+        which = tl.program_id(1)
+        if which == 0:
+            _rotate_tile(XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
+                         row0, SLOTS, HALF, BLOCK_T, BLOCK_HA, BLOCK_D, False, False, False)  # fmt: skip
+        elif which == 1:
+            _rotate_tile(XB, YB, CB, SB, rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
+                         row0, SLOTS, HALF, BLOCK_T, BLOCK_HB, BLOCK_D, False, True, False)  # fmt: skip
+        else:
+            _rotate_tile(XC, YC, CB, SB, rows_b, NB, HB, scb_, scn, sch, tcb, tcn, tch, scb, ssb,
+                         row0, SLOTS, HALF, BLOCK_T, BLOCK_HB, BLOCK_D, False, True, True)  # fmt: skip
 
 
 def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
@@ -241,3 +275,79 @@ def rotary_fused(
         # autograd.Function machinery (its apply costs more host time than the launch's Python)
         return _launch(q, cos_q, sin_q, k, cos_k, sin_k, False)
     return _RotaryFunction.apply(q, k, cos_q, sin_q, cos_k, sin_k, False)
+
+
+def rotary_into_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_q: torch.Tensor,
+    sin_q: torch.Tensor,
+    cos_k: torch.Tensor,
+    sin_k: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step's rotation and KV-cache write in one launch, without autograd: q (B, T, H, D)
+    rotated -> a new contiguous tensor (returned); k (B, T, Hkv, D) rotated and v copied into
+    ``cache_k`` / ``cache_v`` (B, capacity, Hkv, D) at the rows ``slots`` (T,) int64.
+
+    The same bits as ``qo, ko = rotary_fused(q, k, ...)`` followed by ``cache_k.index_copy_(1,
+    slots, ko)`` and ``cache_v.index_copy_(1, slots, v)``: the rotation is the same code, and the
+    cache rows receive what the copies would have written. Saves those two launches per layer of
+    a decode step. ``slots`` must hold distinct values in [0, capacity) (``pos % capacity`` of
+    distinct positions, as ``DecodeIndex.slots`` makes them): they are not checked (that would
+    read device values), and a duplicate leaves either row's values, as ``index_copy_`` does.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[-1] != q.shape[-1] or k.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"rotary_into_cache: q (B, T, H, D), k and v (B, T, Hkv, D) with the same B, T and D, got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    b, t, hkv, d = k.shape
+    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
+        if c.dim() != 4 or c.shape[0] != b or c.shape[2:] != (hkv, d) or c.stride(-1) != 1:
+            raise ValueError(
+                f"rotary_into_cache: {name} must be (B={b}, capacity, Hkv={hkv}, D={d}) with unit stride in "
+                f"its last dim, got {tuple(c.shape)} with strides {c.stride()}"
+            )
+        if c.dtype != k.dtype or c.device != q.device:
+            raise ValueError(
+                f"rotary_into_cache: {name} must be {k.dtype} on {q.device} like k and v, got {c.dtype} on {c.device}"
+            )
+    if v.dtype != k.dtype or k.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError(
+            f"rotary_into_cache: q, k and v of one dtype on one device, got {q.dtype}/{k.dtype}/{v.dtype} "
+            f"on {q.device}/{k.device}/{v.device}"
+        )
+    if slots.dim() != 1 or slots.shape[0] != t or slots.dtype != torch.int64 or slots.device != q.device:
+        raise ValueError(
+            f"rotary_into_cache: slots must be ({t},) int64 on {q.device}, got {tuple(slots.shape)} "
+            f"{slots.dtype} on {slots.device}"
+        )
+    if d % 2:
+        raise ValueError(f"rotary_into_cache: the head dim must be even, got {d}")
+    _check(q, cos_q, sin_q, "q")
+    _check(k, cos_k, sin_k, "k")
+    dev = direct_launch.tensor_device(q)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return rotary_into_cache(q, k, v, cos_q, sin_q, cos_k, sin_k, cache_k, cache_v, slots)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    rows = b * t
+    if rows == 0:
+        return qo
+    half, block_d, block_ha, block_hb, block_t, grid = _sizes(d, q.shape[2], hkv, rows, rows)
+    _rotary_cache_kernel[(grid[0], 3)](
+        q, qo, cos_q, sin_q, rows, t, q.shape[2], *q.stride()[:3], *qo.stride()[:3],
+        cos_q.stride(1), sin_q.stride(1),
+        k, cache_k, cos_k, sin_k, rows, t, hkv, *k.stride()[:3], *cache_k.stride()[:3],
+        cos_k.stride(1), sin_k.stride(1),
+        v, cache_v, *v.stride()[:3], *cache_v.stride()[:3], slots,
+        HALF=half, BLOCK_T=block_t, BLOCK_HA=block_ha, BLOCK_HB=block_hb, BLOCK_D=block_d,
+    )  # fmt: skip
+    return qo

@@ -231,17 +231,23 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_ROTARY_FUSED = []  # kernels.triton_rotary.rotary_fused, once imported (an import per call costs ~1 us)
+_ROTARY_FUSED = []  # kernels.triton_rotary's rotary_fused, rotary_into_cache, once imported (an import per call costs ~1 us)
 
 
 def _rotary_fused():
     # imported at the first fused call, not with the package (triton.jit picks the interpreter
     # or the compiler when the kernel is defined, and tests set TRITON_INTERPRET late)
     if not _ROTARY_FUSED:
-        from ..kernels.triton_rotary import rotary_fused
+        from ..kernels.triton_rotary import rotary_fused, rotary_into_cache
 
-        _ROTARY_FUSED.append(rotary_fused)
+        _ROTARY_FUSED.extend((rotary_fused, rotary_into_cache))
     return _ROTARY_FUSED[0]
+
+
+def _rotary_into_cache():
+    if not _ROTARY_FUSED:
+        _rotary_fused()
+    return _ROTARY_FUSED[1]
 
 
 class Rotary(nn.Module):
@@ -296,6 +302,28 @@ class Rotary(nn.Module):
             return _rotary_fused()(q, k, table.cos_q, table.sin_q, table.cos_k, table.sin_k)
         return (self._rotate_with(q, table.cos_q, table.sin_q),
                 self._rotate_with(k, table.cos_k, table.sin_k))  # fmt: skip
+
+    def rotate_into_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: RotaryTable,
+        cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """A decode step's :meth:`rotate` and KV-cache write: q rotated (returned); k rotated and
+        v written to ``cache_k`` / ``cache_v`` (B, capacity, Hkv, D) at the rows ``slots`` (T,).
+        Where the fused kernel applies and nothing needs a gradient, one launch
+        (``triton_rotary.rotary_into_cache``: the same bits as rotating and then copying);
+        else :meth:`rotate` then two ``index_copy_``."""
+        if (
+            v.dtype == k.dtype and cache_k.dtype == k.dtype and cache_v.dtype == k.dtype
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and self._fused_applies(q, k, table)
+        ):  # fmt: skip
+            return _rotary_into_cache()(
+                q, k, v, table.cos_q, table.sin_q, table.cos_k, table.sin_k, cache_k, cache_v, slots
+            )
+        q, k = self.rotate(q, k, table)
+        cache_k.index_copy_(1, slots, k)
+        cache_v.index_copy_(1, slots, v)
+        return q
 
     def _fused_applies(self, q: torch.Tensor, k: torch.Tensor, table: RotaryTable) -> bool:
         # compiled graphs keep the torch code (Inductor fuses it; no Triton call to trace), and
@@ -426,8 +454,9 @@ class KVCache(nn.Module):
         self.write_slots(pos % self.capacity, k, v)
 
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """:meth:`write` with the slots ``pos % capacity`` (T,) int64 already computed (a decode
-        step computes them once for every layer of one capacity)."""
+        """:meth:`write` with the slots ``pos % capacity`` (T,) int64 already computed. (A decode
+        step does not come here: its slots come from ``DecodeIndex``, once for every layer of
+        one capacity, and ``Rotary.rotate_into_cache`` writes the rows.)"""
         self.k.index_copy_(1, slots, k)
         self.v.index_copy_(1, slots, v)
 
@@ -513,6 +542,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         if rope is None or rope.cos_q.dtype != _compute_dtype(q.dtype):
             rope = self.rotary.table(rotary_positions(start_pos, t, x.device, packed), q.dtype)
+        cache = self.kv_cache
+        if cache is not None and packed is None and isinstance(start_pos, torch.Tensor):
+            # decode: the rotation writes k and v into their cache slots itself
+            if step is None or step.pos is not rope.pos:
+                step = DecodeIndex(rope.pos)
+            q = self.rotary.rotate_into_cache(q, k, v, rope, cache.k, cache.v, step.slots(cache.capacity))
+            y = self.attention.decode(q, cache.k, cache.v, step.seqlens(b), is_causal=self.causal)
+            return self.out_proj(self.norm(y.reshape(b, t, e)))
         q, k = self.rotary.rotate(q, k, rope)
         if packed is not None:
             if self.kv_cache is not None:
@@ -520,18 +557,10 @@ class Attention(nn.Module):
             _, cu, mx = packed
             y = self.attention(q, k, v, is_causal=self.causal, cu_seqlens=cu, max_seqlen=mx)
             return self.out_proj(self.norm(y.reshape(b, t, e)))
-        decoding = isinstance(start_pos, torch.Tensor)
-        pos = rope.pos  # (T,) global positions
-        cache = self.kv_cache
         if cache is None:
             y = self.attention(q, k, v, is_causal=self.causal)  # (B, T, H, D)
-        elif decoding:
-            if step is None or step.pos is not pos:
-                step = DecodeIndex(pos)
-            cache.write_slots(step.slots(cache.capacity), k, v)
-            y = self.attention.decode(q, cache.k, cache.v, step.seqlens(b), is_causal=self.causal)
         else:
-            cache.write(pos, k, v)
+            cache.write(rope.pos, k, v)
             kw, vw = cache.window(self.align_start(start_pos), start_pos + t)
             y = self.attention(q, kw, vw, is_causal=self.causal)  # (B, T, H, D)
         y = self.norm(y.reshape(b, t, e))
