@@ -34,7 +34,7 @@ from dilated_attention.kernels import triton_decode as td  # noqa: E402
 from dilated_attention.kernels import triton_launch as L  # noqa: E402
 from dilated_attention.kernels.triton_ce import ce_loss_grad_  # noqa: E402
 from dilated_attention.kernels.triton_layernorm import layer_norm  # noqa: E402
-from dilated_attention.kernels.triton_rotary import rotary_fused  # noqa: E402
+from dilated_attention.kernels.triton_rotary import rotary_fused, rotary_into_cache  # noqa: E402
 from dilated_attention.models import LongNetConfig, LongNetLM  # noqa: E402
 from dilated_attention.models.longnet import Rotary  # noqa: E402
 from dilated_attention.varlen import dilated_attention_varlen  # noqa: E402
@@ -253,6 +253,27 @@ def test_generate_runs_on_the_models_device(seed, impl):
         got_here = m.generate(prompt, 6, temperature=0.0)
     assert sw.entered == []
     assert torch.equal(got, want) and torch.equal(got_here, want) and torch.equal(got_roll, want_roll)
+
+
+@interp_only
+def test_rotary_into_cache_switches_to_the_inputs_device(seed):
+    q, k, t = _rotary_case()
+    v = torch.randn_like(k)
+    slots = torch.tensor([9, 10, 11, 12, 13, 14, 15, 0])
+
+    def run():
+        ck, cv = torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)
+        qo = rotary_into_cache(q, k, v, t.cos_q, t.sin_q, t.cos_k, t.sin_k, ck, cv, slots)
+        return qo, ck, cv
+
+    want = run()
+    with _as_device_1() as sw:
+        got = run()
+        assert sw.entered == [1] and sw.current == 0
+    with _as_device_1(current=1) as sw:
+        run()
+    assert sw.entered == []
+    _same(got, want)
 
 
 # --------------------------------------------------------------------------- inputs on two devices

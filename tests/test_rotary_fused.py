@@ -342,6 +342,28 @@ def test_decode_step_takes_one_launch_for_rotary_and_cache(seed, fused_on, monke
     assert torch.equal(got.detach(), want) and torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 4])
+def test_cuda_rotary_into_cache_decode_size(seed, t):
+    """A decode step's shape on the GPU (32 q / 8 kv heads x 128, bf16, a 32K cache, positions
+    past 10^6, the slots wrapping for t = 4): the same bits as rotate + index_copy_."""
+    b, h, hkv, d, cap = 2, 32, 8, 128, 32768
+    table = Rotary(d).cuda().table(torch.arange(10**6, 10**6 + t, device="cuda"), torch.bfloat16)
+    qkv = torch.randn(b, t, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    q = qkv[..., : h * d].view(b, t, h, d)
+    k = qkv[..., h * d : (h + hkv) * d].view(b, t, hkv, d)
+    v = qkv[..., (h + hkv) * d :].view(b, t, hkv, d)
+    slots = (cap - 2 + torch.arange(t, device="cuda")) % cap
+    ck = torch.randn(b, cap, hkv, d, device="cuda", dtype=torch.bfloat16)
+    cv = torch.randn_like(ck)
+    want_ck, want_cv = ck.clone(), cv.clone()
+    qo_want, ko_want = _fused(q, k, table)
+    want_ck.index_copy_(1, slots, ko_want)
+    want_cv.index_copy_(1, slots, v)
+    qo = triton_rotary.rotary_into_cache(q, k, v, table.cos_q, table.sin_q, table.cos_k, table.sin_k, ck, cv, slots)
+    assert torch.equal(qo, qo_want) and torch.equal(ck, want_ck) and torch.equal(cv, want_cv)
+
+
 def test_rejects_bad_tables():
     table = Rotary(16).table(torch.arange(4), torch.float32)
     q = torch.randn(1, 5, 2, 16, device=DEV)
