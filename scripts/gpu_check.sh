@@ -39,6 +39,9 @@
 #                                       2026-11-27), then bench_layernorm_rows.py alone
 #   bash scripts/gpu_check.sh defaults after the fused-loss / LayerNorm defaults: verify, their CUDA tests,
 #                                       bench_layernorm_rows.py, profile_step.py eager vs eager plain
+#   bash scripts/gpu_check.sh decode    issue 23 item 6: CUDA tests of the rotary kernel, the decode step, generate
+#                                       and the device guard, then bench_decode.py --no-latency (generate vs dense)
+#                                       with --decode graph, then eager
 #   bash scripts/gpu_check.sh gqa       issue 24 target 2: benchmarks/bench_gqa.py only (the fused kernel with
 #                                       kv heads 16/4/1 at the headline shape, causal and not, fwd and fwd+bwd,
 #                                       same-run dense SDPA; each GQA / MQA row's % of dense over MHA's; no tests)
@@ -307,6 +310,21 @@ case "${1:-tests}" in
     grep -E " FAILED |passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12; tail -6 "$OUT/verify.txt"
     grep -E "^\||faster|rc=" "$OUT/layernorm_rows.txt" | tail -14
     sed -n '/^## Summary/,/^## N/p' "$OUT/profile_step.md" | grep -E "^\|"; tail -1 "$OUT/profile_step.txt"
+    ;;
+  decode)
+    # issue 23 item 6 after the rotation's cache write (2026-11-27, rotary_into_cache: two fewer
+    # kernels per layer and decode step): its CUDA tests (the kernel, the decode step's bits,
+    # generate with CUDA graphs, the device guard), then generate's tokens/s against dense with
+    # the step in a CUDA graph and eager (the 2026-11-26 figures: 1.36x at 32K graph, 1.09x at
+    # 128K eager)
+    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -v -m cuda -n "${WORKERS:-3}" -p no:cacheprovider -rfE \
+      tests/test_rotary_fused.py tests/test_decode_host.py tests/test_generate.py tests/test_device_guard.py > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED lines)" >> "$OUT/cuda_tests.txt"
+    for mode in graph eager; do
+      timeout "${GEN_TIMEOUT:-150}" python3 benchmarks/bench_decode.py --no-latency --decode $mode --out "$OUT/generate_$mode.md" > "$OUT/generate_$mode.txt" 2>&1
+      echo "bench_decode $mode rc=$?" >> "$OUT/generate_$mode.txt"
+    done
+    tail -4 "$OUT/cuda_tests.txt"; grep -hE "^\||rc=" "$OUT"/generate_*.txt | tail -16
     ;;
   gqa)
     # issue 24 target 2: GQA / MQA rows within 10% of the MHA row (% of dense), headline shape
