@@ -58,8 +58,8 @@ def _gpu_like() -> None:
     from dilated_attention.kernels import triton_rotary
 
     triton_rotary._rotary_kernel = _NoKernel()
-    if hasattr(triton_rotary, "_rotary_cache_kernel"):  # the decode step's rotation + cache write
-        triton_rotary._rotary_cache_kernel = _NoKernel()
+    if hasattr(triton_rotary, "_ROTARY_CACHE"):  # the decode step's rotation + cache write
+        triton_rotary._ROTARY_CACHE.kernel = _NoKernel()
     flags.set_fused_rotary(True)
 
 

@@ -98,26 +98,31 @@ if triton is not None:
 
     @triton.jit
     def _rotary_cache_kernel(
-        XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
-        XB, YB, CB, SB, rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
-        XC, YC, scb_, scn, sch, tcb, tcn, tch, SLOTS,
+        XA, YA, CA, SA, XB, YB, CB, SB, XC, YC, SLOTS,
+        rows, T, HA, HB, sab, san, sah, tab, tan, tah, sca, ssa, sbb, sbn, sbh, tbb, tbn, tbh,
+        scb, ssb, svb, svn, svh, tvb, tvn, tvh,
         HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HA: tl.constexpr,
         BLOCK_HB: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """A decode step's rotation and cache write. Grid (cdiv(max(rows_a, rows_b), BLOCK_T), 3):
-        axis 1 is q (A, rotated into YA), k (B, rotated into the cache YB at rows SLOTS[n]) or v
-        (C, copied into the cache YC at rows SLOTS[n]); C has B's rows and heads."""
+        """A decode step's rotation and cache write (the tensors first: launched through
+        ``direct_launch.DirectKernel``). Grid (cdiv(rows, BLOCK_T), 3): axis 1 is q (A, rotated
+        into YA), k (B, rotated into the cache YB at rows SLOTS[n]) or v (C, copied into the
+        cache YC at rows SLOTS[n]); A, B and C have the same rows (B * T), C has B's heads."""
         row0 = tl.program_id(0) * BLOCK_T
         which = tl.program_id(1)
         if which == 0:
-            _rotate_tile(XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
+            _rotate_tile(XA, YA, CA, SA, rows, T, HA, sab, san, sah, tab, tan, tah, sca, ssa,
                          row0, SLOTS, HALF, BLOCK_T, BLOCK_HA, BLOCK_D, False, False, False)  # fmt: skip
         elif which == 1:
-            _rotate_tile(XB, YB, CB, SB, rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
+            _rotate_tile(XB, YB, CB, SB, rows, T, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
                          row0, SLOTS, HALF, BLOCK_T, BLOCK_HB, BLOCK_D, False, True, False)  # fmt: skip
         else:
-            _rotate_tile(XC, YC, CB, SB, rows_b, NB, HB, scb_, scn, sch, tcb, tcn, tch, scb, ssb,
+            _rotate_tile(XC, YC, CB, SB, rows, T, HB, svb, svn, svh, tvb, tvn, tvh, scb, ssb,
                          row0, SLOTS, HALF, BLOCK_T, BLOCK_HB, BLOCK_D, False, True, True)  # fmt: skip
+
+    # a decode step launches it once per layer with the same arguments: after the first call of
+    # a shape, the compiled kernel's launcher directly (no JITFunction.run per call)
+    _ROTARY_CACHE = direct_launch.DirectKernel(_rotary_cache_kernel, 11)
 
 
 def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
@@ -342,12 +347,11 @@ def rotary_into_cache(
     if rows == 0:
         return qo
     half, block_d, block_ha, block_hb, block_t, grid = _sizes(d, q.shape[2], hkv, rows, rows)
-    _rotary_cache_kernel[(grid[0], 3)](
-        q, qo, cos_q, sin_q, rows, t, q.shape[2], *q.stride()[:3], *qo.stride()[:3],
-        cos_q.stride(1), sin_q.stride(1),
-        k, cache_k, cos_k, sin_k, rows, t, hkv, *k.stride()[:3], *cache_k.stride()[:3],
-        cos_k.stride(1), sin_k.stride(1),
-        v, cache_v, *v.stride()[:3], *cache_v.stride()[:3], slots,
+    _ROTARY_CACHE[(grid[0], 3)](
+        q, qo, cos_q, sin_q, k, cache_k, cos_k, sin_k, v, cache_v, slots,
+        rows, t, q.shape[2], hkv, *q.stride()[:3], *qo.stride()[:3], cos_q.stride(1), sin_q.stride(1),
+        *k.stride()[:3], *cache_k.stride()[:3], cos_k.stride(1), sin_k.stride(1),
+        *v.stride()[:3], *cache_v.stride()[:3],
         HALF=half, BLOCK_T=block_t, BLOCK_HA=block_ha, BLOCK_HB=block_hb, BLOCK_D=block_d,
     )  # fmt: skip
     return qo
