@@ -88,6 +88,10 @@ if triton is not None:
                 p = tl.where(valid, p, 0.0)
                 tl.store(x_row + c, p.to(X.dtype.element_ty), mask=cmask)
 
+    # one launch per loss chunk with the same arguments from step to step: after the first call
+    # of a shape, the compiled kernel's launcher directly (no JITFunction.run)
+    _CE = direct_launch.DirectKernel(_ce_loss_grad_kernel, 3)
+
 
 def unavailable_reason(x: torch.Tensor, interpret: bool) -> str | None:
     """Why the cross-entropy kernel cannot run on logits like ``x`` (None if it can)."""
@@ -130,7 +134,7 @@ def ce_loss_grad_(
     if v == 0:
         raise ValueError("ce_loss_grad_: an empty vocabulary (V = 0)")
     block = block_v or min(MAX_BLOCK_V, triton.next_power_of_2(v))
-    _ce_loss_grad_kernel[(rows,)](
+    _CE[(rows,)](
         logits, targets.contiguous(), loss, v, logits.stride(0), ignore_index,
         BLOCK_V=block, WRITE_GRAD=write_grad, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip

@@ -109,6 +109,11 @@ if triton is not None:
         if HAS_BIAS:
             tl.store(DB + pid * N + cols, db, mask=mask)
 
+    # eager training calls them for every LayerNorm of every step with the same arguments: after
+    # the first call of a shape, the compiled kernel's launcher directly (no JITFunction.run)
+    _LN_FWD = direct_launch.DirectKernel(_layernorm_fwd_kernel, 6)
+    _LN_BWD = direct_launch.DirectKernel(_layernorm_bwd_kernel, 8)
+
 
 def unavailable_reason(x: torch.Tensor, interpret: bool) -> str | None:
     """Why the LayerNorm kernels cannot run on inputs like ``x`` (normalized over its last dim;
@@ -170,7 +175,7 @@ def _forward(x, weight, bias, eps: float, out_dtype: torch.dtype):
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         block_n = triton.next_power_of_2(n)
-        _layernorm_fwd_kernel[(m,)](
+        _LN_FWD[(m,)](
             x2, y, weight, weight if bias is None else bias, mean, rstd, x2.stride(0), n, n, eps,
             HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
         )  # fmt: skip
@@ -192,7 +197,7 @@ def _backward(dy, x, weight, bias, mean, rstd, programs: int | None = None):
     db = None if bias is None else torch.empty((g, n), dtype=torch.float32, device=x.device)
     if m:
         block_n = triton.next_power_of_2(n)
-        _layernorm_bwd_kernel[(g,)](
+        _LN_BWD[(g,)](
             x2, dy2, dx, weight, mean, rstd, dw, dw if db is None else db, m, n,
             x2.stride(0), dy2.stride(0), n, triton.cdiv(m, g),
             HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
