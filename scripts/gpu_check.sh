@@ -294,8 +294,8 @@ case "${1:-tests}" in
     grep -E "^\||faster|rc=" "$OUT/layernorm_rows.txt" | tail -14
     ;;
   defaults)
-    # after the 2026-11-27 defaults (fused loss + CE kernel, Triton LayerNorm on CUDA from 2048
-    # rows): verify beside the CUDA tests they touch, the LayerNorm's row crossover, and the
+    # after the 2026-11-27 defaults (fused loss + CE kernel, Triton LayerNorm on CUDA from 2048,
+    # now 32768 rows): verify beside the CUDA tests they touch, the LayerNorm's row crossover, and the
     # eager step with the defaults against the step without them (no compile / dense: ~4 min)
     (timeout "${VERIFY_TIMEOUT:-170}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt") &
     timeout "${CUDA_TEST_TIMEOUT:-170}" python3 -m pytest -v -m cuda -n 3 -p no:cacheprovider -rfE --durations=8 \
