@@ -42,6 +42,8 @@
 #   bash scripts/gpu_check.sh decode    issue 23 item 6: CUDA tests of the rotary kernel, the decode step, generate
 #                                       and the device guard, then bench_decode.py --no-latency (generate vs dense)
 #                                       with --decode graph, then eager
+#   bash scripts/gpu_check.sh decode2   issue 23 item 6: generate vs dense (fastest of 3 runs per length), graph and
+#                                       eager, then profile_decode_step.py (where the eager step's time goes)
 #   bash scripts/gpu_check.sh gqa       issue 24 target 2: benchmarks/bench_gqa.py only (the fused kernel with
 #                                       kv heads 16/4/1 at the headline shape, causal and not, fwd and fwd+bwd,
 #                                       same-run dense SDPA; each GQA / MQA row's % of dense over MHA's; no tests)
@@ -325,6 +327,21 @@ case "${1:-tests}" in
       echo "bench_decode $mode rc=$?" >> "$OUT/generate_$mode.txt"
     done
     tail -4 "$OUT/cuda_tests.txt"; grep -hE "^\||rc=" "$OUT"/generate_*.txt | tail -16
+    ;;
+  decode2)
+    # issue 23 item 6, the measurement made robust (2026-11-27, sixteenth session: one difference
+    # of single generate runs gave 51x at 32K): bench_decode.py's generate rows now the fastest of
+    # 3 alternated runs of 32 and 288 tokens, graph then eager; then profile_decode_step.py (the
+    # eager step timed back to back / synchronised / host issue / as a graph, torch.profiler
+    # kernels and runtime calls per step, cProfile), dilated and dense at 32K and 128K
+    for mode in graph eager; do
+      timeout "${GEN_TIMEOUT:-200}" python3 benchmarks/bench_decode.py --no-latency --decode $mode --out "$OUT/generate_$mode.md" > "$OUT/generate_$mode.txt" 2>&1
+      echo "bench_decode $mode rc=$?" >> "$OUT/generate_$mode.txt"
+    done
+    timeout "${PDS_TIMEOUT:-200}" python3 benchmarks/profile_decode_step.py --out "$OUT/profile_decode_step.md" > "$OUT/profile_decode_step.txt" 2>&1
+    echo "profile_decode_step rc=$?" >> "$OUT/profile_decode_step.txt"
+    for mode in graph eager; do echo "== $mode"; grep -hE "^\||rc=" "$OUT/generate_$mode.txt" | tail -5; done
+    grep -E "^\||rc=" "$OUT/profile_decode_step.txt" | tail -7
     ;;
   gqa)
     # issue 24 target 2: GQA / MQA rows within 10% of the MHA row (% of dense), headline shape

@@ -205,3 +205,133 @@ def test_decode_step_fused_rotary_equals_per_layer_step(kv):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
     finally:
         flags.set_fused_rotary(None)
+
+
+def _decode_run(model, prompt, n, edit=None):
+    """Prefill ``prompt``, then ``n`` eager decode steps of fixed tokens (the same in every run:
+    a greedy choice could differ between runs at a rounding tie); ``edit(model)`` after the
+    first step. The logits of every step."""
+    b, t = prompt.shape
+    model.setup_cache(b, t + n + 1)
+    last = model._hidden_last(prompt, 0)
+    step = model._decode_step(b, t, "eager")
+    out = []
+    toks = (torch.arange(b * n, device=prompt.device).reshape(b, n) * 7 + 3) % model.cfg.vocab_size
+    for s in range(n):
+        last = step(toks[:, s : s + 1], t + s)
+        out.append(last.clone())
+        if s == 0 and edit is not None:
+            edit(model)
+    return out
+
+
+@pytest.mark.parametrize("kv", [None, 1])
+@torch.no_grad()
+def test_decode_qkv_is_one_gemm_that_follows_the_weights(kv, monkeypatch):
+    """A decode step computes q, k and v with one GEMM over the concatenated weights (kept on the
+    layer's KV cache) and makes the concatenation again when a weight changes in place (an
+    optimiser step), is replaced (``.data =``) or a bias changes: each step's logits match the
+    three-GEMM path (FUSED_QKV_MAX_BYTES = 0) run the same way."""
+    torch.manual_seed(3)
+    prompt = torch.randint(0, LongNetConfig.preset("tiny").vocab_size, (2, 21))
+
+    def edit(m):
+        a0, a1 = m.layers[0].attn, m.layers[-1].attn
+        a0.k_proj.weight.mul_(1.5)  # in place: same tensor, same storage, new version
+        a1.v_proj.weight.data = a1.v_proj.weight.data * -1.0  # another storage
+        a1.q_proj.bias.add_(0.25)
+
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(ln, "FUSED_QKV_MAX_BYTES", 8 * 2**20 if fused else 0)
+        m = _model(torch.float32, kv)
+        runs[fused] = _decode_run(m, prompt, 6, edit)
+        took = [lay.attn.kv_cache.qkv is not None for lay in m.layers]
+        assert all(took) if fused else not any(took)
+    ref = _decode_run(_model(torch.float32, kv), prompt, 6)  # no edit: the edits must show
+    assert (runs[True][-1] - ref[-1]).abs().max() > 1e-3
+    for a, c in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_qkv_not_fused_in_grad_mode():
+    """In grad mode (a frozen model: decoding itself is inference only) a decode step keeps the
+    three Linears: a concatenation made there would be recorded by autograd and kept with the
+    cache. Its logits match the fused step's."""
+    m = _model(torch.float32, None).requires_grad_(False)
+    torch.manual_seed(4)
+    prompt = torch.randint(0, m.cfg.vocab_size, (1, 9))
+    out = {}
+    for grad in (True, False):
+        with torch.no_grad():
+            m.setup_cache(1, 16)
+            m._hidden_last(prompt, 0)
+        with torch.set_grad_enabled(grad):
+            out[grad] = m._hidden_last(prompt[:, :1], torch.full((), 9, dtype=torch.long))
+        assert (m.layers[0].attn.kv_cache.qkv is None) == grad
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv", [None, 2])
+@torch.no_grad()
+def test_decode_step_fused_norms_match_the_blocks(dtype, kv, monkeypatch):
+    """With the LayerNorm kernels on (the default on CUDA; here the interpreter) a decode step
+    runs ``_decode_layers``: each residual add fused into the next LayerNorm and the FFN's GELU
+    into its sub-LayerNorm, 3 launches per layer. Every step's logits match the blocks' own
+    forward (switch off) to rounding, across the segment boundaries."""
+    from dilated_attention.kernels import triton_layernorm as tln
+
+    if not tln.unavailable_reason(torch.zeros(1, 8), True) is None or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter")
+    calls = []
+    real = tln._prologue_ln
+    monkeypatch.setattr(tln, "_prologue_ln", lambda *a: calls.append(a[-1]) or real(*a))
+    torch.manual_seed(5)
+    prompt = torch.randint(0, LongNetConfig.preset("tiny").vocab_size, (2, 29))
+    runs = {}
+    for on in (True, False):
+        flags.set_triton_layernorm(on)
+        try:
+            m = _model(dtype, kv)
+            runs[on] = _decode_run(m, prompt, 6)
+        finally:
+            flags.set_triton_layernorm(None)
+    n_layer = m.cfg.n_layer
+    assert calls.count(False) == 2 * n_layer * 6 and calls.count(True) == n_layer * 6  # add, gelu
+    for a, c in zip(runs[True], runs[False]):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+        else:  # the interpreter truncates to bf16 where the GPU rounds: a few ulps per layer
+            assert (a.float() - c.float()).norm() <= 3e-2 * c.float().norm()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv", [None, 2])
+@torch.no_grad()
+def test_cuda_decode_fusions_match_the_blocks(kv, monkeypatch):
+    """On CUDA by default (switch "auto") a decode step takes one q/k/v GEMM and the fused norms;
+    its logits, bf16, against the same steps with both off (FUSED_QKV_MAX_BYTES = 0, the
+    LayerNorm switch off), the preset's structure with wider heads, across segment boundaries."""
+    from dilated_attention.kernels import triton_layernorm as tln
+
+    calls = []
+    real = tln._prologue_ln
+    monkeypatch.setattr(tln, "_prologue_ln", lambda *a: calls.append(a[-1]) or real(*a))
+    cfg = LongNetConfig.preset("tiny", n_kv_head=kv)
+    torch.manual_seed(6)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 29), device="cuda")
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(ln, "FUSED_QKV_MAX_BYTES", 8 * 2**20 if on else 0)
+        flags.set_triton_layernorm(None if on else False)
+        try:
+            torch.manual_seed(0)
+            m = LongNetLM(cfg).to("cuda", torch.bfloat16).eval()
+            runs[on] = _decode_run(m, prompt, 40)
+            assert (m.layers[0].attn.kv_cache.qkv is not None) == on
+        finally:
+            flags.set_triton_layernorm(None)
+    assert calls.count(True) == cfg.n_layer * 40
+    for a, c in zip(runs[True], runs[False]):
+        assert (a.float() - c.float()).norm() <= 2e-2 * c.float().norm()

@@ -283,7 +283,7 @@ def test_model_on_equals_off_under_bf16_autocast(seed, kw, launches):
 
 def test_eval_generate_and_encoder(seed, ln_on, launches):
     """Under autocast without gradients (eval) the kernel runs without autograd; generate
-    (no autocast) never calls it; the encoder's final LayerNorm keeps autocast's float32
+    (no autocast) never calls it (its decode steps take the fused-norm kernels, not counted here); the encoder's final LayerNorm keeps autocast's float32
     output."""
     model = _lm().eval()
     idx = torch.randint(0, 128, (1, 20), device=DEV)
@@ -389,3 +389,43 @@ def test_cuda_realistic_size(seed, n, xdtype):
     first = tln._backward(dy, x, ln.weight, ln.bias, *tln._forward(x, ln.weight, ln.bias, ln.eps, torch.bfloat16)[1:])
     for a, c in zip(first, again, strict=True):
         assert torch.equal(a, c)  # deterministic: no atomics
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("m,n", [(3, 100), (1, 64), (5, 1), (4, 257)], ids=lambda v: str(v))
+def test_add_and_gelu_layer_norm(seed, m, n, dtype, bias):
+    """The decode step's fused kernels (inference only): ``add_layer_norm`` returns x + r with
+    torch's bits (on the CPU the interpreter truncates to 16 bits: one ulp) and LayerNorm of
+    that sum; ``gelu_layer_norm`` LayerNorm of the exact (erf) GELU, both against float64."""
+    eps = 1e-5
+    x, w, b = _inputs(m, n, dtype, bias)
+    r = (torch.randn(m, n, device=DEV) * 2).to(dtype)
+    with torch.no_grad():
+        s, y = tln.add_layer_norm(x, r, w, b, eps)
+        yg = tln.gelu_layer_norm(x, w, b, eps)
+    assert s.dtype == y.dtype == yg.dtype == dtype and s.shape == y.shape == yg.shape == x.shape
+    if dtype == torch.float32 or DEV == "cuda":
+        assert torch.equal(s, x + r)
+    else:
+        torch.testing.assert_close(s, x + r, rtol=2**-7, atol=0)
+    dy = torch.zeros(m, n, device=DEV)
+    _close_rows(y, _reference(s, w, b, eps, dy)[0], dtype, "add y")
+    g = F.gelu(x.double())  # the exact form: the tanh approximation is ~1e-3 away
+    want = _reference(g, w, b, eps, dy)[0]
+    if dtype == torch.float32:
+        torch.testing.assert_close(yg.double(), want, atol=1e-5, rtol=1e-5)
+    else:  # gelu rounded to 16 bits before the LayerNorm, and the output rounded
+        err = (yg.double() - want).norm() / want.norm().clamp_min(1e-6)
+        assert err <= 2**-6, err
+
+
+def test_add_and_gelu_layer_norm_refuse_bad_input():
+    x = torch.randn(2, 8, device=DEV)
+    w = torch.ones(8, device=DEV)
+    with pytest.raises(ValueError, match="one shape"):
+        tln.add_layer_norm(x, torch.randn(2, 7, device=DEV), w, None, 1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        tln.add_layer_norm(x, x.double(), w, None, 1e-5)
+    with pytest.raises(ValueError, match="inference only"):
+        tln.gelu_layer_norm(x.requires_grad_(), w, None, 1e-5)

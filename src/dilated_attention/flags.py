@@ -226,7 +226,9 @@ def set_triton_layernorm(enabled: bool | None) -> None:
     ``kernels/triton_layernorm.py`` wherever they can run (True: Triton's interpreter on the CPU
     included) or as ``nn.LayerNorm`` (False) in this process; None returns to the environment's
     choice (``DILATED_ATTENTION_TRITON_LAYERNORM``: ``0``, ``1`` or ``auto``, CUDA only; unset:
-    ``LAYERNORM_DEFAULT``)."""
+    ``LAYERNORM_DEFAULT``). The same switch lets a model's decode step (no autocast, no
+    gradient) fuse each residual add and the FFN's GELU into the LayerNorm after it
+    (``auto``: on CUDA; ``True``: also in the interpreter; ``False``: never)."""
     _check_bool("set_triton_layernorm", enabled, ENV_TRITON_LAYERNORM)
     _layernorm.set(None if enabled is None else "on" if enabled else "off")
 

@@ -109,10 +109,42 @@ if triton is not None:
         if HAS_BIAS:
             tl.store(DB + pid * N + cols, db, mask=mask)
 
+    @triton.jit
+    def _prologue_ln_kernel(
+        X, R, S, Y, W, B, sx, sr, ss, sy, N, eps,
+        GELU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """One row per program, forward only: s = x + r (stored in S's dtype, as torch's add
+        rounds it) or s = gelu(x) (exact erf form, rounded to Y's dtype as torch's gelu; not
+        stored), then y = LayerNorm(s) as _layernorm_fwd_kernel (float32 math on the rounded
+        s)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+        if GELU:
+            g = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+            v = g.to(Y.dtype.element_ty).to(tl.float32)
+        else:
+            r = tl.load(R + row * sr + cols, mask=mask, other=0.0).to(tl.float32)
+            sv = (x + r).to(S.dtype.element_ty)
+            tl.store(S + row * ss + cols, sv, mask=mask)
+            v = sv.to(tl.float32)
+        mean = tl.sum(v, axis=0) / N
+        vc = tl.where(mask, v - mean, 0.0)
+        var = tl.sum(vc * vc, axis=0) / N
+        rstd = tl.math.rsqrt(var + eps)
+        y = vc * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * sy + cols, y.to(Y.dtype.element_ty), mask=mask)
+
     # eager training calls them for every LayerNorm of every step with the same arguments: after
     # the first call of a shape, the compiled kernel's launcher directly (no JITFunction.run)
     _LN_FWD = direct_launch.DirectKernel(_layernorm_fwd_kernel, 6)
     _LN_BWD = direct_launch.DirectKernel(_layernorm_bwd_kernel, 8)
+    # a decode step calls it twice per layer with the same shapes (models/longnet.py)
+    _PRO_LN = direct_launch.DirectKernel(_prologue_ln_kernel, 6)
 
 
 def unavailable_reason(x: torch.Tensor, interpret: bool) -> str | None:
@@ -259,3 +291,72 @@ def layer_norm(
         # nothing to record (eval, no_grad): the forward without the autograd.Function machinery
         return _forward(x, weight, bias, eps, out_dtype)[0]
     return _LayerNormFunction.apply(x, weight, bias, eps, out_dtype)
+
+
+def _prologue_ln(x, r, weight, bias, eps: float, gelu: bool):
+    """(s, y) of :func:`add_layer_norm` (r given) or (y, y) of :func:`gelu_layer_norm` (r None),
+    contiguous, shaped as x. Unchecked: the models call it with their own tensors (x, r of one
+    shape, dtype and device; weight, bias contiguous (N,)); the public functions check first.
+    A decode step calls it three times per layer, so it stays short (the launch is direct)."""
+    dev = direct_launch.tensor_device(x)
+    if dev >= 0 and direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return _prologue_ln(x, r, weight, bias, eps, gelu)
+    n = x.shape[-1]
+    x = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty_like(x)
+    if r is None:
+        r = s = y  # R, S unused
+    else:
+        r = r if r.is_contiguous() else r.contiguous()
+        s = torch.empty_like(x)
+    m = x.numel() // n
+    if m:
+        block_n = triton.next_power_of_2(n)
+        _PRO_LN[(m,)](
+            x, r, s, y, weight, weight if bias is None else bias, n, n, n, n, n, eps,
+            GELU=gelu, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        )  # fmt: skip
+    return s, y
+
+
+def _check_inference(name, tensors, weight, bias):
+    x = tensors[0]
+    n = x.shape[-1] if x.dim() else 0
+    if n == 0 or any(t.shape != x.shape for t in tensors) or weight.shape != (n,) or (
+        bias is not None and bias.shape != (n,)
+    ):
+        raise ValueError(
+            f"{name}: inputs (..., N) of one shape with weight (N,) and bias (N,) or None, got "
+            f"{[tuple(t.shape) for t in tensors]}, weight {tuple(weight.shape)}, bias "
+            f"{None if bias is None else tuple(bias.shape)}"
+        )
+    if any(t.dtype != x.dtype or t.device != x.device for t in tensors) or weight.device != x.device or (
+        bias is not None and bias.device != x.device
+    ):
+        raise ValueError(f"{name}: inputs of one dtype and, with weight and bias, on one device")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, weight, *(() if bias is None else (bias,)))):
+        raise ValueError(f"{name} is inference only (no autograd): call it under torch.no_grad()")
+
+
+def add_layer_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + r`` and ``LayerNorm(s)`` in one launch, inference only: x, r (..., N) of one
+    dtype -> (s, y), both in that dtype. s has the bits of ``x + r``; y is ``F.layer_norm(s, ...)``
+    up to the order of the float32 sums (the forward kernel's numerics). For a decode step's
+    residual add and the next LayerNorm (``models/longnet.py``); callers ask
+    :func:`unavailable_reason` first."""
+    _check_inference("add_layer_norm", (x, r), weight, bias)
+    return _prologue_ln(x, r, weight.contiguous(), None if bias is None else bias.contiguous(), eps, False)
+
+
+def gelu_layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """``LayerNorm(gelu(x))`` in one launch, inference only (x (..., N), the output in x's
+    dtype): gelu in its exact erf form rounded to x's dtype as ``F.gelu`` rounds it (to an ulp of
+    float32's erf before that rounding), then the LayerNorm as :func:`add_layer_norm`'s. The
+    FFN's sub-LayerNorm in a decode step."""
+    _check_inference("gelu_layer_norm", (x,), weight, bias)
+    return _prologue_ln(x, None, weight.contiguous(), None if bias is None else bias.contiguous(), eps, True)[1]

@@ -366,6 +366,7 @@ class Rotary(nn.Module):
 # ------------------------------------------------------------------------------------ layernorm
 
 _LN_TRITON = []  # kernels.triton_layernorm.layer_norm, once imported (as _ROTARY_FUSED)
+_PRO_LN = []  # the kernels.triton_layernorm module, once imported (decode steps' fused norms)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # "auto" runs the kernel from this many rows (tokens x batch) up: below it (decode steps, short
 # calls) its launches cost more host time than the casts save. H100, a block's pre-LN and its
@@ -375,6 +376,11 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # it against 158 / 163 without (profile_step_h100_2026-11-27_s14.md). 8193-32767 rows: not
 # measured. "on" runs it at any size
 LAYERNORM_AUTO_MIN_ROWS = 32768
+# The decode step's one q/k/v GEMM (Attention._decode_qkv) for layers whose three weights take at
+# most this many bytes: there the GEMMs are launch-bound (the ``small`` preset's 0.9 MiB, ``base``'s
+# 3.4 MiB); above it they are bandwidth-bound, one GEMM saves little, and the concatenated copy
+# (kept while the KV cache lives) would cost as much memory again as the weights
+FUSED_QKV_MAX_BYTES = 8 * 2**20
 
 
 def _ln_triton():
@@ -444,6 +450,10 @@ class KVCache(nn.Module):
         shape = (batch, capacity, n_kv_head, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # the layer's q/k/v weights concatenated for the decode step's one GEMM
+        # (Attention._decode_qkv): (key, weight, bias), made at the first decode step, dropped
+        # with the cache
+        self.qkv: tuple | None = None
 
     @property
     def capacity(self) -> int:
@@ -537,13 +547,20 @@ class Attention(nn.Module):
           synchronisation (the step can be captured in a CUDA graph).
         """
         b, t, e = x.shape
-        q = self.q_proj(x).view(b, t, self.n_head, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
-        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
+        cache = self.kv_cache
+        decode = cache is not None and packed is None and isinstance(start_pos, torch.Tensor)
+        if decode and self._fuse_qkv():
+            q, k, v = self._decode_qkv(x, cache)
+        else:
+            q = self.q_proj(x)
+            k = self.k_proj(x)
+            v = self.v_proj(x)
+        q = q.view(b, t, self.n_head, self.head_dim)  # (B, T, H, D)
+        k = k.view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
+        v = v.view(b, t, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         if rope is None or rope.cos_q.dtype != _compute_dtype(q.dtype):
             rope = self.rotary.table(rotary_positions(start_pos, t, x.device, packed), q.dtype)
-        cache = self.kv_cache
-        if cache is not None and packed is None and isinstance(start_pos, torch.Tensor):
+        if decode:
             # decode: the rotation writes k and v into their cache slots itself
             if step is None or step.pos is not rope.pos:
                 step = DecodeIndex(rope.pos)
@@ -565,6 +582,38 @@ class Attention(nn.Module):
             y = self.attention(q, kw, vw, is_causal=self.causal)  # (B, T, H, D)
         y = self.norm(y.reshape(b, t, e))
         return self.out_proj(y)
+
+    def _fuse_qkv(self) -> bool:
+        """Whether a decode step computes q, k and v with one GEMM (:meth:`_decode_qkv`): when no
+        gradient is recorded, outside ``torch.compile`` (Inductor fuses on its own) and while the
+        three weights are at most ``FUSED_QKV_MAX_BYTES``, where the GEMMs are launch-bound (a
+        decode step of the ``small`` preset: 18 of its 112 kernels are these GEMMs)."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        w = self.q_proj.weight
+        rows = w.shape[0] + self.k_proj.weight.shape[0] + self.v_proj.weight.shape[0]
+        return rows * w.shape[1] * w.element_size() <= FUSED_QKV_MAX_BYTES
+
+    def _decode_qkv(self, x: torch.Tensor, cache: KVCache):
+        """q (B, T, E), k and v (B, T, Hkv * D) of a decode step from one GEMM over the three
+        weights concatenated (views of its output). The concatenation is made once per cache and
+        made again when a weight or bias changes (another tensor, storage or in-place version:
+        an optimiser step, ``load_state_dict``, ``.to()``). The values equal the three GEMMs' up
+        to the GEMM's summation order (cuBLAS may pick another kernel for the wider output); every
+        decode step (eager, CUDA graph) takes this path, so they agree with each other bit for
+        bit."""
+        ps = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+              self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)  # fmt: skip
+        # ids are unique while the entry holds the tensors themselves (got[3])
+        key = tuple(0 if p is None else (id(p), p.data_ptr(), p._version) for p in ps)
+        got = cache.qkv
+        if got is None or got[0] != key:
+            w = torch.cat(ps[:3])
+            bias = None if ps[3] is None else torch.cat(ps[3:])
+            got = cache.qkv = (key, w, bias, ps)
+        y = F.linear(x, got[1], got[2])  # (B, T, E + 2 Hkv D)
+        e, kvd = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+        return y[..., :e], y[..., e : e + kvd], y[..., e + kvd :]
 
     def align_start(self, start_pos: int) -> int:
         """First key position a chunk starting at ``start_pos`` needs, rounded down to a multiple
@@ -688,6 +737,8 @@ class _Trunk(nn.Module):
             rope = self.layers[0].attn.rotary.table(pos, x.dtype)
             if packed is None and isinstance(start_pos, torch.Tensor):
                 step = DecodeIndex(pos)  # a decode step: cache slots and lengths once for all layers
+        if step is not None and not self.training and self._decode_norms_fuse(x):
+            return self._decode_layers(x, start_pos, rope, step)
         if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
             for layer in self.layers:
                 x = checkpoint(layer, x, start_pos, packed, rope, step, use_reentrant=False)
@@ -695,6 +746,50 @@ class _Trunk(nn.Module):
             for layer in self.layers:
                 x = layer(x, start_pos, packed, rope, step)
         return self.norm(x)
+
+    def _decode_norms_fuse(self, x: torch.Tensor) -> bool:
+        """Whether a decode step runs :meth:`_decode_layers`: no gradient recorded, no autocast,
+        not under ``torch.compile``, the LayerNorm switch ``"on"`` (Triton's interpreter on the
+        CPU included) or ``"auto"`` on CUDA, and the kernel able to run at both widths."""
+        mode = _LAYERNORM_SWITCH.value or _LAYERNORM_SWITCH.load()
+        if mode == "off" or (mode == "auto" and not x.is_cuda):
+            return False
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+            return False
+        if self.norm.weight is None or self.layers[0].ffn.norm.weight is None:
+            return False
+        dev = x.device.type
+        return (
+            backend_reason("triton_layernorm", dev, x.dtype, x.shape[-1]) is None
+            and backend_reason("triton_layernorm", dev, x.dtype, self.cfg.ffn_hidden) is None
+        )
+
+    def _decode_layers(self, x: torch.Tensor, start_pos: torch.Tensor, rope, step) -> torch.Tensor:
+        """The layers of a decode step (eval, no gradients) with each residual add fused into
+        the LayerNorm after it and the FFN's GELU into its sub-LayerNorm
+        (``triton_layernorm.add_layer_norm`` / ``gelu_layer_norm``): 3 launches fewer per layer
+        (18 of the ``small`` preset's 100 per step). The same computation as the blocks' forward
+        (the adds' bits; each LayerNorm to the order of its float32 sums, the GELU to an ulp of
+        float32's erf before its rounding). The attention modules are called as modules; the
+        blocks', FFNs' and norms' ``forward`` are not (forward hooks on those modules do not fire
+        in such a step)."""
+        if not _PRO_LN:
+            from ..kernels import triton_layernorm
+
+            _PRO_LN.append(triton_layernorm)
+        tln = _PRO_LN[0]  # its unchecked entry: the tensors here are the model's own
+        layers = self.layers
+        n = layers[0].attn_norm
+        h = F.layer_norm(x, n.normalized_shape, n.weight, n.bias, n.eps)
+        for i, layer in enumerate(layers):
+            a = layer.attn(h, start_pos, None, rope, step)
+            n = layer.ffn_norm
+            x, h = tln._prologue_ln(x, a, n.weight, n.bias, n.eps, False)
+            f = layer.ffn
+            g = tln._prologue_ln(f.fc1(h), None, f.norm.weight, f.norm.bias, f.norm.eps, True)[1]
+            n = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
+            x, h = tln._prologue_ln(x, f.fc2(g), n.weight, n.bias, n.eps, False)
+        return h
 
 
 # ---------------------------------------------------------------------------------- LM loss
