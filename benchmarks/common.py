@@ -33,6 +33,27 @@ from dilated_attention.timing import (  # noqa: F401  (re-exported for the scrip
 )
 
 
+def eager_decoder(model, prompt: torch.Tensor, capacity: int):
+    """``generate(decode="eager")``'s loop, one token per call: ``setup_cache(B, capacity)``, the
+    prompt (B, T) prefilled, then ``one()`` runs a greedy step (``model._decode_step(B, T,
+    "eager")`` and ``_sample``). Returns ``(one, state)``, ``state = [next position, next token
+    (B, 1)]``. Call under ``torch.no_grad()``."""
+    from dilated_attention.models.longnet import _sample
+
+    b, t = prompt.shape
+    model.setup_cache(b, capacity)
+    last = model._hidden_last(prompt, 0)
+    step = model._decode_step(b, t, "eager")
+    state = [t, _sample(last, 0.0, None)]
+
+    def one():
+        last = step(state[1], state[0])
+        state[1] = _sample(last, 0.0, None)
+        state[0] += 1
+
+    return one, state
+
+
 def setup(device: str):
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -43,7 +43,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from dilated_attention import flags  # noqa: E402
-from dilated_attention.models.longnet import LongNetConfig, LongNetLM, _sample  # noqa: E402
+from common import eager_decoder  # noqa: E402
+from dilated_attention.models.longnet import LongNetConfig, LongNetLM  # noqa: E402
 
 
 class _NoKernel:
@@ -130,18 +131,7 @@ def main(argv=None) -> None:
     prompt = torch.randint(0, cfg.vocab_size, (b, t))
     clock = time.perf_counter_ns
     with torch.no_grad():
-        model.setup_cache(b, t + total_steps + 1)
-        last = model._hidden_last(prompt, 0)
-        step = model._decode_step(b, t, "eager")
-        pos = t
-        tok = _sample(last, 0.0, None)
-
-        def one():
-            nonlocal pos, tok
-            last = step(tok, pos)
-            tok = _sample(last, 0.0, None)
-            pos += 1
-
+        one, _ = eager_decoder(model, prompt, t + total_steps + 1)
         for _ in range(100):  # warm-up: plans, fast-path entries
             one()
         if args.mode == "gpu-like":

@@ -37,10 +37,9 @@ import time
 import torch
 
 from dilated_attention.models import LongNetConfig, LongNetLM
-from dilated_attention.models.longnet import _sample
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import command_line, results_header  # noqa: E402
+from common import command_line, eager_decoder, results_header  # noqa: E402
 
 
 def _sync(dev):
@@ -57,19 +56,7 @@ def _arm(kind, args, dev, dtype) -> dict:
     prompt = torch.randint(0, cfg.vocab_size, (1, args.context), device=dev)
     row = dict(kind=kind)
     with torch.no_grad():
-        model.setup_cache(1, cap)
-        last = model._hidden_last(prompt, 0)
-        t = args.context
-        step = model._decode_step(1, t, "eager")
-        pos = t
-        tok = _sample(last, 0.0, None)
-
-        def one():
-            nonlocal pos, tok
-            last = step(tok, pos)
-            tok = _sample(last, 0.0, None)
-            pos += 1
-
+        one, state = eager_decoder(model, prompt, cap)
         for _ in range(10):
             one()
         _sync(dev)
@@ -141,6 +128,7 @@ def _arm(kind, args, dev, dtype) -> dict:
         row["cprofile"] = s.getvalue()
         # graph
         if dev == "cuda":
+            pos, tok = state
             g = model._decode_step(1, pos, "graph")
             for _ in range(5):
                 g(tok, pos)
