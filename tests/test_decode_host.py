@@ -207,13 +207,15 @@ def test_decode_step_fused_rotary_equals_per_layer_step(kv):
         flags.set_fused_rotary(None)
 
 
-def _decode_run(model, prompt, n, edit=None):
+def _decode_run(model, prompt, n, edit=None, after_prefill=None):
     """Prefill ``prompt``, then ``n`` eager decode steps of fixed tokens (the same in every run:
     a greedy choice could differ between runs at a rounding tie); ``edit(model)`` after the
-    first step. The logits of every step."""
+    first step (``after_prefill(model)`` before the first). The logits of every step."""
     b, t = prompt.shape
     model.setup_cache(b, t + n + 1)
     last = model._hidden_last(prompt, 0)
+    if after_prefill is not None:
+        after_prefill(model)
     step = model._decode_step(b, t, "eager")
     out = []
     toks = (torch.arange(b * n, device=prompt.device).reshape(b, n) * 7 + 3) % model.cfg.vocab_size
@@ -335,3 +337,60 @@ def test_cuda_decode_fusions_match_the_blocks(kv, monkeypatch):
     assert calls.count(True) == cfg.n_layer * 40
     for a, c in zip(runs[True], runs[False]):
         assert (a.float() - c.float()).norm() <= 2e-2 * c.float().norm()
+
+
+@pytest.mark.parametrize("where", ["q_proj", "v_proj_wrapped", "block", "ffn_norm", "global"])
+@torch.no_grad()
+def test_decode_fusions_keep_hooks_and_wrappers(where, monkeypatch):
+    """A forward hook (on a projection, a block, a LayerNorm, or global) or a projection wrapped
+    by an adapter still acts in a decode step: the fusion that would bypass that module's forward
+    is not taken, and the step's logits show the hook's change."""
+    from torch.nn.modules import module as modmod
+
+    handles = []
+    flags.set_triton_layernorm(True)  # the fused norms in the interpreter, as on CUDA
+    try:
+        torch.manual_seed(7)
+        prompt = torch.randint(0, LongNetConfig.preset("tiny").vocab_size, (1, 13))
+        plain = _decode_run(_model(torch.float32, None), prompt, 3)
+        m = _model(torch.float32, None)
+        a = m.layers[1].attn
+
+        def tilt(t):  # not a shift or a scale: a LayerNorm after it would undo those
+            return t + torch.linspace(-1.0, 1.0, t.shape[-1])
+
+        def bump(mod, inp, out):
+            return tilt(out)
+
+        def hook(m):  # after the prefill: only the decode steps can show the hook
+            a = m.layers[1].attn
+            if where == "q_proj":
+                handles.append(a.q_proj.register_forward_hook(bump))
+            elif where == "v_proj_wrapped":
+
+                class Adapter(torch.nn.Linear):  # a subclass that changes its output (LoRA-like)
+                    def forward(self, x):
+                        return tilt(super().forward(x))
+
+                new = Adapter(a.v_proj.in_features, a.v_proj.out_features)
+                new.load_state_dict(a.v_proj.state_dict())
+                a.v_proj = new
+            elif where == "block":
+                handles.append(m.layers[0].register_forward_hook(bump))
+            elif where == "ffn_norm":
+                handles.append(m.layers[0].ffn_norm.register_forward_hook(bump))
+            else:
+                handles.append(torch.nn.modules.module.register_module_forward_hook(
+                    lambda mod, inp, out: tilt(out) if mod is m.layers[0].ffn_norm else None
+                ))  # fmt: skip
+
+        hooked = _decode_run(m, prompt, 3, after_prefill=hook)
+    finally:
+        for h in handles:
+            h.remove()
+        flags.set_triton_layernorm(None)
+    assert not modmod._global_forward_hooks
+    for h, p in zip(hooked, plain):
+        assert (h - p).abs().max() > 1e-3  # the hook's change reached the logits
+    if where in ("q_proj", "v_proj_wrapped"):
+        assert a.kv_cache.qkv is None

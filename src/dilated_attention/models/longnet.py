@@ -383,6 +383,20 @@ LAYERNORM_AUTO_MIN_ROWS = 32768
 FUSED_QKV_MAX_BYTES = 8 * 2**20
 
 
+def _plain(module: nn.Module, cls: type) -> bool:
+    """``module`` is exactly ``cls`` (not a subclass or a wrapper) with no forward hooks: a decode
+    fusion that computes its forward from its parameters computes what calling it would."""
+    return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    """Whether module forward hooks are registered for every module
+    (``nn.modules.module.register_module_forward_hook`` and its pre-hook)."""
+    from torch.nn.modules import module as _m
+
+    return bool(_m._global_forward_hooks or _m._global_forward_pre_hooks)
+
+
 def _ln_triton():
     if not _LN_TRITON:
         from ..kernels.triton_layernorm import layer_norm
@@ -587,9 +601,14 @@ class Attention(nn.Module):
         """Whether a decode step computes q, k and v with one GEMM (:meth:`_decode_qkv`): when no
         gradient is recorded, outside ``torch.compile`` (Inductor fuses on its own) and while the
         three weights are at most ``FUSED_QKV_MAX_BYTES``, where the GEMMs are launch-bound (a
-        decode step of the ``small`` preset: 18 of its 112 kernels are these GEMMs)."""
+        decode step of the ``small`` preset: 18 of its 112 kernels are these GEMMs), and while
+        the three projections are plain ``nn.Linear`` modules without hooks (an adapter that
+        wraps one, or a hook, keeps its own forward)."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return False
+        m = self._modules
+        if not (_plain(m["q_proj"], nn.Linear) and _plain(m["k_proj"], nn.Linear) and _plain(m["v_proj"], nn.Linear)):
+            return False  # a wrapped or hooked projection (an adapter, a hook): its own forward
         w = self.q_proj.weight
         rows = w.shape[0] + self.k_proj.weight.shape[0] + self.v_proj.weight.shape[0]
         return rows * w.shape[1] * w.element_size() <= FUSED_QKV_MAX_BYTES
@@ -750,7 +769,9 @@ class _Trunk(nn.Module):
     def _decode_norms_fuse(self, x: torch.Tensor) -> bool:
         """Whether a decode step runs :meth:`_decode_layers`: no gradient recorded, no autocast,
         not under ``torch.compile``, the LayerNorm switch ``"on"`` (Triton's interpreter on the
-        CPU included) or ``"auto"`` on CUDA, and the kernel able to run at both widths."""
+        CPU included) or ``"auto"`` on CUDA, the kernel able to run at both widths, and the
+        blocks, FFNs and LayerNorms of the model's own classes without forward hooks (neither on
+        them nor global ones): a subclass, a wrapper or a hook keeps the blocks' forward."""
         mode = _LAYERNORM_SWITCH.value or _LAYERNORM_SWITCH.load()
         if mode == "off" or (mode == "auto" and not x.is_cuda):
             return False
@@ -758,6 +779,17 @@ class _Trunk(nn.Module):
             return False
         if self.norm.weight is None or self.layers[0].ffn.norm.weight is None:
             return False
+        if _global_hooks() or not _plain(self._modules["norm"], AutocastLayerNorm):
+            return False
+        for layer in self.layers:  # _decode_layers bypasses these modules' forward
+            if not _plain(layer, Block):
+                return False
+            m = layer._modules
+            if not (_plain(m["attn_norm"], AutocastLayerNorm) and _plain(m["ffn_norm"], AutocastLayerNorm)):
+                return False
+            f = m["ffn"]
+            if not (_plain(f, FeedForward) and _plain(f._modules["norm"], AutocastLayerNorm)):
+                return False
         dev = x.device.type
         return (
             backend_reason("triton_layernorm", dev, x.dtype, x.shape[-1]) is None
@@ -770,9 +802,10 @@ class _Trunk(nn.Module):
         (``triton_layernorm.add_layer_norm`` / ``gelu_layer_norm``): 3 launches fewer per layer
         (18 of the ``small`` preset's 100 per step). The same computation as the blocks' forward
         (the adds' bits; each LayerNorm to the order of its float32 sums, the GELU to an ulp of
-        float32's erf before its rounding). The attention modules are called as modules; the
-        blocks', FFNs' and norms' ``forward`` are not (forward hooks on those modules do not fire
-        in such a step)."""
+        float32's erf before its rounding). The attention modules and the FFNs' Linears are called
+        as modules; the blocks', FFNs' and norms' ``forward`` are not, which
+        :meth:`_decode_norms_fuse` allows only where they are the model's own classes without
+        hooks."""
         if not _PRO_LN:
             from ..kernels import triton_layernorm
 
