@@ -11,8 +11,9 @@ Modes (``--mode``):
 
 - ``gpu-like`` (default): the decode attention takes the Triton route with no-op launches (the
   stand-ins of ``host_cost_decode_cpu.py``: ``impl="auto"`` picks Triton, the plan's launches
-  do nothing) and the rotary takes the fused kernel with a no-op ``kernel[grid]`` (what
-  ``Rotary.rotate`` does on CUDA); outputs are garbage, only the host work counts. What stays
+  do nothing), the rotary takes the fused kernel with a no-op ``kernel[grid]`` (what
+  ``Rotary.rotate`` does on CUDA), and where the tree has them the decode step's fused add /
+  GELU LayerNorms run with a launch that only zeroes their outputs; outputs are garbage, only the host work counts. What stays
   out: the CUDA-only costs (allocations, launches, Triton's JIT ``run`` of the rotary kernel).
 - ``cpu``: the real CPU paths (torch decode, torch rotary): exact outputs, and the host work of
   the torch decode path (many small ops) on top.
@@ -62,6 +63,27 @@ def _gpu_like() -> None:
     if hasattr(triton_rotary, "_ROTARY_CACHE"):  # the decode step's rotation + cache write
         triton_rotary._ROTARY_CACHE.kernel = _NoKernel()
     flags.set_fused_rotary(True)
+    from dilated_attention.kernels import triton_layernorm
+
+    if hasattr(triton_layernorm, "_PRO_LN"):  # the decode step's fused add / GELU LayerNorms
+        triton_layernorm._PRO_LN.kernel = _ZeroingKernel((2, 3))
+        flags.set_triton_layernorm(True)  # taken as on CUDA (no autocast here: nothing else moves)
+
+
+class _ZeroingKernel:
+    """A no-op launch that zeroes its output tensors (positions ``outs`` of the arguments) with
+    one C memset each: garbage (denormals, NaN) would make the CPU's next matmuls slow."""
+
+    def __init__(self, outs):
+        self.outs = outs
+
+    def __getitem__(self, grid):
+        def go(*a, **kw):
+            for i in self.outs:
+                t = a[i]
+                ctypes.memset(t.data_ptr(), 0, t.numel() * t.element_size())
+
+        return go
 
 
 def _zeroing_reduce(nbytes: int) -> None:
