@@ -143,7 +143,7 @@ if triton is not None:
     # the first call of a shape, the compiled kernel's launcher directly (no JITFunction.run)
     _LN_FWD = direct_launch.DirectKernel(_layernorm_fwd_kernel, 6)
     _LN_BWD = direct_launch.DirectKernel(_layernorm_bwd_kernel, 8)
-    # a decode step calls it twice per layer with the same shapes (models/longnet.py)
+    # a decode step calls it three times per layer with the same shapes (models/longnet.py)
     _PRO_LN = direct_launch.DirectKernel(_prologue_ln_kernel, 6)
 
 
