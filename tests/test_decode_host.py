@@ -207,6 +207,13 @@ def test_decode_step_fused_rotary_equals_per_layer_step(kv):
         flags.set_fused_rotary(None)
 
 
+def _qkv_fused(attn) -> bool:
+    """Whether the layer's decode steps took the one q/k/v GEMM (its concatenated weight kept on
+    the KV cache)."""
+    got = attn.kv_cache.qkv
+    return got is not None and got[1] is not None
+
+
 def _decode_run(model, prompt, n, edit=None, after_prefill=None):
     """Prefill ``prompt``, then ``n`` eager decode steps of fixed tokens (the same in every run:
     a greedy choice could differ between runs at a rounding tie); ``edit(model)`` after the
@@ -248,7 +255,7 @@ def test_decode_qkv_is_one_gemm_that_follows_the_weights(kv, monkeypatch):
         monkeypatch.setattr(ln, "FUSED_QKV_MAX_BYTES", 8 * 2**20 if fused else 0)
         m = _model(torch.float32, kv)
         runs[fused] = _decode_run(m, prompt, 6, edit)
-        took = [lay.attn.kv_cache.qkv is not None for lay in m.layers]
+        took = [_qkv_fused(lay.attn) for lay in m.layers]
         assert all(took) if fused else not any(took)
     ref = _decode_run(_model(torch.float32, kv), prompt, 6)  # no edit: the edits must show
     assert (runs[True][-1] - ref[-1]).abs().max() > 1e-3
@@ -270,7 +277,7 @@ def test_decode_qkv_not_fused_in_grad_mode():
             m._hidden_last(prompt, 0)
         with torch.set_grad_enabled(grad):
             out[grad] = m._hidden_last(prompt[:, :1], torch.full((), 9, dtype=torch.long))
-        assert (m.layers[0].attn.kv_cache.qkv is None) == grad
+        assert _qkv_fused(m.layers[0].attn) != grad
     torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
 
 
@@ -331,7 +338,7 @@ def test_cuda_decode_fusions_match_the_blocks(kv, monkeypatch):
             torch.manual_seed(0)
             m = LongNetLM(cfg).to("cuda", torch.bfloat16).eval()
             runs[on] = _decode_run(m, prompt, 40)
-            assert (m.layers[0].attn.kv_cache.qkv is not None) == on
+            assert _qkv_fused(m.layers[0].attn) == on
         finally:
             flags.set_triton_layernorm(None)
     assert calls.count(True) == cfg.n_layer * 40
@@ -393,4 +400,4 @@ def test_decode_fusions_keep_hooks_and_wrappers(where, monkeypatch):
     for h, p in zip(hooked, plain):
         assert (h - p).abs().max() > 1e-3  # the hook's change reached the logits
     if where in ("q_proj", "v_proj_wrapped"):
-        assert a.kv_cache.qkv is None
+        assert not _qkv_fused(a)

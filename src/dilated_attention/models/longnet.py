@@ -389,6 +389,16 @@ def _plain(module: nn.Module, cls: type) -> bool:
     return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks)
 
 
+def _ln_args(norm: nn.Module) -> tuple | None:
+    """(weight, bias, eps) of a plain ``AutocastLayerNorm`` with a weight and one normalized
+    dim and no hooks (what a decode step's fused LayerNorm computes from), else None."""
+    if not _plain(norm, AutocastLayerNorm) or len(norm.normalized_shape) != 1:
+        return None
+    p = norm._parameters
+    w = p["weight"]
+    return None if w is None else (w, p["bias"], norm.eps)
+
+
 def _global_hooks() -> bool:
     """Whether module forward hooks are registered for every module
     (``nn.modules.module.register_module_forward_hook`` and its pre-hook)."""
@@ -563,8 +573,9 @@ class Attention(nn.Module):
         b, t, e = x.shape
         cache = self.kv_cache
         decode = cache is not None and packed is None and isinstance(start_pos, torch.Tensor)
-        if decode and self._fuse_qkv():
-            q, k, v = self._decode_qkv(x, cache)
+        qkv = self._decode_qkv(x, cache) if decode else None
+        if qkv is not None:
+            q, k, v = qkv
         else:
             q = self.q_proj(x)
             k = self.k_proj(x)
@@ -597,41 +608,51 @@ class Attention(nn.Module):
         y = self.norm(y.reshape(b, t, e))
         return self.out_proj(y)
 
-    def _fuse_qkv(self) -> bool:
-        """Whether a decode step computes q, k and v with one GEMM (:meth:`_decode_qkv`): when no
-        gradient is recorded, outside ``torch.compile`` (Inductor fuses on its own) and while the
-        three weights are at most ``FUSED_QKV_MAX_BYTES``, where the GEMMs are launch-bound (a
-        decode step of the ``small`` preset: 18 of its 112 kernels are these GEMMs), and while
-        the three projections are plain ``nn.Linear`` modules without hooks (an adapter that
-        wraps one, or a hook, keeps its own forward)."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return False
-        m = self._modules
-        if not (_plain(m["q_proj"], nn.Linear) and _plain(m["k_proj"], nn.Linear) and _plain(m["v_proj"], nn.Linear)):
-            return False  # a wrapped or hooked projection (an adapter, a hook): its own forward
-        w = self.q_proj.weight
-        rows = w.shape[0] + self.k_proj.weight.shape[0] + self.v_proj.weight.shape[0]
-        return rows * w.shape[1] * w.element_size() <= FUSED_QKV_MAX_BYTES
-
     def _decode_qkv(self, x: torch.Tensor, cache: KVCache):
         """q (B, T, E), k and v (B, T, Hkv * D) of a decode step from one GEMM over the three
-        weights concatenated (views of its output). The concatenation is made once per cache and
-        made again when a weight or bias changes (another tensor, storage or in-place version:
-        an optimiser step, ``load_state_dict``, ``.to()``). The values equal the three GEMMs' up
-        to the GEMM's summation order (cuBLAS may pick another kernel for the wider output); every
-        decode step (eager, CUDA graph) takes this path, so they agree with each other bit for
-        bit."""
-        ps = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-              self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)  # fmt: skip
-        # ids are unique while the entry holds the tensors themselves (got[3])
-        key = tuple(0 if p is None else (id(p), p.data_ptr(), p._version) for p in ps)
-        got = cache.qkv
-        if got is None or got[0] != key:
-            w = torch.cat(ps[:3])
-            bias = None if ps[3] is None else torch.cat(ps[3:])
-            got = cache.qkv = (key, w, bias, ps)
+        projections' weights concatenated (views of its output), or None where that does not
+        apply: a gradient recorded, ``torch.compile`` (Inductor fuses on its own), a projection
+        that is not a plain ``nn.Linear`` without hooks (an adapter that wraps one, or a hook,
+        keeps its own forward), biases on some projections only, or weights of more than
+        ``FUSED_QKV_MAX_BYTES`` (there the GEMMs are bandwidth-bound; in the ``small`` preset's
+        decode step 18 of 112 kernels were these launch-bound GEMMs).
+
+        The concatenation is kept on the layer's KV cache and made again when a weight or bias
+        changes (another tensor, storage or in-place version: an optimiser step,
+        ``load_state_dict``, ``.to()``). The values equal the three GEMMs' up to the GEMM's
+        summation order (cuBLAS may pick another kernel for the wider output); every decode step
+        (eager, CUDA graph) takes this path, so they agree with each other bit for bit."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        m = self._modules  # dict lookups: nn.Module.__getattr__ costs ~20 calls a layer here
+        lq, lk, lv = m["q_proj"], m["k_proj"], m["v_proj"]
+        if not (_plain(lq, nn.Linear) and _plain(lk, nn.Linear) and _plain(lv, nn.Linear)):
+            return None
+        pq, pk, pv = lq._parameters, lk._parameters, lv._parameters
+        wq, wk, wv, bq, bk, bv = pq["weight"], pk["weight"], pv["weight"], pq["bias"], pk["bias"], pv["bias"]
+        key = (wq._version, wk._version, wv._version, wq.data_ptr(), wk.data_ptr(), wv.data_ptr())
+        if bq is not None and bk is not None and bv is not None:
+            key += (bq._version, bk._version, bv._version, bq.data_ptr(), bk.data_ptr(), bv.data_ptr())
+        got = cache.qkv  # (key, weight or None (not fused), bias, the six tensors, sizes)
+        if got is not None:
+            t = got[3]
+            if not (t[0] is wq and t[1] is wk and t[2] is wv and t[3] is bq and t[4] is bk and t[5] is bv
+                    and got[0] == key):  # fmt: skip
+                got = None
+        if got is None:
+            nq, nk = wq.shape[0], wk.shape[0]
+            nbytes = (nq + nk + wv.shape[0]) * wq.shape[1] * wq.element_size()
+            mixed = (bq is None) != (bk is None) or (bq is None) != (bv is None)
+            if mixed or nbytes > FUSED_QKV_MAX_BYTES:
+                w = bias = None
+            else:
+                w = torch.cat((wq, wk, wv))
+                bias = None if bq is None else torch.cat((bq, bk, bv))
+            got = cache.qkv = (key, w, bias, (wq, wk, wv, bq, bk, bv), (nq, nk))
+        if got[1] is None:
+            return None
         y = F.linear(x, got[1], got[2])  # (B, T, E + 2 Hkv D)
-        e, kvd = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+        e, kvd = got[4]
         return y[..., :e], y[..., e : e + kvd], y[..., e + kvd :]
 
     def align_start(self, start_pos: int) -> int:
@@ -756,8 +777,9 @@ class _Trunk(nn.Module):
             rope = self.layers[0].attn.rotary.table(pos, x.dtype)
             if packed is None and isinstance(start_pos, torch.Tensor):
                 step = DecodeIndex(pos)  # a decode step: cache slots and lengths once for all layers
-        if step is not None and not self.training and self._decode_norms_fuse(x):
-            return self._decode_layers(x, start_pos, rope, step)
+        plan = self._decode_norms_plan(x) if step is not None and not self.training else None
+        if plan is not None:
+            return self._decode_layers(x, start_pos, rope, step, plan)
         if self.cfg.checkpoint_activations and self.training and torch.is_grad_enabled():
             for layer in self.layers:
                 x = checkpoint(layer, x, start_pos, packed, rope, step, use_reentrant=False)
@@ -766,62 +788,73 @@ class _Trunk(nn.Module):
                 x = layer(x, start_pos, packed, rope, step)
         return self.norm(x)
 
-    def _decode_norms_fuse(self, x: torch.Tensor) -> bool:
-        """Whether a decode step runs :meth:`_decode_layers`: no gradient recorded, no autocast,
-        not under ``torch.compile``, the LayerNorm switch ``"on"`` (Triton's interpreter on the
-        CPU included) or ``"auto"`` on CUDA, the kernel able to run at both widths, and the
-        blocks, FFNs and LayerNorms of the model's own classes without forward hooks (neither on
-        them nor global ones): a subclass, a wrapper or a hook keeps the blocks' forward."""
+    def _decode_norms_plan(self, x: torch.Tensor) -> list | None:
+        """What :meth:`_decode_layers` runs (per layer: the attention module, the LayerNorm
+        arguments after it, fc1, the FFN's sub-LayerNorm, fc2, the next LayerNorm; first the
+        first pre-LN's), or None where it does not apply: a gradient recorded, autocast,
+        ``torch.compile``, the LayerNorm switch ``"off"`` (or ``"auto"`` off CUDA; ``"on"`` takes
+        Triton's interpreter on the CPU), the kernel unable to run at either width, or a block,
+        FFN or LayerNorm that is not the model's own class or has forward hooks (on it, or
+        global): a subclass, a wrapper or a hook keeps the blocks' forward. Built from the
+        modules' dicts each step (no ``nn.Module.__getattr__``)."""
         mode = _LAYERNORM_SWITCH.value or _LAYERNORM_SWITCH.load()
         if mode == "off" or (mode == "auto" and not x.is_cuda):
-            return False
+            return None
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
-            return False
-        if self.norm.weight is None or self.layers[0].ffn.norm.weight is None:
-            return False
-        if _global_hooks() or not _plain(self._modules["norm"], AutocastLayerNorm):
-            return False
+            return None
+        if _global_hooks():
+            return None
+        dev = x.device.type
+        if (
+            backend_reason("triton_layernorm", dev, x.dtype, x.shape[-1]) is not None
+            or backend_reason("triton_layernorm", dev, x.dtype, self.cfg.ffn_hidden) is not None
+        ):
+            return None
+        final = _ln_args(self._modules["norm"])
+        if final is None:
+            return None
+        plan, prev = [], None
         for layer in self.layers:  # _decode_layers bypasses these modules' forward
             if not _plain(layer, Block):
-                return False
+                return None
             m = layer._modules
-            if not (_plain(m["attn_norm"], AutocastLayerNorm) and _plain(m["ffn_norm"], AutocastLayerNorm)):
-                return False
             f = m["ffn"]
-            if not (_plain(f, FeedForward) and _plain(f._modules["norm"], AutocastLayerNorm)):
-                return False
-        dev = x.device.type
-        return (
-            backend_reason("triton_layernorm", dev, x.dtype, x.shape[-1]) is None
-            and backend_reason("triton_layernorm", dev, x.dtype, self.cfg.ffn_hidden) is None
-        )
+            if not _plain(f, FeedForward):
+                return None
+            fm = f._modules
+            pre, mid, sub = _ln_args(m["attn_norm"]), _ln_args(m["ffn_norm"]), _ln_args(fm["norm"])
+            if pre is None or mid is None or sub is None:
+                return None
+            if prev is None:
+                plan.append(pre)  # the first pre-LN, then each layer's entry
+            else:
+                prev.append(pre)  # the previous layer's last LayerNorm is this one's pre-LN
+            prev = [m["attn"], mid, fm["fc1"], sub, fm["fc2"]]
+            plan.append(prev)
+        prev.append(final)
+        return plan
 
-    def _decode_layers(self, x: torch.Tensor, start_pos: torch.Tensor, rope, step) -> torch.Tensor:
-        """The layers of a decode step (eval, no gradients) with each residual add fused into
-        the LayerNorm after it and the FFN's GELU into its sub-LayerNorm
-        (``triton_layernorm.add_layer_norm`` / ``gelu_layer_norm``): 3 launches fewer per layer
-        (18 of the ``small`` preset's 100 per step). The same computation as the blocks' forward
-        (the adds' bits; each LayerNorm to the order of its float32 sums, the GELU to an ulp of
-        float32's erf before its rounding). The attention modules and the FFNs' Linears are called
-        as modules; the blocks', FFNs' and norms' ``forward`` are not, which
-        :meth:`_decode_norms_fuse` allows only where they are the model's own classes without
-        hooks."""
+    def _decode_layers(self, x: torch.Tensor, start_pos: torch.Tensor, rope, step, plan: list) -> torch.Tensor:
+        """The layers of a decode step (eval, no gradients; ``plan`` from
+        :meth:`_decode_norms_plan`) with each residual add fused into the LayerNorm after it and
+        the FFN's GELU into its sub-LayerNorm (``triton_layernorm`` ``_prologue_ln_kernel``): 3
+        launches fewer per layer (18 of the ``small`` preset's 100 per step). The same
+        computation as the blocks' forward (the adds' bits; each LayerNorm to the order of its
+        float32 sums, the GELU to an ulp of float32's erf before its rounding). The attention
+        modules and the FFNs' Linears are called as modules; the blocks', FFNs' and norms'
+        ``forward`` are not, which the plan allows only where they are the model's own classes
+        without hooks."""
         if not _PRO_LN:
             from ..kernels import triton_layernorm
 
             _PRO_LN.append(triton_layernorm)
-        tln = _PRO_LN[0]  # its unchecked entry: the tensors here are the model's own
-        layers = self.layers
-        n = layers[0].attn_norm
-        h = F.layer_norm(x, n.normalized_shape, n.weight, n.bias, n.eps)
-        for i, layer in enumerate(layers):
-            a = layer.attn(h, start_pos, None, rope, step)
-            n = layer.ffn_norm
-            x, h = tln._prologue_ln(x, a, n.weight, n.bias, n.eps, False)
-            f = layer.ffn
-            g = tln._prologue_ln(f.fc1(h), None, f.norm.weight, f.norm.bias, f.norm.eps, True)[1]
-            n = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
-            x, h = tln._prologue_ln(x, f.fc2(g), n.weight, n.bias, n.eps, False)
+        pro = _PRO_LN[0]._prologue_ln  # the unchecked entry: the tensors here are the model's own
+        w, b, eps = plan[0]
+        h = F.layer_norm(x, w.shape, w, b, eps)
+        for attn, (w1, b1, e1), fc1, (w2, b2, e2), fc2, (w3, b3, e3) in plan[1:]:
+            x, h = pro(x, attn(h, start_pos, None, rope, step), w1, b1, e1, False)
+            g = pro(fc1(h), None, w2, b2, e2, True)[1]
+            x, h = pro(x, fc2(g), w3, b3, e3, False)
         return h
 
 
