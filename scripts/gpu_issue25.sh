@@ -15,6 +15,23 @@
 #                              cap (evals counted), S in 0, 1, 2; K = 1, 2, 3
 #   retrieval1m-K              item 3: --recipe h100-1m --target 0.9, 30-min cap, stops at the
 #                              target; K = 1 .. 4
+#   pair K RUN_A RUN_B         item 4 on a machine of two GPUs (nvidia-h100-x2): call K of two
+#                              stdlib runs side by side, RUN_A on GPU 0 and RUN_B on GPU 1
+#                              (RUN = stdlib32k-ATT or stdlib128k-ATT; each GPU trains one run
+#                              alone, so a run's wall clock is its own). Two checkpoints (2 x 37
+#                              MiB) are more than a call returns (64 MiB): they stay on the
+#                              machine, in runs/issue25/dev/ (ignored, not carried: kept between
+#                              calls while the machine is held), so calls 1, 2, 3 of a pair must
+#                              follow each other on one machine (within its 30 s idle release
+#                              and its 30 minutes of holding: 3 calls of <= 9.4 min fit). A
+#                              call K > 1 that finds no checkpoint there (a fresh machine) stops
+#                              at once: start the pair again with K = 1. The call returns one
+#                              file, pair.tgz (both runs' log, md, json, png); both GPUs must
+#                              be H100s (the single-GPU runs ran on one), unless ANY_GPU=1.
+#                              THEN=RUN-K: after RUN_A, GPU 0 runs call K of a single run
+#                              resumed from the carried runs/issue25/ckpt (e.g. THEN=
+#                              stdlib32k-dilated-3 beside the pair's last call), in the time
+#                              left (it pauses before the call's limit; its checkpoint comes back)
 #   retrieval128k-WHAT         item 1 again with jittered evals, one call each, no checkpoint:
 #                              WHAT = seed0, seed1, seed2 (dilated), dense, local (the
 #                              baselines with the dilated runs' 5-minute cap, seed 0); every
@@ -29,6 +46,9 @@
 # is lost); the mode number only says whether to start fresh (1) or resume (> 1).
 #
 # Local modes (this machine, no GPU):
+#   collect-pair FILES_AT      after each pair call: each run's files into
+#                              runs/issue25/out/RUN-K/ (what `collect` keeps for a single call,
+#                              less the checkpoint), prints both runs' tables
 #   collect FILES_AT MODE      after each device call: keeps what came back under
 #                              runs/issue25/out/MODE/ and, unless the run finished, its checkpoint
 #                              in runs/issue25/ckpt/ (the only thing there: one run at a time);
@@ -42,9 +62,9 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 CK=runs/issue25/ckpt
-mode=${1:?mode: throughput, stdlib32k-ATT-K, stdlib128k-ATT-K, retrieval512k-seedS-K, retrieval1m-K, collect, finalize}
+mode=${1:?mode: throughput, stdlib32k-ATT-K, stdlib128k-ATT-K, pair K RUN_A RUN_B, retrieval512k-seedS-K, retrieval1m-K, collect, collect-pair, finalize}
 case "$mode" in  # the local modes: this machine's venv (torch, matplotlib) unless PYTHON is set
-  collect|finalize) if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi ;;
+  collect|collect-pair|finalize) if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi ;;
 esac
 LIMIT=${LIMIT:-565}   # seconds: the device call's own limit, under 9.5 minutes
 # EXTRA: more flags for the training scripts (a CPU check of this script: EXTRA="--tiny ...")
@@ -54,16 +74,28 @@ env_line() {
   $PY -c "import torch, platform; import triton; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"
 }
 
-resume_args() {  # RUN K -> the --resume flags of call K of RUN (none for K = 1)
+resume_args() {  # RUN K [DIR] -> the --resume flags of call K of RUN (none for K = 1)
+  local dir=${3:-$CK}
   if [ "$2" = 1 ]; then
-    if [ -e "$CK/$1.pt" ]; then echo "note: $CK/$1.pt exists; call 1 starts a fresh run anyway" >&2; fi
+    if [ -e "$dir/$1.pt" ]; then echo "note: $dir/$1.pt exists; call 1 starts a fresh run anyway" >&2; fi
     return 0
   fi
-  if [ ! -e "$CK/$1.pt" ]; then
-    echo "no checkpoint $CK/$1.pt: run 'collect' on the previous call's files and carry $CK" >&2
+  if [ ! -e "$dir/$1.pt" ]; then
+    if [ "$dir" = "$CK" ]; then
+      echo "no checkpoint $dir/$1.pt: run 'collect' on the previous call's files and carry $CK" >&2
+    else
+      echo "no checkpoint $dir/$1.pt on this machine (a fresh one?): start the pair again with K = 1" >&2
+    fi
     return 1
   fi
-  echo "--resume $CK/$1.pt"
+  echo "--resume $dir/$1.pt"
+}
+
+stdlib_args() {  # RUN (stdlib32k-ATT / stdlib128k-ATT) -> the preset and attention flags
+  local size=${1%%-*} att=${1#*-}
+  case "$size" in stdlib32k|stdlib128k) ;; *) echo "not a stdlib run: $1" >&2; return 1 ;; esac
+  case "$att" in dilated|dense|local) ;; *) echo "not an attention: $att (in $1)" >&2; return 1 ;; esac
+  echo "--preset h100-${size#stdlib} --attention $att"
 }
 
 case "$mode" in
@@ -125,6 +157,92 @@ print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_d
       timeout -k 10 "$LIMIT" $PY benchmarks/train_retrieval.py --recipe h100-128k $flags \
         --checkpoint "$OUT/$mode.pt" --out "$OUT/$mode" ${EXTRA:-}
       echo "rc=$?"; } 2>&1 | tee "$OUT/log.txt"
+    ;;
+  pair)
+    k=${2:?pair K RUN_A RUN_B}; a=${3:?pair K RUN_A RUN_B}; b=${4:?pair K RUN_A RUN_B}
+    OUT=${OUT:?}; mkdir -p "$OUT"
+    [ "$a" != "$b" ] || { echo "pair: two different runs, not $a twice" >&2; exit 2; }
+    DEV=runs/issue25/dev; mkdir -p "$DEV"
+    fa=$(stdlib_args "$a") && fb=$(stdlib_args "$b") || exit 2
+    ra=$(resume_args "$a" "$k" "$DEV") && rb=$(resume_args "$b" "$k" "$DEV") || exit 2
+    env_line
+    if [ "${ANY_GPU:-0}" != 1 ]; then
+      names=$($PY -c "import torch; print(';'.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))")
+      echo "GPUs: $names"
+      case "$names" in
+        *H100*\;*H100*) ;;
+        *) echo "pair needs two H100s (the single-GPU stdlib runs ran on one): found '$names' (ANY_GPU=1 overrides)" >&2; exit 2 ;;
+      esac
+    fi
+    # THEN=RUN-K (optional): call K of a single run, resumed from the carried $CK as the
+    # single-GPU modes do, on GPU 0 after RUN_A's call, in the time left of this call (it
+    # pauses before the call's limit; its checkpoint then comes back as the single modes' do)
+    then_run=""; then_k=""; then_res=""; then_flags=""
+    if [ -n "${THEN:-}" ]; then
+      then_run=${THEN%-*}; then_k=${THEN##*-}
+      then_flags=$(stdlib_args "$then_run") && then_res=$(resume_args "$then_run" "$then_k") || exit 2
+      case " $a $b " in *" $then_run "*) echo "THEN=$THEN is one of the pair" >&2; exit 2 ;; esac
+    fi
+    t0=$(date +%s)
+    one() {  # GPU RUN K FLAGS RESUME CHECKPOINT PAUSE_MIN LIMIT_S
+      mkdir -p "$OUT/$2-$3"
+      # shellcheck disable=SC2086
+      { env_line; CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$8" $PY benchmarks/train_stdlib_bytes.py \
+          $4 --pause-after-minutes "$7" --checkpoint "$6" \
+          --out "$OUT/$2-$3/$2" $5 ${EXTRA:-}; echo "rc=$?"; } > "$OUT/$2-$3/log.txt" 2>&1
+    }
+    (
+      one 0 "$a" "$k" "$fa" "$ra" "$DEV/$a.pt" "$PAUSE" "$LIMIT"
+      if [ -n "$then_run" ]; then
+        left=$(( LIMIT - ($(date +%s) - t0) ))   # seconds of this call left
+        pause=$($PY -c "print(round(min($PAUSE, ($left - 45) / 60), 2))")
+        if [ "$left" -gt 120 ]; then
+          one 0 "$then_run" "$then_k" "$then_flags" "$then_res" "$OUT/$then_run.pt" "$pause" "$((left - 10))"
+        else
+          echo "THEN=$THEN not started: $left s of the call left" >&2
+        fi
+      fi
+    ) &
+    one 1 "$b" "$k" "$fb" "$rb" "$DEV/$b.pt" "$PAUSE" "$LIMIT" &
+    wait
+    dirs="$a-$k $b-$k"
+    [ -n "$then_run" ] && [ -d "$OUT/$then_run-$then_k" ] && dirs="$dirs $then_run-$then_k"
+    for d in $dirs; do
+      echo "== $d"
+      grep -vE "^\| [0-9]" "$OUT/$d/log.txt" | grep -E "^\||rc=|paused|steps,|Error|error" | tail -8
+    done
+    # shellcheck disable=SC2086
+    tar czf "$OUT/pair.tgz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)
+    ;;
+  collect-pair)
+    src=${2:?collect-pair FILES_AT}
+    tmp=$(mktemp -d)
+    tar xzf "$src/pair.tgz" -C "$tmp" || exit 1
+    for d in "$tmp"/*/; do
+      m=$(basename "$d"); run=${m%-*}
+      dest=runs/issue25/out/$m
+      rm -rf "$dest"; mkdir -p "$(dirname "$dest")" && cp -r "$d" "$dest"
+      if $PY -c "
+import json, sys
+r = json.load(open(sys.argv[1]))['runs'][0]
+sys.exit(0 if 'epochs' in r else 1)" "$dest/$run.json" 2>/dev/null; then
+        echo "== $m: $run finished"
+        finished="${finished:-} $run"
+        if [ -e "$CK/$run.pt" ]; then rm -f "$CK/$run".pt*; echo "   (its carried checkpoint removed from $CK)"; fi
+      else
+        if [ -e "$src/$run.pt" ]; then echo "== $m: paused (its checkpoint came back: kept below)"
+        else echo "== $m: paused (its checkpoint is on the device machine: runs/issue25/dev/$run.pt)"; fi
+      fi
+      grep -h "^|" "$dest"/*.md 2>/dev/null | head -12
+    done
+    rm -rf "$tmp"
+    # a THEN run that paused: its checkpoint came back beside pair.tgz; keep it as `collect` does
+    for f in "$src"/*.pt; do
+      [ -e "$f" ] || continue
+      case " ${finished:-} " in *" $(basename "$f" .pt) "*) continue ;; esac
+      rm -rf "$CK"; mkdir -p "$CK" && cp "$f"* "$CK"/
+      echo "kept for the next call: $(ls "$CK" | tr '\n' ' ')"
+    done
     ;;
   collect)
     src=${2:?collect FILES_AT MODE}; m=${3:?collect FILES_AT MODE}
