@@ -281,6 +281,32 @@ def test_decode_qkv_not_fused_in_grad_mode():
     torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv", [None, 1])
+def test_decode_of_a_model_made_under_inference_mode(kv):
+    """A model built and loaded under ``torch.inference_mode`` (its weights are inference
+    tensors: no version counter to key the q/k/v concatenation on) decodes with the three
+    Linears, and its logits equal those of the same weights as ordinary tensors (fused), step
+    for step; ``generate`` there gives the same tokens (it raised before)."""
+    m = _model(torch.float32, kv)
+    with torch.inference_mode():
+        mi = LongNetLM(m.cfg).eval()
+        mi.load_state_dict(m.state_dict())
+    assert mi.layers[0].attn.q_proj.weight.is_inference()
+    torch.manual_seed(5)
+    prompt = torch.randint(0, m.cfg.vocab_size, (2, 13))
+    with torch.no_grad():
+        ref = _decode_run(m, prompt, 5)
+        assert _qkv_fused(m.layers[0].attn)
+    with torch.inference_mode():
+        got = _decode_run(mi, prompt, 5)
+        assert mi.layers[0].attn.kv_cache.qkv is None or not _qkv_fused(mi.layers[0].attn)
+        toks = mi.generate(prompt, max_new_tokens=6, temperature=0)
+    for a, c in zip(got, ref):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(toks, m.generate(prompt, max_new_tokens=6, temperature=0))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv", [None, 2])
 @torch.no_grad()

@@ -619,7 +619,8 @@ class Attention(nn.Module):
 
         The concatenation is kept on the layer's KV cache and made again when a weight or bias
         changes (another tensor, storage or in-place version: an optimiser step,
-        ``load_state_dict``, ``.to()``). The values equal the three GEMMs' up to the GEMM's
+        ``load_state_dict``, ``.to()``); weights that are inference tensors (made under
+        ``torch.inference_mode``) have no version to key on and keep the three GEMMs. The values equal the three GEMMs' up to the GEMM's
         summation order (cuBLAS may pick another kernel for the wider output); every decode step
         (eager, CUDA graph) takes this path, so they agree with each other bit for bit."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
@@ -630,9 +631,12 @@ class Attention(nn.Module):
             return None
         pq, pk, pv = lq._parameters, lk._parameters, lv._parameters
         wq, wk, wv, bq, bk, bv = pq["weight"], pk["weight"], pv["weight"], pq["bias"], pk["bias"], pv["bias"]
-        key = (wq._version, wk._version, wv._version, wq.data_ptr(), wk.data_ptr(), wv.data_ptr())
-        if bq is not None and bk is not None and bv is not None:
-            key += (bq._version, bk._version, bv._version, bq.data_ptr(), bk.data_ptr(), bv.data_ptr())
+        try:
+            key = (wq._version, wk._version, wv._version, wq.data_ptr(), wk.data_ptr(), wv.data_ptr())
+            if bq is not None and bk is not None and bv is not None:
+                key += (bq._version, bk._version, bv._version, bq.data_ptr(), bk.data_ptr(), bv.data_ptr())
+        except RuntimeError:  # inference tensors (a model made under torch.inference_mode) have no
+            return None  # version counter: an in-place edit could not be seen, so no cached copy
         got = cache.qkv  # (key, weight or None (not fused), bias, the six tensors, sizes)
         if got is not None:
             t = got[3]
