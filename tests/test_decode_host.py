@@ -427,3 +427,32 @@ def test_decode_fusions_keep_hooks_and_wrappers(where, monkeypatch):
         assert (h - p).abs().max() > 1e-3  # the hook's change reached the logits
     if where in ("q_proj", "v_proj_wrapped"):
         assert not _qkv_fused(a)
+
+
+@pytest.mark.parametrize("which", ["block", "ffn"])
+@torch.no_grad()
+def test_decode_fused_norms_keep_a_module_left_in_training(which):
+    """A block or FFN left in training mode in an eval model (``model.eval()`` then
+    ``layers[0].train()``) applies its dropout in a decode step: the fused norms, which would skip
+    it, are not taken. Same logits as with the LayerNorm kernels off, under the same seed, and
+    unlike the all-eval model's."""
+    torch.manual_seed(8)
+    prompt = torch.randint(0, LongNetConfig.preset("tiny").vocab_size, (1, 13))
+
+    def run(on, train):
+        flags.set_triton_layernorm(on)
+        try:
+            m = _model(torch.float32, None, dropout=0.5)
+
+            def partly_train(m):
+                (m.layers[0] if which == "block" else m.layers[0].ffn).train()
+                torch.manual_seed(9)
+
+            return _decode_run(m, prompt, 3, after_prefill=partly_train if train else None)
+        finally:
+            flags.set_triton_layernorm(None)
+
+    fused, unfused, plain = run(True, True), run(False, True), run(True, False)
+    for f, u, p in zip(fused, unfused, plain):
+        torch.testing.assert_close(f, u, rtol=1e-4, atol=1e-4)
+        assert (f - p).abs().max() > 1e-3  # the dropout acted

@@ -799,7 +799,8 @@ class _Trunk(nn.Module):
         ``torch.compile``, the LayerNorm switch ``"off"`` (or ``"auto"`` off CUDA; ``"on"`` takes
         Triton's interpreter on the CPU), the kernel unable to run at either width, or a block,
         FFN or LayerNorm that is not the model's own class or has forward hooks (on it, or
-        global): a subclass, a wrapper or a hook keeps the blocks' forward. Built from the
+        global), or a block or FFN in training mode (its dropout): a subclass, a wrapper, a hook
+        or a module left training keeps the blocks' forward. Built from the
         modules' dicts each step (no ``nn.Module.__getattr__``)."""
         mode = _LAYERNORM_SWITCH.value or _LAYERNORM_SWITCH.load()
         if mode == "off" or (mode == "auto" and not x.is_cuda):
@@ -819,11 +820,11 @@ class _Trunk(nn.Module):
             return None
         plan, prev = [], None
         for layer in self.layers:  # _decode_layers bypasses these modules' forward
-            if not _plain(layer, Block):
-                return None
+            if not _plain(layer, Block) or layer.training:  # a block or FFN left in training
+                return None  # mode (model.eval(), then layers[i].train()) applies its dropout
             m = layer._modules
             f = m["ffn"]
-            if not _plain(f, FeedForward):
+            if not _plain(f, FeedForward) or f.training:
                 return None
             fm = f._modules
             pre, mid, sub = _ln_args(m["attn_norm"]), _ln_args(m["ffn_norm"]), _ln_args(fm["norm"])
