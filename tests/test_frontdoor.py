@@ -204,6 +204,16 @@ def test_generate_argument_rules(kw, err, match):
         m.generate(torch.zeros(1, 3, dtype=torch.long), 2, **kw)
 
 
+@pytest.mark.parametrize(
+    "idx",
+    [torch.zeros(3, dtype=torch.long), torch.zeros(1, 3), torch.zeros(1, 1, 3, dtype=torch.long), [[1, 2, 3]]],
+    ids=["1d", "float", "3d", "list"],
+)
+def test_generate_prompt_rules(idx):
+    with pytest.raises(TypeError, match=r"idx must be a \(B, T\) int64 or int32 tensor"):
+        _tiny_lm().generate(idx, 2)
+
+
 def test_generate_accepts_valid_edges(seed):
     m = _tiny_lm()
     prompt = torch.randint(0, 32, (1, 5))

@@ -1181,6 +1181,12 @@ class LongNetLM(_Trunk):
             decode = "graph" if dev.type == "cuda" else "eager"
         if decode == "graph" and dev.type != "cuda":
             raise ValueError(f"decode='graph' needs a CUDA model, this one is on {dev}")
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                "generate: idx must be a (B, T) int64 or int32 tensor of token ids, got "
+                + (f"shape {tuple(idx.shape)} {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__)
+                + " (one prompt: idx[None])"
+            )
         b, t = idx.shape
         if t < 1 or max_new_tokens < 1:
             raise ValueError(f"need a prompt and max_new_tokens >= 1, got T={t}, {max_new_tokens}")
