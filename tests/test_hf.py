@@ -246,3 +246,28 @@ def test_mask_with_hole_raises():
     mask = torch.tensor([[1, 0, 1, 1, 1]], dtype=torch.bool)
     with pytest.raises(ValueError, match="padding between real tokens"):
         fn(torch.nn.Module(), q, q, q, mask)
+
+
+def test_beam_search_and_assisted_decoding_are_exact():
+    """Beam search (HF reorders the cache between steps) and assisted decoding (a drafter's
+    tokens checked several rows at a time against the cache, rejected ones rolled back): with one
+    dense branch beam search equals sdpa's; with real dilated branches beam search with the cache
+    equals it without, and assisted greedy decoding equals plain greedy decoding, token for token."""
+    register_dilated_attention([64], [1], name="dilated_test_dense", impl="torch")
+    register_dilated_attention([8, 16], [1, 2], name="dilated_test_branches", impl="torch")
+    ref = _llama("sdpa", 2)
+    dense = _llama("dilated_test_dense", 2)
+    branches = _llama("dilated_test_branches", 2)
+    dense.load_state_dict(ref.state_dict())
+    branches.load_state_dict(ref.state_dict())
+    drafter = _llama("sdpa", 4)  # other weights: some drafts are rejected
+    torch.manual_seed(1)
+    idx = torch.randint(1, 100, (1, 14))
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        beams = dense.generate(idx, max_new_tokens=6, num_beams=3, **kw)
+        assert torch.equal(beams, ref.generate(idx, max_new_tokens=6, num_beams=3, **kw))
+        beams = branches.generate(idx, max_new_tokens=6, num_beams=3, **kw)
+        assert torch.equal(beams, branches.generate(idx, max_new_tokens=6, num_beams=3, use_cache=False, **kw))
+        greedy = branches.generate(idx, max_new_tokens=20, **kw)
+        assert torch.equal(greedy, branches.generate(idx, max_new_tokens=20, assistant_model=drafter, **kw))
