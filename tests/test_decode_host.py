@@ -259,7 +259,7 @@ def test_decode_qkv_is_one_gemm_that_follows_the_weights(kv, monkeypatch):
         assert all(took) if fused else not any(took)
     ref = _decode_run(_model(torch.float32, kv), prompt, 6)  # no edit: the edits must show
     assert (runs[True][-1] - ref[-1]).abs().max() > 1e-3
-    for a, c in zip(runs[True], runs[False]):
+    for a, c in zip(runs[True], runs[False], strict=True):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
@@ -301,7 +301,7 @@ def test_decode_of_a_model_made_under_inference_mode(kv):
         got = _decode_run(mi, prompt, 5)
         assert mi.layers[0].attn.kv_cache.qkv is None or not _qkv_fused(mi.layers[0].attn)
         toks = mi.generate(prompt, max_new_tokens=6, temperature=0)
-    for a, c in zip(got, ref):
+    for a, c in zip(got, ref, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert torch.equal(toks, m.generate(prompt, max_new_tokens=6, temperature=0))
@@ -317,7 +317,7 @@ def test_decode_step_fused_norms_match_the_blocks(dtype, kv, monkeypatch):
     forward (switch off) to rounding, across the segment boundaries."""
     from dilated_attention.kernels import triton_layernorm as tln
 
-    if not tln.unavailable_reason(torch.zeros(1, 8), True) is None or os.environ.get("TRITON_INTERPRET") != "1":
+    if tln.unavailable_reason(torch.zeros(1, 8), True) is not None or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton's interpreter")
     calls = []
     real = tln._prologue_ln
@@ -334,7 +334,7 @@ def test_decode_step_fused_norms_match_the_blocks(dtype, kv, monkeypatch):
             flags.set_triton_layernorm(None)
     n_layer = m.cfg.n_layer
     assert calls.count(False) == 2 * n_layer * 6 and calls.count(True) == n_layer * 6  # add, gelu
-    for a, c in zip(runs[True], runs[False]):
+    for a, c in zip(runs[True], runs[False], strict=True):
         if dtype == torch.float32:
             torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
         else:  # the interpreter truncates to bf16 where the GPU rounds: a few ulps per layer
@@ -368,7 +368,7 @@ def test_cuda_decode_fusions_match_the_blocks(kv, monkeypatch):
         finally:
             flags.set_triton_layernorm(None)
     assert calls.count(True) == cfg.n_layer * 40
-    for a, c in zip(runs[True], runs[False]):
+    for a, c in zip(runs[True], runs[False], strict=True):
         assert (a.float() - c.float()).norm() <= 2e-2 * c.float().norm()
 
 
@@ -423,7 +423,7 @@ def test_decode_fusions_keep_hooks_and_wrappers(where, monkeypatch):
             h.remove()
         flags.set_triton_layernorm(None)
     assert not modmod._global_forward_hooks
-    for h, p in zip(hooked, plain):
+    for h, p in zip(hooked, plain, strict=True):
         assert (h - p).abs().max() > 1e-3  # the hook's change reached the logits
     if where in ("q_proj", "v_proj_wrapped"):
         assert not _qkv_fused(a)
@@ -453,6 +453,6 @@ def test_decode_fused_norms_keep_a_module_left_in_training(which):
             flags.set_triton_layernorm(None)
 
     fused, unfused, plain = run(True, True), run(False, True), run(True, False)
-    for f, u, p in zip(fused, unfused, plain):
+    for f, u, p in zip(fused, unfused, plain, strict=True):
         torch.testing.assert_close(f, u, rtol=1e-4, atol=1e-4)
         assert (f - p).abs().max() > 1e-3  # the dropout acted
