@@ -620,9 +620,10 @@ class Attention(nn.Module):
         The concatenation is kept on the layer's KV cache and made again when a weight or bias
         changes (another tensor, storage or in-place version: an optimiser step,
         ``load_state_dict``, ``.to()``); weights that are inference tensors (made under
-        ``torch.inference_mode``) have no version to key on and keep the three GEMMs. The values equal the three GEMMs' up to the GEMM's
-        summation order (cuBLAS may pick another kernel for the wider output); every decode step
-        (eager, CUDA graph) takes this path, so they agree with each other bit for bit."""
+        ``torch.inference_mode``) have no version to key on and keep the three GEMMs. The values
+        equal the three GEMMs' up to the GEMM's summation order (cuBLAS may pick another kernel
+        for the wider output); every decode step (eager, CUDA graph) takes this path, so they
+        agree with each other bit for bit."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         m = self._modules  # dict lookups: nn.Module.__getattr__ costs ~20 calls a layer here
@@ -800,8 +801,8 @@ class _Trunk(nn.Module):
         Triton's interpreter on the CPU), the kernel unable to run at either width, or a block,
         FFN or LayerNorm that is not the model's own class or has forward hooks (on it, or
         global), or a block or FFN in training mode (its dropout): a subclass, a wrapper, a hook
-        or a module left training keeps the blocks' forward. Built from the
-        modules' dicts each step (no ``nn.Module.__getattr__``)."""
+        or a module left training keeps the blocks' forward. Built from the modules' dicts each
+        step (no ``nn.Module.__getattr__``)."""
         mode = _LAYERNORM_SWITCH.value or _LAYERNORM_SWITCH.load()
         if mode == "off" or (mode == "auto" and not x.is_cuda):
             return None
