@@ -91,6 +91,13 @@ resume_args() {  # RUN K [DIR] -> the --resume flags of call K of RUN (none for 
   echo "--resume $dir/$1.pt"
 }
 
+run_finished() {  # RUN.json -> whether the run in it is done (stdlib: epochs; retrieval: reached_target)
+  $PY -c "
+import json, sys
+r = json.load(open(sys.argv[1]))['runs'][0]
+sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$1" 2>/dev/null
+}
+
 stdlib_args() {  # RUN (stdlib32k-ATT / stdlib128k-ATT) -> the preset and attention flags
   local size=${1%%-*} att=${1#*-}
   case "$size" in stdlib32k|stdlib128k) ;; *) echo "not a stdlib run: $1" >&2; return 1 ;; esac
@@ -222,10 +229,7 @@ print('stdlib corpus:', d.root, len(d.train_files), 'train files', len(d.train_d
       m=$(basename "$d"); run=${m%-*}
       dest=runs/issue25/out/$m
       rm -rf "$dest"; mkdir -p "$(dirname "$dest")" && cp -r "$d" "$dest"
-      if $PY -c "
-import json, sys
-r = json.load(open(sys.argv[1]))['runs'][0]
-sys.exit(0 if 'epochs' in r else 1)" "$dest/$run.json" 2>/dev/null; then
+      if run_finished "$dest/$run.json"; then
         echo "== $m: $run finished"
         finished="${finished:-} $run"
         if [ -e "$CK/$run.pt" ]; then rm -f "$CK/$run".pt*; echo "   (its carried checkpoint removed from $CK)"; fi
@@ -255,10 +259,7 @@ sys.exit(0 if 'epochs' in r else 1)" "$dest/$run.json" 2>/dev/null; then
     esac
     rm -rf "$CK"; mkdir -p "$CK"
     if [ -e "$dest/$run.pt" ]; then
-      if $PY -c "
-import json, sys
-r = json.load(open(sys.argv[1]))['runs'][0]
-sys.exit(0 if ('epochs' in r or 'reached_target' in r) else 1)" "$dest/$run.json" 2>/dev/null; then
+      if run_finished "$dest/$run.json"; then
         echo "$run finished: no checkpoint kept"
       else
         cp "$dest/$run".pt* "$CK"/
