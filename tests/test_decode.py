@@ -175,6 +175,19 @@ def test_api_routes_short_queries_to_decode(seed, monkeypatch):
     assert not calls and qg.grad is not None
 
 
+def test_api_decode_asks_the_decode_kernel_not_the_fused_one(seed):
+    # a decode-shaped dilated_attention call with impl="triton" runs the decode kernel, so it
+    # takes what that kernel takes (head dim 256, which the fused kernel does not): it raised
+    # "headdim 256 is not supported by the triton kernel" before
+    _triton_or_skip()
+    q, k, v, _ = _case(2, 4, 2, 256, 24, [24], torch.float32)
+    seg, dil = [4, 8, 16], [1, 2, 4]
+    out, lse = dilated_attention(q, k, v, seg, dil, causal=True, impl="triton", return_lse=True)
+    ref = dilated_attention(q.double(), k.double(), v.double(), seg, dil, causal=True,
+                            impl="reference", return_lse=True)
+    _check((out, lse), ref, atol=2e-5)
+
+
 def test_validation_errors():
     q = torch.randn(1, 65, 4, 8)
     k = torch.randn(1, 80, 2, 8)

@@ -129,6 +129,16 @@ def test_other_cache_seqlens_types_name_the_accepted_ones(bad):
         dilated_attention_with_kvcache(q, k, k, bad, [8, 16], [1, 2])
 
 
+@pytest.mark.parametrize("name, kw", [("return_lse", dict(return_lse="no")), ("causal", dict(causal=1)),
+                                      ("impl", dict(impl="fast"))])
+def test_flag_and_impl_values_are_checked(name, kw):
+    # return_lse="no" returned (out, lse) before: a truthy string taken as True
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 40, 2, 16)
+    err = ValueError if name == "impl" else TypeError
+    with pytest.raises(err, match=name):
+        dilated_attention_with_kvcache(q, k, k, 40, [8, 16], [1, 2], **kw)
+
+
 def test_zero_kv_heads_and_empty_cache_are_value_errors():
     q = torch.randn(1, 1, 4, 16)
     with pytest.raises(ValueError, match="0 kv heads"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dilated_attention import dilated_attention
-from helpers import qkv
+from helpers import ALL_IMPLS, DEV, qkv
 
 
 @pytest.mark.parametrize("impl", ["reference", "torch"])
@@ -35,11 +35,12 @@ def test_empty_inputs(impl, shape, extra, branches):
         assert g.shape == x.shape and (g == 0).all()
 
 
-@pytest.mark.parametrize("impl", ["reference", "torch"])
+@pytest.mark.parametrize("impl", ["auto", *ALL_IMPLS])
 def test_headdim_zero_like_sdpa(impl):
-    """headdim 0: SDPA returns an empty output; here too, with lse = log(number of keys)."""
-    q = torch.randn(1, 8, 2, 0)
+    """headdim 0: SDPA returns an empty output; here too, with lse = log(number of keys), for
+    every impl (impl="triton" refused it as "headdim 1 not supported" before)."""
+    q = torch.randn(1, 8, 2, 0, device=DEV)
     out, lse = dilated_attention(q, q, q, [4], [1], causal=True, impl=impl, return_lse=True)
     assert out.shape == q.shape
-    want = torch.log(torch.tensor([1, 2, 3, 4, 1, 2, 3, 4], dtype=torch.float32))
+    want = torch.log(torch.tensor([1, 2, 3, 4, 1, 2, 3, 4], dtype=torch.float32, device=DEV))
     torch.testing.assert_close(lse, want.expand(1, 2, 8))

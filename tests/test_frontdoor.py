@@ -4,13 +4,18 @@
   decode entry point for a short query;
 - the torch path's two tactics (one fused call with a log-multiplicity bias for tiny CPU calls,
   the grouped blocks otherwise) both equal the float64 reference, forward and backward;
-- ``kernels/select.py`` answers availability once per key and picks the decode impl;
+- ``kernels/select.py`` answers availability once per key and picks the decode impl, and is
+  the one interpreter check (it reads ``TRITON_INTERPRET`` as Triton does);
 - ``LongNetLM.generate``'s argument rules.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -146,6 +151,47 @@ def test_backend_reason_asked_once_per_key(monkeypatch):
     assert len(calls) == 1
     select.triton_unavailable_reason(q.double())
     assert len(calls) == 2
+
+
+_SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+
+_INTERPRET_PROBE = """
+import torch
+from dilated_attention.kernels import direct_launch, select
+asked = select.interpreting()
+from dilated_attention.kernels import triton_kernels, triton_launch, triton_ops
+import triton
+made = not isinstance(triton_kernels.dilated_fwd_kernel, triton.runtime.JITFunction)
+cpu = triton_ops.unavailable_reason(torch.zeros(1, 8, 2, 16)) is None
+print(asked, made, triton_launch.INTERPRET, "TRITON_INTERPRET" in str(direct_launch.unavailable_reason()), cpu)
+"""
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("0", False), ("2", False)])
+def test_one_interpreter_check_reads_the_variable_as_triton_does(value, on):
+    # a fresh process per value: the mode is fixed at the first question. Every module agrees
+    # with the kernels triton.jit actually defined ("true" used to be read as off by select and
+    # "2" as on by direct_launch, while Triton reads them the other way).
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET=value, PYTHONPATH=str(_SRC))
+    out = subprocess.run([sys.executable, "-c", _INTERPRET_PROBE], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    asked, made, launch, interpreted, cpu = (w == "True" for w in out.stdout.split())
+    assert made == on, f"triton.jit made interpreted={made} for TRITON_INTERPRET={value!r}"
+    assert asked == launch == interpreted == cpu == on
+
+
+def test_no_module_reads_the_interpreter_variable():
+    # the issue's "interpreter mode is detected three ways": now only Triton reads it, through
+    # triton_import.INTERPRET, which select.interpreting returns
+    pkg = _SRC / "dilated_attention"
+    readers = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*.py")
+                     if 'environ.get("TRITON_INTERPRET"' in p.read_text()
+                     or "environ['TRITON_INTERPRET']" in p.read_text()
+                     or 'environ["TRITON_INTERPRET"]' in p.read_text()
+                     or 'getenv("TRITON_INTERPRET"' in p.read_text())
+    assert readers == []
 
 
 def test_pick_decode_impl_rules():

@@ -20,12 +20,12 @@ from helpers import device_switch, poisoned_empty  # noqa: E402
 
 from dilated_attention import dilated_attention, flags  # noqa: E402
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
-from dilated_attention.kernels import direct_launch, triton_ops  # noqa: E402
+from dilated_attention.kernels import direct_launch, select  # noqa: E402
 from dilated_attention.kernels import triton_launch as L  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 interp_only = pytest.mark.skipif(
-    DEV != "cpu" or not triton_ops.interpreting(), reason="interpreter tests run on the CPU"
+    DEV != "cpu" or not select.interpreting(), reason="interpreter tests run on the CPU"
 )
 
 

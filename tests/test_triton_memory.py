@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from dilated_attention.kernels import triton_ops  # noqa: E402
+from dilated_attention.kernels import select  # noqa: E402
 
-if not triton_ops.interpreting():
+if not select.interpreting():
     pytest.skip("CPU interpreter tests (TRITON_INTERPRET=1)", allow_module_level=True)
 
 from dilated_attention.kernels import triton_launch as L  # noqa: E402

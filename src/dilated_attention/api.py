@@ -171,8 +171,9 @@ def _run(q, k, v, key_padding_mask, call: Call, group, record: list | None = Non
         return (out, lse) if call.return_lse else out
     if q.shape[3] == 0:
         # headdim 0: every logit is 0, so out is empty and lse = log(number of keys); run the
-        # chosen impl on one zero feature (the same multiplicities) and drop it
-        zq, zk = q.new_zeros(*q.shape[:3], 1), k.new_zeros(*k.shape[:3], 1)
+        # chosen impl on zero features (the same multiplicities) and drop them: 16 of them, the
+        # smallest head dim every kernel takes (one feature made impl="triton" refuse headdim 1)
+        zq, zk = q.new_zeros(*q.shape[:3], 16), k.new_zeros(*k.shape[:3], 16)
         _, lse = _core(zq, zk, zk, key_padding_mask, call._replace(scale=1.0, dropout_p=0.0))
         out = q * 0 + (k.sum() + v.sum()) * 0
         return (out, lse) if call.return_lse else out
@@ -190,17 +191,17 @@ def _core(q, k, v, key_padding_mask, call: Call, need_lse: bool = True, record: 
     decode = call.impl != "reference" and decode_applies(
         q.shape[1], k.shape[1], key_padding_mask is not None, call.dropout_p, needs_grad
     )  # a few rows against a longer cache
-    if decode and call.impl == "auto":
-        # the decode route's own auto rule (the Triton decode kernel on CUDA), not the dense
-        # rule measured on training-shaped calls, which may say "torch" and so sent a 4K decode
-        # call to the torch decode path
-        return _run_decode(q, k, v, call, "auto", need_lse, record)
+    if decode:
+        # the decode route's own rule (select.pick_decode_impl: the Triton decode kernel on
+        # CUDA for "auto"; "triton" asks the decode kernel's availability), not the dense rule:
+        # the dense rule measured on training-shaped calls may say "torch" (it sent a 4K decode
+        # call to the torch decode path), and the fused kernel's limits (head dims) are not the
+        # decode kernel's
+        return _run_decode(q, k, v, call, call.impl, need_lse, record)
     chosen = pick_impl(
         call.impl, q, k, call.dropout_p, causal=call.causal, segment_lengths=seg,
         dilation_rates=dil, requires_grad=needs_grad,
     )
-    if decode:
-        return _run_decode(q, k, v, call, chosen, need_lse, record)
     route = _route(chosen, call, q.shape[2])
     if routes is not None:
         routes.append(route)

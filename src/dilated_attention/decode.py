@@ -46,7 +46,7 @@ from .branches import branch_head_ranges, normalize_branches
 from .checks import FLOAT_DTYPES, check_bool, check_head_assignment, resolve_scale
 from .kernels import torch_decode
 from .kernels.direct_launch import cache_classes
-from .kernels.select import DECODE_IMPLS, MAX_DECODE_ROWS, backend_reason, pick_decode_impl
+from .kernels.select import MAX_DECODE_ROWS, backend_reason, pick_decode_impl
 
 _INT32_MAX = 2**31 - 1
 
@@ -499,15 +499,14 @@ def dilated_attention_with_kvcache(
     seg, dil = seg_dil
     check_head_assignment(head_assignment)
     causal = check_bool("causal", causal)
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"impl must be one of {DECODE_IMPLS}, got {impl!r}")
+    check_bool("return_lse", return_lse)  # "no" would otherwise mean True
+    chosen = pick_decode_impl(impl, q)  # checks impl (the one decode rule, kernels/select.py)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
         raise ValueError(
             "dilated_attention_with_kvcache is inference only (no autograd); call it under "
             "torch.no_grad() or use dilated_attention for training"
         )
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    chosen = pick_decode_impl(impl, q)
     record = [] if key is not None else None
     out, lse = decode_core(
         q, k_cache, v_cache, seqlens, cache_leftpad, seg, dil,

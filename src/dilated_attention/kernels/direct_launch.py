@@ -34,7 +34,6 @@ as Proton's) gives ``None`` or ``hooks_idle() is False``, and the caller keeps T
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
@@ -49,7 +48,9 @@ _LAYOUT_36 = "iiiKKppOOOOOO"
 def unavailable_reason() -> str | None:
     """Why compiled kernels cannot be launched directly in this process (None if they can).
     Decided once per process: the Triton version and backend do not change."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from .triton_import import INTERPRET  # here, not at import: it imports triton
+
+    if INTERPRET:
         return "TRITON_INTERPRET is set: kernels are interpreted, nothing is compiled"
     try:
         from triton import knobs  # noqa: F401

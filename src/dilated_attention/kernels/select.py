@@ -13,8 +13,6 @@ raises an error that gives the reason.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 IMPLS = ("auto", "reference", "torch", "triton")
@@ -25,10 +23,16 @@ _INTERPRET: list[bool] = []
 
 
 def interpreting() -> bool:
-    """Triton's interpreter mode (``TRITON_INTERPRET=1``), read once per process at the first
-    question (not at import: test modules set it before their first call)."""
+    """Whether Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``; the CPU, for
+    tests) in this process: the one interpreter check of the package. Answered once, at the
+    first question (not at import: test modules set the variable before their first call), by
+    Triton itself (``kernels.triton_import.INTERPRET``: what ``triton.jit`` makes), so it reads
+    the variable as Triton does and agrees with the kernels that are defined. False without
+    triton."""
     if not _INTERPRET:
-        _INTERPRET.append(os.environ.get("TRITON_INTERPRET", "0") == "1")
+        from .triton_import import INTERPRET
+
+        _INTERPRET.append(INTERPRET)
     return _INTERPRET[0]
 
 

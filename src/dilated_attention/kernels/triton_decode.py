@@ -37,7 +37,7 @@ import torch
 
 from . import direct_launch
 from .constants import int32_table
-from .triton_import import device_reason, tl, triton  # triton, tl: None without triton
+from .triton_import import INTERPRET, device_reason, tl, triton  # triton, tl: None without triton
 
 SUPPORTED_HEADDIMS = (16, 32, 64, 128, 256)
 _LOG2E = 1.4426950408889634
@@ -207,7 +207,7 @@ def _table(branches: tuple, block_n: int, device: torch.device) -> tuple[torch.T
 
 
 def _defaults(q: torch.Tensor, block_n: int | None, num_warps: int | None) -> tuple[int, int]:
-    interp = q.device.type == "cpu"
+    interp = INTERPRET
     return (16 if interp else 128) if block_n is None else block_n, 4 if num_warps is None else num_warps
 
 
@@ -239,7 +239,7 @@ def decode_triton_jit(
     bsz, nq, nh, d = q.shape
     cap, hkv = k_cache.shape[1], k_cache.shape[2]
     rep = nh // hkv
-    interp = q.device.type == "cpu"
+    interp = INTERPRET
     block_n, num_warps = _defaults(q, block_n, num_warps)
     table, nsplit = _table(tuple(branches), block_n, q.device)
     op = torch.empty(bsz, nq, nh, nsplit, d, dtype=torch.float32, device=q.device)
@@ -331,7 +331,7 @@ class DecodePlan:
         self.device, self.dtype = q.device, q.dtype
         self.cuda = q.device.type == "cuda"
         self.dev_index = direct_launch.tensor_device(q)
-        interp = not self.cuda
+        interp = INTERPRET
         block_n, num_warps = _defaults(q, block_n, num_warps)
         self.table, nsplit = _table(branches, block_n, q.device)
         self.table_ptr = self.table.data_ptr()

@@ -19,6 +19,28 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     TRITON_IMPORT_ERROR = str(e)
 
 
+def _jit_interprets() -> bool:
+    # what ``triton.jit`` makes while this module is imported: an interpreted function when
+    # Triton reads TRITON_INTERPRET as on (its own rule: 1, true, yes, on, y in any case), else
+    # a compiled one. Asked of Triton itself, not of the environment variable, so that every
+    # module agrees with the kernels that are actually defined.
+    if triton is None:
+        return False
+
+    @triton.jit
+    def _probe():
+        pass
+
+    return not isinstance(_probe, triton.runtime.JITFunction)
+
+
+# Whether Triton kernels run in Triton's interpreter in this process (the CPU, for tests) or
+# compiled (CUDA): the package's one interpreter check. Fixed when the first kernel module is
+# imported (this module is imported with it); ``kernels.select.interpreting`` returns it to the
+# layers above the kernels, the kernel modules read it here.
+INTERPRET: bool = _jit_interprets()
+
+
 def device_reason(q: torch.Tensor, interpret: bool) -> str | None:
     """Why no Triton kernel can run on inputs like ``q`` here (None if one can): triton missing,
     CUDA inputs under the interpreter, or inputs on a device that is neither CUDA nor (with the

@@ -30,17 +30,16 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
-import triton
 
 from .. import flags
 from ..geometry import max_block_length, query_segments
-from . import direct_launch
+from . import direct_launch, triton_import
 from . import triton_kernels as kern
 from .constants import int32_table
 
 # Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton_kernels was
 # imported, the CPU then) or compiled (CUDA): triton.jit fixed it for the life of the process.
-INTERPRET: bool = not isinstance(kern.dilated_fwd_kernel, triton.runtime.JITFunction)
+INTERPRET: bool = triton_import.INTERPRET
 
 Config = tuple[int, int, int, int]  # (BM, BN, num_warps, num_stages) of one kernel
 KERNELS = ("fwd", "dkdv", "dq")

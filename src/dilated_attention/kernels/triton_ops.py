@@ -25,6 +25,7 @@ import torch
 
 from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
+from .triton_import import INTERPRET, device_reason
 
 try:  # triton is an optional dependency: this module must import without it
     from . import triton_launch as _launch
@@ -37,20 +38,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 SUPPORTED_HEADDIMS = (16, 32, 64, 128)
 
 
-def interpreting() -> bool:
-    """True when the kernels run in Triton's interpreter (fixed per process at import)."""
-    return _launch is not None and _launch.INTERPRET
-
-
 def unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | None:
     """Why the Triton kernel cannot run on these inputs, or None if it can."""
     if _TRITON_IMPORT_ERROR is not None:
         return f"the triton package is not importable ({_TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
-    interp = interpreting()
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and interp):
-        return f"the triton kernel needs a CUDA tensor, got device {q.device} (TRITON_INTERPRET=1 allows the CPU for tests)"
-    if q.device.type == "cuda" and interp:
-        return "TRITON_INTERPRET=1 is set but the inputs are on CUDA; unset it to run the compiled kernel"
+    reason = device_reason(q, INTERPRET)
+    if reason is not None:
+        return reason
     d = q.shape[-1]
     if d not in SUPPORTED_HEADDIMS:
         return f"headdim {d} is not supported by the triton kernel (supported: {SUPPORTED_HEADDIMS}); use impl='torch'"
