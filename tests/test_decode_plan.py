@@ -463,9 +463,12 @@ def test_auto_decode_route_uses_the_decode_rule(seed, monkeypatch):
     q, k, v, _ = _inputs(b=1, nq=1, lens=(40,))
     dilated_attention(q, k, v, [8, 16], [1, 2], causal=True)
     assert picked == ["auto"] and dense == []
-    # an explicit impl still goes through pick_impl (which raises where it cannot run)
+    # an explicit impl too: the decode rule alone decides (pick_decode_impl raises where the
+    # decode kernel cannot run; the fused kernel's limits do not apply to the decode route)
     dilated_attention(q, k, v, [8, 16], [1, 2], causal=True, impl="torch")
-    assert picked == ["auto", "torch"] and dense == [1]
+    assert picked == ["auto", "torch"] and dense == []
+    with pytest.raises(ValueError, match="impl='triton' cannot run here"):
+        dilated_attention(q.double(), k.double(), v.double(), [8, 16], [1, 2], causal=True, impl="triton")
 
 
 def test_switch_routes_to_the_per_call_path(seed, monkeypatch):
