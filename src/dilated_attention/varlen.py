@@ -42,7 +42,7 @@ from .checks import (
     check_qkv,
     resolve_scale,
 )
-from .kernels.select import MAX_DECODE_ROWS, check_impl, pick_decode_impl, triton_unavailable_reason
+from .kernels.select import check_impl, decode_shaped, pick_decode_impl, triton_unavailable_reason
 
 __all__ = ["dilated_attention_varlen", "check_cu_seqlens_values"]
 
@@ -352,7 +352,7 @@ def _per_document(
         if impl == "torch" and n == k1 - k0:
             buckets.setdefault(_bucket(n), []).append((q0, k0, n))
             continue
-        if decode_ok and n <= MAX_DECODE_ROWS:
+        if decode_ok and decode_shaped(n, k1 - k0):
             decoding.setdefault(n, []).append((q0, k0, k1 - k0))
             continue
         o, lse = core(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None])
