@@ -101,11 +101,16 @@ def test_varlen_no_query_anywhere(seed):
     assert k.grad is not None and torch.equal(k.grad, torch.zeros_like(k))
 
 
-def test_varlen_autocast_follows_dilated_attention(seed):
+def test_varlen_autocast_follows_dilated_attention(seed, monkeypatch):
+    from dilated_attention import varlen
+
+    calls, real = [], varlen.dilated_attention_varlen
+    monkeypatch.setattr(varlen, "dilated_attention_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, cu_q, cu_k = _inputs(DOCS["mixed"], 4, 2, dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = dilated_attention_varlen(q, k, v, cu_q, cu_k, 23, 23, (4, 8), (1, 2), impl="torch")
+        out = varlen.dilated_attention_varlen(q, k, v, cu_q, cu_k, 23, 23, (4, 8), (1, 2), impl="torch")
     assert out.dtype == torch.bfloat16
+    assert len(calls) == 1  # the public function does not call itself again after the cast
     want = dilated_attention_varlen(
         q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_q, cu_k, 23, 23, (4, 8), (1, 2), impl="torch"
     )

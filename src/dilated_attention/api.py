@@ -39,9 +39,9 @@ from .checks import Call, describe_call
 from .decode import decode_core, fast_call, fast_store
 from .kernels.select import (
     IMPLS,
-    MAX_DECODE_ROWS,
     available_impls,
     decode_applies,
+    decode_shaped,
     pick_decode_impl,
     pick_impl,
     triton_unavailable_reason,
@@ -93,12 +93,11 @@ def dilated_attention(
     """
     key = tkey = None
     if group is None and type(dropout_p) is float and dropout_p == 0.0 and type(return_lse) is bool:
-        try:  # decode-shaped: a few rows against more keys (select.decode_applies' shape part)
-            nq = q.shape[1]
-            decode_shaped = k.shape[1] > nq and nq <= MAX_DECODE_ROWS
+        try:  # decode-shaped: a few rows against more keys
+            shaped = decode_shaped(q.shape[1], k.shape[1])
         except (AttributeError, IndexError, TypeError):  # no tensors of that rank: the full path says why
-            decode_shaped = True
-        if not decode_shaped:
+            shaped = True
+        if not shaped:
             # a repeated training (or prefill) call: the route the last identical call took,
             # with no checks or decisions re-derived (call_cache.py says what is compared)
             tkey = train_key(q, k, v, segment_lengths, dilation_rates, causal, softmax_scale, key_padding_mask,

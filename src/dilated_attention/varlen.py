@@ -42,7 +42,7 @@ from .checks import (
     check_qkv,
     resolve_scale,
 )
-from .kernels.select import MAX_DECODE_ROWS, check_impl, pick_decode_impl, triton_unavailable_reason
+from .kernels.select import check_impl, decode_shaped, pick_decode_impl, triton_unavailable_reason
 
 __all__ = ["dilated_attention_varlen", "check_cu_seqlens_values"]
 
@@ -142,14 +142,20 @@ def dilated_attention_varlen(
         lse = -inf.
     """
     q, k, v, amp_device = autocast_inputs(q, k, v)
-    if amp_device is not None:
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
+            dilation_rates, causal, softmax_scale, dropout_p, head_assignment, return_lse, impl,
+            check_offsets, group, layout)  # fmt: skip
+    if amp_device is not None:  # the SDPA rule (docs/autocast.md): cast once, run with autocast off
         with torch.autocast(amp_device, enabled=False):
-            return dilated_attention_varlen(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
-                dilation_rates, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                head_assignment=head_assignment, return_lse=return_lse, impl=impl,
-                check_offsets=check_offsets, group=group, layout=layout,
-            )  # fmt: skip
+            return _varlen(*args)
+    return _varlen(*args)
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, segment_lengths,
+            dilation_rates, causal, softmax_scale, dropout_p, head_assignment, return_lse, impl,
+            check_offsets, group, layout):  # fmt: skip
+    """:func:`dilated_attention_varlen` after its autocast rule: check once, pick once, run (the
+    public function does not call itself again)."""
     try:
         _check_tensors(q, k, v)
         if group is not None:  # host offsets are welcome: the plan is built from host values
@@ -346,7 +352,7 @@ def _per_document(
         if impl == "torch" and n == k1 - k0:
             buckets.setdefault(_bucket(n), []).append((q0, k0, n))
             continue
-        if decode_ok and n <= MAX_DECODE_ROWS:
+        if decode_ok and decode_shaped(n, k1 - k0):
             decoding.setdefault(n, []).append((q0, k0, k1 - k0))
             continue
         o, lse = core(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None])

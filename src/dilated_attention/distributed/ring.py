@@ -472,12 +472,16 @@ def ring_attention(
         raise its in-place error.
     """
     q, k, v, amp_device = autocast_inputs(q, k, v)
+    args = (q, k, v, group, causal, softmax_scale, layout, return_lse, validate, stats, cu_seqlens)
     if amp_device is not None:  # the SDPA rule (docs/autocast.md): cast once, run with autocast off
         with torch.autocast(amp_device, enabled=False):
-            return ring_attention(
-                q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                return_lse=return_lse, validate=validate, stats=stats, cu_seqlens=cu_seqlens,
-            )
+            return _ring(*args)
+    return _ring(*args)
+
+
+def _ring(q, k, v, group, causal, softmax_scale, layout, return_lse, validate, stats, cu_seqlens):
+    """:func:`ring_attention` after its autocast rule (the public function does not call itself
+    again)."""
     group = resolve_group(group)
     world, rank = world_and_rank(group)
     scale = resolve_scale(softmax_scale, q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 1.0

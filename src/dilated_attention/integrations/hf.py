@@ -52,7 +52,7 @@ import torch
 from ..api import dilated_attention
 from ..branches import normalize_branches
 from ..decode import dilated_attention_with_kvcache
-from ..kernels.select import MAX_DECODE_ROWS, check_impl
+from ..kernels.select import check_impl, decode_shaped
 from ..varlen import dilated_attention_varlen
 
 _NAME = "dilated attention (transformers)"
@@ -133,7 +133,7 @@ def _leftpad_decode(docs, q, k, v, filled: int, impl: str, dropout_p: float) -> 
     keys, no gradient, no dropout, a fast impl), else None. Query rows before a row's first real
     token are at negative positions for the decode path: out 0, as padding query rows get."""
     nq = q.shape[1]
-    if impl == "reference" or dropout_p > 0 or not (nq <= MAX_DECODE_ROWS and nq < filled):
+    if impl == "reference" or dropout_p > 0 or not decode_shaped(nq, filled):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None

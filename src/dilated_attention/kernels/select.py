@@ -164,12 +164,18 @@ def pick_impl(
     return choice
 
 
-def decode_applies(nq: int, nk: int, has_key_padding_mask: bool, dropout_p: float, needs_grad: bool) -> bool:
-    """Whether ``dilated_attention(q, k, v, ...)`` takes the decode path: a few query rows
-    against more keys, no padding mask, no dropout, no gradient needed."""
+def decode_shaped(nq: int, nk: int) -> bool:
+    """The decode path's shape rule, the one copy of it: a few query rows (at most
+    :data:`MAX_DECODE_ROWS`) against more keys."""
     # nk > nq first: for self-attention under torch.compile(dynamic=True) it is decided without a
     # guard (same symbol), so nq's size never guards (no recompile at MAX_DECODE_ROWS)
-    return nk > nq and nq <= MAX_DECODE_ROWS and not has_key_padding_mask and dropout_p == 0 and not needs_grad
+    return nk > nq and nq <= MAX_DECODE_ROWS
+
+
+def decode_applies(nq: int, nk: int, has_key_padding_mask: bool, dropout_p: float, needs_grad: bool) -> bool:
+    """Whether ``dilated_attention(q, k, v, ...)`` takes the decode path: decode-shaped
+    (:func:`decode_shaped`), no padding mask, no dropout, no gradient needed."""
+    return decode_shaped(nq, nk) and not has_key_padding_mask and dropout_p == 0 and not needs_grad
 
 
 def pick_decode_impl(impl: str, q: torch.Tensor) -> str:
