@@ -194,6 +194,21 @@ def test_no_module_reads_the_interpreter_variable():
     assert readers == []
 
 
+def test_inlined_decode_shape_rules_agree_with_select():
+    # api.py's and decode.py's fast paths inline select.decode_shaped (a frame less per decode
+    # call): the same answer on every (nq, nk) near the edges
+    from dilated_attention import decode
+
+    edge = select.MAX_DECODE_ROWS
+    for nq in (0, 1, 2, edge - 1, edge, edge + 1, 200):
+        for nk in (1, nq - 1, nq, nq + 1, 500):
+            q, k = torch.empty(1, nq, 1, 1), torch.empty(1, max(nk, 1), 1, 1)
+            shaped = select.decode_shaped(nq, k.shape[1])
+            assert shaped == (k.shape[1] > nq and nq <= edge)
+            key = decode.fast_key("da", q, k, k, [4], [1], False, None, "all", "auto")
+            assert (key is not None) == shaped, (nq, nk)
+
+
 def test_pick_decode_impl_rules():
     q = torch.empty(1, 1, 2, 16)
     assert select.pick_decode_impl("auto", q) == "torch"  # never the Triton interpreter

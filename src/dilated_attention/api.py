@@ -39,9 +39,9 @@ from .checks import Call, describe_call
 from .decode import decode_core, fast_call, fast_store
 from .kernels.select import (
     IMPLS,
+    MAX_DECODE_ROWS,
     available_impls,
     decode_applies,
-    decode_shaped,
     pick_decode_impl,
     pick_impl,
     triton_unavailable_reason,
@@ -93,8 +93,9 @@ def dilated_attention(
     """
     key = tkey = None
     if group is None and type(dropout_p) is float and dropout_p == 0.0 and type(return_lse) is bool:
-        try:  # decode-shaped: a few rows against more keys
-            shaped = decode_shaped(q.shape[1], k.shape[1])
+        try:  # decode-shaped: select.decode_shaped inlined (a frame less on the decode hot path)
+            nq = q.shape[1]
+            shaped = k.shape[1] > nq and nq <= MAX_DECODE_ROWS
         except (AttributeError, IndexError, TypeError):  # no tensors of that rank: the full path says why
             shaped = True
         if not shaped:

@@ -46,7 +46,7 @@ from .branches import branch_head_ranges, normalize_branches
 from .checks import FLOAT_DTYPES, check_bool, check_head_assignment, resolve_scale
 from .kernels import torch_decode
 from .kernels.direct_launch import cache_classes
-from .kernels.select import MAX_DECODE_ROWS, backend_reason, decode_shaped, pick_decode_impl
+from .kernels.select import MAX_DECODE_ROWS, backend_reason, pick_decode_impl
 
 _INT32_MAX = 2**31 - 1
 
@@ -242,8 +242,10 @@ def fast_key(tag, q, k, v, seg, dil, causal, softmax_scale, head_assignment, imp
     ):  # fmt: skip
         return None
     qs, ks = q.shape, k.shape
-    if tag == "da" and not (len(qs) == 4 and len(ks) == 4 and decode_shaped(qs[1], ks[1])):
-        return None  # not decode-shaped: a training or prefill call builds no key
+    if tag == "da" and not (len(qs) == 4 and len(ks) == 4 and qs[1] < ks[1] and qs[1] <= MAX_DECODE_ROWS):
+        # not decode-shaped (select.decode_shaped, inlined: a frame less on the decode hot
+        # path): a training or prefill call builds no key
+        return None
     return (
         ks, k.stride(), v.shape, v.stride(), tag, qs, q.stride(), q.dtype, q.device, k.dtype, k.device,
         v.dtype, v.device, tuple(seg), tuple(dil), causal, softmax_scale, head_assignment, impl, extra,
