@@ -25,7 +25,7 @@ import torch
 
 from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
-from .triton_import import INTERPRET, device_reason
+from .triton_import import device_reason
 
 try:  # triton is an optional dependency: this module must import without it
     from . import triton_launch as _launch
@@ -42,7 +42,8 @@ def unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | 
     """Why the Triton kernel cannot run on these inputs, or None if it can."""
     if _TRITON_IMPORT_ERROR is not None:
         return f"the triton package is not importable ({_TRITON_IMPORT_ERROR}); pip install 'dilated-attention[triton]'"
-    reason = device_reason(q, INTERPRET)
+    # triton_launch.INTERPRET is triton_import.INTERPRET (the one check), read here at call time
+    reason = device_reason(q, _launch.INTERPRET)
     if reason is not None:
         return reason
     d = q.shape[-1]
