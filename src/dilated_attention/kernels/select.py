@@ -19,9 +19,6 @@ IMPLS = ("auto", "reference", "torch", "triton")
 DECODE_IMPLS = ("auto", "torch", "triton")
 MAX_DECODE_ROWS = 64  # the decode kernel walks the query rows one by one: a few new tokens
 
-_INTERPRET: list[bool] = []
-
-
 def interpreting() -> bool:
     """Whether Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``; the CPU, for
     tests) in this process: the one interpreter check of the package. Answered once, at the
@@ -29,11 +26,9 @@ def interpreting() -> bool:
     Triton itself (``kernels.triton_import.INTERPRET``: what ``triton.jit`` makes), so it reads
     the variable as Triton does and agrees with the kernels that are defined. False without
     triton."""
-    if not _INTERPRET:
-        from .triton_import import INTERPRET
+    from .triton_import import INTERPRET  # fixed there, at its import
 
-        _INTERPRET.append(INTERPRET)
-    return _INTERPRET[0]
+    return INTERPRET
 
 
 def check_impl(impl) -> str:
