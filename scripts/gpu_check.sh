@@ -35,6 +35,10 @@
 #                                       dense-SDPA LongNet base step profiled at 8K x 4 and 16K x 2: kernels per
 #                                       category, eager by origin, host vs GPU time; no tests): eager = the defaults
 #                                       (fused loss, CE and LayerNorm kernels), eager plain = without them
+#   bash scripts/gpu_check.sh subset    a short re-verification: the interpreter check as this Triton answers it
+#                                       (TRITON_INTERPRET unset, =1, =true), `verify`, then the CUDA tests of the
+#                                       files in $SUBSET_TESTS (default: the front door, decode, varlen, HF and
+#                                       train-plan files; timeout $SUBSET_TIMEOUT 240 s)
 #   bash scripts/gpu_check.sh verify    `verify` alone (one process per dtype, 330 s; 104 s cold on
 #                                       2026-11-27), then bench_layernorm_rows.py alone
 #   bash scripts/gpu_check.sh defaults after the fused-loss / LayerNorm defaults: verify, their CUDA tests,
@@ -134,6 +138,18 @@ case "${1:-tests}" in
       tests/test_triton.py tests/test_triton_determinism.py tests/test_triton_varlen.py > "$OUT/cuda_tests_direct.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/cuda_tests_direct.txt"
     tail -25 "$OUT/cuda_tests.txt"; tail -15 "$OUT/cuda_tests_direct.txt"
+    ;;
+  subset)
+    for v in unset 1 true; do
+      if [ "$v" = unset ]; then e="env -u TRITON_INTERPRET"; else e="env TRITON_INTERPRET=$v"; fi
+      $e python3 -c "from dilated_attention.kernels import triton_import, select; print('TRITON_INTERPRET=$v: triton_import.INTERPRET =', triton_import.INTERPRET, ' select.interpreting() =', select.interpreting())"
+    done 2>&1 | tee "$OUT/interpret_probe.txt"
+    timeout "${VERIFY_TIMEOUT:-200}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
+    # shellcheck disable=SC2086
+    timeout "${SUBSET_TIMEOUT:-240}" python3 -m pytest -v -m cuda -n 4 -p no:cacheprovider -rfE --durations=8 \
+      ${SUBSET_TESTS:-tests/test_frontdoor.py tests/test_decode.py tests/test_decode_edges.py tests/test_decode_host.py tests/test_decode_plan.py tests/test_decode_fast.py tests/test_varlen.py tests/test_triton_varlen.py tests/test_hf.py tests/test_train_plan.py tests/test_empty_inputs.py tests/test_triton_memory.py tests/test_ring.py} > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    tail -24 "$OUT/verify.txt"; grep -E " FAILED |passed|failed|error|rc=" "$OUT/cuda_tests.txt" | tail -20
     ;;
   measure)
     timeout "${VERIFY_TIMEOUT:-200}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
