@@ -195,7 +195,7 @@ def test_validation_errors():
         dilated_attention_with_kvcache(q, k, k, 80, [8], [1])
     with pytest.raises(ValueError, match="int32"):
         dilated_attention_with_kvcache(q[:, :1], k, k, torch.tensor([80]), [8], [1])
-    with pytest.raises(ValueError, match="multiple of the cache's nheads_kv"):
+    with pytest.raises(ValueError, match=r"nheads \(3\) must be a multiple of nheads_kv \(2\) of k_cache"):
         dilated_attention_with_kvcache(q[:, :1, :3], k, k, 80, [8], [1])
     with pytest.raises(ValueError, match="inference only"):
         dilated_attention_with_kvcache(q[:, :1].requires_grad_(), k, k, 80, [8], [1])

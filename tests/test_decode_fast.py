@@ -301,8 +301,8 @@ def _kv_errors(q, k, v, sl):
         (ValueError, "int32 tensor", lambda: _kv(q, k, v, sl, cache_leftpad=sl.long())),
         (TypeError, "cache_leftpad must be None", lambda: _kv(q, k, v, sl, cache_leftpad=3)),
         (TypeError, "share a dtype", lambda: _kv(q, k.double(), v, sl)),
-        (ValueError, "differ", lambda: _kv(q, k, v[:, :-1], sl)),
-        (ValueError, "must agree in batch", lambda: _kv(q, k[:, :, :, :8], v[:, :, :, :8], sl)),
+        (ValueError, "k_cache and v_cache must have the same shape", lambda: _kv(q, k, v[:, :-1], sl)),
+        (ValueError, "head dims differ: q 16, k_cache 8", lambda: _kv(q, k[:, :, :, :8], v[:, :, :, :8], sl)),
         (ValueError, "multiple of", lambda: _kv(q[:, :, :3], k, v, sl)),
         (TypeError, "must be a torch.Tensor", lambda: _kv(q.numpy() if DEV == "cpu" else None, k, v, sl)),
     ]
@@ -454,7 +454,7 @@ def test_a_class_key_needs_one_shape_for_k_and_v(seed):
     _kv(q, k, v, sl)
     key = decode.fast_key("kv", q, k, v[:, :39], SEG, DIL, True, None, "all", "triton", None)
     assert key is not None and decode._class_key(key) is None
-    with pytest.raises(ValueError, match="differ"):
+    with pytest.raises(ValueError, match="must have the same shape"):
         _kv(q, k, v[:, :39], sl)
 
 

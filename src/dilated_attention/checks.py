@@ -20,9 +20,15 @@ from .branches import normalize_branches
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "attention") -> None:
-    """Shape/dtype/device checks for (B, N, H, D) tensors with GQA."""
-    for n, t in (("q", q), ("k", k), ("v", v)):
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "attention",
+              kv_names: tuple[str, str] = ("k", "v"), seqlen_rule: bool = True) -> None:  # fmt: skip
+    """Shape/dtype/device checks for (B, N, H, D) tensors with GQA: the one copy of these rules
+    (``dilated_attention``, ``dilated_attention_with_kvcache`` with ``kv_names=("k_cache",
+    "v_cache")`` and no ``seqlen_rule``, ring and sequence-parallel attention). ``seqlen_rule``:
+    seqlen_q <= seqlen_k (a KV cache's length is not its valid length, so the decode path checks
+    its own)."""
+    kn, vn = kv_names
+    for n, t in (("q", q), (kn, k), (vn, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
@@ -34,24 +40,26 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "at
             raise TypeError(f"{name}: {n} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
-            f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
+            f"{name}: q, {kn}, {vn} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
             "(or run under torch.autocast, which casts them to its dtype, see docs/autocast.md)"
         )
     if not (q.device == k.device == v.device):
-        raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{name}: q, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"{name}: {kn} and {vn} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"{name}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+        raise ValueError(f"{name}: batch sizes differ: q {q.shape[0]}, {kn} {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
-        raise ValueError(f"{name}: head dims differ: q {q.shape[3]}, k {k.shape[3]}")
+        raise ValueError(f"{name}: head dims differ: q {q.shape[3]}, {kn} {k.shape[3]}")
     h, hkv = q.shape[2], k.shape[2]
-    if hkv == 0 or h % hkv != 0:
+    if hkv == 0:
+        raise ValueError(f"{name}: {kn} {tuple(k.shape)} has 0 kv heads; give it nheads_kv >= 1")
+    if h % hkv != 0:
         raise ValueError(
-            f"{name}: nheads ({h}) must be a multiple of nheads_kv ({hkv}) for GQA/MQA; "
-            "query head h reads kv head h // (nheads // nheads_kv)"
+            f"{name}: nheads ({h}) must be a multiple of nheads_kv ({hkv}) of {kn} {tuple(k.shape)} "
+            "for GQA/MQA; query head h reads kv head h // (nheads // nheads_kv)"
         )
-    if q.shape[1] > k.shape[1]:
+    if seqlen_rule and q.shape[1] > k.shape[1]:
         raise ValueError(
             f"{name}: seqlen_q ({q.shape[1]}) > seqlen_k ({k.shape[1]}); queries may be shorter "
             "than keys (bottom-right aligned, for KV-cache decoding) but not longer"
@@ -145,7 +153,9 @@ _IMPLS = ("auto", "reference", "torch", "triton")
 _BRANCHES: dict = {}
 
 
-def _branches(segment_lengths, dilation_rates):
+def branch_lists(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``normalize_branches(segment_lengths, dilation_rates)``, computed once per distinct value
+    of lists (or tuples) of exact ints: the one branch check of every entry point."""
     if type(segment_lengths) in (list, tuple) and type(dilation_rates) in (list, tuple):
         key = (tuple(segment_lengths), tuple(dilation_rates))
         hit = _BRANCHES.get(key)
@@ -169,7 +179,7 @@ def describe_call(
     Raises ``TypeError`` / ``ValueError`` naming the bad value and the fix.
     """
     check_qkv(q, k, v, name)
-    seg, dil = _branches(segment_lengths, dilation_rates)
+    seg, dil = branch_lists(segment_lengths, dilation_rates)
     check_head_assignment(head_assignment)
     check_key_padding_mask(key_padding_mask, q, k)
     p = check_dropout(dropout_p) if type(dropout_p) is not float or dropout_p != 0.0 else 0.0

@@ -42,8 +42,8 @@ from collections.abc import Sequence
 import torch
 
 from . import flags
-from .branches import branch_head_ranges, normalize_branches
-from .checks import FLOAT_DTYPES, check_bool, check_head_assignment, resolve_scale
+from .branches import branch_head_ranges
+from .checks import branch_lists, check_bool, check_head_assignment, check_qkv, resolve_scale
 from .kernels import torch_decode
 from .kernels.direct_launch import cache_classes
 from .kernels.select import MAX_DECODE_ROWS, backend_reason, pick_decode_impl
@@ -340,65 +340,26 @@ def fast_store(key, plan, seg, dil, device_type: str) -> None:
         _FAST_CLASS[ck] = entry
 
 
+_INT_ONLY = {int}  # the element types of branch lists a stored plan's key may hold
+
+
 def _check(q, k_cache, v_cache) -> None:
+    """The tensors of a ``dilated_attention_with_kvcache`` call: the rules every entry point
+    shares (:func:`checks.check_qkv`, cache names; a cache's length is not its valid length, so
+    no seqlen_q <= seqlen_k), then the decode path's own (a non-empty cache, 1..64 new rows)."""
     name = "dilated_attention_with_kvcache"
-    for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: {n} must be a 4-D tensor (batch, seqlen, nheads, headdim), got {tuple(t.shape)}")
-        if t.dtype not in FLOAT_DTYPES:  # the rule and wording of checks.check_qkv
-            raise TypeError(f"{name}: {n} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(
-            f"{name}: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
-    if not (q.device == k_cache.device == v_cache.device):
-        raise ValueError(
-            f"{name}: q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}"
-        )
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    b, nq, h, d = q.shape
-    if k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(
-            f"{name}: q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)} must agree in batch and headdim"
-        )
-    hkv = k_cache.shape[2]
-    if hkv == 0:
-        raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} has 0 kv heads; give it nheads_kv >= 1")
-    if h % hkv != 0:
-        raise ValueError(f"{name}: nheads ({h}) must be a multiple of the cache's nheads_kv ({hkv})")
+    check_qkv(q, k_cache, v_cache, name, kv_names=("k_cache", "v_cache"), seqlen_rule=False)
     if k_cache.shape[1] == 0:
         raise ValueError(
             f"{name}: the cache is empty (cache_len 0, k_cache {tuple(k_cache.shape)}); allocate at "
             "least the positions the new rows are written to"
         )
+    nq = q.shape[1]
     if not 1 <= nq <= MAX_DECODE_ROWS:
         raise ValueError(
             f"{name}: seqlen_q = {nq}; the decode path takes 1..{MAX_DECODE_ROWS} new rows, "
             "prefill longer chunks with dilated_attention(q, k, v, ...)"
         )
-
-
-_VALID_BRANCHES: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-_INT_ONLY = {int}
-
-
-def _known_branches(segment_lengths, dilation_rates):
-    """The branch lists as tuples if these exact lists (lists/tuples of plain ints) passed
-    ``normalize_branches`` before, else None (eager only: under compilation always re-check)."""
-    if torch.compiler.is_compiling():
-        return None
-    if type(segment_lengths) not in (list, tuple) or type(dilation_rates) not in (list, tuple):
-        return None
-    seg, dil = tuple(segment_lengths), tuple(dilation_rates)
-    if (seg, dil) not in _VALID_BRANCHES:
-        return None
-    # plain ints only: 8.0 == 8 hashes alike but normalize_branches refuses it
-    if {*map(type, seg), *map(type, dil)} != _INT_ONLY:
-        return None
-    return seg, dil
 
 
 def _index_tensor(name: str, t, q: torch.Tensor) -> torch.Tensor:
@@ -493,12 +454,7 @@ def dilated_attention_with_kvcache(
                 f"shape (batch,) on q's device, got {type(cache_leftpad).__name__}"
             )
         cache_leftpad = _index_tensor("cache_leftpad", cache_leftpad, q)
-    seg_dil = _known_branches(segment_lengths, dilation_rates)
-    if seg_dil is None:
-        seg_dil = normalize_branches(segment_lengths, dilation_rates)
-        if not torch.compiler.is_compiling() and len(_VALID_BRANCHES) < 256:
-            _VALID_BRANCHES.add(seg_dil)
-    seg, dil = seg_dil
+    seg, dil = branch_lists(segment_lengths, dilation_rates)
     check_head_assignment(head_assignment)
     causal = check_bool("causal", causal)
     check_bool("return_lse", return_lse)  # "no" would otherwise mean True

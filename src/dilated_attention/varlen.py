@@ -32,8 +32,8 @@ from collections.abc import Sequence
 import torch
 
 from .autograd_rules import autocast_inputs
-from .branches import normalize_branches
 from .checks import (
+    branch_lists,
     check_bool,
     check_cu_seqlens_meta,
     check_cu_seqlens_values,
@@ -42,7 +42,7 @@ from .checks import (
     check_qkv,
     resolve_scale,
 )
-from .kernels.select import check_impl, decode_shaped, pick_decode_impl, triton_unavailable_reason
+from .kernels.select import check_impl, decode_shaped, pick_decode_impl, pick_varlen_impl
 
 __all__ = ["dilated_attention_varlen", "check_cu_seqlens_values"]
 
@@ -163,7 +163,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seg
         check_cu_seqlens_meta(cu_seqlens_q, cu_seqlens_k, q.device, _NAME)
         max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
         max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-        seg, dil = normalize_branches(segment_lengths, dilation_rates)
+        seg, dil = branch_lists(segment_lengths, dilation_rates)
         check_head_assignment(head_assignment)
         p = check_dropout(dropout_p)
         scale = resolve_scale(softmax_scale, q.shape[-1])
@@ -186,7 +186,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seg
         )  # fmt: skip
         return (out, lse) if return_lse else out
 
-    chosen = _pick(impl, q, k, p)
+    chosen = pick_varlen_impl(impl, q, k, p, _NAME)
     on_host = cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu"
     host = None
     if chosen != "triton" or on_host or check_offsets:
@@ -281,22 +281,6 @@ def _sequence_parallel(
         q, k, v, host_q, seg, dil, causal=causal, scale=scale, head_assignment=head_assignment,
         impl=impl, group=group, layout=layout, local_checks=checks, name=_NAME,
     )  # fmt: skip
-
-
-def _pick(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> str:
-    if impl == "triton":
-        reason = triton_unavailable_reason(q[None], k[None])
-        if reason is None and dropout_p > 0:
-            reason = "the triton kernel has no dropout; use impl='torch' or 'auto' for dropout_p > 0"
-        if reason is not None:
-            # every reason already says what to use instead
-            raise ValueError(f"{_NAME}: impl='triton' cannot run here: {reason}")
-        return "triton"
-    if impl == "auto":
-        if dropout_p > 0 or not q.is_cuda:
-            return "torch"
-        return "torch" if triton_unavailable_reason(q[None], k[None]) is not None else "triton"
-    return impl
 
 
 def _bucket(n: int) -> int:

@@ -5,8 +5,8 @@ argument (:func:`check_impl`), answers whether a backend can run (:func:`backend
 answer per backend, device type, dtype and head dim, with its reason, computed once per process)
 and picks the implementation of a call: dense single-device calls (:func:`pick_impl`), the
 decode path (:func:`pick_decode_impl`, and :func:`decode_applies` for the short queries that
-``dilated_attention`` routes to it) and the local blocks of sequence-parallel attention
-(:func:`pick_sp_local_impl`). Whether Triton runs in its interpreter is asked once
+``dilated_attention`` routes to it), packed documents (:func:`pick_varlen_impl`) and the local
+blocks of sequence-parallel attention (:func:`pick_sp_local_impl`). Whether Triton runs in its interpreter is asked once
 (:func:`interpreting`). An explicitly requested ``impl`` never silently falls back: it runs or
 raises an error that gives the reason.
 """
@@ -157,6 +157,33 @@ def pick_impl(
             _AUTO_CHOICES.clear()
         _AUTO_CHOICES[shape] = choice
     return choice
+
+
+def pick_varlen_impl(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float,
+                     name: str = "dilated_attention_varlen") -> str:  # fmt: skip
+    """The implementation of a packed (varlen) call, q (total_q, H, D) and k (total_k, Hkv, D):
+    ``"reference"``, ``"torch"`` or ``"triton"``.
+
+    ``"auto"``: the packed Triton kernel (one launch per branch over every document) on CUDA
+    where it can run and without dropout, else the torch path (documents batched by padded
+    length). Not a measured per-shape rule like :func:`pick_impl`'s: the only measurement is the
+    packed kernel against padding every document to the longest (4.1-4.8x faster, H100,
+    benchmarks/results/varlen_h100_2026-11-27*.md). ``"triton"`` raises ``ValueError`` with the
+    reason when the kernel cannot run or ``dropout_p > 0``.
+    """
+    if impl == "triton":
+        reason = triton_unavailable_reason(q[None], k[None])
+        if reason is None and dropout_p > 0:
+            reason = "the triton kernel has no dropout; use impl='torch' or 'auto' for dropout_p > 0"
+        if reason is not None:
+            # every reason already says what to use instead
+            raise ValueError(f"{name}: impl='triton' cannot run here: {reason}")
+        return "triton"
+    if impl == "auto":
+        if dropout_p > 0 or not q.is_cuda:
+            return "torch"
+        return "torch" if triton_unavailable_reason(q[None], k[None]) is not None else "triton"
+    return check_impl(impl)
 
 
 def decode_shaped(nq: int, nk: int) -> bool:
