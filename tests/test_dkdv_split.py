@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
 from dilated_attention.kernels import select  # noqa: E402
 from dilated_attention.kernels import triton_launch as L  # noqa: E402
+from dilated_attention.reference import dilated_attention_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -55,6 +56,13 @@ def test_split_passes_give_the_one_launch_bits(seed, monkeypatch, plans, case):
     for name, a, g in zip(("dq", "dk", "dv"), want, got, strict=True):
         assert torch.equal(a, g), name
     assert want[1].abs().sum() > 0 and want[2].abs().sum() > 0  # not two all-zero results
+    if docs is None:  # and both against the float64 reference (packed: test_triton_varlen*.py)
+        x64 = [t.double().requires_grad_() for t in (q, k, v)]
+        out, _ = dilated_attention_reference(*x64, seg, dil, causal=causal, key_padding_mask=kpm)
+        ref = torch.autograd.grad(out, x64, do.double())
+        tol = 2e-4 if dtype == torch.float32 else 5e-2
+        for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+            torch.testing.assert_close(g.double(), r, atol=tol, rtol=tol, msg=name)
 
 
 def test_dkdv_split_config_is_checked():

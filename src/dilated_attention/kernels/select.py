@@ -6,9 +6,9 @@ answer per backend, device type, dtype and head dim, with its reason, computed o
 and picks the implementation of a call: dense single-device calls (:func:`pick_impl`), the
 decode path (:func:`pick_decode_impl`, and :func:`decode_applies` for the short queries that
 ``dilated_attention`` routes to it), packed documents (:func:`pick_varlen_impl`) and the local
-blocks of sequence-parallel attention (:func:`pick_sp_local_impl`). Whether Triton runs in its interpreter is asked once
-(:func:`interpreting`). An explicitly requested ``impl`` never silently falls back: it runs or
-raises an error that gives the reason.
+blocks of sequence-parallel attention (:func:`pick_sp_local_impl`). Whether Triton runs in its
+interpreter is asked once (:func:`interpreting`). An explicitly requested ``impl`` never
+silently falls back: it runs or raises an error that gives the reason.
 """
 
 from __future__ import annotations
@@ -171,19 +171,10 @@ def pick_varlen_impl(impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: flo
     benchmarks/results/varlen_h100_2026-11-27*.md). ``"triton"`` raises ``ValueError`` with the
     reason when the kernel cannot run or ``dropout_p > 0``.
     """
-    if impl == "triton":
-        reason = triton_unavailable_reason(q[None], k[None])
-        if reason is None and dropout_p > 0:
-            reason = "the triton kernel has no dropout; use impl='torch' or 'auto' for dropout_p > 0"
-        if reason is not None:
-            # every reason already says what to use instead
-            raise ValueError(f"{name}: impl='triton' cannot run here: {reason}")
-        return "triton"
-    if impl == "auto":
-        if dropout_p > 0 or not q.is_cuda:
-            return "torch"
-        return "torch" if triton_unavailable_reason(q[None], k[None]) is not None else "triton"
-    return check_impl(impl)
+    try:  # the dense rule without branches: the kernel wherever it can run
+        return pick_impl(impl, q[None], k[None], dropout_p)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def decode_shaped(nq: int, nk: int) -> bool:
