@@ -47,7 +47,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join(HERE, "..", "src", "dilated_attention", "kernels", "triton_kernels.py")
-NAMES = ("VARLEN", "BM", "BN", "CAUSAL", "FIRST", "COMP", "STORE_LO", "R", "HAS_KPM", "PASS")
+NAMES = ("VARLEN", "BM", "BN", "CAUSAL", "FIRST", "COMP", "STORE_LO", "R", "HAS_KPM")
 
 
 def parse_config(text: str | None) -> dict | None:

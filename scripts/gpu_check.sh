@@ -39,10 +39,6 @@
 #                                       (TRITON_INTERPRET unset, =1, =true), `verify`, then the CUDA tests of the
 #                                       files in $SUBSET_TESTS (default: the front door, decode, varlen, HF and
 #                                       train-plan files; timeout $SUBSET_TIMEOUT 240 s)
-#   bash scripts/gpu_check.sh dkdv-split issue 24: tests/test_dkdv_split.py on CUDA (the two-launch dK/dV, bits
-#                                       equal to one launch), then benchmarks/ab_dkdv_split.py (backward ms per
-#                                       variant, causal and not, same-run dense SDPA backward) and
-#                                       profile_impl.py --impl triton (the per-kernel split of fwd+bwd)
 #   bash scripts/gpu_check.sh verify    `verify` alone (one process per dtype, 330 s; 104 s cold on
 #                                       2026-11-27), then bench_layernorm_rows.py alone
 #   bash scripts/gpu_check.sh defaults after the fused-loss / LayerNorm defaults: verify, their CUDA tests,
@@ -154,14 +150,6 @@ case "${1:-tests}" in
       ${SUBSET_TESTS:-tests/test_frontdoor.py tests/test_decode.py tests/test_decode_edges.py tests/test_decode_host.py tests/test_decode_plan.py tests/test_decode_fast.py tests/test_varlen.py tests/test_triton_varlen.py tests/test_hf.py tests/test_train_plan.py tests/test_empty_inputs.py tests/test_triton_memory.py tests/test_ring.py} > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
     tail -24 "$OUT/verify.txt"; grep -E " FAILED |passed|failed|error|rc=" "$OUT/cuda_tests.txt" | tail -20
-    ;;
-  dkdv-split)
-    timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_dkdv_split.py > "$OUT/cuda_tests.txt" 2>&1
-    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
-    timeout "${AB_TIMEOUT:-400}" python3 benchmarks/ab_dkdv_split.py --out "$OUT/ab_dkdv_split.md" > "$OUT/ab_dkdv_split.txt" 2>&1
-    echo "ab_dkdv_split rc=$?" >> "$OUT/ab_dkdv_split.txt"
-    timeout 60 python3 benchmarks/profile_impl.py --impl triton --n 131072 --out "$OUT/profile_impl.md" > /dev/null 2>&1
-    tail -3 "$OUT/cuda_tests.txt"; grep -E "^\\||rc=" "$OUT/ab_dkdv_split.txt" | tail -14
     ;;
   measure)
     timeout "${VERIFY_TIMEOUT:-200}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"

@@ -217,9 +217,8 @@ def _dkdv_inner(
     dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, QSHIFT, TQ0, pos0, R, L,
     h_start, m_start, j0, nj, jskip, jgap, nhl, offs_n, valid_k, qk_scale,
     D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    PREC: tl.constexpr, MASKED: tl.constexpr, ROWS_FULL: tl.constexpr, PASS: tl.constexpr,
+    PREC: tl.constexpr, MASKED: tl.constexpr, ROWS_FULL: tl.constexpr,
 ):
-    # PASS: 0 both dK and dV; 1 dV only (no dP, no delta); 2 dK only (dV's product skipped)
     # one flat loop over (query head, query block j0..j0+nj, blocks from jskip on moved up by
     # jgap): a nested loop under software pipelining gave a wrong dK on the GPU
     # (benchmarks/NOTES_triton.md), so keep it flat. ROWS_FULL: every row of every block of
@@ -244,8 +243,7 @@ def _dkdv_inner(
             q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :])
             do = tl.load(DOb + qrow[:, None] * sdon + h * sdoh + offs_d[None, :])
             lse = tl.load(LSEb + hq + qrow)
-            if PASS != 1:
-                dlt = tl.load(DELTAb + hq + qrow)
+            dlt = tl.load(DELTAb + hq + qrow)
         else:
             valid_m = (offs_m < L) & (offs_m >= TQ0)
             q = tl.load(Qb + qrow[:, None] * sqn + h * sqh + offs_d[None, :],
@@ -254,8 +252,7 @@ def _dkdv_inner(
                          mask=valid_m[:, None], other=0.0)
             # rows that do not exist get other=+inf => p = 0 (no query-row mask needed below)
             lse = tl.load(LSEb + hq + qrow, mask=valid_m, other=float("inf"))
-            if PASS != 1:
-                dlt = tl.load(DELTAb + hq + qrow, mask=valid_m, other=0.0)
+            dlt = tl.load(DELTAb + hq + qrow, mask=valid_m, other=0.0)
         # rows with no key (lse = -inf) get no gradient: treat as +inf => p = 0
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
         # transposed form (keys on the rows): P^T and dS^T are the left operands in the
@@ -268,12 +265,10 @@ def _dkdv_inner(
                 pt = tl.where(valid_k[:, None], pt, 0.0)
             if CAUSAL:
                 pt = tl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
-        if PASS != 2:
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-        if PASS != 1:
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dst = pt * (dpt - dlt[None, :])
-            dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dst = pt * (dpt - dlt[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
     return dk, dv
 
 
@@ -546,11 +541,8 @@ def dilated_bwd_dkdv_kernel(
     qk_scale, sm_scale,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr, PREC: tl.constexpr, COMP: tl.constexpr, STORE_LO: tl.constexpr,
-    VARLEN: tl.constexpr, FIRST: tl.constexpr, PASS: tl.constexpr,
+    VARLEN: tl.constexpr, FIRST: tl.constexpr,
 ):
-    # PASS 0: dK and dV in one program (the default); 1: dV only; 2: dK only. Two launches
-    # (PASS 1 then 2, each its own accumulator) do 5 products per block instead of 4 with half
-    # the accumulator state (an experiment: benchmarks/ab_dkdv_split.py; the same bits as 0)
     pid0 = tl.program_id(0)
     pid_x = tl.program_id(1)
     pid_n = pid0 % NNB
@@ -606,11 +598,8 @@ def dilated_bwd_dkdv_kernel(
     pos_n = row0 + (seg_start + o + R * offs_n).to(tl.int64)  # key rows (row0: packed)
     k = tl.load(K + k_base + pos_n[:, None] * skn + g * skh + offs_d[None, :],
                 mask=valid_n[:, None], other=0.0)
-    if PASS != 1:
-        v = tl.load(V + v_base + pos_n[:, None] * svn + g * svh + offs_d[None, :],
-                    mask=valid_n[:, None], other=0.0)
-    else:
-        v = k  # not read by a dV-only pass
+    v = tl.load(V + v_base + pos_n[:, None] * svn + g * svh + offs_d[None, :],
+                mask=valid_n[:, None], other=0.0)
     valid_k = valid_n
     if HAS_KPM:
         pad = tl.load(KPM + b64 * skpb + pos_n, mask=valid_n, other=1)
@@ -646,17 +635,17 @@ def dilated_bwd_dkdv_kernel(
     dk, dv = _dkdv_inner(
         dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qshift, t_q0, pos0, R, L,
         h_start, m_start, 0, ndiag, nmb, 0, nhl, offs_n, valid_k, qk_scale,
-        D, BM, CAUSAL, HAS_KPM, PREC, True, False, PASS,
+        D, BM, CAUSAL, HAS_KPM, PREC, True, False,
     )
     dk, dv = _dkdv_inner(
         dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qshift, t_q0, pos0, R, L,
         h_start, m_start, ndiag, (jf0 - ndiag) + (nmb - jf1), jf0, jf1 - jf0, nhl, offs_n,
-        valid_k, qk_scale, D, BM, CAUSAL, HAS_KPM, PREC, False, False, PASS,
+        valid_k, qk_scale, D, BM, CAUSAL, HAS_KPM, PREC, False, False,
     )
     dk, dv = _dkdv_inner(
         dk, dv, k, v, Qb, DOb, LSEb, DELTAb, sqn, sqh, sdon, sdoh, NQ, qshift, t_q0, pos0, R, L,
         h_start, m_start, jf0, jf1 - jf0, nmb, 0, nhl, offs_n, valid_k, qk_scale,
-        D, BM, CAUSAL, HAS_KPM, PREC, False, True, PASS,
+        D, BM, CAUSAL, HAS_KPM, PREC, False, True,
     )
     dk = dk * sm_scale
     dk_off = dk_base + pos_n[:, None] * sdkn + g * sdkh + offs_d[None, :]
@@ -665,10 +654,8 @@ def dilated_bwd_dkdv_kernel(
     # the launcher checks it): the results' offsets shifted by one scalar
     dk_lo = DK_LO + (lo_base - dk_base - LO_ROW0 * sdkn.to(tl.int64)) + dk_off
     dv_lo = DV_LO + (lo_base - dv_base - LO_ROW0 * sdvn.to(tl.int64)) + dv_off
-    if PASS != 1:
-        _acc_store(DK + dk_off, dk_lo, dk, valid_n[:, None], FIRST, COMP, STORE_LO)
-    if PASS != 2:
-        _acc_store(DV + dv_off, dv_lo, dv, valid_n[:, None], FIRST, COMP, STORE_LO)
+    _acc_store(DK + dk_off, dk_lo, dk, valid_n[:, None], FIRST, COMP, STORE_LO)
+    _acc_store(DV + dv_off, dv_lo, dv, valid_n[:, None], FIRST, COMP, STORE_LO)
 
 
 @triton.jit(do_not_specialize=["NDOCS"])

@@ -67,24 +67,16 @@ def resolve_configs(d: int, config: dict[str, Config] | None = None) -> dict[str
     cfg = default_configs(d)
     for name, vals in (config or {}).items():
         vals = tuple(int(x) for x in vals)
-        if (name not in cfg and name != "dkdv_split") or len(vals) != 4:
+        if name not in cfg or len(vals) != 4:
             raise ValueError(
-                f"bad Triton config {name}={vals}: want one of {KERNELS} or 'dkdv_split' = (BM, BN, "
-                "num_warps, num_stages), e.g. dkdv=(64, 64, 4, 2)"
+                f"bad Triton config {name}={vals}: want one of {KERNELS} = (BM, BN, num_warps, "
+                "num_stages), e.g. dkdv=(64, 64, 4, 2)"
             )
         cfg[name] = vals
-    fb, db, qb = cfg["fwd"], cfg.get("dkdv_split", cfg["dkdv"]), cfg["dq"]
+    fb, db, qb = cfg["fwd"], cfg["dkdv"], cfg["dq"]
     if fb[0] % fb[1] or qb[0] % qb[1] or db[1] % db[0]:
         raise ValueError(f"Triton configs need fwd/dq BM % BN == 0 and dkdv BN % BM == 0: {cfg}")
     return cfg
-
-
-def _dkdv_launches(cfgs: dict[str, Config]) -> tuple[Config, tuple[int, ...]]:
-    """The dK/dV kernel's config and the passes each of its launches runs: (0,) (dK and dV in
-    one program, the default), or (1, 2) with ``dkdv_split`` given (a dV launch, then a dK
-    launch, with that config: an experiment, benchmarks/ab_dkdv_split.py)."""
-    split = cfgs.get("dkdv_split")
-    return (split, (1, 2)) if split is not None else (cfgs["dkdv"], (0,))
 
 
 # the kernels behind their direct launchers (direct_launch.DirectKernel; the count is the number
@@ -498,8 +490,7 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
     chunks = lo_chunks(lay, branches, row_bytes, lo_rows) if comp else [(0, lay.nk)]
     dk_lo, dv_lo = _lo_buffer(dk, comp, chunks, not kv_all), _lo_buffer(dv, comp, chunks, not kv_all)
     assert dk.stride() == dv.stride()  # one lo batch stride and row origin for both
-    dkdv_cfg, passes = _dkdv_launches(cfgs)
-    bm, bn = dkdv_cfg[:2]
+    bm, bn = cfgs["dkdv"][:2]
     for c0, c1 in chunks:
         # key rows: dk, dv row i is key position i (row0 = c0)
         lk, slob, lo_row0 = _lo_range(dk_lo, dk, c0, len(chunks) > 1, not kv_all)
@@ -511,18 +502,17 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
             grid = (fixed + per_doc * lay.ndocs, lay.batch * hkv * ni)
             if grid[0] * grid[1] == 0:
                 continue
-            for ps in passes:
-                _DKDV[grid](
-                    q, k, v, kp, dout, lse, delta, dk, dv, lk, lv, lay.cu_q, lay.cu_k, lay.ndocs,
-                    *strides_in,
-                    dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                    slob, lo_row0,
-                    lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
-                    qk_scale, scale,
-                    D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
-                    COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-                    FIRST=kv_all and bi == 0, PASS=ps, **_launch_kw(dkdv_cfg),
-                )
+            _DKDV[grid](
+                q, k, v, kp, dout, lse, delta, dk, dv, lk, lv, lay.cu_q, lay.cu_k, lay.ndocs,
+                *strides_in,
+                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                slob, lo_row0,
+                lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w, r, s0, nnb,
+                qk_scale, scale,
+                D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=has_kpm, PREC=prec,
+                COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
+                FIRST=kv_all and bi == 0, **_launch_kw(cfgs["dkdv"]),
+            )
     del dk_lo, dv_lo, lk, lv
     dq, comp = _acc_buffers(q.shape, q.dtype, q.device, several_q, not q_all)
     row_bytes = bsz * nh * d * q.element_size()
@@ -962,8 +952,7 @@ class TrainPlan:
         comp, chunked, chunks, b.kv_lo_shape = self._lo_ranges(k, self.several_kv)
         b.kv_comp, b.kv_chunked = comp, chunked
         lost = _contiguous_strides(b.kv_lo_shape)
-        dkdv_cfg, passes = _dkdv_launches(cfgs)
-        bm, bn = dkdv_cfg[:2]
+        bm, bn = cfgs["dkdv"][:2]
         steps = []
         for c0, c1 in chunks:
             if comp and chunked:
@@ -979,16 +968,16 @@ class TrainPlan:
                 grid = (fixed, lay.batch * hkv * ni)
                 if (fixed + per_doc) * grid[1] == 0:
                     continue
-                steps.extend(_Launch(
+                steps.append(_Launch(
                     _DKDV, grid, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13),
                     (*self.nd_arg, *strides_in, kst[0], kst[1], kst[2], kst[0], kst[1], kst[2],
                      slob, lo_row0, lay.nq_stride, lay.nk, lay.qoff, hs, he, nh, hkv, rep, ni, w,
                      r, s0, nnb, qk_scale, scale),
                     dict(D=d, BM=bm, BN=bn, CAUSAL=causal, HAS_KPM=self.has_kpm, PREC=prec,
                          COMP=comp, STORE_LO=bi < len(branches) - 1, VARLEN=lay.varlen,
-                         FIRST=kv_all and bi == 0, PASS=ps, **_launch_kw(dkdv_cfg)),
+                         FIRST=kv_all and bi == 0, **_launch_kw(cfgs["dkdv"])),
                     per_doc=per_doc,
-                ) for ps in passes)  # fmt: skip
+                ))  # fmt: skip
         b.dkdv = _Seq(steps)
         # dQ
         qst = _contiguous_strides(q.shape)
