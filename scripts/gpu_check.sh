@@ -39,6 +39,10 @@
 #                                       (TRITON_INTERPRET unset, =1, =true), `verify`, then the CUDA tests of the
 #                                       files in $SUBSET_TESTS (default: the front door, decode, varlen, HF and
 #                                       train-plan files; timeout $SUBSET_TIMEOUT 240 s)
+#   bash scripts/gpu_check.sh ncu       issue 24: Nsight Compute over benchmarks/ncu_kernels.py (the fused fwd+bwd at the
+#                                       headline shape, then dense flash fwd+bwd at N = 16384; not causal, and causal with
+#                                       NCU_CAUSAL=1): speed of light, launch, occupancy, warp state, scheduler, compute and
+#                                       memory sections per kernel (--clock-control none), then `verify --dtype bf16`
 #   bash scripts/gpu_check.sh verify    `verify` alone (one process per dtype, 330 s; 104 s cold on
 #                                       2026-11-27), then bench_layernorm_rows.py alone
 #   bash scripts/gpu_check.sh defaults after the fused-loss / LayerNorm defaults: verify, their CUDA tests,
@@ -150,6 +154,22 @@ case "${1:-tests}" in
       ${SUBSET_TESTS:-tests/test_frontdoor.py tests/test_decode.py tests/test_decode_edges.py tests/test_decode_host.py tests/test_decode_plan.py tests/test_decode_fast.py tests/test_varlen.py tests/test_triton_varlen.py tests/test_hf.py tests/test_train_plan.py tests/test_empty_inputs.py tests/test_triton_memory.py tests/test_ring.py} > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
     tail -24 "$OUT/verify.txt"; grep -E " FAILED |passed|failed|error|rc=" "$OUT/cuda_tests.txt" | tail -20
+    ;;
+  ncu)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    echo "ncu: ${NCU:-not found}"; [ -n "$NCU" ] && "$NCU" --version | tail -1
+    secs="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis"
+    cases="no"; [ "${NCU_CAUSAL:-0}" = 1 ] && cases="no yes"
+    for c in $cases; do
+      flag=""; [ "$c" = yes ] && flag=--causal
+      # shellcheck disable=SC2086
+      timeout "${NCU_TIMEOUT:-240}" "$NCU" --profile-from-start off --clock-control none --kernel-name regex:'dilated_|flash' \
+        $secs python3 benchmarks/ncu_kernels.py $flag > "$OUT/ncu_causal_$c.txt" 2>&1
+      echo "ncu (causal=$c) rc=$?" >> "$OUT/ncu_causal_$c.txt"
+      grep -E "^  [a-zA-Z_].*\(|Duration|Registers Per Thread|Achieved Occupancy|Compute \(SM\) Throughput|rc=" "$OUT/ncu_causal_$c.txt" | head -80
+    done
+    timeout "${VERIFY_TIMEOUT:-150}" python3 -m dilated_attention verify --dtype bf16 > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
+    tail -4 "$OUT/verify.txt"
     ;;
   measure)
     timeout "${VERIFY_TIMEOUT:-200}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
