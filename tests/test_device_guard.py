@@ -234,8 +234,8 @@ def test_generate_runs_on_the_models_device(seed, impl):
     # current device; the kernels' own guards then find their device current
     m = _lm(impl)
     prompt = torch.randint(0, 50, (2, 11))
-    want = m.generate(prompt, 6, temperature=0.0)
-    want_roll = m.generate(prompt, 6, temperature=0.0, rolling=True, prefill_chunk=5)
+    want = m.generate(prompt, 4, temperature=0.0)
+    want_roll = m.generate(prompt, 4, temperature=0.0, rolling=True, prefill_chunk=5)
     hidden_last, seen = m._hidden_last, []
 
     def probe(*a):  # the current device at each prefill chunk and decode step
@@ -244,13 +244,13 @@ def test_generate_runs_on_the_models_device(seed, impl):
 
     with _as_device_1() as sw, pytest.MonkeyPatch.context() as mp:
         mp.setattr(m, "_hidden_last", probe)
-        got = m.generate(prompt, 6, temperature=0.0)
+        got = m.generate(prompt, 4, temperature=0.0)
         assert sw.entered == [1] and sw.current == 0
-        got_roll = m.generate(prompt, 6, temperature=0.0, rolling=True, prefill_chunk=5)
+        got_roll = m.generate(prompt, 4, temperature=0.0, rolling=True, prefill_chunk=5)
         assert sw.entered == [1, 1] and sw.current == 0  # one per call, none per token
-    assert seen == [1] * (1 + 5 + 3 + 5)  # prefill, decode steps; rolling: 3 prefill chunks
+    assert seen == [1] * (1 + 3 + 3 + 3)  # prefill, decode steps; rolling: 3 prefill chunks
     with _as_device_1(current=1) as sw:
-        got_here = m.generate(prompt, 6, temperature=0.0)
+        got_here = m.generate(prompt, 4, temperature=0.0)
     assert sw.entered == []
     assert torch.equal(got, want) and torch.equal(got_here, want) and torch.equal(got_roll, want_roll)
 
