@@ -65,13 +65,14 @@ def _worker(rank, world, dtypes):
 @pytest.mark.slow  # spawned ranks running the Triton interpreter
 @pytest.mark.timeout(120)
 def test_sp_triton_p2():
-    run_distributed(_worker, 2, [(torch.float32, 2e-5), (torch.float16, 4e-3)])
+    # one dtype per world size (CI time): float32 here, float16 (the low-precision merges) at P = 3
+    run_distributed(_worker, 2, [(torch.float32, 2e-5)])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sp_triton_p3():
-    run_distributed(_worker, 3, [(torch.float32, 2e-5), (torch.float16, 4e-3)])
+    run_distributed(_worker, 3, [(torch.float16, 4e-3)])
 
 
 def test_auto_local_impl_rule(monkeypatch):
