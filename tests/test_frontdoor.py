@@ -282,3 +282,27 @@ def test_generate_accepts_valid_edges(seed):
     out = m.generate(prompt, 3, temperature=0.5, top_k=1, prefill_chunk=2, generator=g)
     greedy = m.generate(prompt, 3, temperature=0, prefill_chunk=1)
     assert torch.equal(out, greedy)  # top_k=1 sampling is greedy
+
+
+@pytest.mark.skipif(not select.interpreting(), reason="Triton's interpreter only (TRITON_INTERPRET=1)")
+def test_interpreter_refuses_bf16_attention_and_auto_stays_exact(seed):
+    """Triton's interpreter computes the attention kernels' bf16 products wrongly (outputs ~1e8
+    from inputs ~1, no error): an explicit impl='triton' with bf16 on the CPU raises, dense,
+    packed and decode alike, and impl='auto' runs the torch path, close to the reference."""
+    pytest.importorskip("triton")
+    seg, dil = (8, 16), (1, 2)
+    q, k, v = (torch.randn(1, 16, 2, 16).bfloat16() for _ in range(3))
+    with pytest.raises(ValueError, match="bfloat16 in Triton's interpreter"):
+        da.dilated_attention(q, k, v, seg, dil, impl="triton")
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="bfloat16 in Triton's interpreter"):
+        da.dilated_attention_varlen(q[0], k[0], v[0], cu, cu, 11, 11, seg, dil, impl="triton")
+    with pytest.raises(ValueError, match="bfloat16 in Triton's interpreter"):
+        da.dilated_attention_with_kvcache(q[:, :1], k, v, 16, seg, dil, impl="triton")
+    got = da.dilated_attention(q, k, v, seg, dil, causal=True)
+    want = dilated_attention_reference(q.double(), k.double(), v.double(), seg, dil, causal=True)[0]
+    torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
+    # float32 and float16 still run the kernel under the interpreter
+    assert select.backend_reason("triton", "cpu", torch.float32, 16) is None
+    assert select.backend_reason("triton", "cpu", torch.float16, 16) is None
+    assert select.backend_reason("triton_decode", "cpu", torch.bfloat16, 16) is not None

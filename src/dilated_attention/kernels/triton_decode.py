@@ -37,7 +37,13 @@ import torch
 
 from . import direct_launch
 from .constants import int32_table
-from .triton_import import INTERPRET, device_reason, tl, triton  # triton, tl: None without triton
+from .triton_import import (  # triton, tl: None without triton
+    INTERPRET,
+    device_reason,
+    interpreter_bf16_reason,
+    tl,
+    triton,
+)
 
 SUPPORTED_HEADDIMS = (16, 32, 64, 128, 256)
 _LOG2E = 1.4426950408889634
@@ -184,7 +190,7 @@ def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
         return f"headdim {q.shape[-1]} is not supported by the triton decode kernel (supported: {SUPPORTED_HEADDIMS}); use impl='torch'"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q.dtype} is not supported by the triton decode kernel (fp16, bf16, fp32); use impl='torch'"
-    return None
+    return interpreter_bf16_reason(q, interpret, "triton decode kernel")
 
 
 def split_table(branches: tuple, block_n: int) -> tuple[list[list[int]], int]:

@@ -41,6 +41,18 @@ def _jit_interprets() -> bool:
 INTERPRET: bool = _jit_interprets()
 
 
+def interpreter_bf16_reason(q: torch.Tensor, interpret: bool, what: str) -> str | None:
+    """Why the attention kernels (``what``) cannot run bfloat16 ``q`` here: Triton's interpreter
+    computes their bf16 products wrongly (values ~1e8 from inputs ~1, no error; triton 3.9,
+    2026-11-28: its bf16 ``tl.dot``). The LayerNorm, rotary and cross-entropy kernels are
+    exact there and do not ask."""
+    if interpret and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        return (f"bfloat16 in Triton's interpreter (TRITON_INTERPRET=1): it computes the {what}'s "
+                "bf16 products wrongly; use float32 or float16 under the interpreter, impl='torch', "
+                "or a CUDA device")
+    return None
+
+
 def device_reason(q: torch.Tensor, interpret: bool) -> str | None:
     """Why no Triton kernel can run on inputs like ``q`` here (None if one can): triton missing,
     CUDA inputs under the interpreter, or inputs on a device that is neither CUDA nor (with the

@@ -25,7 +25,7 @@ import torch
 
 from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
-from .triton_import import device_reason
+from .triton_import import device_reason, interpreter_bf16_reason
 
 try:  # triton is an optional dependency: this module must import without it
     from . import triton_launch as _launch
@@ -51,6 +51,9 @@ def unavailable_reason(q: torch.Tensor, k: torch.Tensor | None = None) -> str | 
         return f"headdim {d} is not supported by the triton kernel (supported: {SUPPORTED_HEADDIMS}); use impl='torch'"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q.dtype} is not supported by the triton kernel (fp16, bf16, fp32); use impl='torch' or 'reference'"
+    reason = interpreter_bf16_reason(q, _launch.INTERPRET, "triton kernel")
+    if reason is not None:
+        return reason
     if k is not None and k.shape[-1] != d:
         return f"k headdim {k.shape[-1]} differs from q headdim {d}"
     return None
