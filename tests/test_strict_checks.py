@@ -47,6 +47,8 @@ def test_module_rejects_bad_scale_at_construction():
 def test_outputs_contiguous(impl, dtype, nq):
     if impl == "triton" and dtype == torch.float64:
         pytest.skip("triton: no float64")
+    if impl == "triton" and dtype == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("triton: bf16 is refused under the interpreter (test_frontdoor.py)")
     q, _, _ = qkv(2, nq, 16, 2, 2, 16, dtype=dtype, device=DEV)
     _, k, v = qkv(2, 16, 16, 2, 2, 16, dtype=dtype, device=DEV)
     out = dilated_attention(q, k, v, [8], [2], impl=impl)
