@@ -74,6 +74,10 @@
 #   bash scripts/gpu_check.sh tune-dkdv benchmarks/tune_triton.py --kernels dkdv (issue 24: the dK/dV
 #                                       kernel's block configs at D = 128, N = 131072), then the
 #                                       per-kernel profile of the headline shape
+#   bash scripts/gpu_check.sh gluon     issue 24: benchmarks/gluon_dilated_fwd.py --check --bench (the Gluon TMA + wgmma +
+#                                       warp-specialised per-branch forward prototype against the float64 reference,
+#                                       then its time per branch beside the library's Triton forward and cuDNN), then
+#                                       Nsight Compute over cuDNN's dense fwd+bwd (ncu_kernels.py --dense-only --backend cudnn)
 #   bash scripts/gpu_check.sh merge-cache FILES_AT   (here, not on the device) runs/triton_cache.tgz.part*
 #                                       and a call's new entries (FILES_AT/triton_cache.tgz.part*) into
 #                                       new runs/ parts, the oldest entries dropped until they fit
@@ -170,6 +174,20 @@ case "${1:-tests}" in
     done
     timeout "${VERIFY_TIMEOUT:-150}" python3 -m dilated_attention verify --dtype bf16 > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
     tail -4 "$OUT/verify.txt"
+    ;;
+  gluon)
+    timeout "${GLUON_TIMEOUT:-330}" python3 benchmarks/gluon_dilated_fwd.py --check --bench --out "$OUT/gluon_fwd.md" > "$OUT/gluon_fwd.txt" 2>&1
+    echo "gluon rc=$?" >> "$OUT/gluon_fwd.txt"
+    if [ "${GLUON_NCU:-1}" = 1 ]; then
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      secs="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis"
+      # shellcheck disable=SC2086
+      timeout "${NCU_TIMEOUT:-150}" "$NCU" --profile-from-start off --clock-control none $secs \
+        python3 benchmarks/ncu_kernels.py --dense-only --backend cudnn > "$OUT/ncu_cudnn.txt" 2>&1
+      echo "ncu cudnn rc=$?" >> "$OUT/ncu_cudnn.txt"
+      grep -E "^  [a-zA-Z_].*\(|Duration|Registers Per Thread|Achieved Occupancy|Compute \(SM\) Throughput|rc=" "$OUT/ncu_cudnn.txt" | head -40
+    fi
+    grep -E "PASS|FAIL|rc=|^\|" "$OUT/gluon_fwd.txt" | tail -70
     ;;
   measure)
     timeout "${VERIFY_TIMEOUT:-200}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"

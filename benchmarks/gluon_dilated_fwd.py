@@ -1,0 +1,762 @@
+"""Gluon (Triton 3.6) FlashAttention-3-style forward of ONE dilated branch on Hopper (issue 24).
+
+A standalone prototype, not part of the library: it tests whether the structural lever named in
+benchmarks/NOTES_triton.md (twentieth session: TMA, asynchronous wgmma, producer / consumer warp
+specialisation with a register split) lifts the dilated forward from the ~414 TF/s per executed
+FLOP of the library's Triton kernel toward cuDNN's dense rate. It needs Triton 3.6's Gluon
+(``triton.experimental.gluon``; the API moves between versions: written against 3.6.0 exactly).
+
+Math (docs/spec.md): branch (w, r) splits the positions into segments of w rows; query head h
+reads the rows ``s*w + c + r*t`` (t = 0..L-1, c = h % r) of segment s; inside such a block it is
+plain dense attention (causal inside the block when causal). Restriction of the prototype:
+``N % w == 0`` and ``w % r == 0`` (every block has L = w // r rows); the library keeps its
+Triton kernel for the other shapes. Returns (out, lse) of the branch alone: out (B, N, H, D) in
+q's dtype and lse (B, H, N) float32 natural log, written at the rows each head reads; the rows a
+head does not read in this branch (residue != h % r) keep what the buffers held (zeros and -inf
+when the function allocates them).
+
+Kernel (:func:`_dilated_fwd_kernel`), one program per (query tile of BM = 128 rows, segment,
+batch x head); three partitions of ``gl.warp_specialize``:
+- loader (1 warp, 24 registers): TMA loads of the two Q halves, then the K and V tiles of BN
+  rows into a ring of STAGES buffers each, with mbarrier expect-tx (ready) and the consumers'
+  release barriers (empty, two arrivals: one per consumer warpgroup).
+- two consumer warpgroups (the default partition and one 4-warp worker, 240 registers each
+  through setmaxnreg), 64 query rows each, each on its own (FA3: no barrier between them):
+  S = Q K^T by async wgmma (Q and K from shared memory), online softmax in fp32 registers (exp2,
+  scale folded), O += P V by async wgmma with P from registers (the A operand), software
+  pipelined as FA3's intra-warpgroup overlap: the QK^T of tile j is issued before the PV of tile
+  j-1, and the softmax of tile j is placed (in the PTX) while that PV is in flight. CPU compile
+  finding (2026-11-28, Triton 3.6's ptxas): ptxas moves the ``wgmma.wait_group 0`` of the PV up
+  to the first instruction that overwrites a register of the S accumulator (the softmax works
+  in place), so in the SASS only the row-max pass overlaps the PV; the exp2 / row-sum pass
+  runs after it. Overlap across the two consumer warpgroups is left to the warp scheduler (no
+  FA3 ping-pong named barriers: Gluon 3.6 has no named-barrier API).
+- epilogue per consumer: O / l into its Q buffer (bf16/fp16), TMA store (rows t >= L clipped by
+  the TMA box), lse by plain masked stores.
+
+Strided blocks through TMA: q is viewed as the 4-D tensor [B*N/w, L, r*H, D] with strides
+[w*H*D, r*H*D, D, 1] (index (b*nseg + s, t, c*H + h, d)); k and v likewise with Hkv
+(GQA: kv head h // (H // Hkv)). A box [1, rows, 1, D] of that view is one 2-D tile of a dilated
+block; the shared buffer is ``.reshape``d to the [rows, D] tile that wgmma reads (same bytes;
+the compiler infers the 2-D 128-byte-swizzled layout). TMA zero-fills rows t >= L; the scores of keys t >= L (and j > i when
+causal) are masked to -inf, only on the tiles that need it. Causal: key tiles past the
+program's last row are skipped.
+
+Usage (the GPU machine: Triton 3.6, sm_90)::
+
+    PYTHONPATH=src python3 benchmarks/gluon_dilated_fwd.py --check --bench --out $OUT/gluon_fwd.md
+
+``--compile-only [--sass DIR]`` compiles the variants for sm_90 without a GPU (Triton 3.6 in
+the venv of benchmarks/kernel_resources.py) and prints registers, spills, shared memory and the
+SASS facts (UTMALDG, HGMMA, SYNCS, USETMAXREG). Exit 2 when Gluon / its Hopper module is missing
+or the GPU is not sm_90.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    print("gluon_dilated_fwd: torch is missing")
+    sys.exit(2)
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001  (any import failure: report and exit 2)
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# consumer warpgroup rows (wgmma M per warpgroup) and the program's rows (two consumers)
+WG_M = 64
+BM = 2 * WG_M
+
+
+if _IMPORT_ERROR is None:
+    # the kernels read these globals: Triton wants them as constexpr objects
+    _WGM = gl.constexpr(WG_M)
+    _LN2 = gl.constexpr(LN2)
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
+                k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles,
+                BN: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        # one warp: Q of both consumers, then K_j / V_j into the ring (K first: the consumers
+        # need K_j before V_{j-1})
+        for i in gl.static_range(2):
+            mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_blk, q_row0 + i * _WGM, q_col, 0], q_bars.index(i), q_bufs.index(i)
+            )
+        for j in range(n_tiles):
+            st = j % STAGES
+            ph = (j // STAGES) & 1
+            # a fresh barrier counts as having completed the phase before phase 0: the first
+            # round passes at once
+            mbarrier.wait(k_empty.index(st), ph ^ 1)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [q_blk, j * BN, kv_col, 0], k_ready.index(st), k_bufs.index(st)
+            )
+            mbarrier.wait(v_empty.index(st), ph ^ 1)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [q_blk, j * BN, kv_col, 0], v_ready.index(st), v_bufs.index(st)
+            )
+
+    @gluon.jit
+    def _mask_scores(s, row0, j, L, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                     s_layout: gl.constexpr):  # fmt: skip
+        rows = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
+        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < L, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+        return gl.where(keep, s, float("-inf"))
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale, row0, j, L, BN: gl.constexpr,
+                      CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                      s_layout: gl.constexpr):  # fmt: skip
+        # one tile of the online softmax in base 2: returns p (unnormalised), m, l, alpha
+        if MASKED:
+            s = _mask_scores(s, row0, j, L, BN, CAUSAL, s_layout)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        if MASKED:
+            # a row with no key so far (a causal tile above it): keep exp2 finite (no NaN)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_new, alpha
+
+    @gluon.jit
+    def _first_tile(q_tile, k_bufs, k_ready, k_empty, m_i, l_i, s_zero, qk_scale, row0, L,
+                    BN: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                    MASKED: gl.constexpr, s_layout: gl.constexpr,
+                    p_layout: gl.constexpr):  # fmt: skip
+        # S_0 = Q K_0^T and its softmax (nothing to overlap with yet)
+        mbarrier.wait(k_ready.index(0), 0)
+        k_t = k_bufs.index(0).reshape([BN, D]).permute((1, 0))
+        s_tok = warpgroup_mma(q_tile, k_t, s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(0))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row0, 0, L, BN, CAUSAL,
+                                           MASKED, s_layout)  # fmt: skip
+        return gl.convert_layout(p.to(q_tile.dtype), p_layout), m_i, l_i
+
+    @gluon.jit
+    def _tile_step(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, p_op, m_i, l_i,
+                   acc, s_zero, qk_scale, row0, L, BN: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr,
+                   p_layout: gl.constexpr):  # fmt: skip
+        # FA3's intra-warpgroup overlap: issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait
+        # for S_j only (the older group) and run the softmax of tile j while the PV runs
+        dtype: gl.constexpr = q_tile.dtype
+        st = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+        k_t = k_bufs.index(st).reshape([BN, D]).permute((1, 0))
+        s_tok = warpgroup_mma(q_tile, k_t, s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+        v_tile = v_bufs.index(sp).reshape([BN, D])
+        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(st))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row0, j, L, BN, CAUSAL,
+                                           MASKED, s_layout)  # fmt: skip
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        mbarrier.arrive(v_empty.index(sp))
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+        acc = acc * gl.expand_dims(alpha_o, 1)
+        # P_j into the A-operand registers only now: P_{j-1}'s PV has completed
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        return p_op, m_i, l_i, acc
+
+    @gluon.jit
+    def _consumer(wg: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
+                  k_empty, v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L,
+                  R, qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr):  # fmt: skip
+        # one warpgroup (4 warps), 64 query rows: rows q_row0 + wg*64 + [0, 64) of the block
+        dtype: gl.constexpr = o_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+        row0 = q_row0 + wg * _WGM
+        q4 = q_bufs.index(wg)
+        # the [1, 64, 1, D] TMA box as the [64, D] tile wgmma reads (the same bytes: the
+        # compiler infers the 2-D 128-byte-swizzled NVMMA layout for the reshape)
+        q_tile = q4.reshape([_WGM, D])
+
+        m_i = gl.full([_WGM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([_WGM], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([_WGM, D], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([_WGM, BN], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_bars.index(wg), 0)
+        # tiles [0, n_full) need no mask, [n_full, n_tiles) do: two copies of the loop body
+        # (MASKED constexpr), no branch inside a loop
+        if n_full > 0:
+            p_op, m_i, l_i = _first_tile(q_tile, k_bufs, k_ready, k_empty, m_i, l_i, s_zero,
+                                         qk_scale, row0, L, BN, D, CAUSAL, False, s_layout,
+                                         p_layout)  # fmt: skip
+        else:
+            p_op, m_i, l_i = _first_tile(q_tile, k_bufs, k_ready, k_empty, m_i, l_i, s_zero,
+                                         qk_scale, row0, L, BN, D, CAUSAL, True, s_layout,
+                                         p_layout)  # fmt: skip
+        for j in range(1, n_full):
+            p_op, m_i, l_i, acc = _tile_step(j, q_tile, k_bufs, v_bufs, k_ready, v_ready,
+                                             k_empty, v_empty, p_op, m_i, l_i, acc, s_zero,
+                                             qk_scale, row0, L, BN, D, STAGES, CAUSAL, False,
+                                             s_layout, o_layout, p_layout)  # fmt: skip
+        for j in range(gl.maximum(n_full, 1), n_tiles):
+            p_op, m_i, l_i, acc = _tile_step(j, q_tile, k_bufs, v_bufs, k_ready, v_ready,
+                                             k_empty, v_empty, p_op, m_i, l_i, acc, s_zero,
+                                             qk_scale, row0, L, BN, D, STAGES, CAUSAL, True,
+                                             s_layout, o_layout, p_layout)  # fmt: skip
+
+        # the last PV
+        sp = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
+        v_tile = v_bufs.index(sp).reshape([BN, D])
+        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        mbarrier.arrive(v_empty.index(sp))
+
+        # epilogue: O / l through this warpgroup's Q buffer (its last reader, the QK^T of the
+        # last tile, has completed) and a TMA store; rows t >= L fall outside the box
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))
+        o = acc / gl.expand_dims(l_o, 1)
+        q_tile.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_blk, row0, q_col, 0], q4)
+        # lse (natural log): m is in log2 units of the scaled scores
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
+        rows = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
+        gl.store(LSE + lse_base + rows * R, lse, mask=rows < L)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer_wg0(o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty,
+                      v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L, R,
+                      qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr):  # fmt: skip
+        _consumer(0, o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
+                  LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L, R, qk_scale, BN, D,
+                  STAGES, CAUSAL)  # fmt: skip
+
+    @gluon.jit
+    def _consumer_wg1(o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty,
+                      v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L, R,
+                      qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr):  # fmt: skip
+        _consumer(1, o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
+                  LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L, R, qk_scale, BN, D,
+                  STAGES, CAUSAL)  # fmt: skip
+
+    @gluon.jit
+    def _dilated_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, N, L, NSEG, R, H,
+                            HKV, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                            CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            LOADER_REGS: gl.constexpr):  # fmt: skip
+        pid_m = gl.program_id(0)
+        seg = gl.program_id(1)
+        bh = gl.program_id(2)
+        b = bh // H
+        h = bh % H
+        c = h % R
+        hk = h // (H // HKV)
+        q_row0 = pid_m * (2 * _WGM)
+        q_blk = b * NSEG + seg
+        q_col = c * H + h
+        kv_col = c * HKV + hk
+        # key tiles: all of the block, or (causal) up to the program's last row; the tiles
+        # from n_full on need a mask (keys >= L or above the diagonal)
+        n_kv = gl.cdiv(L, BN)
+        if CAUSAL:
+            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
+            n_full = gl.minimum(q_row0 // BN, L // BN)
+        else:
+            n_tiles = n_kv
+            n_full = L // BN
+        lse_base = (b * H + h).to(gl.int64) * N + seg * (L * R) + c
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape,
+                                           k_desc.layout)  # fmt: skip
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape,
+                                           v_desc.layout)  # fmt: skip
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            # one arrival per consumer warpgroup
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+
+        # the argument tuples are written inline: a tuple assigned to a name first would turn
+        # its constexpr entries into tensors (Triton 3.6's assignment sanitiser)
+        gl.warp_specialize(
+            [
+                (_consumer_wg0, (o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
+                                 k_empty, v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles,
+                                 n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL)),
+                (_consumer_wg1, (o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
+                                 k_empty, v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles,
+                                 n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready,
+                           v_ready, k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles, BN,
+                           STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ host side
+
+KV_BN = 128  # key rows per tile
+CONSUMER_REGS = 240  # setmaxnreg of each consumer warpgroup (FA3: 240)
+LOADER_REGS = 24  # setmaxnreg of the loader's warpgroup (the minimum)
+# per-thread register cap of the whole kernel: 12 warps (2 consumer warpgroups + the loader's
+# warpgroup) x 32 threads x 168 <= 65536; setmaxnreg moves registers from the loader to the
+# consumers (240 * 8 + 24 * 4 warps = 2016 <= 168 * 12)
+MAXNREG = 168
+
+
+def _stages(d: int) -> int:
+    # shared memory: Q (BM x D) + STAGES x (K + V) tiles (BN x D); 2 stages at D=128 (160 KB),
+    # 3 at D=64 (112 KB); the H200 gives a block at most 227 KB
+    return 2 if d == 128 else 3
+
+
+def env_problem() -> str | None:
+    """Why this script cannot run its GPU part here (None: it can)."""
+    if _IMPORT_ERROR is not None:
+        return f"Gluon or its Hopper module is missing: {_IMPORT_ERROR}"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"the GPU is sm_{cap[0]}{cap[1]}, this kernel is for sm_90 (Hopper) only"
+    return None
+
+
+def _gl_dtype(dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _block_desc(x: torch.Tensor, w: int, r: int, rows: int) -> TensorDescriptor:
+    """TMA descriptor of the dilated blocks of x (B, N, heads, D): the 4-D view
+    [B*N/w, L, r*heads, D], strides [w*heads*D, r*heads*D, D, 1], box [1, rows, 1, D]: index
+    (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h."""
+    b, n, heads, d = x.shape
+    shape = [b * (n // w), w // r, r * heads, d]
+    strides = [w * heads * d, r * heads * d, d, 1]
+    block = [1, rows, 1, d]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
+    return TensorDescriptor(x, shape, strides, block, layout)
+
+
+def gluon_branch_fwd(
+    q,
+    k,
+    v,
+    w: int,
+    r: int,
+    causal: bool,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+):
+    """(out, lse) of the ONE branch (w, r). q (B, N, H, D), k, v (B, N, Hkv, D), contiguous,
+    bf16 or fp16, D 64 or 128, N % w == 0, w % r == 0. out / lse: buffers to write into (the
+    rows a head does not read keep their values); None: allocated (zeros / -inf where r > 1)."""
+    bsz, n, nh, d = q.shape
+    hkv = k.shape[2]
+    if n % w or w % r:
+        raise ValueError(f"prototype restriction: N % w == 0 and w % r == 0 (N={n}, w={w}, r={r})")
+    if d not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"D must be 64 or 128 and the dtype bf16 or fp16 (D={d}, {q.dtype})")
+    if nh % hkv or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != d:
+        raise ValueError("shapes: q (B, N, H, D), k and v (B, N, Hkv, D), H % Hkv == 0")
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("q, k, v must be contiguous")
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    big_l, nseg = w // r, n // w
+    if out is None:
+        out = torch.zeros_like(q) if r > 1 else torch.empty_like(q)
+    if lse is None:
+        fill = float("-inf")
+        lse = (torch.full((bsz, nh, n), fill, dtype=torch.float32, device=q.device) if r > 1
+               else torch.empty((bsz, nh, n), dtype=torch.float32, device=q.device))  # fmt: skip
+    grid = (triton.cdiv(big_l, BM), nseg, bsz * nh)
+    _dilated_fwd_kernel[grid](
+        _block_desc(q, w, r, WG_M), _block_desc(k, w, r, KV_BN), _block_desc(v, w, r, KV_BN),
+        _block_desc(out, w, r, WG_M), lse, scale * LOG2E, n, big_l, nseg, r, nh, hkv,
+        BN=KV_BN, D=d, STAGES=_stages(d), CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
+    )  # fmt: skip
+    return out, lse
+
+
+# ------------------------------------------------------------------------------ checking
+
+
+def _head_blocks(x: torch.Tensor, h: int, c: int, w: int, r: int) -> torch.Tensor:
+    """(B, nseg, L, D): head h's rows s*w + c + r*t of x (B, N, heads, D), per segment s."""
+    bsz, n, _, d = x.shape
+    return x[:, :, h, :].reshape(bsz, n // w, w // r, r, d)[:, :, :, c]
+
+
+def _reference_head(qh, kh, vh, causal, scale):
+    """float64 dense attention on (B, nseg, L, D) blocks: out (same shape), lse (B, nseg, L)."""
+    s = torch.matmul(qh.double(), kh.double().transpose(-1, -2)) * scale
+    if causal:
+        big_l = s.shape[-1]
+        s = s.masked_fill(torch.ones(big_l, big_l, dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))  # fmt: skip
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), vh.double()), lse
+
+
+def _sdpa_head(qh, kh, vh, causal, scale):
+    """torch SDPA (flash / cuDNN backend) in the input dtype on the same blocks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    bsz, nseg, big_l, d = qh.shape
+    args = [x.reshape(bsz * nseg, 1, big_l, d) for x in (qh, kh, vh)]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        o = torch.nn.functional.scaled_dot_product_attention(*args, is_causal=causal, scale=scale)
+    return o.reshape(bsz, nseg, big_l, d)
+
+
+def check_case(bsz, n, nh, hkv, d, w, r, causal, dtype, seed=0):
+    """One exactness case: returns (ok, line)."""
+    torch.manual_seed(seed)
+    dev = "cuda"
+    q = torch.randn(bsz, n, nh, d, device=dev, dtype=dtype)
+    k = torch.randn(bsz, n, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn(bsz, n, hkv, d, device=dev, dtype=dtype)
+    scale = d**-0.5
+    out, lse = gluon_branch_fwd(q, k, v, w, r, causal, scale)
+    torch.cuda.synchronize()
+    rep = nh // hkv
+    err_o = err_s = err_l = 0.0
+    for h in range(nh):
+        c = h % r
+        qh = _head_blocks(q, h, c, w, r)
+        kh, vh = _head_blocks(k, h // rep, c, w, r), _head_blocks(v, h // rep, c, w, r)
+        ref_o, ref_l = _reference_head(qh, kh, vh, causal, scale)
+        got_o = _head_blocks(out, h, c, w, r).double()
+        got_l = lse[:, h, :].reshape(bsz, n // w, w // r, r)[:, :, :, c].double()
+        sd_o = _sdpa_head(qh, kh, vh, causal, scale).double()
+        err_o = max(err_o, (got_o - ref_o).abs().max().item())
+        err_s = max(err_s, (sd_o - ref_o).abs().max().item())
+        err_l = max(err_l, ((got_l - ref_l).abs() / ref_l.abs().clamp_min(1.0)).max().item())
+    floor = 1e-3
+    ok_o = err_o <= 2 * err_s + floor
+    ok_l = err_l <= 1e-3
+    finite = bool(torch.isfinite(out).all()) and not bool(torch.isnan(lse).any())
+    ok = ok_o and ok_l and finite
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    line = (f"| {'PASS' if ok else 'FAIL'} | B={bsz} N={n} H={nh} Hkv={hkv} D={d} {name} "
+            f"(w,r)=({w},{r}) causal={causal} | out err {err_o:.2e} (SDPA {err_s:.2e}, "
+            f"limit {2 * err_s + floor:.2e}) | lse rel {err_l:.2e} |")  # fmt: skip
+    return ok, line
+
+
+def check_cases():
+    """(B, N, H, Hkv, D, w, r, causal, dtype) of --check."""
+    branches = [
+        (2048, 1, 8192),
+        (4096, 2, 8192),
+        (32768, 16, 32768),
+        (256, 4, 4096),
+        (960, 5, 3840),
+    ]  # (w, r, N); (960, 5): L = 192, a partial key / query tile
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal in (False, True):
+            for d in (64, 128):
+                for nh, hkv in ((16, 4), (8, 8)):
+                    for w, r, n in branches:
+                        cases.append((1, n, nh, hkv, d, w, r, causal, dtype))
+            cases.append((2, 8192, 16, 4, 128, 4096, 2, causal, dtype))
+            cases.append((2, 4096, 8, 8, 64, 256, 4, causal, dtype))
+    return cases
+
+
+def run_check(lines: list[str]) -> bool:
+    lines += ["## --check (float64 reference on the gathered blocks)", "",
+              "| result | case | out max abs error | lse max rel error |", "|---|---|---|---|"]  # fmt: skip
+    all_ok = True
+    for case in check_cases():
+        try:
+            ok, line = check_case(*case)
+        except Exception as e:  # noqa: BLE001  (a failing case is reported, the rest still run)
+            ok, line = False, f"| FAIL | {case} | {type(e).__name__}: {str(e)[:300]} | |"
+        all_ok &= ok
+        print(line, flush=True)
+        lines.append(line)
+    lines += ["", f"**check: {'all PASS' if all_ok else 'FAIL'}**", ""]
+    return all_ok
+
+
+# ------------------------------------------------------------------------------ benchmark
+
+
+def median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
+    """Median of CUDA-event times of fn() over iters calls after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _library_fwd():
+    """The library's per-branch Triton forward (fold off), or None when src is not importable."""
+    try:
+        from dilated_attention.kernels import triton_launch
+    except Exception as e:  # noqa: BLE001
+        print(f"library Triton forward unavailable ({type(e).__name__}: {e}); PYTHONPATH=src?")
+        return None
+
+    def fwd(q, k, v, w, r, causal, scale):
+        nh = q.shape[2]
+        return triton_launch.forward(q, k, v, None, [w], [r], causal, scale, [(0, nh)],
+                                     fold=False)  # fmt: skip
+
+    return fwd
+
+
+def run_bench(lines: list[str], n: int = 131072, nh: int = 16, d: int = 128) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    bsz, dtype = 1, torch.bfloat16
+    branches = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
+    torch.manual_seed(0)
+    q = torch.randn(bsz, n, nh, d, device="cuda", dtype=dtype)
+    k = torch.randn(bsz, n, nh, d, device="cuda", dtype=dtype)
+    v = torch.randn(bsz, n, nh, d, device="cuda", dtype=dtype)
+    scale = d**-0.5
+    lib = _library_fwd()
+    out = torch.zeros_like(q)
+    lse = torch.full((bsz, nh, n), float("-inf"), dtype=torch.float32, device="cuda")
+    rows = []
+    print(f"bench: B={bsz} N={n} H={nh} D={d} bf16; TF/s = useful FLOPs / time")
+    for causal in (False, True):
+        for w, r in branches:
+            big_l, nseg = w // r, n // w
+            flops = 4.0 * big_l * big_l * d * bsz * nseg * nh * (0.5 if causal else 1.0)
+            t_g = median_ms(lambda: gluon_branch_fwd(q, k, v, w, r, causal, scale, out, lse))  # noqa: B023
+            t_l = float("nan")
+            if lib is not None:
+                try:
+                    t_l = median_ms(lambda: lib(q, k, v, w, r, causal, scale))  # noqa: B023
+                except Exception as e:  # noqa: BLE001
+                    print(f"library forward failed: {type(e).__name__}: {e}")
+            # dense ceiling: cuDNN on contiguous blocks with the branch's FLOPs (B*nseg blocks
+            # per head: each head reads one residue class)
+            qd = torch.randn(bsz * nseg, nh, big_l, d, device="cuda", dtype=dtype)
+            kd, vd = torch.randn_like(qd), torch.randn_like(qd)
+
+            def dense(qd=qd, kd=kd, vd=vd, causal=causal):
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qd, kd, vd, is_causal=causal, scale=scale
+                    )
+
+            try:
+                t_c = median_ms(dense)
+            except Exception as e:  # noqa: BLE001
+                print(f"cuDNN SDPA failed: {type(e).__name__}: {e}")
+                t_c = float("nan")
+            del qd, kd, vd
+            tf = [flops / t / 1e9 for t in (t_g, t_l, t_c)]
+            row = (f"| {w} | {r} | {big_l} | {causal} | {t_g:.3f} | {tf[0]:.0f} | {t_l:.3f} | "
+                   f"{tf[1]:.0f} | {t_c:.3f} | {tf[2]:.0f} | {t_l / t_g:.2f} |")  # fmt: skip
+            print(row, flush=True)
+            rows.append(row)
+    lines += [f"## --bench: B={bsz} N={n} H={nh} D={d} bf16, one branch per row", "",
+              "Times: median of 15 CUDA-event timed calls after 3 warm-up calls (ms). TF/s = "
+              "useful FLOPs (4 L^2 D per block and head, halved when causal) / time. Gluon: "
+              "this kernel; library: `triton_launch.forward(..., fold=False)` on the single "
+              "branch; cuDNN: SDPA (CUDNN_ATTENTION) on contiguous (B*N/w, H, L, D) tensors "
+              "(the same FLOPs: the dense ceiling).", "",
+              "| w | r | L | causal | Gluon ms | Gluon TF/s | library ms | library TF/s | "
+              "cuDNN ms | cuDNN TF/s | library / Gluon |",
+              "|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ CPU compile
+
+
+def _signature(d: int, causal: bool, dtype_name: str = "bf16"):
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype_name]
+
+    def desc(rows):
+        lay = gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], gdt)
+        return f"tensordesc<{dtype_name}[1, {rows}, 1, {d}],{lay!r}>"
+
+    sig = {"q_desc": desc(WG_M), "k_desc": desc(KV_BN), "v_desc": desc(KV_BN),
+           "o_desc": desc(WG_M), "LSE": "*fp32", "qk_scale": "fp32", "N": "i32", "L": "i32",
+           "NSEG": "i32", "R": "i32", "H": "i32", "HKV": "i32", "BN": "constexpr",
+           "D": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr",
+           "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}  # fmt: skip
+    consts = {"BN": KV_BN, "D": d, "STAGES": _stages(d), "CAUSAL": causal,
+              "CONSUMER_REGS": CONSUMER_REGS, "LOADER_REGS": LOADER_REGS}  # fmt: skip
+    return sig, consts
+
+
+SASS_FACTS = ("UTMALDG", "UTMASTG", "HGMMA", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "SYNCS",
+              "USETMAXREG", "BAR.SYNC", "LDL", "STL", "LDS", "STS", "SHFL", "MUFU.EX2")  # fmt: skip
+
+
+def compile_only(lines: list[str], sass_dir: str | None) -> bool:
+    """Compile the variants for sm_90 without a GPU; registers, spills, smem, SASS facts."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    lines += [f"## sm_90 compile (CPU, triton {triton.__version__})", "",
+              "| variant | regs (cap) | stack / local | smem bytes | setmaxnreg values | "
+              + " | ".join(SASS_FACTS) + " |", "|---" * (5 + len(SASS_FACTS)) + "|"]  # fmt: skip
+    ok = True
+    for dtype_name in ("bf16", "fp16"):
+        for d in (128, 64):
+            for causal in (False, True):
+                name = f"{dtype_name} D={d} causal={causal}"
+                sig, consts = _signature(d, causal, dtype_name)
+                attrs = {(4,): [["tt.divisibility", 16]]}
+                try:
+                    ck = triton.compile(GluonASTSource(_dilated_fwd_kernel, sig, consts, attrs),
+                                        target=GPUTarget("cuda", 90, 32),
+                                        options={"num_warps": 4, "maxnreg": MAXNREG})  # fmt: skip
+                except Exception as e:  # noqa: BLE001
+                    ok = False
+                    msg = f"| {name} | compile FAILED: {type(e).__name__}: {str(e)[:300]} |"
+                    print(msg)
+                    lines.append(msg)
+                    continue
+                with tempfile.TemporaryDirectory() as tmp:
+                    cubin = os.path.join(tmp, "k.cubin")
+                    with open(cubin, "wb") as f:
+                        f.write(ck.asm["cubin"])
+                    res = subprocess.run([os.path.join(tools, "cuobjdump"),
+                                          "--dump-resource-usage", cubin],
+                                         capture_output=True, text=True).stdout  # fmt: skip
+                    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
+                                          capture_output=True, text=True).stdout  # fmt: skip
+                reg = re.search(r"REG:(\d+)", res)
+                stack = re.search(r"STACK:(\d+)", res)
+                local = re.search(r"LOCAL:(\d+)", res)
+                maxnreg = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.\S+ (?:UP\d, )?"
+                                                                 r"0x([0-9a-f]+)", sass)})  # fmt: skip
+                counts = [str(len(re.findall(re.escape(p), sass))) for p in SASS_FACTS]
+                row = (f"| {name} | {reg.group(1) if reg else '?'} ({MAXNREG}) | "
+                       f"{stack.group(1) if stack else '?'} / {local.group(1) if local else '?'}"
+                       f" | {ck.metadata.shared} | {maxnreg} | " + " | ".join(counts) + " |")  # fmt: skip
+                print(row, flush=True)
+                lines.append(row)
+                if sass_dir:
+                    os.makedirs(sass_dir, exist_ok=True)
+                    stem = os.path.join(sass_dir, f"gluon_fwd_{dtype_name}_d{d}_c{int(causal)}")
+                    for ext, text in (("sass", sass), ("ptx", ck.asm["ptx"]),
+                                      ("ttgir", ck.asm["ttgir"])):  # fmt: skip
+                        with open(f"{stem}.{ext}", "w") as f:
+                            f.write(text)
+    lines.append("")
+    return ok
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exactness vs float64 (GPU)")
+    ap.add_argument("--bench", action="store_true", help="headline-shape timing (GPU)")
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 on the CPU")
+    ap.add_argument("--sass", default=None, help="with --compile-only: write SASS/PTX/TTGIR here")
+    ap.add_argument("--out", default=None, help="write the markdown report here")
+    args = ap.parse_args(argv)
+    if not (args.check or args.bench or args.compile_only):
+        ap.error("give --check, --bench and/or --compile-only")
+    lines = ["# Gluon FA3-style dilated forward (one branch), issue 24", "",
+             f"`{' '.join(sys.argv)}`", ""]  # fmt: skip
+    if _IMPORT_ERROR is not None:
+        print(f"gluon_dilated_fwd: cannot run: Gluon or its Hopper module is missing: "
+              f"{_IMPORT_ERROR}")  # fmt: skip
+        return 2
+    lines.append(f"triton {triton.__version__}, torch {torch.__version__}")
+    rc = 0
+    if args.compile_only:
+        rc |= 0 if compile_only(lines, args.sass) else 1
+    if args.check or args.bench:
+        why = env_problem()
+        if why is not None:
+            print(f"gluon_dilated_fwd: cannot run on this machine: {why}")
+            return 2
+        lines.append(f"device: {torch.cuda.get_device_name()}")
+        lines.append("")
+        if args.check and not run_check(lines):
+            rc = 1
+        if args.bench:
+            run_bench(lines)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"report: {args.out}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
