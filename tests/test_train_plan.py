@@ -375,7 +375,7 @@ def test_packed_training_steps_reuse_plans(seed, monkeypatch, causal, fold):
     if fold:  # fold at these sizes (w_min / r_max is below the interpreter's BM)
         monkeypatch.setattr(L, "fold_fills_tile", lambda geo, bm: True)
     built = _count_plan_builds(monkeypatch)
-    h, hkv, d = 4, 2, 16
+    h, hkv, d = 2, 1, 16  # GQA 2/1: every residue of r = 2 has a head
     seg, dil = (10, 20), (1, 2)  # 48 rows: no multiple of w, so a last slot need not be spare
     for step, lens in enumerate(STEP_DOCS):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)

@@ -217,7 +217,7 @@ FILL_CASES = {
     "short_q_mqa": ([2, 0, 1, 5, 0, 19, 0], [9, 0, 1, 5, 4, 30, 3], 4, 1, ([6, 20], [1, 3]), False,
                     torch.float32),
     # fp16 with rows in several branches: the compensated (hi, lo) sums, lo unfilled too
-    "fp16_lo": ([13, 1, 27, 0, 5], [13, 1, 30, 2, 5], 6, 2, ([4, 12, 24], [1, 3, 2]), False,
+    "fp16_lo": ([13, 1, 27, 0, 5], [13, 1, 30, 2, 5], 3, 1, ([4, 12, 24], [1, 3, 2]), False,
                 torch.float16),
 }  # fmt: skip
 
