@@ -78,6 +78,12 @@
 #                                       warp-specialised per-branch forward prototype against the float64 reference,
 #                                       then its time per branch beside the library's Triton forward and cuDNN), then
 #                                       Nsight Compute over cuDNN's dense fwd+bwd (ncu_kernels.py --dense-only --backend cudnn)
+#   bash scripts/gpu_check.sh gluon-int issue 24: the Gluon forward inside the library: the whole CUDA suite (-n 4), `verify`,
+#                                       then the headline bench (N = 131072, causal and not) with the Gluon forward on
+#                                       and off (DILATED_ATTENTION_GLUON_FWD=0), same-run dense SDPA
+#   bash scripts/gpu_check.sh gluon-bwd issue 24: benchmarks/gluon_dilated_bwd.py --check --quick, then $GLUON_BWD_ARGS (--bench) (the Gluon dK/dV and dQ
+#                                       prototype against the float64 reference, then per branch beside the library's
+#                                       Triton backward and cuDNN)
 #   bash scripts/gpu_check.sh merge-cache FILES_AT   (here, not on the device) runs/triton_cache.tgz.part*
 #                                       and a call's new entries (FILES_AT/triton_cache.tgz.part*) into
 #                                       new runs/ parts, the oldest entries dropped until they fit
@@ -188,6 +194,24 @@ case "${1:-tests}" in
       grep -E "^  [a-zA-Z_].*\(|Duration|Registers Per Thread|Achieved Occupancy|Compute \(SM\) Throughput|rc=" "$OUT/ncu_cudnn.txt" | head -40
     fi
     grep -E "PASS|FAIL|rc=|^\|" "$OUT/gluon_fwd.txt" | tail -70
+    ;;
+  gluon-int)
+    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=8 > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    timeout "${VERIFY_TIMEOUT:-120}" python3 -m dilated_attention verify --dtype bf16 > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
+    timeout 100 python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_on.md" > "$OUT/bench_on.txt" 2>&1
+    echo "bench on rc=$?" >> "$OUT/bench_on.txt"
+    DILATED_ATTENTION_GLUON_FWD=0 timeout 100 python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_off.md" >> "$OUT/bench_on.txt" 2>&1
+    echo "bench off rc=$?" >> "$OUT/bench_on.txt"
+    grep -E "FAILED|Error|rc=" "$OUT/cuda_tests.txt" | tail -25; tail -4 "$OUT/verify.txt"; grep -E "^\||rc=" "$OUT/bench_on.txt" | tail -20
+    ;;
+  gluon-bwd)
+    # a barrier mistake hangs: the quick check (12 cases) first, under its own timeout
+    timeout "${QUICK_TIMEOUT:-150}" python3 benchmarks/gluon_dilated_bwd.py --check --quick --out "$OUT/gluon_bwd_quick.md" > "$OUT/gluon_bwd.txt" 2>&1
+    echo "gluon-bwd quick check rc=$?" >> "$OUT/gluon_bwd.txt"
+    timeout "${GLUON_TIMEOUT:-330}" python3 benchmarks/gluon_dilated_bwd.py ${GLUON_BWD_ARGS:---bench} --out "$OUT/gluon_bwd.md" >> "$OUT/gluon_bwd.txt" 2>&1
+    echo "gluon-bwd ${GLUON_BWD_ARGS:---bench} rc=$?" >> "$OUT/gluon_bwd.txt"
+    grep -E "FAIL|rc=|^\|" "$OUT/gluon_bwd.txt" | grep -v "^| PASS" | tail -40; echo "PASS lines: $(grep -c '^| PASS' "$OUT/gluon_bwd.txt")"
     ;;
   measure)
     timeout "${VERIFY_TIMEOUT:-200}" python3 -m dilated_attention verify > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
