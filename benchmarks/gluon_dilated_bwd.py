@@ -810,8 +810,10 @@ def reference_bwd(q, k, v, dout, w, r, causal, scale):
 
 def _tma_box(x4: torch.Tensor, blk: int, t0: int, col: int, rows: int) -> torch.Tensor:
     """A [1, rows, 1, D] TMA box of the 4-D view x4 [B*N/w, L, r*heads, D] at (blk, t0, col),
-    rows past L zero-filled (as the hardware)."""
+    rows past L zero-filled (as the hardware). The coordinates of the dimensions the box does
+    not span (blk, col) must be inside the view: the emulation's out-of-bounds check."""
     big_l, d = x4.shape[1], x4.shape[3]
+    assert 0 <= blk < x4.shape[0] and 0 <= col < x4.shape[2] and t0 >= 0, (blk, t0, col)
     box = torch.zeros(rows, d, dtype=x4.dtype)
     hi = min(t0 + rows, big_l)
     if hi > t0:
@@ -820,6 +822,7 @@ def _tma_box(x4: torch.Tensor, blk: int, t0: int, col: int, rows: int) -> torch.
 
 
 def _row_box(flat: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    assert 0 <= start and start + rows <= flat.numel(), (start, rows, flat.numel())
     box = torch.zeros(rows, dtype=flat.dtype)
     hi = min(start + rows, flat.numel())
     if hi > start:
@@ -855,6 +858,12 @@ def emulate_dkdv(q, k, v, dout, lse2, delta, w, r, causal, scale):
             h_start = g * rep + i0
             c = h_start % r
             nhl = ((g + 1) * rep - h_start + r - 1) // r
+            # the grid has min(rep, r) programs per kv head, from its first min(rep, r) heads:
+            # none is empty, even with r > H (residues without a query head get no program;
+            # their dK / dV rows stay as the wrapper allocated them: zeros, or untouched with
+            # add). An empty program (nhl = 0) would still be safe: no q tile loaded, the K / V
+            # halves loaded and zeros stored (added), which this emulation does alike.
+            assert nhl >= 1 and h_start + (nhl - 1) * r < (g + 1) * rep <= nh
             n_lo = pid_n * BLK
             blk = b * nseg + s
             kv_col = c * hkv + g
@@ -872,7 +881,7 @@ def emulate_dkdv(q, k, v, dout, lse2, delta, w, r, causal, scale):
                 lrow = ((b * nh + h) * nseg + s) * lp
                 for j in range(n_qt):
                     m = m_first + j * BMQ
-                    assert 0 <= m < big_l and lrow + m + BMQ <= l_flat.numel()
+                    assert 0 <= m < big_l and m + BMQ <= lp  # inside this head's padded rows
                     loads.append((_tma_box(q4, blk, m, c * nh + h, BMQ),
                                   _tma_box(do4, blk, m, c * nh + h, BMQ),
                                   _row_box(l_flat, lrow + m, BMQ),
@@ -933,6 +942,7 @@ def emulate_dq(q, k, v, dout, lse2, delta, w, r, causal, scale):
             pid_m, s = pid0 % nmb, pid0 // nmb
             b, h = bh // nh, bh % nh
             c, hk = h % r, h // (nh // hkv)
+            assert hk < hkv
             q_row0 = pid_m * BLK
             blk = b * nseg + s
             lrow = ((b * nh + h) * nseg + s) * lp
@@ -977,24 +987,34 @@ def emulate_dq(q, k, v, dout, lse2, delta, w, r, causal, scale):
     return dq
 
 
-def emulate_cases():
+def emulate_cases(full: bool = False):
     """(B, N, H, Hkv, D, w, r, causal) of --emulate: multi-tile, partial tiles (L = 192, 64,
-    L < 64), GQA with several heads per residue, MQA with r > rep, B = 2, both dQ tile widths."""
+    L < 64), GQA with several heads per residue, MQA with r > rep, B = 2, both dQ tile widths;
+    MHA and MQA with r > H (residues without any query head; the --check cases that met the
+    illegal address on the H200, 2026-11-28, scaled down; full (--emulate-big): also that case
+    itself, ~6 min of CPU)."""
     cases = []
     for causal in (False, True):
         cases += [(1, 512, 4, 2, 16, 512, 1, causal), (1, 960, 4, 2, 16, 960, 5, causal),
                   (2, 512, 4, 4, 16, 256, 4, causal), (1, 1024, 8, 1, 16, 1024, 16, causal),
                   (1, 640, 8, 2, 16, 320, 2, causal), (1, 256, 2, 1, 16, 256, 8, causal),
-                  (1, 960, 2, 1, 128, 960, 5, causal)]  # D=128: the dQ kernel's BN = 64  # fmt: skip
+                  (1, 960, 2, 1, 128, 960, 5, causal),  # D=128: the dQ kernel's BN = 64
+                  (1, 1024, 4, 4, 16, 1024, 8, causal),  # MHA, r = 8 > H = 4
+                  (1, 4096, 8, 8, 64, 4096, 16, causal),  # MHA, r = 16 > H = 8, D = 64, L = 256
+                  (1, 4096, 8, 1, 64, 4096, 16, causal),  # MQA, r = 16 > H = 8, D = 64
+                  (1, 2048, 8, 8, 64, 256, 4, causal),  # MHA, (256, 4): L = 64
+                  (1, 1920, 8, 8, 64, 960, 5, causal)]  # MHA, (960, 5): L = 192  # fmt: skip
+    if full:  # the first failing --check case itself: L = 2048, 16 x 16 tiles per program
+        cases.append((1, 32768, 8, 8, 64, 32768, 16, False))
     return cases
 
 
-def run_emulate(lines: list[str]) -> bool:
+def run_emulate(lines: list[str], full: bool = False) -> bool:
     lines += ["## --emulate (CPU, float64 emulation of the kernels' index math and schedule)", "",
               "| result | case | dq | dk | dv | (max abs error vs float64 autograd) |",
               "|---|---|---|---|---|---|"]  # fmt: skip
     ok_all = True
-    for bsz, n, nh, hkv, d, w, r, causal in emulate_cases():
+    for bsz, n, nh, hkv, d, w, r, causal in emulate_cases(full):
         torch.manual_seed(1)
         q, dout = (torch.randn(bsz, n, nh, d).bfloat16().double() for _ in range(2))
         k, v = (torch.randn(bsz, n, hkv, d).bfloat16().double() for _ in range(2))
@@ -1037,7 +1057,15 @@ ABS_FLOOR = 2e-3  # absolute slack added to 2x SDPA's error (gradients of randn 
 
 def _sdpa_grads(q, k, v, dout, w, r, causal, scale):
     """dq, dk, dv (float64, dk / dv summed over heads in float64) of torch SDPA's backward
-    (flash / cuDNN backend, the input dtype) on the same blocks, head by head."""
+    (flash backend, efficient as the fallback; the input dtype) on the same blocks, head by
+    head. Every tensor handed to SDPA, the upstream gradient included, is contiguous.
+
+    Not cuDNN: its backward graph cache is keyed on the shapes and the q / k / v strides only,
+    and cuDNN >= 9.5.1 takes dO with its own strides, so a graph built for one dO layout is
+    replayed on another of the same shape. The strided per-head dO view (row stride r*H*D)
+    made the MHA cases (H = 8) replay the graphs of the GQA cases (H = 16) before them: dO
+    read at twice its row stride (errors 0.4-0.8), and at (32768, 16) past the end of the
+    tensor (the illegal memory access of the 2026-11-28 H200 run)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     bsz, n, nh, d = q.shape
@@ -1051,10 +1079,10 @@ def _sdpa_grads(q, k, v, dout, w, r, causal, scale):
         c, g = h % r, h // rep
         args = [_head_blocks(x, i, c, w, r).reshape(bsz * nseg, 1, big_l, d).contiguous()
                 .requires_grad_() for x, i in ((q, h), (k, g), (v, g))]  # fmt: skip
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
             o = torch.nn.functional.scaled_dot_product_attention(*args, is_causal=causal,
                                                                  scale=scale)  # fmt: skip
-        go = _head_blocks(dout, h, c, w, r).reshape(bsz * nseg, 1, big_l, d)
+        go = _head_blocks(dout, h, c, w, r).reshape(bsz * nseg, 1, big_l, d).contiguous()
         gq, gk, gv = torch.autograd.grad(o, args, go)
         shp = (bsz, nseg, big_l, d)
         _head_blocks(dq, h, c, w, r).copy_(gq.reshape(shp))
@@ -1063,20 +1091,42 @@ def _sdpa_grads(q, k, v, dout, w, r, causal, scale):
     return dq, dk, dv
 
 
+class CaseError(RuntimeError):
+    """A check case raised: ``phase`` says in which step (each step ends in a synchronize)."""
+
+    def __init__(self, phase: str, err: BaseException):
+        super().__init__(f"{phase}: {type(err).__name__}: {err}")
+        self.phase, self.err = phase, err
+
+
+def _phase(name: str, fn):
+    """fn() then a device synchronize: an asynchronous CUDA error is charged to this step."""
+    try:
+        res = fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        raise CaseError(name, e) from e
+    return res
+
+
 def check_case(bsz, n, nh, hkv, d, w, r, causal, dtype, seed=0):
-    """One exactness case: returns (ok, line)."""
+    """One exactness case: returns (ok, line); raises :class:`CaseError` naming the step."""
     torch.manual_seed(seed)
     dev = "cuda"
     q, dout = (torch.randn(bsz, n, nh, d, device=dev, dtype=dtype) for _ in range(2))
     k, v = (torch.randn(bsz, n, hkv, d, device=dev, dtype=dtype) for _ in range(2))
     scale = d**-0.5
-    out, lse, rq, rk, rv = reference_bwd(q, k, v, dout, w, r, causal, scale)
+    out, lse, rq, rk, rv = _phase("float64 reference",
+                                  lambda: reference_bwd(q, k, v, dout, w, r, causal, scale))  # fmt: skip
     out_d, lse_f = out.to(dtype), lse.float()  # the final out / lse, as the library holds them
-    got = gluon_branch_bwd(q, k, v, dout, out_d, lse_f, w, r, causal, scale)
-    again = gluon_branch_bwd(q, k, v, dout, out_d, lse_f, w, r, causal, scale)
-    torch.cuda.synchronize()
+
+    def gluon():
+        return gluon_branch_bwd(q, k, v, dout, out_d, lse_f, w, r, causal, scale)
+
+    got = _phase("gluon kernels (1st run)", gluon)
+    again = _phase("gluon kernels (2nd run)", gluon)
     det = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
-    sd = _sdpa_grads(q, k, v, dout, w, r, causal, scale)
+    sd = _phase("SDPA comparator", lambda: _sdpa_grads(q, k, v, dout, w, r, causal, scale))
     ok, parts = det, []
     for name, g_, s_, ref in zip(("dq", "dk", "dv"), got, sd, (rq, rk, rv), strict=True):
         e_g = (g_.double() - ref).abs().max().item()
@@ -1085,11 +1135,28 @@ def check_case(bsz, n, nh, hkv, d, w, r, causal, dtype, seed=0):
         finite = bool(torch.isfinite(g_).all())
         ok &= finite and e_g <= lim
         parts.append(f"{name} {e_g:.2e} (SDPA {e_s:.2e}, lim {lim:.2e}){'' if finite else ' NaN'}")
-    dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    line = (f"| {'PASS' if ok else 'FAIL'} | B={bsz} N={n} H={nh} Hkv={hkv} D={d} {dname} "
-            f"(w,r)=({w},{r}) causal={causal} | " + " | ".join(parts)
+    line = (f"| {'PASS' if ok else 'FAIL'} | "
+            + case_name((bsz, n, nh, hkv, d, w, r, causal, dtype)) + " | " + " | ".join(parts)
             + f" | {'bitwise' if det else 'DIFFERS'} |")  # fmt: skip
     return ok, line
+
+
+def case_name(case) -> str:
+    """The label of a check case (what --cases matches against), e.g.
+    ``B=1 N=32768 H=8 Hkv=8 D=64 bf16 (w,r)=(32768,16) causal=False``."""
+    bsz, n, nh, hkv, d, w, r, causal, dtype = case
+    dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return (f"B={bsz} N={n} H={nh} Hkv={hkv} D={d} {dname} (w,r)=({w},{r}) "
+            f"causal={causal}")  # fmt: skip
+
+
+def _is_cuda_error(e: BaseException) -> bool:
+    """A device-side error (illegal address, launch failure...): the CUDA context is lost."""
+    acc = getattr(torch, "AcceleratorError", None)
+    if acc is not None and isinstance(e, acc):
+        return True
+    msg = str(e)
+    return "CUDA error" in msg or "illegal memory access" in msg or "unspecified launch" in msg
 
 
 def check_cases():
@@ -1108,25 +1175,52 @@ def check_cases():
     return cases
 
 
-def run_check(lines: list[str], quick: bool = False) -> bool:
+def select_cases(quick: bool = False, patterns: list[str] | None = None) -> list:
+    """The check cases to run, in :func:`check_cases` order: --quick's subset and / or those
+    whose :func:`case_name` contains one of patterns (any)."""
     cases = check_cases()
     if quick:  # a smoke subset: GQA 16/4, D=128, a partial tile and r=2, both dtypes / causal
         cases = [c for c in cases if (c[2], c[3], c[4]) == (16, 4, 128) and c[5] in (960, 4096)]
+    if patterns:
+        cases = [c for c in cases if any(p in case_name(c) for p in patterns)]
+    return cases
+
+
+def run_check(lines: list[str], quick: bool = False,
+              patterns: list[str] | None = None) -> tuple[bool, bool]:  # fmt: skip
+    """(all passed, the CUDA context was lost): stops at the first CUDA error."""
+    cases = select_cases(quick, patterns)
+    print(f"check: {len(cases)} case(s)", flush=True)
     lines += ["## --check (float64 autograd reference on the gathered blocks)", "",
-              f"Limit per gradient: 2 x the max abs error of torch SDPA's backward (same dtype) "
-              f"+ {ABS_FLOOR}; determinism: two runs bitwise equal.", "",
+              f"Limit per gradient: 2 x the max abs error of torch SDPA's backward (flash / "
+              f"efficient backend, same dtype) + {ABS_FLOOR}; determinism: two runs bitwise "
+              f"equal.", "", f"{len(cases)} case(s)"
+              + (f" (--cases {' / '.join(repr(p) for p in patterns)})" if patterns else ""), "",
               "| result | case | dq | dk | dv | determinism |", "|---|---|---|---|---|---|"]  # fmt: skip
-    all_ok = True
-    for case in cases:
+    all_ok = bool(cases)
+    if not cases:
+        lines.append("| FAIL | no case selected | | | | |")
+    for i, case in enumerate(cases):
         try:
             ok, line = check_case(*case)
         except Exception as e:  # noqa: BLE001  (a failing case is reported, the rest still run)
-            ok, line = False, f"| FAIL | {case} | {type(e).__name__}: {str(e)[:300]} | | | |"
+            err = e.err if isinstance(e, CaseError) else e
+            ok, line = False, f"| FAIL | {case_name(case)} | {str(e)[:300]} | | | |"
+            if _is_cuda_error(err):  # the context is poisoned: every later case would fail too
+                print(line, flush=True)
+                lines.append(line)
+                msg = (f"STOPPED at the first CUDA error: case {case_name(case)} "
+                       f"(tuple {case}), in {getattr(e, 'phase', 'an unknown step')}; "
+                       f"{len(cases) - i - 1} later case(s) not run (the CUDA context is lost: "
+                       f"rerun them in a fresh process, e.g. with --cases)")  # fmt: skip
+                print(msg, flush=True)
+                lines += ["", f"**{msg}**", "", "**check: FAIL**", ""]
+                return False, True
         all_ok &= ok
         print(line, flush=True)
         lines.append(line)
     lines += ["", f"**check: {'all PASS' if all_ok else 'FAIL'}**", ""]
-    return all_ok
+    return all_ok, False
 
 
 # ------------------------------------------------------------------------------ benchmark
@@ -1266,17 +1360,29 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", action="store_true", help="headline-shape timing (GPU)")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 on the CPU")
     ap.add_argument("--quick", action="store_true", help="with --check: a 12-case smoke subset")
+    ap.add_argument("--cases", action="append", default=None, metavar="SUBSTR",
+                    help="with --check: only the cases whose label (e.g. 'B=1 N=32768 H=8 Hkv=8 "
+                         "D=64 bf16 (w,r)=(32768,16) causal=False') contains SUBSTR; repeat: "
+                         "any of them; --list-cases prints the labels")  # fmt: skip
+    ap.add_argument("--list-cases", action="store_true",
+                    help="print the labels of the selected check cases and exit")  # fmt: skip
     ap.add_argument("--only", default=None, help="with --compile-only: variants containing this")
     ap.add_argument("--emulate", action="store_true", help="float64 CPU emulation of the kernels")
+    ap.add_argument("--emulate-big", action="store_true",
+                    help="with --emulate: also the full-size first failing --check case (slow)")  # fmt: skip
     ap.add_argument("--sass", default=None, help="with --compile-only: write SASS/PTX/TTGIR here")
     ap.add_argument("--out", default=None, help="write the markdown report here")
     args = ap.parse_args(argv)
+    if args.list_cases:
+        for c in select_cases(args.quick, args.cases):
+            print(case_name(c))
+        return 0
     if not (args.check or args.bench or args.compile_only or args.emulate):
         ap.error("give --check, --bench, --compile-only and/or --emulate")
     lines = ["# Gluon FA3-style dilated backward (one branch)", "", f"`{' '.join(sys.argv)}`", ""]
     rc = 0
     if args.emulate:
-        rc |= 0 if run_emulate(lines) else 1
+        rc |= 0 if run_emulate(lines, args.emulate_big) else 1
     if args.compile_only or args.check or args.bench:
         if _IMPORT_ERROR is not None:
             print(f"gluon_dilated_bwd: cannot run: Gluon or its Hopper module is missing: "
@@ -1291,9 +1397,14 @@ def main(argv=None) -> int:
             print(f"gluon_dilated_bwd: cannot run on this machine: {why}")
             return 2
         lines += [f"device: {torch.cuda.get_device_name()}", ""]
-        if args.check and not run_check(lines, args.quick):
-            rc = 1
-        if args.bench:
+        lost = False
+        if args.check:
+            ok, lost = run_check(lines, args.quick, args.cases)
+            rc |= 0 if ok else 1
+        if args.bench and lost:
+            print("gluon_dilated_bwd: --bench skipped: the CUDA context was lost in --check")
+            lines += ["--bench skipped: the CUDA context was lost in --check", ""]
+        elif args.bench:
             run_bench(lines)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
