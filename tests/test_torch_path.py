@@ -276,3 +276,34 @@ def test_block_attention_cpu_flash_strided_head_dim(causal):
     grads_s = attn_bwd(strided(do), strided(q), strided(k), strided(v), strided(out), lse, 0.35, causal, backend="cpu_flash")
     for a, b in zip(grads, grads_s, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("first", ["contiguous", "other"])
+def test_cudnn_backward_follows_dout_and_out_strides(seed, first):
+    """cuDNN attention's backward on one shape, called again with dO (and out) in another memory
+    layout: PyTorch 2.11 reused the graph of the first layout and gave gradients off by ~1-2
+    (benchmarks/probe_cudnn_bwd_strides.py, H200, 2026-11-28). Each call must equal the flash
+    backend's gradients for the same values, whatever layout came first."""
+    from dilated_attention.kernels import block_attention as ba
+
+    if not ba._cudnn_usable(torch.cuda.current_device()):
+        pytest.skip("cuDNN attention is not used on this GPU")
+    l_rows = 256 if first == "contiguous" else 384  # one shape per order: its own cached graphs
+    q, k, v, g = (torch.randn(1, 4, l_rows, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 64**-0.5
+    out, lse = ba.attn_fwd(q, k, v, scale, False, backend="cudnn")
+    out_f, lse_f = ba.attn_fwd(q, k, v, scale, False, backend="flash")
+    want = ba.attn_bwd(g, q, k, v, out_f, lse_f, scale, False, backend="flash")
+
+    def other(t):  # the same values in (B, L, H, D) memory
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    layouts = [(g, out), (other(g), other(out))]
+    if first == "other":
+        layouts.reverse()
+    for gg, oo in layouts:
+        assert torch.equal(gg, g) and torch.equal(oo, out)
+        got = ba.attn_bwd(gg, q, k, v, oo, lse, scale, False, backend="cudnn")
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)

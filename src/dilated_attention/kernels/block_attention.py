@@ -79,11 +79,18 @@ def _cudnn_fwd(q, k, v, scale, causal):
 
 
 def _cudnn_bwd(do, q, k, v, out, lse, scale, causal):
+    """cuDNN's backward with dO and out contiguous. PyTorch (2.11, cuDNN 9.19) caches the
+    backward's cuDNN graph under a key of the shapes and the q / k / v strides, but the graph
+    reads dO with the strides of the call that built it: a later call of the same shape whose dO
+    has other strides got gradients off by ~1-2 with no error (and an out-of-bounds read where
+    the strides are larger; `benchmarks/probe_cudnn_bwd_strides.py`, H200, 2026-11-28). With dO
+    and out contiguous their strides are a function of the shape, which the key holds."""
     aux, lse_4d = _cudnn_aux(q.device.index or 0)
     lse_in = lse.reshape(*lse.shape, 1) if lse_4d else lse
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        do, q, k, v, out, lse_in.contiguous(), *aux, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
-    )
+        do.contiguous(), q, k, v, out.contiguous(), lse_in.contiguous(), *aux, q.shape[2], k.shape[2], 0.0,
+        causal, scale=scale,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -237,7 +244,7 @@ def attn_bwd(
     if q.shape[2] == 0 or k.shape[2] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if backend == "cudnn":
-        return _cudnn_bwd(do.contiguous() if do.stride(-1) != 1 else do, q, k, v, out, lse, scale, causal)
+        return _cudnn_bwd(do, q, k, v, out, lse, scale, causal)  # (dO, out made contiguous there)
     if backend == "flash":
         hkv = k.shape[1]
         native = hkv == q.shape[1] or _cuda_flash_native_gqa(q.device.index or 0)
