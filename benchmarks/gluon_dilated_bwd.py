@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -1227,19 +1226,10 @@ def run_check(lines: list[str], quick: bool = False,
 
 
 def median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
-    """Median of CUDA-event times of fn() over iters calls after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median CUDA-event milliseconds of fn() (the library's timer, ``timing.median_ms``)."""
+    from dilated_attention import timing
+
+    return timing.median_ms(fn, "cuda", warmup, iters)
 
 
 def _library():
@@ -1388,7 +1378,7 @@ def main(argv=None) -> int:
             print(f"gluon_dilated_bwd: cannot run: Gluon or its Hopper module is missing: "
                   f"{_IMPORT_ERROR}")  # fmt: skip
             return 2
-        lines.append(f"triton {triton.__version__}, torch {torch.__version__}")
+        lines.append(f"triton {triton.__version__}")
     if args.compile_only:
         rc |= 0 if compile_only(lines, args.sass, args.only) else 1
     if args.check or args.bench:
@@ -1396,7 +1386,9 @@ def main(argv=None) -> int:
         if why is not None:
             print(f"gluon_dilated_bwd: cannot run on this machine: {why}")
             return 2
-        lines += [f"device: {torch.cuda.get_device_name()}", ""]
+        from dilated_attention import timing  # command, device, versions, date
+
+        lines += [*timing.results_header("run", device="cuda")[2:], ""]
         lost = False
         if args.check:
             ok, lost = run_check(lines, args.quick, args.cases)
