@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -545,19 +544,10 @@ def run_check(lines: list[str]) -> bool:
 
 
 def median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
-    """Median of CUDA-event times of fn() over iters calls after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median CUDA-event milliseconds of fn() (the library's timer, ``timing.median_ms``)."""
+    from dilated_attention import timing
+
+    return timing.median_ms(fn, "cuda", warmup, iters)
 
 
 def _library_fwd():
@@ -735,7 +725,7 @@ def main(argv=None) -> int:
         print(f"gluon_dilated_fwd: cannot run: Gluon or its Hopper module is missing: "
               f"{_IMPORT_ERROR}")  # fmt: skip
         return 2
-    lines.append(f"triton {triton.__version__}, torch {torch.__version__}")
+    lines.append(f"triton {triton.__version__}")
     rc = 0
     if args.compile_only:
         rc |= 0 if compile_only(lines, args.sass) else 1
@@ -744,8 +734,9 @@ def main(argv=None) -> int:
         if why is not None:
             print(f"gluon_dilated_fwd: cannot run on this machine: {why}")
             return 2
-        lines.append(f"device: {torch.cuda.get_device_name()}")
-        lines.append("")
+        from dilated_attention import timing  # command, device, versions, date
+
+        lines += [*timing.results_header("run", device="cuda")[2:], ""]
         if args.check and not run_check(lines):
             rc = 1
         if args.bench:

@@ -79,9 +79,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("probe_cudnn_bwd_strides: needs a CUDA GPU")
         return 2
+    from dilated_attention import timing
     from dilated_attention.kernels import block_attention as ba
 
-    print(f"torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    print("\n".join(timing.results_header("probe_cudnn_bwd_strides", device="cuda")[2:]))
+    print(f"cudnn {torch.backends.cudnn.version()}")
     print(f"cudnn usable for the torch path: {ba._cudnn_usable(torch.cuda.current_device())}")
     all_ok = True
     for fn, args in ((raw, (256, "contiguous")), (raw, (384, "other")), (end_to_end, ())):
