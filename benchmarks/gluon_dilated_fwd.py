@@ -69,330 +69,28 @@ except ImportError:  # pragma: no cover
 
 try:
     import triton
-    from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _IMPORT_ERROR = None
+    from dilated_attention.kernels import gluon_fwd
+
+    _mod = gluon_fwd.kernel_module()
+    _IMPORT_ERROR = None if _mod is not None else gluon_fwd.import_error()
 except Exception as e:  # noqa: BLE001  (any import failure: report and exit 2)
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-# consumer warpgroup rows (wgmma M per warpgroup) and the program's rows (two consumers)
-WG_M = 64
-BM = 2 * WG_M
-
-
-if _IMPORT_ERROR is None:
-    # the kernels read these globals: Triton wants them as constexpr objects
-    _WGM = gl.constexpr(WG_M)
-    _LN2 = gl.constexpr(LN2)
-
-    @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
-                k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles,
-                BN: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        # one warp: Q of both consumers, then K_j / V_j into the ring (K first: the consumers
-        # need K_j before V_{j-1})
-        for i in gl.static_range(2):
-            mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [q_blk, q_row0 + i * _WGM, q_col, 0], q_bars.index(i), q_bufs.index(i)
-            )
-        for j in range(n_tiles):
-            st = j % STAGES
-            ph = (j // STAGES) & 1
-            # a fresh barrier counts as having completed the phase before phase 0: the first
-            # round passes at once
-            mbarrier.wait(k_empty.index(st), ph ^ 1)
-            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [q_blk, j * BN, kv_col, 0], k_ready.index(st), k_bufs.index(st)
-            )
-            mbarrier.wait(v_empty.index(st), ph ^ 1)
-            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [q_blk, j * BN, kv_col, 0], v_ready.index(st), v_bufs.index(st)
-            )
-
-    @gluon.jit
-    def _mask_scores(s, row0, j, L, BN: gl.constexpr, CAUSAL: gl.constexpr,
-                     s_layout: gl.constexpr):  # fmt: skip
-        rows = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
-        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        keep = gl.expand_dims(cols < L, 0)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
-        return gl.where(keep, s, float("-inf"))
-
-    @gluon.jit
-    def _softmax_step(s, m_i, l_i, qk_scale, row0, j, L, BN: gl.constexpr,
-                      CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                      s_layout: gl.constexpr):  # fmt: skip
-        # one tile of the online softmax in base 2: returns p (unnormalised), m, l, alpha
-        if MASKED:
-            s = _mask_scores(s, row0, j, L, BN, CAUSAL, s_layout)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        if MASKED:
-            # a row with no key so far (a causal tile above it): keep exp2 finite (no NaN)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
-        l_new = l_i * alpha + gl.sum(p, axis=1)
-        return p, m_new, l_new, alpha
-
-    @gluon.jit
-    def _first_tile(q_tile, k_bufs, k_ready, k_empty, m_i, l_i, s_zero, qk_scale, row0, L,
-                    BN: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                    MASKED: gl.constexpr, s_layout: gl.constexpr,
-                    p_layout: gl.constexpr):  # fmt: skip
-        # S_0 = Q K_0^T and its softmax (nothing to overlap with yet)
-        mbarrier.wait(k_ready.index(0), 0)
-        k_t = k_bufs.index(0).reshape([BN, D]).permute((1, 0))
-        s_tok = warpgroup_mma(q_tile, k_t, s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(0))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row0, 0, L, BN, CAUSAL,
-                                           MASKED, s_layout)  # fmt: skip
-        return gl.convert_layout(p.to(q_tile.dtype), p_layout), m_i, l_i
-
-    @gluon.jit
-    def _tile_step(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, p_op, m_i, l_i,
-                   acc, s_zero, qk_scale, row0, L, BN: gl.constexpr, D: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                   s_layout: gl.constexpr, o_layout: gl.constexpr,
-                   p_layout: gl.constexpr):  # fmt: skip
-        # FA3's intra-warpgroup overlap: issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait
-        # for S_j only (the older group) and run the softmax of tile j while the PV runs
-        dtype: gl.constexpr = q_tile.dtype
-        st = j % STAGES
-        sp = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-        k_t = k_bufs.index(st).reshape([BN, D]).permute((1, 0))
-        s_tok = warpgroup_mma(q_tile, k_t, s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
-        v_tile = v_bufs.index(sp).reshape([BN, D])
-        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(st))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row0, j, L, BN, CAUSAL,
-                                           MASKED, s_layout)  # fmt: skip
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        mbarrier.arrive(v_empty.index(sp))
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-        acc = acc * gl.expand_dims(alpha_o, 1)
-        # P_j into the A-operand registers only now: P_{j-1}'s PV has completed
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        return p_op, m_i, l_i, acc
-
-    @gluon.jit
-    def _consumer(wg: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
-                  k_empty, v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L,
-                  R, qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr):  # fmt: skip
-        # one warpgroup (4 warps), 64 query rows: rows q_row0 + wg*64 + [0, 64) of the block
-        dtype: gl.constexpr = o_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-        )
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-        row0 = q_row0 + wg * _WGM
-        q4 = q_bufs.index(wg)
-        # the [1, 64, 1, D] TMA box as the [64, D] tile wgmma reads (the same bytes: the
-        # compiler infers the 2-D 128-byte-swizzled NVMMA layout for the reshape)
-        q_tile = q4.reshape([_WGM, D])
-
-        m_i = gl.full([_WGM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([_WGM], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([_WGM, D], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([_WGM, BN], gl.float32, layout=s_layout)
-
-        mbarrier.wait(q_bars.index(wg), 0)
-        # tiles [0, n_full) need no mask, [n_full, n_tiles) do: two copies of the loop body
-        # (MASKED constexpr), no branch inside a loop
-        if n_full > 0:
-            p_op, m_i, l_i = _first_tile(q_tile, k_bufs, k_ready, k_empty, m_i, l_i, s_zero,
-                                         qk_scale, row0, L, BN, D, CAUSAL, False, s_layout,
-                                         p_layout)  # fmt: skip
-        else:
-            p_op, m_i, l_i = _first_tile(q_tile, k_bufs, k_ready, k_empty, m_i, l_i, s_zero,
-                                         qk_scale, row0, L, BN, D, CAUSAL, True, s_layout,
-                                         p_layout)  # fmt: skip
-        for j in range(1, n_full):
-            p_op, m_i, l_i, acc = _tile_step(j, q_tile, k_bufs, v_bufs, k_ready, v_ready,
-                                             k_empty, v_empty, p_op, m_i, l_i, acc, s_zero,
-                                             qk_scale, row0, L, BN, D, STAGES, CAUSAL, False,
-                                             s_layout, o_layout, p_layout)  # fmt: skip
-        for j in range(gl.maximum(n_full, 1), n_tiles):
-            p_op, m_i, l_i, acc = _tile_step(j, q_tile, k_bufs, v_bufs, k_ready, v_ready,
-                                             k_empty, v_empty, p_op, m_i, l_i, acc, s_zero,
-                                             qk_scale, row0, L, BN, D, STAGES, CAUSAL, True,
-                                             s_layout, o_layout, p_layout)  # fmt: skip
-
-        # the last PV
-        sp = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
-        v_tile = v_bufs.index(sp).reshape([BN, D])
-        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        mbarrier.arrive(v_empty.index(sp))
-
-        # epilogue: O / l through this warpgroup's Q buffer (its last reader, the QK^T of the
-        # last tile, has completed) and a TMA store; rows t >= L fall outside the box
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))
-        o = acc / gl.expand_dims(l_o, 1)
-        q_tile.store(o.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_blk, row0, q_col, 0], q4)
-        # lse (natural log): m is in log2 units of the scaled scores
-        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
-        rows = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
-        gl.store(LSE + lse_base + rows * R, lse, mask=rows < L)
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _consumer_wg0(o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty,
-                      v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L, R,
-                      qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr):  # fmt: skip
-        _consumer(0, o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
-                  LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L, R, qk_scale, BN, D,
-                  STAGES, CAUSAL)  # fmt: skip
-
-    @gluon.jit
-    def _consumer_wg1(o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty,
-                      v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L, R,
-                      qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr):  # fmt: skip
-        _consumer(1, o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
-                  LSE, lse_base, q_row0, q_blk, q_col, n_tiles, n_full, L, R, qk_scale, BN, D,
-                  STAGES, CAUSAL)  # fmt: skip
-
-    @gluon.jit
-    def _dilated_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, N, L, NSEG, R, H,
-                            HKV, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                            CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr):  # fmt: skip
-        pid_m = gl.program_id(0)
-        seg = gl.program_id(1)
-        bh = gl.program_id(2)
-        b = bh // H
-        h = bh % H
-        c = h % R
-        hk = h // (H // HKV)
-        q_row0 = pid_m * (2 * _WGM)
-        q_blk = b * NSEG + seg
-        q_col = c * H + h
-        kv_col = c * HKV + hk
-        # key tiles: all of the block, or (causal) up to the program's last row; the tiles
-        # from n_full on need a mask (keys >= L or above the diagonal)
-        n_kv = gl.cdiv(L, BN)
-        if CAUSAL:
-            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-            n_full = gl.minimum(q_row0 // BN, L // BN)
-        else:
-            n_tiles = n_kv
-            n_full = L // BN
-        lse_base = (b * H + h).to(gl.int64) * N + seg * (L * R) + c
-
-        dtype: gl.constexpr = q_desc.dtype
-        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape,
-                                           k_desc.layout)  # fmt: skip
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape,
-                                           v_desc.layout)  # fmt: skip
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(q_bars.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            # one arrival per consumer warpgroup
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-
-        # the argument tuples are written inline: a tuple assigned to a name first would turn
-        # its constexpr entries into tensors (Triton 3.6's assignment sanitiser)
-        gl.warp_specialize(
-            [
-                (_consumer_wg0, (o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
-                                 k_empty, v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles,
-                                 n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL)),
-                (_consumer_wg1, (o_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
-                                 k_empty, v_empty, LSE, lse_base, q_row0, q_blk, q_col, n_tiles,
-                                 n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL)),
-                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready,
-                           v_ready, k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles, BN,
-                           STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOADER_REGS],
-        )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------ host side
-
-KV_BN = 128  # key rows per tile
-CONSUMER_REGS = 240  # setmaxnreg of each consumer warpgroup (FA3: 240)
-LOADER_REGS = 24  # setmaxnreg of the loader's warpgroup (the minimum)
-# per-thread register cap of the whole kernel: 12 warps (2 consumer warpgroups + the loader's
-# warpgroup) x 32 threads x 168 <= 65536; setmaxnreg moves registers from the loader to the
-# consumers (240 * 8 + 24 * 4 warps = 2016 <= 168 * 12)
-MAXNREG = 168
-
-
-def _stages(d: int) -> int:
-    # shared memory: Q (BM x D) + STAGES x (K + V) tiles (BN x D); 2 stages at D=128 (160 KB),
-    # 3 at D=64 (112 KB); the H200 gives a block at most 227 KB
-    return 2 if d == 128 else 3
 
 
 def env_problem() -> str | None:
     """Why this script cannot run its GPU part here (None: it can)."""
     if _IMPORT_ERROR is not None:
-        return f"Gluon or its Hopper module is missing: {_IMPORT_ERROR}"
+        return f"Gluon, its Hopper module or the library is missing: {_IMPORT_ERROR}"
     if not torch.cuda.is_available():
         return "no CUDA device"
     cap = torch.cuda.get_device_capability()
     if cap != (9, 0):
         return f"the GPU is sm_{cap[0]}{cap[1]}, this kernel is for sm_90 (Hopper) only"
     return None
-
-
-def _gl_dtype(dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-
-
-def _block_desc(x: torch.Tensor, w: int, r: int, rows: int) -> TensorDescriptor:
-    """TMA descriptor of the dilated blocks of x (B, N, heads, D): the 4-D view
-    [B*N/w, L, r*heads, D], strides [w*heads*D, r*heads*D, D, 1], box [1, rows, 1, D]: index
-    (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h."""
-    b, n, heads, d = x.shape
-    shape = [b * (n // w), w // r, r * heads, d]
-    strides = [w * heads * d, r * heads * d, d, 1]
-    block = [1, rows, 1, d]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
-    return TensorDescriptor(x, shape, strides, block, layout)
 
 
 def gluon_branch_fwd(
@@ -406,34 +104,21 @@ def gluon_branch_fwd(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ):
-    """(out, lse) of the ONE branch (w, r). q (B, N, H, D), k, v (B, N, Hkv, D), contiguous,
-    bf16 or fp16, D 64 or 128, N % w == 0, w % r == 0. out / lse: buffers to write into (the
-    rows a head does not read keep their values); None: allocated (zeros / -inf where r > 1)."""
+    """(out, lse) of the ONE branch (w, r) through the library's Gluon kernel
+    (``gluon_fwd.launch_branch`` with FIRST: no merge). q (B, N, H, D), k, v (B, N, Hkv, D),
+    contiguous, bf16 or fp16, D 64 or 128, N % w == 0, w % r == 0. out / lse: buffers to write
+    into (the rows a head does not read keep their values); None: allocated (zeros / -inf)."""
     bsz, n, nh, d = q.shape
-    hkv = k.shape[2]
-    if n % w or w % r:
-        raise ValueError(f"prototype restriction: N % w == 0 and w % r == 0 (N={n}, w={w}, r={r})")
-    if d not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"D must be 64 or 128 and the dtype bf16 or fp16 (D={d}, {q.dtype})")
-    if nh % hkv or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != d:
-        raise ValueError("shapes: q (B, N, H, D), k and v (B, N, Hkv, D), H % Hkv == 0")
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        raise ValueError("q, k, v must be contiguous")
+    why = gluon_fwd.problem(q, k, v, causal, [(w, r, 0, nh)])
+    if why is not None:
+        raise ValueError(why)
     scale = d**-0.5 if softmax_scale is None else softmax_scale
-    big_l, nseg = w // r, n // w
     if out is None:
-        out = torch.zeros_like(q) if r > 1 else torch.empty_like(q)
+        out = torch.zeros_like(q)
     if lse is None:
-        fill = float("-inf")
-        lse = (torch.full((bsz, nh, n), fill, dtype=torch.float32, device=q.device) if r > 1
-               else torch.empty((bsz, nh, n), dtype=torch.float32, device=q.device))  # fmt: skip
-    grid = (triton.cdiv(big_l, BM), nseg, bsz * nh)
-    _dilated_fwd_kernel[grid](
-        _block_desc(q, w, r, WG_M), _block_desc(k, w, r, KV_BN), _block_desc(v, w, r, KV_BN),
-        _block_desc(out, w, r, WG_M), lse, scale * LOG2E, n, big_l, nseg, r, nh, hkv,
-        BN=KV_BN, D=d, STAGES=_stages(d), CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
-        LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
-    )  # fmt: skip
+        lse = torch.full((bsz, nh, n), float("-inf"), dtype=torch.float32, device=q.device)
+    gluon_fwd.launch_branch(q, k, v, out, out, lse, w, r, 0, nh, causal, scale, 0, n // w, 0,
+                            True, False, False)  # fmt: skip
     return out, lse
 
 
@@ -628,20 +313,25 @@ def run_bench(lines: list[str], n: int = 131072, nh: int = 16, d: int = 128) -> 
 # ------------------------------------------------------------------------------ CPU compile
 
 
-def _signature(d: int, causal: bool, dtype_name: str = "bf16"):
+def _signature(d: int, causal: bool, dtype_name: str = "bf16", first: bool = False,
+               comp: bool = True):  # fmt: skip
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype_name]
 
     def desc(rows):
         lay = gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], gdt)
         return f"tensordesc<{dtype_name}[1, {rows}, 1, {d}],{lay!r}>"
 
-    sig = {"q_desc": desc(WG_M), "k_desc": desc(KV_BN), "v_desc": desc(KV_BN),
-           "o_desc": desc(WG_M), "LSE": "*fp32", "qk_scale": "fp32", "N": "i32", "L": "i32",
-           "NSEG": "i32", "R": "i32", "H": "i32", "HKV": "i32", "BN": "constexpr",
-           "D": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr",
+    sig = {"q_desc": desc(_mod.WG_M), "k_desc": desc(gluon_fwd.KV_BN),
+           "v_desc": desc(gluon_fwd.KV_BN), "o_desc": desc(_mod.WG_M), "lo_desc": desc(_mod.WG_M),
+           "LSE": "*fp32", "qk_scale": "fp32", "N": "i32", "L": "i32", "W": "i32", "NSEG": "i32",
+           "S0": "i32", "LO_NSEG": "i32", "LO_S0": "i32", "R": "i32", "H": "i32", "HKV": "i32",
+           "HS": "i32", "NHB": "i32",
+           "BN": "constexpr", "D": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr",
+           "FIRST": "constexpr", "COMP": "constexpr", "STORE_LO": "constexpr",
            "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}  # fmt: skip
-    consts = {"BN": KV_BN, "D": d, "STAGES": _stages(d), "CAUSAL": causal,
-              "CONSUMER_REGS": CONSUMER_REGS, "LOADER_REGS": LOADER_REGS}  # fmt: skip
+    consts = {"BN": gluon_fwd.KV_BN, "D": d, "STAGES": gluon_fwd.stages(d), "CAUSAL": causal,
+              "FIRST": first, "COMP": comp, "STORE_LO": comp,
+              "CONSUMER_REGS": gluon_fwd.CONSUMER_REGS, "LOADER_REGS": gluon_fwd.LOADER_REGS}  # fmt: skip
     return sig, consts
 
 
@@ -660,15 +350,18 @@ def compile_only(lines: list[str], sass_dir: str | None) -> bool:
               + " | ".join(SASS_FACTS) + " |", "|---" * (5 + len(SASS_FACTS)) + "|"]  # fmt: skip
     ok = True
     for dtype_name in ("bf16", "fp16"):
-        for d in (128, 64):
-            for causal in (False, True):
-                name = f"{dtype_name} D={d} causal={causal}"
-                sig, consts = _signature(d, causal, dtype_name)
-                attrs = {(4,): [["tt.divisibility", 16]]}
+        for d, causal, first, comp in ((128, False, True, False), (128, False, False, True),
+                                       (128, True, True, True), (128, True, False, False),
+                                       (64, False, False, True), (64, True, True, False)):  # fmt: skip
+            if True:
+                name = f"{dtype_name} D={d} causal={causal} first={first} comp={comp}"
+                sig, consts = _signature(d, causal, dtype_name, first, comp)
+                attrs = {(5,): [["tt.divisibility", 16]]}
                 try:
-                    ck = triton.compile(GluonASTSource(_dilated_fwd_kernel, sig, consts, attrs),
+                    ck = triton.compile(GluonASTSource(_mod.gluon_fwd_kernel, sig, consts, attrs),
                                         target=GPUTarget("cuda", 90, 32),
-                                        options={"num_warps": 4, "maxnreg": MAXNREG})  # fmt: skip
+                                        options={"num_warps": 4,
+                                                 "maxnreg": gluon_fwd.MAXNREG})  # fmt: skip
                 except Exception as e:  # noqa: BLE001
                     ok = False
                     msg = f"| {name} | compile FAILED: {type(e).__name__}: {str(e)[:300]} |"
@@ -690,7 +383,7 @@ def compile_only(lines: list[str], sass_dir: str | None) -> bool:
                 maxnreg = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.\S+ (?:UP\d, )?"
                                                                  r"0x([0-9a-f]+)", sass)})  # fmt: skip
                 counts = [str(len(re.findall(re.escape(p), sass))) for p in SASS_FACTS]
-                row = (f"| {name} | {reg.group(1) if reg else '?'} ({MAXNREG}) | "
+                row = (f"| {name} | {reg.group(1) if reg else '?'} ({gluon_fwd.MAXNREG}) | "
                        f"{stack.group(1) if stack else '?'} / {local.group(1) if local else '?'}"
                        f" | {ck.metadata.shared} | {maxnreg} | " + " | ".join(counts) + " |")  # fmt: skip
                 print(row, flush=True)

@@ -78,7 +78,8 @@
 #                                       warp-specialised per-branch forward prototype against the float64 reference,
 #                                       then its time per branch beside the library's Triton forward and cuDNN), then
 #                                       Nsight Compute over cuDNN's dense fwd+bwd (ncu_kernels.py --dense-only --backend cudnn)
-#   bash scripts/gpu_check.sh gluon-int issue 24: the Gluon forward inside the library: the whole CUDA suite (-n 4), `verify`,
+#   bash scripts/gpu_check.sh gluon-int issue 24: the Gluon forward inside the library: the CUDA suite (-n 4; $CUDA_TESTS, default
+#                                       tests; $CUDA_TEST_TIMEOUT 400 s), `verify`,
 #                                       then the headline bench (N = 131072, causal and not) with the Gluon forward on
 #                                       and off (DILATED_ATTENTION_GLUON_FWD=0), same-run dense SDPA
 #   bash scripts/gpu_check.sh gluon-bwd issue 24: benchmarks/gluon_dilated_bwd.py --check --quick, then $GLUON_BWD_ARGS (--bench) (the Gluon dK/dV and dQ
@@ -196,7 +197,8 @@ case "${1:-tests}" in
     grep -E "PASS|FAIL|rc=|^\|" "$OUT/gluon_fwd.txt" | tail -70
     ;;
   gluon-int)
-    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=8 > "$OUT/cuda_tests.txt" 2>&1
+    # shellcheck disable=SC2086
+    timeout "${CUDA_TEST_TIMEOUT:-400}" python3 -m pytest -v -m cuda ${CUDA_TESTS:-tests} -n 4 -p no:cacheprovider -rfE --durations=8 > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
     timeout "${VERIFY_TIMEOUT:-120}" python3 -m dilated_attention verify --dtype bf16 > "$OUT/verify.txt" 2>&1; echo "verify rc=$?" >> "$OUT/verify.txt"
     timeout 100 python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_on.md" > "$OUT/bench_on.txt" 2>&1

@@ -1,6 +1,6 @@
 """The library's process-level switches, in one place.
 
-There are five.
+There are six.
 
 **cuDNN attention.** Whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
 capability >= 9 (see docs/spec.md, "Choices the library makes"). It is read when a block is
@@ -99,6 +99,17 @@ environment: ``DILATED_ATTENTION_TRITON_LAYERNORM=0`` is ``"off"``, ``=1`` is ``
 ``=auto`` is ``"auto"``, anything else or nothing is the default. Read as the direct-launch
 switch is (once after each set: it is asked by every LayerNorm of every forward, decode steps
 included).
+
+**The Gluon forward of the training kernels** (issue 24). Whether ``kernels/triton_launch.forward``
+runs the branches of a call through the Gluon kernel of ``kernels/gluon_fwd_kernel.py``
+(FlashAttention-3's structure: TMA loads, a producer warp, two consumer warpgroups with async
+wgmma) where it applies (``kernels/gluon_fwd.problem``: a Hopper GPU (sm_90) with Triton's Gluon,
+bf16/fp16, headdim 64 or 128, seqlen_q == seqlen_k, every branch with ``N % w == 0`` and
+``w % r == 0``, no key padding mask, no packed documents, no block-config override), or through
+the Triton kernels always. Both are exact (the CUDA tests compare each to the float64
+reference); the switch exists for A/B measurements. ``set_gluon_forward(False)`` turns it off for
+this process, ``True`` on, ``None`` returns to the environment: ``DILATED_ATTENTION_GLUON_FWD=0``
+turns it off, any other value or none leaves it on. Read as the direct-launch switch is.
 """
 
 from __future__ import annotations
@@ -111,6 +122,7 @@ ENV_FUSED_ROTARY = "DILATED_ATTENTION_FUSED_ROTARY"
 ENV_CE_KERNEL = "DILATED_ATTENTION_CE_KERNEL"
 CE_KERNEL_DEFAULT = "auto"  # since 2026-11-27 (measured on an H100: profile_step.py)
 ENV_TRITON_LAYERNORM = "DILATED_ATTENTION_TRITON_LAYERNORM"
+ENV_GLUON_FWD = "DILATED_ATTENTION_GLUON_FWD"
 ROTARY_DEFAULT = "auto"  # since 2026-11-27 (verified and measured on an H100)
 LAYERNORM_DEFAULT = "auto"  # since 2026-11-27 (measured on an H100: profile_step.py --triton-layernorm)
 
@@ -139,6 +151,7 @@ class _Switch:
 
 
 _direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
+_gluon = _Switch(ENV_GLUON_FWD, lambda v: v != "0")  # on unless "0"
 _MODES = {"0": "off", "1": "on", "auto": "auto"}  # the rotary, cross-entropy and LayerNorm switches
 _rotary = _Switch(ENV_FUSED_ROTARY, lambda v: _MODES.get(v.lower(), ROTARY_DEFAULT))
 _ce = _Switch(ENV_CE_KERNEL, lambda v: _MODES.get(v.lower(), CE_KERNEL_DEFAULT))
@@ -240,3 +253,19 @@ def triton_layernorm_mode() -> str:
     the last :func:`set_triton_layernorm`."""
     v = _layernorm.value
     return _layernorm.load() if v is None else v
+
+
+def set_gluon_forward(enabled: bool | None) -> None:
+    """Run the training forward's branches through the Gluon kernel where it applies (True) or
+    through the Triton kernels always (False) in this process; None returns to the environment's
+    choice (``DILATED_ATTENTION_GLUON_FWD``; on unless ``0``)."""
+    _check_bool("set_gluon_forward", enabled, ENV_GLUON_FWD)
+    _gluon.set(enabled)
+
+
+def gluon_forward_enabled() -> bool:
+    """Whether the training forward may use the Gluon kernel now: the value set by
+    :func:`set_gluon_forward`, else the environment (``DILATED_ATTENTION_GLUON_FWD=0`` turns it
+    off; on by default) as read at the first call since the last :func:`set_gluon_forward`."""
+    v = _gluon.value
+    return _gluon.load() if v is None else v

@@ -33,7 +33,7 @@ import torch
 
 from .. import flags
 from ..geometry import max_block_length, query_segments
-from . import direct_launch, triton_import
+from . import direct_launch, gluon_fwd, triton_import
 from . import triton_kernels as kern
 from .constants import int32_table
 
@@ -1142,10 +1142,19 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     ``lo_rows``: rows per range of the per-branch launches when the output needs a lo buffer
     (:func:`lo_chunks`; None: the rule there). The result does not depend on it.
 
-    Runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
+    Where the Gluon forward applies (no ``kpm``, ``docs`` or ``config``, ``fold`` not True,
+    the switch on and :func:`gluon_fwd.problem` None: Hopper, bf16/fp16, D 64/128, N % w == 0,
+    w % r == 0) the branches run through it (:func:`_gluon_forward`, no plan: ``plan_sink``
+    gets None). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
     :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
     used (None for the per-call path), for a caller that passes it to :func:`backward`.
     """
+    if kpm is None and docs is None and config is None and fold is not True:
+        res = _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows)
+        if res is not None:
+            if plan_sink is not None:
+                plan_sink.append(None)  # the backward looks its plan up
+            return res
     plan = None
     if USE_PLANS:
         plan = get_plan(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config, fold, lo_rows,
@@ -1156,6 +1165,49 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
         return forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=config,
                                 fold=fold, docs=docs, lo_rows=lo_rows)  # fmt: skip
     return plan.forward(q, k, v, kpm, docs)
+
+
+def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
+    """:func:`forward` through the Gluon kernel (``gluon_fwd``), or None where it does not
+    apply (the switch off, :func:`gluon_fwd.problem`) or its first launch of a configuration
+    failed (then a warning, and the Triton kernels run it). The buffers, the lo ranges, the
+    branch order and the FIRST / COMP / STORE_LO choices are :func:`forward_per_call`'s, so
+    the merge is the same (hi, lo) arithmetic."""
+    if not flags.gluon_forward_enabled():
+        return None
+    branches = branch_list(seg, dil, head_ranges)
+    if gluon_fwd.problem(q, k, v, causal, branches) is not None:
+        return None
+    dev = direct_launch.tensor_device(q)
+    if direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows)
+    bsz, n, nh, d = q.shape
+    lay = _layout(q, k, None)
+    several = _rows_with_several_branches(nh, k.shape[2], head_ranges)[0]
+    # branch 0 is the first launch (every branch has a segment: N % w == 0); r == 1 over all
+    # heads stores every row of out, lse and lo: no fill
+    fill = not _first_branch_writes_all(branches, 0, nh, True, 0)
+    out, comp = _acc_buffers((bsz, n, nh, d), q.dtype, q.device, several, fill)
+    chunks = lo_chunks(lay, branches, bsz * nh * d * q.element_size(), lo_rows) if comp else [(0, n)]
+    acc_lo = _lo_buffer(out, comp, chunks, fill)
+    if fill:
+        lse = torch.full((bsz, nh, n), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty((bsz, nh, n), dtype=torch.float32, device=q.device)
+    last = len(branches) - 1
+    try:
+        for c0, c1 in chunks:
+            lo, _, row0 = _lo_range(acc_lo, out, c0, len(chunks) > 1, fill)
+            for bi, (w, r, hs, he) in enumerate(branches):
+                gluon_fwd.launch_branch(
+                    q, k, v, out, lo, lse, w, r, hs, he, causal, scale, c0 // w, (c1 - c0) // w,
+                    row0 // w, bi == 0, comp, bi < last,
+                )  # fmt: skip
+    except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
+        gluon_fwd.note_failure(q, causal, e)
+        return None
+    return out, lse
 
 
 def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,

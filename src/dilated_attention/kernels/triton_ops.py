@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from .. import flags
 from ..autograd_rules import backward_context, no_double_backward
 from ..branches import branch_head_ranges
 from .triton_import import device_reason, interpreter_bf16_reason
@@ -181,8 +182,9 @@ class FusedCall:
 def _plan_knobs() -> tuple:
     # what decides whether a call gets a plan, and which, beyond the call's own arguments: the
     # switch and the lo-range knobs (plan_key holds them); the memo also remembers the plan
-    # table it came from (a test or a tool that swaps a fresh table in gets its plans built)
-    return _launch.USE_PLANS, _launch.LO_CHUNKS, _launch.LO_MIN_BYTES
+    # table it came from (a test or a tool that swaps a fresh table in gets its plans built);
+    # the Gluon forward's switch: a memo taken while it was off must not outlive turning it on
+    return _launch.USE_PLANS, _launch.LO_CHUNKS, _launch.LO_MIN_BYTES, flags.gluon_forward_enabled()
 
 
 def _fused_forward(q, k, v, kpm, fc: FusedCall):

@@ -1,0 +1,180 @@
+"""When and how the training forward runs the Gluon kernel (``gluon_fwd_kernel.py``, issue 24).
+
+:func:`problem` says why the kernel cannot run a call (None: it can); :func:`launch_branch`
+launches it for one branch over a range of segments, merging into the result buffers exactly as
+the Triton forward's launches do (FIRST / COMP / STORE_LO: ``triton_launch`` owns the buffers,
+the lo ranges and the branch order, ``triton_launch._gluon_forward``). The kernel module is
+imported on the first call that passes every other check, so importing the package never
+imports Gluon.
+
+The kernel's restrictions, checked by :func:`problem` (anything else runs the Triton kernels,
+the same math): a CUDA device of compute capability exactly 9.0 (its wgmma / TMA / setmaxnreg
+are Hopper's), Triton's Gluon with its Hopper module, bf16 or fp16, headdim 64 or 128,
+seqlen_q == seqlen_k, every branch with ``N % w == 0`` and ``w % r == 0`` (every dilated
+block has w // r >= 2 rows), q / k / v with heads dense in a row (row stride = heads x head
+stride: the TMA view folds the offset class into the head axis) and 16-byte aligned, and
+grids within CUDA's limits. The switch is :func:`dilated_attention.flags.set_gluon_forward`.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from . import triton_import
+
+KV_BN = 128  # key rows per tile
+CONSUMER_REGS = 240  # setmaxnreg of each consumer warpgroup (FA3: 240)
+LOADER_REGS = 24  # setmaxnreg of the loader's warpgroup (the minimum)
+# per-thread register cap of the whole kernel: 12 warps (2 consumer warpgroups + the loader's
+# warpgroup) x 32 threads x 168 <= 65536; setmaxnreg moves registers from the loader to the
+# consumers (240 * 8 + 24 * 4 warps = 2016 <= 168 * 12)
+MAXNREG = 168
+GRID_YZ_MAX = 65535  # CUDA's limit on a grid's second and third axes
+DTYPES = (torch.bfloat16, torch.float16)
+HEADDIMS = (64, 128)
+
+_module = None  # gluon_fwd_kernel once imported
+_import_error: str | None = None
+# (dtype, headdim, causal) whose first launch failed (compile error, resources): the reason;
+# those calls run the Triton kernels from then on (a warning said so once)
+_failed: dict[tuple, str] = {}
+
+
+def stages(d: int) -> int:
+    """K/V ring depth: shared memory holds Q (128 x D) and STAGES x (K + V) tiles (BN x D):
+    2 stages at D = 128 (160 KB), 3 at D = 64 (112 KB); a Hopper block has at most 227 KB."""
+    return 2 if d == 128 else 3
+
+
+def kernel_module():
+    """The kernel module, imported once; None when Gluon or its Hopper module is missing
+    (:func:`import_error` says why)."""
+    global _module, _import_error
+    if _module is None and _import_error is None:
+        try:
+            from . import gluon_fwd_kernel
+
+            _module = gluon_fwd_kernel
+        except Exception as e:  # noqa: BLE001  (any import failure: the Triton kernels run)
+            _import_error = f"{type(e).__name__}: {e}"
+    return _module
+
+
+def import_error() -> str | None:
+    return _import_error
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _view_problem(name: str, x: torch.Tensor) -> str | None:
+    b, n, heads, d = x.shape
+    sb, sn, sh, sd = x.stride()
+    if sd != 1 or sn != heads * sh or (b > 1 and sb != n * sn):
+        return (f"{name} needs dense heads in a row and rows in a batch entry (strides "
+                f"{tuple(x.stride())} for shape {tuple(x.shape)})")  # fmt: skip
+    if x.data_ptr() % 16 or any((s * x.element_size()) % 16 for s in (sb, sn, sh) if s):
+        return f"{name} is not 16-byte aligned (pointer or strides {tuple(x.stride())})"
+    return None
+
+
+def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, branches) -> str | None:
+    """Why the Gluon forward cannot run these validated inputs (q (B, N, H, D), k and v (B, N,
+    Hkv, D)) and branches ((w, r, head start, head stop), each with heads); None: it can."""
+    if triton_import.INTERPRET:
+        return "Triton's interpreter (TRITON_INTERPRET=1) does not run Gluon kernels"
+    if q.device.type != "cuda":
+        return f"the Gluon forward needs a CUDA tensor, got {q.device}"
+    cap = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        return f"the Gluon forward is for sm_90 (Hopper) only, this GPU is sm_{cap[0]}{cap[1]}"
+    bsz, n, nh, d = q.shape
+    if q.dtype not in DTYPES:
+        return f"the Gluon forward takes bf16 or fp16, got {q.dtype}"
+    if d not in HEADDIMS:
+        return f"the Gluon forward takes headdim 64 or 128, got {d}"
+    if k.shape[1] != n or n == 0:
+        return f"the Gluon forward needs seqlen_q == seqlen_k > 0 (got {n} and {k.shape[1]})"
+    if not branches:
+        return "no branch has heads"
+    for w, r, hs, he in branches:
+        if n % w or w % r or w // r < 2:
+            return (f"branch (w={w}, r={r}): the Gluon forward needs N % w == 0, w % r == 0 and "
+                    f"w // r >= 2 (N = {n})")  # fmt: skip
+        if n // w > GRID_YZ_MAX or bsz * (he - hs) > GRID_YZ_MAX:
+            return f"branch (w={w}, r={r}): grid past CUDA's limits"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        why = _view_problem(name, x)
+        if why is not None:
+            return why
+    key = (q.dtype, d, bool(causal))
+    if key in _failed:
+        return f"the Gluon forward failed here before: {_failed[key]}"
+    if kernel_module() is None:
+        return f"Gluon or its Hopper module is missing: {_import_error}"
+    return None
+
+
+def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
+    """Record a failed launch (the caller then runs the Triton kernels) and warn once."""
+    why = f"{type(err).__name__}: {str(err)[:400]}"
+    _failed[(q.dtype, q.shape[-1], bool(causal))] = why
+    warnings.warn(
+        f"dilated_attention: the Gluon forward failed ({why}); this configuration runs the "
+        f"Triton kernels from now on (set DILATED_ATTENTION_GLUON_FWD=0 to skip it)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _gl_dtype(dtype: torch.dtype):
+    gl = kernel_module().gl
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def block_desc(x: torch.Tensor, w: int, r: int, rows: int):
+    """TMA descriptor of the dilated blocks of x (B, N, heads, D) (heads dense in a row): the
+    4-D view [B*N/w, L, r*heads, D], strides [w*sn, r*sn, sh, 1], box [1, rows, 1, D]: index
+    (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h."""
+    mod = kernel_module()
+    gl = mod.gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    b, n, heads, d = x.shape
+    _, sn, sh, _ = x.stride()
+    shape = [b * (n // w), w // r, r * heads, d]
+    strides = [w * sn, r * sn, sh, 1]
+    block = [1, rows, 1, d]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
+    return TensorDescriptor(x, shape, strides, block, layout)
+
+
+def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,
+                  scale: float, s0: int, nseg: int, lo_s0: int, first: bool, comp: bool,
+                  store_lo: bool) -> None:  # fmt: skip
+    """Launch branch (w, r) over heads [hs, he) and segments [s0, s0 + nseg): its (out, lse)
+    merged into ``out`` (B, N, H, D) contiguous, ``lse`` (B, H, N) float32 and, with ``comp``,
+    the lo buffer ``lo`` (B, rows, H, D) contiguous, which holds the rows from segment ``lo_s0``
+    of branch w on (rows a multiple of w; ``out`` itself as a dummy without one). Inputs as
+    :func:`problem` accepts."""
+    mod = kernel_module()
+    bsz, n, nh, d = q.shape
+    big_l = w // r
+    grid = (-(-big_l // mod.BM), nseg, bsz * (he - hs))
+    if grid[1] * grid[2] == 0:
+        return
+    o_desc = block_desc(out, w, r, mod.WG_M)
+    lo_desc = block_desc(lo, w, r, mod.WG_M) if comp else o_desc
+    mod.gluon_fwd_kernel[grid](
+        block_desc(q, w, r, mod.WG_M), block_desc(k, w, r, KV_BN), block_desc(v, w, r, KV_BN),
+        o_desc, lo_desc, lse, scale * 1.4426950408889634,
+        n, big_l, w, n // w, s0, lo.shape[1] // w, lo_s0, r, nh, k.shape[2], hs, he - hs,
+        BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal), FIRST=bool(first),
+        COMP=bool(comp), STORE_LO=bool(store_lo), CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
+    )  # fmt: skip
