@@ -1,9 +1,11 @@
 """Gluon (Triton 3.6) FlashAttention-3-style forward of ONE dilated branch on Hopper (issue 24).
 
-A standalone prototype, not part of the library: it tests whether the structural lever named in
-benchmarks/NOTES_triton.md (twentieth session: TMA, asynchronous wgmma, producer / consumer warp
-specialisation with a register split) lifts the dilated forward from the ~414 TF/s per executed
-FLOP of the library's Triton kernel toward cuDNN's dense rate. It needs Triton 3.6's Gluon
+Born as a standalone prototype (twenty-first session); since the twenty-second the kernel lives
+in the library (``dilated_attention/kernels/gluon_fwd_kernel.py``, with the LSE merge epilogue)
+and this script launches it for one branch (FIRST: no merge) to check it against the float64
+reference per branch, time it beside the library's Triton per-branch forward and cuDNN, and
+compile it on the CPU. The kernel description below is the prototype's; the library's module
+docstring is the current one. It needs Triton 3.6's Gluon
 (``triton.experimental.gluon``; the API moves between versions: written against 3.6.0 exactly).
 
 Math (docs/spec.md): branch (w, r) splits the positions into segments of w rows; query head h
@@ -350,51 +352,50 @@ def compile_only(lines: list[str], sass_dir: str | None) -> bool:
               + " | ".join(SASS_FACTS) + " |", "|---" * (5 + len(SASS_FACTS)) + "|"]  # fmt: skip
     ok = True
     for dtype_name in ("bf16", "fp16"):
-        for d, causal, first, comp in ((128, False, True, False), (128, False, False, True),
-                                       (128, True, True, True), (128, True, False, False),
-                                       (64, False, False, True), (64, True, True, False)):  # fmt: skip
-            if True:
-                name = f"{dtype_name} D={d} causal={causal} first={first} comp={comp}"
-                sig, consts = _signature(d, causal, dtype_name, first, comp)
-                attrs = {(5,): [["tt.divisibility", 16]]}
-                try:
-                    ck = triton.compile(GluonASTSource(_mod.gluon_fwd_kernel, sig, consts, attrs),
-                                        target=GPUTarget("cuda", 90, 32),
-                                        options={"num_warps": 4,
-                                                 "maxnreg": gluon_fwd.MAXNREG})  # fmt: skip
-                except Exception as e:  # noqa: BLE001
-                    ok = False
-                    msg = f"| {name} | compile FAILED: {type(e).__name__}: {str(e)[:300]} |"
-                    print(msg)
-                    lines.append(msg)
-                    continue
-                with tempfile.TemporaryDirectory() as tmp:
-                    cubin = os.path.join(tmp, "k.cubin")
-                    with open(cubin, "wb") as f:
-                        f.write(ck.asm["cubin"])
-                    res = subprocess.run([os.path.join(tools, "cuobjdump"),
-                                          "--dump-resource-usage", cubin],
-                                         capture_output=True, text=True).stdout  # fmt: skip
-                    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
-                                          capture_output=True, text=True).stdout  # fmt: skip
-                reg = re.search(r"REG:(\d+)", res)
-                stack = re.search(r"STACK:(\d+)", res)
-                local = re.search(r"LOCAL:(\d+)", res)
-                maxnreg = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.\S+ (?:UP\d, )?"
-                                                                 r"0x([0-9a-f]+)", sass)})  # fmt: skip
-                counts = [str(len(re.findall(re.escape(p), sass))) for p in SASS_FACTS]
-                row = (f"| {name} | {reg.group(1) if reg else '?'} ({gluon_fwd.MAXNREG}) | "
-                       f"{stack.group(1) if stack else '?'} / {local.group(1) if local else '?'}"
-                       f" | {ck.metadata.shared} | {maxnreg} | " + " | ".join(counts) + " |")  # fmt: skip
-                print(row, flush=True)
-                lines.append(row)
-                if sass_dir:
-                    os.makedirs(sass_dir, exist_ok=True)
-                    stem = os.path.join(sass_dir, f"gluon_fwd_{dtype_name}_d{d}_c{int(causal)}")
-                    for ext, text in (("sass", sass), ("ptx", ck.asm["ptx"]),
-                                      ("ttgir", ck.asm["ttgir"])):  # fmt: skip
-                        with open(f"{stem}.{ext}", "w") as f:
-                            f.write(text)
+        variants = ((128, False, True, False), (128, False, False, True), (128, True, True, True),
+                    (128, True, False, False), (64, False, False, True), (64, True, True, False))
+        for d, causal, first, comp in variants:
+            name = f"{dtype_name} D={d} causal={causal} first={first} comp={comp}"
+            sig, consts = _signature(d, causal, dtype_name, first, comp)
+            attrs = {(5,): [["tt.divisibility", 16]]}
+            try:
+                ck = triton.compile(GluonASTSource(_mod.gluon_fwd_kernel, sig, consts, attrs),
+                                    target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": 4,
+                                             "maxnreg": gluon_fwd.MAXNREG})  # fmt: skip
+            except Exception as e:  # noqa: BLE001
+                ok = False
+                msg = f"| {name} | compile FAILED: {type(e).__name__}: {str(e)[:300]} |"
+                print(msg)
+                lines.append(msg)
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                cubin = os.path.join(tmp, "k.cubin")
+                with open(cubin, "wb") as f:
+                    f.write(ck.asm["cubin"])
+                res = subprocess.run([os.path.join(tools, "cuobjdump"),
+                                      "--dump-resource-usage", cubin],
+                                     capture_output=True, text=True).stdout  # fmt: skip
+                sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
+                                      capture_output=True, text=True).stdout  # fmt: skip
+            reg = re.search(r"REG:(\d+)", res)
+            stack = re.search(r"STACK:(\d+)", res)
+            local = re.search(r"LOCAL:(\d+)", res)
+            maxnreg = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.\S+ (?:UP\d, )?"
+                                                             r"0x([0-9a-f]+)", sass)})  # fmt: skip
+            counts = [str(len(re.findall(re.escape(p), sass))) for p in SASS_FACTS]
+            row = (f"| {name} | {reg.group(1) if reg else '?'} ({gluon_fwd.MAXNREG}) | "
+                   f"{stack.group(1) if stack else '?'} / {local.group(1) if local else '?'}"
+                   f" | {ck.metadata.shared} | {maxnreg} | " + " | ".join(counts) + " |")  # fmt: skip
+            print(row, flush=True)
+            lines.append(row)
+            if sass_dir:
+                os.makedirs(sass_dir, exist_ok=True)
+                stem = os.path.join(sass_dir, f"gluon_fwd_{dtype_name}_d{d}_c{int(causal)}")
+                for ext, text in (("sass", sass), ("ptx", ck.asm["ptx"]),
+                                  ("ttgir", ck.asm["ttgir"])):  # fmt: skip
+                    with open(f"{stem}.{ext}", "w") as f:
+                        f.write(text)
     lines.append("")
     return ok
 
