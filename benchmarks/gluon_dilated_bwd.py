@@ -21,7 +21,7 @@ residue), lse multiplied by log2(e), -inf (a row without a key) and the padding 
 delta padded with 0. The library would fold this into its delta kernel (FA3's preprocess kernel
 does the same). Its time is reported separately in --bench.
 
-Kernel 1, dK/dV (:func:`_dkdv_kernel`): one program per (key tile of 128 rows of a block,
+Kernel 1, dK/dV (:func:`dkdv_kernel`): one program per (key tile of 128 rows of a block,
 segment, batch x kv head x residue class); the grid's second axis is B * Hkv * min(rep, r) as
 the library's (``h0 = g*rep + i0``, ``c = h0 % r``). It loops over the query heads
 ``h0, h0 + r, ... < (g+1)*rep`` (GQA: their contributions summed in the same registers, no
@@ -35,7 +35,7 @@ operands in shared memory), P^T = exp2(S^T*scale*log2e - lse2), dV += P^T dO (P^
 registers), dS^T = P^T (dP^T - delta), dK += dS^T Q (dS^T from registers); then the stage is
 released. End: dK *= scale; plain float32 stores (or adds) of the rows t < L.
 
-Kernel 2, dQ (:func:`_dq_kernel`): one program per (query tile of 128 rows, segment,
+Kernel 2, dQ (:func:`dq_kernel`): one program per (query tile of 128 rows, segment,
 batch x head), the forward's structure: loader (Q and dO halves once, then K / V tiles of BN
 rows in a ring), two consumer warpgroups of 64 query rows: S = Q K^T and dP = dO V^T (async),
 P = exp2(S*scale*log2e - lse2), dS = P (dP - delta), dQ += dS K (dS from registers);
@@ -73,15 +73,7 @@ except ImportError:  # pragma: no cover
 
 try:
     import triton
-    from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001  (any import failure: report and exit 2)
@@ -94,435 +86,38 @@ BLK = 2 * WG_M  # rows of a program's stationary tile (two consumer warpgroups)
 BMQ = 64  # query rows per streamed tile of the dK/dV kernel
 LPAD = BLK  # block-major lse / delta rows padded to this multiple (the dQ tile: no mask)
 
+# the kernels live in the library (dilated_attention/kernels/gluon_bwd_kernel.py since the
+# twenty-second session); this script launches them per branch
+_mod = None
 if _IMPORT_ERROR is None:
-    _WGM = gl.constexpr(WG_M)
+    try:
+        from dilated_attention.kernels import gluon_bwd as _lib
+        from dilated_attention.kernels import gluon_fwd as _lib_fwd
 
-    # -------------------------------------------------------------------------- dK / dV
-
-    @gluon.jit
-    def _kv_loader(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs, q_bufs,
-                   do_bufs, l_bufs, dl_bufs, kv_bar, q_ready, do_ready, q_empty, do_empty,
-                   blk, n_lo, kv_col, c, h_start, nhl, m_first, n_qt, b, s, H, R, NSEG, LP,
-                   BMQ: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        # the stationary K and V halves (one per consumer) on one barrier
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-        for i in gl.static_range(2):
-            tma.async_copy_global_to_shared(
-                k_desc, [blk, n_lo + i * _WGM, kv_col, 0], kv_bar, k_bufs.index(i)
-            )
-            tma.async_copy_global_to_shared(
-                v_desc, [blk, n_lo + i * _WGM, kv_col, 0], kv_bar, v_bufs.index(i)
-            )
-        cnt = 0
-        for hi in range(nhl):
-            h = h_start + hi * R
-            q_col = c * H + h
-            lrow = ((b * H + h) * NSEG + s) * LP
-            for j in range(n_qt):
-                m = m_first + j * BMQ
-                st = cnt % STAGES
-                ph = (cnt // STAGES) & 1
-                # a fresh barrier counts as having completed the phase before phase 0
-                mbarrier.wait(q_empty.index(st), ph ^ 1)
-                mbarrier.expect(q_ready.index(st),
-                                q_desc.block_type.nbytes + l_desc.block_type.nbytes)  # fmt: skip
-                tma.async_copy_global_to_shared(
-                    q_desc, [blk, m, q_col, 0], q_ready.index(st), q_bufs.index(st)
-                )
-                tma.async_copy_global_to_shared(
-                    l_desc, [lrow + m], q_ready.index(st), l_bufs.index(st)
-                )
-                mbarrier.wait(do_empty.index(st), ph ^ 1)
-                mbarrier.expect(do_ready.index(st),
-                                do_desc.block_type.nbytes + dl_desc.block_type.nbytes)  # fmt: skip
-                tma.async_copy_global_to_shared(
-                    do_desc, [blk, m, q_col, 0], do_ready.index(st), do_bufs.index(st)
-                )
-                tma.async_copy_global_to_shared(
-                    dl_desc, [lrow + m], do_ready.index(st), dl_bufs.index(st)
-                )
-                cnt += 1
-
-    @gluon.jit
-    def _kv_step(cnt, m, key0, k_tile, v_tile, q_bufs, do_bufs, l_bufs, dl_bufs, q_ready,
-                 do_ready, q_empty, do_empty, dk, dv, s_zero, qk_scale, BMQ: gl.constexpr,
-                 D: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-        # one streamed query tile of 64 rows (first row m) against this warpgroup's 64 keys
-        dtype: gl.constexpr = k_tile.dtype
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                      k_width=2)  # fmt: skip
-        st = cnt % STAGES
-        ph = (cnt // STAGES) & 1
-        mbarrier.wait(q_ready.index(st), ph)
-        q_s = q_bufs.index(st).reshape([BMQ, D])
-        s_tok = warpgroup_mma(k_tile, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(st), ph)
-        do_s = do_bufs.index(st).reshape([BMQ, D])
-        dp_tok = warpgroup_mma(v_tile, do_s.permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-        st_acc = warpgroup_mma_wait(1, deps=(s_tok,))
-        lse2 = l_bufs.index(st).load(gl.SliceLayout(0, s_layout))
-        pt = gl.exp2(st_acc * qk_scale - gl.expand_dims(lse2, 0))
-        if MASKED:
-            keys = key0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
-            qrows = m + gl.arange(0, BMQ, layout=gl.SliceLayout(0, s_layout))
-            pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(qrows, 0), pt, 0.0)
-        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-        dv_tok = warpgroup_mma(pt_op, do_s, dv, is_async=True)
-        dpt = warpgroup_mma_wait(1, deps=(dp_tok,))
-        dlt = dl_bufs.index(st).load(gl.SliceLayout(0, s_layout))
-        dst = pt * (dpt - gl.expand_dims(dlt, 0))
-        ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-        dk_tok = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-        dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, ds_op))
-        mbarrier.arrive(q_empty.index(st))
-        mbarrier.arrive(do_empty.index(st))
-        return dk, dv
-
-    @gluon.jit
-    def _kv_consumer(wg: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar,
-                     q_ready, do_ready, q_empty, do_empty, DK, DV, blk, n_lo, c, g, nhl,
-                     m_first, n_qt, n_diag, L, W, R, HKV, qk_scale, sm_scale,
-                     BMQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                     ADD: gl.constexpr):  # fmt: skip
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMQ, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-        )
-        key0 = n_lo + wg * _WGM
-        k_tile = k_bufs.index(wg).reshape([_WGM, D])
-        v_tile = v_bufs.index(wg).reshape([_WGM, D])
-        dk = gl.zeros([_WGM, D], gl.float32, layout=o_layout)
-        dv = gl.zeros([_WGM, D], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([_WGM, BMQ], gl.float32, layout=s_layout)
-        mbarrier.wait(kv_bar, 0)
-        cnt = 0
-        for _hi in range(nhl):
-            # the tiles [0, n_diag) straddle the causal diagonal: masked; the rest not
-            for j in range(n_diag):
-                dk, dv = _kv_step(cnt, m_first + j * BMQ, key0, k_tile, v_tile, q_bufs,
-                                  do_bufs, l_bufs, dl_bufs, q_ready, do_ready, q_empty,
-                                  do_empty, dk, dv, s_zero, qk_scale, BMQ, D, STAGES, True,
-                                  s_layout, o_layout)  # fmt: skip
-                cnt += 1
-            for j in range(n_diag, n_qt):
-                dk, dv = _kv_step(cnt, m_first + j * BMQ, key0, k_tile, v_tile, q_bufs,
-                                  do_bufs, l_bufs, dl_bufs, q_ready, do_ready, q_empty,
-                                  do_empty, dk, dv, s_zero, qk_scale, BMQ, D, STAGES, False,
-                                  s_layout, o_layout)  # fmt: skip
-                cnt += 1
-        dk = dk * sm_scale
-        # float32 results (B, N, Hkv, D): key row t of the block is position blk*W + c + R*t
-        t = key0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, o_layout))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        pos = blk.to(gl.int64) * W + c + R * t
-        off = gl.expand_dims((pos * HKV + g) * D, 1) + gl.expand_dims(d, 0)
-        mask = gl.expand_dims(t < L, 1) & gl.expand_dims(d < D, 0)
-        if ADD:
-            dk = dk + gl.load(DK + off, mask=mask, other=0.0)
-            dv = dv + gl.load(DV + off, mask=mask, other=0.0)
-        gl.store(DK + off, dk, mask=mask)
-        gl.store(DV + off, dv, mask=mask)
-
-    @gluon.jit
-    def _kv_consumer_wg0(k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready,
-                         do_ready, q_empty, do_empty, DK, DV, blk, n_lo, c, g, nhl, m_first,
-                         n_qt, n_diag, L, W, R, HKV, qk_scale, sm_scale, BMQ: gl.constexpr,
-                         D: gl.constexpr, STAGES: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
-        _kv_consumer(0, k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready,
-                     do_ready, q_empty, do_empty, DK, DV, blk, n_lo, c, g, nhl, m_first, n_qt,
-                     n_diag, L, W, R, HKV, qk_scale, sm_scale, BMQ, D, STAGES, ADD)  # fmt: skip
-
-    @gluon.jit
-    def _kv_consumer_wg1(k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready,
-                         do_ready, q_empty, do_empty, DK, DV, blk, n_lo, c, g, nhl, m_first,
-                         n_qt, n_diag, L, W, R, HKV, qk_scale, sm_scale, BMQ: gl.constexpr,
-                         D: gl.constexpr, STAGES: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
-        _kv_consumer(1, k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready,
-                     do_ready, q_empty, do_empty, DK, DV, blk, n_lo, c, g, nhl, m_first, n_qt,
-                     n_diag, L, W, R, HKV, qk_scale, sm_scale, BMQ, D, STAGES, ADD)  # fmt: skip
-
-    @gluon.jit
-    def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, qk_scale,
-                     sm_scale, L, W, NSEG, NNB, R, H, HKV, REP, NI, LP, BMQ: gl.constexpr,
-                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):  # fmt: skip
-        pid0 = gl.program_id(0)
-        pid_x = gl.program_id(1)
-        pid_n = pid0 % NNB
-        s = pid0 // NNB
-        b = pid_x // (HKV * NI)
-        g = (pid_x // NI) % HKV
-        i0 = pid_x % NI
-        h_start = g * REP + i0
-        c = h_start % R
-        # query heads of kv head g with residue c: h_start, h_start + R, ... < (g + 1) * REP
-        nhl = ((g + 1) * REP - h_start + R - 1) // R
-        n_lo = pid_n * (2 * _WGM)
-        blk = b * NSEG + s
-        kv_col = c * HKV + g
-        n_qt_all = gl.cdiv(L, BMQ)
-        if CAUSAL:
-            m_first = n_lo
-            n_qt = n_qt_all - n_lo // BMQ
-            n_diag = gl.minimum(n_qt, (2 * _WGM) // BMQ)
-        else:
-            m_first = n_lo * 0
-            n_qt = n_qt_all
-            n_diag = n_qt * 0
-
-        dtype: gl.constexpr = q_desc.dtype
-        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape,
-                                           q_desc.layout)  # fmt: skip
-        do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
-                                            do_desc.layout)  # fmt: skip
-        l_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape,
-                                           l_desc.layout)  # fmt: skip
-        dl_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dl_desc.block_type.shape,
-                                            dl_desc.layout)  # fmt: skip
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
-            # one arrival per consumer warpgroup
-            mbarrier.init(q_empty.index(i), count=2)
-            mbarrier.init(do_empty.index(i), count=2)
-
-        gl.warp_specialize(
-            [
-                (_kv_consumer_wg0, (k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar,
-                                    q_ready, do_ready, q_empty, do_empty, DK, DV, blk, n_lo, c,
-                                    g, nhl, m_first, n_qt, n_diag, L, W, R, HKV, qk_scale,
-                                    sm_scale, BMQ, D, STAGES, ADD)),
-                (_kv_consumer_wg1, (k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar,
-                                    q_ready, do_ready, q_empty, do_empty, DK, DV, blk, n_lo, c,
-                                    g, nhl, m_first, n_qt, n_diag, L, W, R, HKV, qk_scale,
-                                    sm_scale, BMQ, D, STAGES, ADD)),
-                (_kv_loader, (q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs,
-                              q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready, do_ready,
-                              q_empty, do_empty, blk, n_lo, kv_col, c, h_start, nhl, m_first,
-                              n_qt, b, s, H, R, NSEG, LP, BMQ, STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOADER_REGS],
-        )  # fmt: skip
-
-    # -------------------------------------------------------------------------- dQ
-
-    @gluon.jit
-    def _q_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar,
-                  k_ready, v_ready, k_empty, v_empty, blk, q_row0, q_col, kv_col, n_tiles,
-                  BN: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        # the stationary Q and dO halves (one per consumer) on one barrier
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-        for i in gl.static_range(2):
-            tma.async_copy_global_to_shared(
-                q_desc, [blk, q_row0 + i * _WGM, q_col, 0], q_bar, q_bufs.index(i)
-            )
-            tma.async_copy_global_to_shared(
-                do_desc, [blk, q_row0 + i * _WGM, q_col, 0], q_bar, do_bufs.index(i)
-            )
-        for j in range(n_tiles):
-            st = j % STAGES
-            ph = (j // STAGES) & 1
-            mbarrier.wait(k_empty.index(st), ph ^ 1)
-            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [blk, j * BN, kv_col, 0], k_ready.index(st), k_bufs.index(st)
-            )
-            mbarrier.wait(v_empty.index(st), ph ^ 1)
-            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [blk, j * BN, kv_col, 0], v_ready.index(st), v_bufs.index(st)
-            )
-
-    @gluon.jit
-    def _q_step(j, row0, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                dq, lse2, dlt, s_zero, qk_scale, BN: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
-                o_layout: gl.constexpr):  # fmt: skip
-        dtype: gl.constexpr = q_tile.dtype
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                      k_width=2)  # fmt: skip
-        st = j % STAGES
-        ph = (j // STAGES) & 1
-        mbarrier.wait(k_ready.index(st), ph)
-        k_s = k_bufs.index(st).reshape([BN, D])
-        s_tok = warpgroup_mma(q_tile, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(st), ph)
-        v_s = v_bufs.index(st).reshape([BN, D])
-        dp_tok = warpgroup_mma(do_tile, v_s.permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-        if MASKED:
-            rows = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
-            cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
-        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-        mbarrier.arrive(v_empty.index(st))
-        ds = p * (dp - gl.expand_dims(dlt, 1))
-        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-        dq_tok = warpgroup_mma(ds_op, k_s, dq, is_async=True)
-        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
-        mbarrier.arrive(k_empty.index(st))
-        return dq
-
-    @gluon.jit
-    def _q_consumer(wg: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready,
-                    k_empty, v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full,
-                    L, W, R, H, qk_scale, sm_scale, BN: gl.constexpr, D: gl.constexpr,
-                    STAGES: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-        )
-        row0 = q_row0 + wg * _WGM
-        q_tile = q_bufs.index(wg).reshape([_WGM, D])
-        do_tile = do_bufs.index(wg).reshape([_WGM, D])
-        # block-major lse2 / delta: padded to a multiple of 64 rows, no mask
-        rows_s = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
-        lse2 = gl.load(LSE2 + lrow + rows_s)
-        dlt = gl.load(DELTA + lrow + rows_s)
-        dq = gl.zeros([_WGM, D], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([_WGM, BN], gl.float32, layout=s_layout)
-        mbarrier.wait(q_bar, 0)
-        for j in range(n_full):
-            dq = _q_step(j, row0, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty,
-                         v_empty, dq, lse2, dlt, s_zero, qk_scale, BN, D, STAGES, False,
-                         s_layout, o_layout)  # fmt: skip
-        for j in range(n_full, n_tiles):
-            dq = _q_step(j, row0, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty,
-                         v_empty, dq, lse2, dlt, s_zero, qk_scale, BN, D, STAGES, True,
-                         s_layout, o_layout)  # fmt: skip
-        dq = dq * sm_scale
-        t = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, o_layout))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        pos = blk.to(gl.int64) * W + c + R * t
-        off = gl.expand_dims((pos * H + h) * D, 1) + gl.expand_dims(d, 0)
-        mask = gl.expand_dims(t < L, 1) & gl.expand_dims(d < D, 0)
-        if ADD:
-            dq = dq + gl.load(DQ + off, mask=mask, other=0.0)
-        gl.store(DQ + off, dq, mask=mask)
-
-    @gluon.jit
-    def _q_consumer_wg0(q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                        v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full, L, W,
-                        R, H, qk_scale, sm_scale, BN: gl.constexpr, D: gl.constexpr,
-                        STAGES: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
-        _q_consumer(0, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                    v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full, L, W, R,
-                    H, qk_scale, sm_scale, BN, D, STAGES, ADD)  # fmt: skip
-
-    @gluon.jit
-    def _q_consumer_wg1(q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                        v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full, L, W,
-                        R, H, qk_scale, sm_scale, BN: gl.constexpr, D: gl.constexpr,
-                        STAGES: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
-        _q_consumer(1, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                    v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full, L, W, R,
-                    H, qk_scale, sm_scale, BN, D, STAGES, ADD)  # fmt: skip
-
-    @gluon.jit
-    def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, qk_scale, sm_scale, L, W,
-                   NSEG, NMB, R, H, HKV, LP, BN: gl.constexpr, D: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
-        pid0 = gl.program_id(0)
-        bh = gl.program_id(1)
-        pid_m = pid0 % NMB
-        s = pid0 // NMB
-        b = bh // H
-        h = bh % H
-        c = h % R
-        hk = h // (H // HKV)
-        q_row0 = pid_m * (2 * _WGM)
-        blk = b * NSEG + s
-        q_col = c * H + h
-        kv_col = c * HKV + hk
-        lrow = ((b * H + h) * NSEG + s).to(gl.int64) * LP
-        n_kv = gl.cdiv(L, BN)
-        if CAUSAL:
-            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-            n_full = gl.minimum(q_row0 // BN, n_tiles)
-        else:
-            n_tiles = n_kv
-            n_full = n_kv
-
-        dtype: gl.constexpr = q_desc.dtype
-        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape,
-                                            do_desc.layout)  # fmt: skip
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape,
-                                           k_desc.layout)  # fmt: skip
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape,
-                                           v_desc.layout)  # fmt: skip
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-
-        gl.warp_specialize(
-            [
-                (_q_consumer_wg0, (q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready,
-                                   k_empty, v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h,
-                                   n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN, D,
-                                   STAGES, ADD)),
-                (_q_consumer_wg1, (q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready,
-                                   k_empty, v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h,
-                                   n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN, D,
-                                   STAGES, ADD)),
-                (_q_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                             q_bar, k_ready, v_ready, k_empty, v_empty, blk, q_row0, q_col,
-                             kv_col, n_tiles, BN, STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOADER_REGS],
-        )  # fmt: skip
+        _mod = _lib.kernel_module()
+        if _mod is None:
+            _IMPORT_ERROR = _lib._import_error
+    except Exception as e:  # noqa: BLE001  (PYTHONPATH=src missing, ...)
+        _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
 # ------------------------------------------------------------------------------ host side
 
-CONSUMER_REGS = 240  # setmaxnreg of each consumer warpgroup (FA3: 240)
-LOADER_REGS = 24  # setmaxnreg of the loader's warpgroup (the minimum)
-MAXNREG = 168  # 12 warps x 32 x 168 <= 65536 (as the forward prototype)
+CONSUMER_REGS = 240  # setmaxnreg of each consumer warpgroup (the library's values)
+LOADER_REGS = 24
+MAXNREG = 168
 
 
 def _kv_stages(d: int) -> int:
-    # K + V halves (2 x 2 x 64 x D) + STAGES x (q + dO tiles of 64 x D, 2 x 256 B lse / delta)
-    # D=128: 64 KB + 3 x 32.5 KB = 161.5 KB; D=64: 32 KB + 4 x 16.5 KB = 98 KB
-    return 3 if d == 128 else 4
+    return _lib.kv_stages(d)
 
 
 def _dq_bn(d: int) -> int:
-    # key rows per dQ tile: S, dP (64 x BN fp32 each) and dQ (64 x D) in a warpgroup's registers
-    return 64 if d == 128 else 128
+    return _lib.dq_bn(d)
 
 
 def _dq_stages(d: int) -> int:
-    # Q + dO halves (4 x 64 x D) + STAGES x (K + V tiles of BN x D): D=128, BN=64: 64 + 3 x 32
-    # = 160 KB; D=64, BN=128: 32 + 3 x 32 = 128 KB
-    return 3
+    return _lib.DQ_STAGES
 
 
 def env_problem() -> str | None:
@@ -537,41 +132,18 @@ def env_problem() -> str | None:
     return None
 
 
-def _gl_dtype(dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+def _block_desc(x: torch.Tensor, w: int, r: int, rows: int):
+    """The library's TMA descriptor of the dilated blocks of x (``gluon_fwd.block_desc``)."""
+    return _lib_fwd.block_desc(x, w, r, rows)
 
 
-def _block_desc(x: torch.Tensor, w: int, r: int, rows: int) -> TensorDescriptor:
-    """TMA descriptor of the dilated blocks of x (B, N, heads, D): the 4-D view
-    [B*N/w, L, r*heads, D], strides [w*heads*D, r*heads*D, D, 1], box [1, rows, 1, D]: index
-    (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h."""
-    b, n, heads, d = x.shape
-    shape = [b * (n // w), w // r, r * heads, d]
-    strides = [w * heads * d, r * heads * d, d, 1]
-    block = [1, rows, 1, d]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
-    return TensorDescriptor(x, shape, strides, block, layout)
-
-
-def _row_desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """1-D TMA descriptor of a flat float32 block-major row vector, box [rows]."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return TensorDescriptor(x, [x.numel()], [1], [rows], layout)
+def _row_desc(x: torch.Tensor, rows: int):
+    return _lib._row_desc(x, rows)
 
 
 def prep_rows(x: torch.Tensor, w: int, r: int, pad_value: float, mult: float = 1.0):
-    """(B, H, N) float -> block-major float32 [B, H, N/w, Lp] of head h's residue h % r:
-    ``y[b, h, s, t] = mult * x[b, h, s*w + h % r + r*t]``; -inf -> +inf; rows t >= L pad_value."""
-    bsz, nh, n = x.shape
-    big_l, nseg = w // r, n // w
-    lp = -(-big_l // LPAD) * LPAD
-    x5 = x.float().reshape(bsz, nh, nseg, big_l, r)
-    cidx = (torch.arange(nh, device=x.device) % r).view(1, nh, 1, 1, 1)
-    y = x5.gather(-1, cidx.expand(bsz, nh, nseg, big_l, 1)).squeeze(-1) * mult
-    y = torch.where(y == float("-inf"), torch.full_like(y, float("inf")), y)
-    out = torch.full((bsz, nh, nseg, lp), pad_value, dtype=torch.float32, device=x.device)
-    out[..., :big_l] = y
-    return out
+    """The library's block-major lse / delta rows (``gluon_bwd.prep_rows``)."""
+    return _lib.prep_rows(x, w, r, pad_value, mult)
 
 
 def prep_bwd(dout, out, lse, w, r):
@@ -609,7 +181,7 @@ def gluon_branch_dkdv(q, k, v, dout, lse2, delta, w, r, causal, scale, dk=None, 
     nnb = triton.cdiv(big_l, BLK)
     ni = min(rep, r)
     grid = (nnb * nseg, bsz * hkv * ni)
-    _dkdv_kernel[grid](
+    _mod.dkdv_kernel[grid](
         _block_desc(q, w, r, BMQ), _block_desc(dout, w, r, BMQ), _block_desc(k, w, r, WG_M),
         _block_desc(v, w, r, WG_M), _row_desc(lse2, BMQ), _row_desc(delta, BMQ), dk, dv,
         scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp,
@@ -630,7 +202,7 @@ def gluon_branch_dq(q, k, v, dout, lse2, delta, w, r, causal, scale, dq=None, ad
     nmb = triton.cdiv(big_l, BLK)
     bn = _dq_bn(d)
     grid = (nmb * nseg, bsz * nh)
-    _dq_kernel[grid](
+    _mod.dq_kernel[grid](
         _block_desc(q, w, r, WG_M), _block_desc(dout, w, r, WG_M), _block_desc(k, w, r, bn),
         _block_desc(v, w, r, bn), dq, lse2, delta, scale * LOG2E, scale, big_l, w, nseg, nmb,
         r, nh, hkv, lp, BN=bn, D=d, STAGES=_dq_stages(d), CAUSAL=causal, ADD=add,
@@ -676,7 +248,7 @@ def _signature(kernel: str, d: int, causal: bool, dtype_name: str, add: bool):
                "LP": "i32"}  # fmt: skip
         cst.update({"BMQ": BMQ, "STAGES": _kv_stages(d)})
         attrs = {(6,): [["tt.divisibility", 16]], (7,): [["tt.divisibility", 16]]}
-        fn = _dkdv_kernel
+        fn = _mod.dkdv_kernel
     else:
         bn = _dq_bn(d)
         sig = {"q_desc": _desc_sig(dtype_name, WG_M, d), "do_desc": _desc_sig(dtype_name, WG_M, d),
@@ -687,7 +259,7 @@ def _signature(kernel: str, d: int, causal: bool, dtype_name: str, add: bool):
         cst.update({"BN": bn, "STAGES": _dq_stages(d)})
         attrs = {(4,): [["tt.divisibility", 16]], (5,): [["tt.divisibility", 16]],
                  (6,): [["tt.divisibility", 16]]}  # fmt: skip
-        fn = _dq_kernel
+        fn = _mod.dq_kernel
     for key in cst:
         sig[key] = "constexpr"
     return fn, sig, cst, attrs
@@ -835,7 +407,7 @@ def _view4(x: torch.Tensor, w: int, r: int) -> torch.Tensor:
 
 
 def emulate_dkdv(q, k, v, dout, lse2, delta, w, r, causal, scale):
-    """float64 emulation of :func:`_dkdv_kernel`: its grid, the loader's TMA coordinates (with
+    """float64 emulation of :func:`dkdv_kernel`: its grid, the loader's TMA coordinates (with
     zero fill), the consumers' loops, masks and stores. Also asserts that loader and consumers
     walk the same tiles and that no result element is stored twice."""
     bsz, n, nh, d = q.shape
@@ -925,7 +497,7 @@ def emulate_dkdv(q, k, v, dout, lse2, delta, w, r, causal, scale):
 
 
 def emulate_dq(q, k, v, dout, lse2, delta, w, r, causal, scale):
-    """float64 emulation of :func:`_dq_kernel` (grid, TMA coordinates, loops, masks, stores)."""
+    """float64 emulation of :func:`dq_kernel` (grid, TMA coordinates, loops, masks, stores)."""
     bsz, n, nh, d = q.shape
     hkv = k.shape[2]
     big_l, nseg = w // r, n // w

@@ -82,6 +82,9 @@
 #                                       tests; $CUDA_TEST_TIMEOUT 400 s), `verify`,
 #                                       then the headline bench (N = 131072, causal and not) with the Gluon forward on
 #                                       and off (DILATED_ATTENTION_GLUON_FWD=0), same-run dense SDPA
+#   bash scripts/gpu_check.sh gluon-lib-bwd issue 24: the library's Gluon backward (off by default): pytest -m cuda
+#                                       tests/test_gluon_bwd.py tests/test_gluon_fwd.py, then the headline bench with
+#                                       DILATED_ATTENTION_GLUON_BWD=1 (same-run dense SDPA)
 #   bash scripts/gpu_check.sh gluon-bwd issue 24: benchmarks/gluon_dilated_bwd.py --check --quick, then $GLUON_BWD_ARGS (--bench) (the Gluon dK/dV and dQ
 #                                       prototype against the float64 reference, then per branch beside the library's
 #                                       Triton backward and cuDNN)
@@ -206,6 +209,14 @@ case "${1:-tests}" in
     DILATED_ATTENTION_GLUON_FWD=0 timeout 100 python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_off.md" >> "$OUT/bench_on.txt" 2>&1
     echo "bench off rc=$?" >> "$OUT/bench_on.txt"
     grep -E "FAILED|Error|rc=" "$OUT/cuda_tests.txt" | tail -25; tail -4 "$OUT/verify.txt"; grep -E "^\||rc=" "$OUT/bench_on.txt" | tail -20
+    ;;
+  gluon-lib-bwd)
+    # the library's Gluon backward (switch off by default): its CUDA tests, then the headline bench with it on
+    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py tests/test_gluon_fwd.py -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    DILATED_ATTENTION_GLUON_BWD=1 timeout "${BENCH_TIMEOUT:-200}" python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_bwd_on.md" > "$OUT/bench.txt" 2>&1
+    echo "bench (Gluon fwd + bwd) rc=$?" >> "$OUT/bench.txt"
+    grep -E "FAILED|Error|rc=" "$OUT/cuda_tests.txt" | tail -25; grep -E "^\||rc=" "$OUT/bench.txt" | tail -10
     ;;
   gluon-bwd)
     # a barrier mistake hangs: the quick check (12 cases) first, under its own timeout

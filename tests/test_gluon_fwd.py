@@ -15,22 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from gluon_cases import CASES, err, needs_gluon, qkv, run
+
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_fwd
 from dilated_attention.kernels import triton_launch as L
-
-
-def _gluon_ready() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    if torch.cuda.get_device_capability() != (9, 0):
-        return "the Gluon forward is for sm_90 only"
-    if gluon_fwd.kernel_module() is None:
-        return f"Gluon is missing: {gluon_fwd.import_error()}"
-    return None
-
-
-needs_gluon = pytest.mark.skipif(_gluon_ready() is not None, reason=str(_gluon_ready()))
 
 
 @pytest.fixture
@@ -60,34 +49,28 @@ def test_switch_setter_getter_and_environment(monkeypatch, switch_reset):
         flags.set_gluon_forward("yes")
 
 
-def _qkv(b=1, n=256, h=4, hkv=2, d=64, dtype=torch.bfloat16, device="cpu"):
-    q = torch.randn(b, n, h, d, dtype=dtype, device=device)
-    k = torch.randn(b, n, hkv, d, dtype=dtype, device=device)
-    return q, k, torch.randn_like(k)
-
-
 def test_problem_names_the_interpreter_or_the_device():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     why = gluon_fwd.problem(q, k, v, False, [(64, 1, 0, 4)])
     assert why is not None and ("interpreter" in why or "CUDA" in why), why
 
 
 def test_view_problem_refuses_layouts_tma_cannot_view():
-    q, _, _ = _qkv(b=2)
-    assert gluon_fwd._view_problem("q", q) is None
+    q, _, _ = qkv(b=2)
+    assert gluon_fwd.view_problem("q", q) is None
     packed = torch.randn(2, 256, 3, 4, 64)[:, :, 0]  # a slice of packed qkv: row stride 3 x H x D
-    assert "strides" in gluon_fwd._view_problem("q", packed)
+    assert "strides" in gluon_fwd.view_problem("q", packed)
     heads_first = torch.randn(2, 4, 256, 64).transpose(1, 2)  # (B, H, N, D) transposed
-    assert "strides" in gluon_fwd._view_problem("q", heads_first)
+    assert "strides" in gluon_fwd.view_problem("q", heads_first)
     odd = torch.randn(1, 256, 4, 66)[..., :64]  # rows of 66 elements: not 16-byte strided
-    why = gluon_fwd._view_problem("q", odd)
+    why = gluon_fwd.view_problem("q", odd)
     assert why is not None
 
 
 def test_cpu_forward_never_launches_gluon(seed, monkeypatch):
     called = []
     monkeypatch.setattr(gluon_fwd, "launch_branch", lambda *a, **kw: called.append(1))
-    q, k, v = _qkv(dtype=torch.float32)
+    q, k, v = qkv(dtype=torch.float32)
     out = dilated_attention(q, k, v, [64, 128], [1, 2], impl="triton")
     assert out.shape == q.shape and not called
 
@@ -99,17 +82,6 @@ def test_stages_fit_shared_memory():
 
 
 # --------------------------------------------------------------------------------- CUDA
-
-
-def _run(q, k, v, do, seg, dil, dtype, **kw):
-    xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = dilated_attention(*xs, seg, dil, return_lse=True, **kw)
-    grads = torch.autograd.grad(out, xs, do.to(dtype))
-    return out, lse, grads
-
-
-def _err(a, r):
-    return (a.double() - r.double()).abs().max().item()
 
 
 def _spy(monkeypatch):
@@ -124,18 +96,6 @@ def _spy(monkeypatch):
     return calls
 
 
-CASES = [
-    # (B, N, H, Hkv, D, seg, dil, head_assignment)
-    (1, 4096, 4, 4, 128, [1024, 2048, 4096], [1, 2, 4], "all"),  # LongNet-like, r = 1 first
-    (1, 4096, 8, 2, 64, [512, 2048], [1, 4], "all"),  # GQA
-    (1, 8192, 4, 1, 128, [2048, 8192], [2, 8], "all"),  # MQA, first branch r = 2 (filled buffers)
-    (2, 2048, 4, 2, 64, [256, 1024, 2048], [1, 2, 4], "all"),  # batch 2
-    (1, 3840, 4, 4, 128, [960, 3840], [5, 5], "all"),  # L = 192 and 768: partial tiles
-    (1, 2048, 4, 4, 64, [64, 2048], [16, 1], "all"),  # L = 4: a tile mostly past the block
-    (1, 4096, 8, 8, 128, [1024, 2048, 4096], [1, 2, 4], "split"),  # heads split: one branch a row
-]
-
-
 @needs_gluon
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[6]}-{c[7]}")
@@ -143,26 +103,26 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
     b, n, h, hkv, d, seg, dil, ha = case
-    q, k, v = _qkv(b, n, h, hkv, d, torch.float64, "cuda")
+    q, k, v = qkv(b, n, h, hkv, d, torch.float64, "cuda")
     do = torch.randn_like(q)
     kw = dict(causal=causal, head_assignment=ha)
-    ref = _run(q, k, v, do, seg, dil, torch.float64, impl="reference", **kw)
+    ref = run(q, k, v, do, seg, dil, torch.float64, impl="reference", **kw)
     flags.set_gluon_forward(False)
     call_cache.clear()
-    base = _run(q, k, v, do, seg, dil, dtype, impl="triton", **kw)
+    base = run(q, k, v, do, seg, dil, dtype, impl="triton", **kw)
     flags.set_gluon_forward(True)
     calls = _spy(monkeypatch)
-    got = _run(q, k, v, do, seg, dil, dtype, impl="triton", **kw)
+    got = run(q, k, v, do, seg, dil, dtype, impl="triton", **kw)
     assert calls, "the Gluon forward did not run"
     assert got[0].dtype == dtype and got[1].dtype == torch.float32
     pairs = [("out", got[0], base[0], ref[0])]
     pairs += [(f"d{c}", a, bb, r) for c, a, bb, r in zip("qkv", got[2], base[2], ref[2], strict=True)]
     for name, a, bb, r in pairs:
-        ea, eb = _err(a, r), _err(bb, r)
+        ea, eb = err(a, r), err(bb, r)
         assert ea <= 2 * eb + 1e-3, f"{name}: Gluon err {ea:.3g} > 2 x Triton err {eb:.3g} + 1e-3"
     fin = torch.isfinite(ref[1])
     assert torch.equal(fin, torch.isfinite(got[1])), "lse: rows without keys differ"
-    assert _err(got[1][fin], ref[1][fin]) <= 2 * _err(base[1][fin], ref[1][fin]) + 1e-3, "lse"
+    assert err(got[1][fin], ref[1][fin]) <= 2 * err(base[1][fin], ref[1][fin]) + 1e-3, "lse"
 
 
 @needs_gluon
@@ -170,7 +130,7 @@ def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, case, causa
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_lo_ranges_change_no_bit(seed, monkeypatch, causal):
     """The lo buffer in ranges (lo_rows) gives bitwise the one-range result, and runs Gluon."""
-    q, k, v = _qkv(1, 8192, 8, 4, 128, torch.bfloat16, "cuda")
+    q, k, v = qkv(1, 8192, 8, 4, 128, torch.bfloat16, "cuda")
     seg, dil, hr = [1024, 2048, 4096], [1, 2, 4], [(0, 8)] * 3
     calls = _spy(monkeypatch)
     one = L.forward(q, k, v, None, seg, dil, causal, 0.125, hr)
@@ -183,7 +143,7 @@ def test_gluon_lo_ranges_change_no_bit(seed, monkeypatch, causal):
 @needs_gluon
 @pytest.mark.cuda
 def test_gluon_switch_off_and_overrides_run_triton(seed, monkeypatch, switch_reset):
-    q, k, v = _qkv(1, 4096, 4, 4, 128, torch.bfloat16, "cuda")
+    q, k, v = qkv(1, 4096, 4, 4, 128, torch.bfloat16, "cuda")
     seg, dil, hr = [1024, 4096], [1, 4], [(0, 4)] * 2
     calls = _spy(monkeypatch)
     flags.set_gluon_forward(False)
@@ -217,7 +177,7 @@ def test_gluon_refuses_strided_views_and_runs_triton(seed, monkeypatch):
 @needs_gluon
 @pytest.mark.cuda
 def test_gluon_failure_falls_back_to_triton_with_a_warning(seed, monkeypatch, switch_reset):
-    q, k, v = _qkv(1, 4096, 4, 4, 64, torch.float16, "cuda")
+    q, k, v = qkv(1, 4096, 4, 4, 64, torch.float16, "cuda")
     seg, dil, hr = [1024, 4096], [1, 4], [(0, 4)] * 2
     flags.set_gluon_forward(False)
     want = L.forward(q, k, v, None, seg, dil, True, 0.125, hr)

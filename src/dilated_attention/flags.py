@@ -1,6 +1,6 @@
 """The library's process-level switches, in one place.
 
-There are six.
+There are seven.
 
 **cuDNN attention.** Whether the torch path's dense blocks may use cuDNN attention on a GPU of compute
 capability >= 9 (see docs/spec.md, "Choices the library makes"). It is read when a block is
@@ -110,6 +110,16 @@ the Triton kernels always. Both are exact (the CUDA tests compare each to the fl
 reference); the switch exists for A/B measurements. ``set_gluon_forward(False)`` turns it off for
 this process, ``True`` on, ``None`` returns to the environment: ``DILATED_ATTENTION_GLUON_FWD=0``
 turns it off, any other value or none leaves it on. Read as the direct-launch switch is.
+
+**The Gluon backward of the training kernels** (issue 24). Whether the training backward runs
+its branches through the Gluon dK/dV and dQ kernels of ``kernels/gluon_bwd_kernel.py`` where
+they apply (``kernels/gluon_bwd.problem``: the forward's conditions, every branch over all
+heads, float32 accumulators within ``gluon_bwd.MAX_F32_BYTES``), or through the Triton kernels.
+**Off by default** until its CUDA tests have run on a GPU (written 2026-11-28 from the
+prototype that ran exact on an H200, ``benchmarks/gluon_dilated_bwd.py``).
+``set_gluon_backward(True)`` turns it on for this process, ``False`` off, ``None`` returns to
+the environment: ``DILATED_ATTENTION_GLUON_BWD=1`` turns it on, anything else or nothing leaves
+it off. Read as the direct-launch switch is.
 """
 
 from __future__ import annotations
@@ -123,6 +133,7 @@ ENV_CE_KERNEL = "DILATED_ATTENTION_CE_KERNEL"
 CE_KERNEL_DEFAULT = "auto"  # since 2026-11-27 (measured on an H100: profile_step.py)
 ENV_TRITON_LAYERNORM = "DILATED_ATTENTION_TRITON_LAYERNORM"
 ENV_GLUON_FWD = "DILATED_ATTENTION_GLUON_FWD"
+ENV_GLUON_BWD = "DILATED_ATTENTION_GLUON_BWD"
 ROTARY_DEFAULT = "auto"  # since 2026-11-27 (verified and measured on an H100)
 LAYERNORM_DEFAULT = "auto"  # since 2026-11-27 (measured on an H100: profile_step.py --triton-layernorm)
 
@@ -152,6 +163,7 @@ class _Switch:
 
 _direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
 _gluon = _Switch(ENV_GLUON_FWD, lambda v: v != "0")  # on unless "0"
+_gluon_bwd = _Switch(ENV_GLUON_BWD, lambda v: v == "1")  # off unless "1"
 _MODES = {"0": "off", "1": "on", "auto": "auto"}  # the rotary, cross-entropy and LayerNorm switches
 _rotary = _Switch(ENV_FUSED_ROTARY, lambda v: _MODES.get(v.lower(), ROTARY_DEFAULT))
 _ce = _Switch(ENV_CE_KERNEL, lambda v: _MODES.get(v.lower(), CE_KERNEL_DEFAULT))
@@ -269,3 +281,19 @@ def gluon_forward_enabled() -> bool:
     off; on by default) as read at the first call since the last :func:`set_gluon_forward`."""
     v = _gluon.value
     return _gluon.load() if v is None else v
+
+
+def set_gluon_backward(enabled: bool | None) -> None:
+    """Run the training backward's branches through the Gluon kernels where they apply (True) or
+    through the Triton kernels always (False) in this process; None returns to the environment's
+    choice (``DILATED_ATTENTION_GLUON_BWD``; off unless ``1``)."""
+    _check_bool("set_gluon_backward", enabled, ENV_GLUON_BWD)
+    _gluon_bwd.set(enabled)
+
+
+def gluon_backward_enabled() -> bool:
+    """Whether the training backward may use the Gluon kernels now: the value set by
+    :func:`set_gluon_backward`, else the environment (``DILATED_ATTENTION_GLUON_BWD=1`` turns it
+    on; off by default) as read at the first call since the last :func:`set_gluon_backward`."""
+    v = _gluon_bwd.value
+    return _gluon_bwd.load() if v is None else v

@@ -72,7 +72,7 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _view_problem(name: str, x: torch.Tensor) -> str | None:
+def view_problem(name: str, x: torch.Tensor) -> str | None:
     b, n, heads, d = x.shape
     sb, sn, sh, sd = x.stride()
     if sd != 1 or sn != heads * sh or (b > 1 and sb != n * sn):
@@ -86,6 +86,20 @@ def _view_problem(name: str, x: torch.Tensor) -> str | None:
 def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, branches) -> str | None:
     """Why the Gluon forward cannot run these validated inputs (q (B, N, H, D), k and v (B, N,
     Hkv, D)) and branches ((w, r, head start, head stop), each with heads); None: it can."""
+    why = shape_problem(q, k, v, branches)
+    if why is not None:
+        return why
+    key = (q.dtype, q.shape[-1], bool(causal))
+    if key in _failed:
+        return f"the Gluon forward failed here before: {_failed[key]}"
+    if kernel_module() is None:
+        return f"Gluon or its Hopper module is missing: {_import_error}"
+    return None
+
+
+def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -> str | None:
+    """The checks the Gluon kernels (forward and backward) share: device, dtype, headdim,
+    lengths, branch geometry, grid limits and the TMA views of q, k, v; None: they pass."""
     if triton_import.INTERPRET:
         return "Triton's interpreter (TRITON_INTERPRET=1) does not run Gluon kernels"
     if q.device.type != "cuda":
@@ -109,14 +123,9 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
         if n // w > GRID_YZ_MAX or bsz * (he - hs) > GRID_YZ_MAX:
             return f"branch (w={w}, r={r}): grid past CUDA's limits"
     for name, x in (("q", q), ("k", k), ("v", v)):
-        why = _view_problem(name, x)
+        why = view_problem(name, x)
         if why is not None:
             return why
-    key = (q.dtype, d, bool(causal))
-    if key in _failed:
-        return f"the Gluon forward failed here before: {_failed[key]}"
-    if kernel_module() is None:
-        return f"Gluon or its Hopper module is missing: {_import_error}"
     return None
 
 
@@ -133,7 +142,8 @@ def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
 
 
 def _gl_dtype(dtype: torch.dtype):
-    gl = kernel_module().gl
+    from triton.experimental.gluon import language as gl
+
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
@@ -141,8 +151,7 @@ def block_desc(x: torch.Tensor, w: int, r: int, rows: int):
     """TMA descriptor of the dilated blocks of x (B, N, heads, D) (heads dense in a row): the
     4-D view [B*N/w, L, r*heads, D], strides [w*sn, r*sn, sh, 1], box [1, rows, 1, D]: index
     (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h."""
-    mod = kernel_module()
-    gl = mod.gl
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, n, heads, d = x.shape

@@ -33,7 +33,7 @@ import torch
 
 from .. import flags
 from ..geometry import max_block_length, query_segments
-from . import direct_launch, gluon_fwd, triton_import
+from . import direct_launch, gluon_bwd, gluon_fwd, triton_import
 from . import triton_kernels as kern
 from .constants import int32_table
 
@@ -1210,6 +1210,27 @@ def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
     return out, lse
 
 
+def gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges):
+    """:func:`backward` through the Gluon kernels (``gluon_bwd``), or None where they do not
+    apply (the switch off, a mask, :func:`gluon_bwd.problem`, dO of another dtype) or their first
+    launch of a configuration failed (then a warning, and the Triton backward runs it)."""
+    if kpm is not None or not flags.gluon_backward_enabled() or dout.dtype != q.dtype:
+        return None
+    branches = branch_list(seg, dil, head_ranges)
+    if gluon_bwd.problem(q, k, v, causal, branches, q.shape[2]) is not None:
+        return None
+    dev = direct_launch.tensor_device(q)
+    if direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale,
+                                  head_ranges)  # fmt: skip
+    try:
+        return gluon_bwd.backward(dout, q, k, v, out, lse, branches, causal, scale)
+    except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
+        gluon_bwd.note_failure(q, causal, e)
+        return None
+
+
 def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,
              docs: Docs | None = None, lo_rows: int | None = None, plan: TrainPlan | None = None):
     """dq, dk, dv (input dtypes) of the branches given, with the FINAL out and lse (which may
@@ -1224,7 +1245,14 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     and lse, the results dk, dv, dq (zeros, or empty where :func:`_bwd_writes_all` says the
     first branch stores all of them; each written in place), delta (one float32 per
     query row and head) and the lo buffers of one phase, each 1/LO_CHUNKS of a result at long N.
+
+    Where the Gluon backward applies (no ``config``, ``docs`` or ``kpm``, the switch on:
+    :func:`gluon_backward`) it runs instead.
     """
+    if config is None and docs is None:
+        res = gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges)
+        if res is not None:
+            return res
     if USE_PLANS:
         if (plan is None or plan.config_key != _config_key(config) or plan.lo_rows != lo_rows
                 or plan.varlen != (docs is not None)

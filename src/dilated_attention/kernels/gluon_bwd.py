@@ -1,0 +1,176 @@
+"""When and how the training backward runs the Gluon kernels (``gluon_bwd_kernel.py``, issue 24).
+
+:func:`problem` says why the kernels cannot run a backward (None: they can); :func:`backward`
+runs every branch's dK/dV and dQ kernels, each adding into float32 accumulators (zeros, one per
+result), and returns them cast to the inputs' dtype: every row's sum is float32 in branch order
+(deterministic, no atomics), rounded once. The Triton backward's compensated (hi, lo) pairs hold
+about the same precision in less memory; the float32 accumulators cost 2x a result each, so a
+call whose three of them pass :data:`MAX_F32_BYTES` runs the Triton backward
+(``triton_launch.backward``: the 2M-token calls of issue 24 among them).
+
+lse and delta are handed to the kernels block-major per branch (:func:`prep_rows`, torch ops: a
+gather and a pad per branch); FA3 folds that into its preprocessing kernel, this does not yet.
+
+Restrictions, checked by :func:`problem`, beyond the forward's (``gluon_fwd.shape_problem``:
+Hopper, bf16/fp16, D 64/128, N % w == 0, w % r == 0, dense-head views): every branch over all
+heads (``head_assignment="all"``), no key padding mask, no packed documents, no block-config
+override (the caller checks those three). dO is made contiguous when its layout is not one the
+TMA views take (a broadcast dO from ``out.sum()``: one copy). The switch is
+:func:`dilated_attention.flags.set_gluon_backward` (**off by default** until its CUDA tests
+have run on a GPU).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import gluon_fwd
+
+LOG2E = 1.4426950408889634
+# the three float32 accumulators of one call (dq, dk, dv) above this: the Triton backward
+MAX_F32_BYTES = 8 << 30
+CONSUMER_REGS = gluon_fwd.CONSUMER_REGS
+LOADER_REGS = gluon_fwd.LOADER_REGS
+MAXNREG = gluon_fwd.MAXNREG
+
+_module = None  # gluon_bwd_kernel once imported
+_import_error: str | None = None
+_failed: dict[tuple, str] = {}  # (dtype, headdim, causal) -> why its first launch failed
+
+
+def kernel_module():
+    """The kernel module, imported once; None when Gluon or its Hopper module is missing."""
+    global _module, _import_error
+    if _module is None and _import_error is None:
+        try:
+            from . import gluon_bwd_kernel
+
+            _module = gluon_bwd_kernel
+        except Exception as e:  # noqa: BLE001  (any import failure: the Triton kernels run)
+            _import_error = f"{type(e).__name__}: {e}"
+    return _module
+
+
+def kv_stages(d: int) -> int:
+    """dK/dV ring depth: K + V halves (2 x 2 x 64 x D) + STAGES x (q + dO tiles of 64 x D and
+    their lse / delta rows): D = 128: 64 KB + 3 x 32.5 KB; D = 64: 32 KB + 4 x 16.5 KB."""
+    return 3 if d == 128 else 4
+
+
+def dq_bn(d: int) -> int:
+    """Key rows per dQ tile: S, dP (64 x BN float32 each) and dQ (64 x D) in a warpgroup's
+    registers."""
+    return 64 if d == 128 else 128
+
+
+DQ_STAGES = 3  # Q + dO halves (4 x 64 x D) + 3 x (K + V tiles of BN x D): <= 160 KB
+
+
+def problem(q, k, v, causal: bool, branches, nh: int) -> str | None:
+    """Why the Gluon backward cannot run these validated inputs and branches ((w, r, head start,
+    head stop), each with heads); None: it can. ``nh``: q's heads."""
+    why = gluon_fwd.shape_problem(q, k, v, branches)
+    if why is not None:
+        return why
+    if any(hs != 0 or he != nh for _, _, hs, he in branches):
+        return "the Gluon backward needs every branch over all heads (head_assignment='all')"
+    bsz, n, _, d = q.shape
+    f32 = 4 * bsz * n * d * (nh + 2 * k.shape[2])
+    if f32 > MAX_F32_BYTES:
+        return f"the Gluon backward's float32 accumulators ({f32 / 2**30:.1f} GiB) pass MAX_F32_BYTES"
+    key = (q.dtype, d, bool(causal))
+    if key in _failed:
+        return f"the Gluon backward failed here before: {_failed[key]}"
+    if kernel_module() is None:
+        return f"Gluon or its Hopper module is missing: {_import_error}"
+    return None
+
+
+def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
+    """Record a failed launch (the caller then runs the Triton backward) and warn once."""
+    why = f"{type(err).__name__}: {str(err)[:400]}"
+    _failed[(q.dtype, q.shape[-1], bool(causal))] = why
+    warnings.warn(
+        f"dilated_attention: the Gluon backward failed ({why}); this configuration runs the "
+        f"Triton backward from now on (set DILATED_ATTENTION_GLUON_BWD=0 to skip it)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def prep_rows(x: torch.Tensor, w: int, r: int, pad_value: float, mult: float = 1.0) -> torch.Tensor:
+    """(B, H, N) float -> block-major float32 [B, H, N/w, Lp] of head h's residue h % r:
+    ``y[b, h, s, t] = mult * x[b, h, s*w + h % r + r*t]``; -inf -> +inf; rows t >= L pad_value."""
+    bsz, nh, n = x.shape
+    big_l, nseg = w // r, n // w
+    lpad = kernel_module().LPAD
+    lp = -(-big_l // lpad) * lpad
+    x5 = x.float().reshape(bsz, nh, nseg, big_l, r)
+    cidx = (torch.arange(nh, device=x.device) % r).view(1, nh, 1, 1, 1)
+    y = x5.gather(-1, cidx.expand(bsz, nh, nseg, big_l, 1)).squeeze(-1) * mult
+    y = torch.where(y == float("-inf"), torch.full_like(y, float("inf")), y)
+    out = torch.full((bsz, nh, nseg, lp), pad_value, dtype=torch.float32, device=x.device)
+    out[..., :big_l] = y
+    return out
+
+
+def _row_desc(x: torch.Tensor, rows: int):
+    """1-D TMA descriptor of a flat float32 block-major row vector, box [rows]."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return TensorDescriptor(x, [x.numel()], [1], [rows], layout)
+
+
+def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causal: bool,
+                  scale: float, add: bool = True) -> None:  # fmt: skip
+    """Add branch (w, r)'s dK, dV and dQ (all heads) into the float32 accumulators dq (B, N, H,
+    D), dk, dv (B, N, Hkv, D), contiguous; lse2 / delta2 block-major (:func:`prep_rows`).
+    ``add`` False: store instead (the rows this branch reads; r = 1: all of them)."""
+    mod = kernel_module()
+    bsz, n, nh, d = q.shape
+    hkv = k.shape[2]
+    rep = nh // hkv
+    big_l, nseg = w // r, n // w
+    lp = lse2.shape[-1]
+    bd = gluon_fwd.block_desc
+    nnb = -(-big_l // mod.BLK)
+    ni = min(rep, r)
+    mod.dkdv_kernel[(nnb * nseg, bsz * hkv * ni)](
+        bd(q, w, r, mod.BMQ), bd(dout, w, r, mod.BMQ), bd(k, w, r, mod.WG_M),
+        bd(v, w, r, mod.WG_M), _row_desc(lse2, mod.BMQ), _row_desc(delta2, mod.BMQ), dk, dv,
+        scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp,
+        BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
+    )  # fmt: skip
+    bn = dq_bn(d)
+    mod.dq_kernel[(nnb * nseg, bsz * nh)](
+        bd(q, w, r, mod.WG_M), bd(dout, w, r, mod.WG_M), bd(k, w, r, bn), bd(v, w, r, bn),
+        dq, lse2, delta2, scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, lp,
+        BN=bn, D=d, STAGES=DQ_STAGES, CAUSAL=bool(causal), ADD=bool(add),
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
+    )  # fmt: skip
+
+
+def backward(dout, q, k, v, out, lse, branches, causal: bool, scale: float):
+    """dq, dk, dv (the inputs' dtypes) of the branches, given the FINAL out and lse (B, H, N)
+    float32; inputs as :func:`problem` accepts (dout: any layout)."""
+    if gluon_fwd.view_problem("dout", dout) is not None:
+        dout = dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, H, N)
+    # a first branch with r = 1 (over all heads: :func:`problem`) stores every row of the three
+    # results (its blocks are whole segments, N % w == 0): no fill, and it stores, not adds
+    store_first = branches[0][1] == 1
+    alloc = torch.empty if store_first else torch.zeros
+    dq = alloc(q.shape, dtype=torch.float32, device=q.device)
+    dk = alloc(k.shape, dtype=torch.float32, device=q.device)
+    dv = alloc(v.shape, dtype=torch.float32, device=q.device)
+    for bi, (w, r, _, _) in enumerate(branches):
+        lse2 = prep_rows(lse, w, r, float("inf"), LOG2E)
+        delta2 = prep_rows(delta, w, r, 0.0)
+        launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale,
+                      add=bi > 0 or not store_first)  # fmt: skip
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,52 @@
+"""Shared by tests/test_gluon_fwd.py and tests/test_gluon_bwd.py: when the Gluon kernels can
+run, inputs, the public call with gradients, and the CUDA cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilated_attention import dilated_attention
+from dilated_attention.kernels import gluon_fwd
+
+
+def gluon_ready() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the Gluon forward is for sm_90 only"
+    if gluon_fwd.kernel_module() is None:
+        return f"Gluon is missing: {gluon_fwd.import_error()}"
+    return None
+
+
+needs_gluon = pytest.mark.skipif(gluon_ready() is not None, reason=str(gluon_ready()))
+
+
+def qkv(b=1, n=256, h=4, hkv=2, d=64, dtype=torch.bfloat16, device="cpu"):
+    q = torch.randn(b, n, h, d, dtype=dtype, device=device)
+    k = torch.randn(b, n, hkv, d, dtype=dtype, device=device)
+    return q, k, torch.randn_like(k)
+
+
+def run(q, k, v, do, seg, dil, dtype, **kw):
+    xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = dilated_attention(*xs, seg, dil, return_lse=True, **kw)
+    grads = torch.autograd.grad(out, xs, do.to(dtype))
+    return out, lse, grads
+
+
+def err(a, r):
+    return (a.double() - r.double()).abs().max().item()
+
+
+CASES = [
+    # (B, N, H, Hkv, D, seg, dil, head_assignment)
+    (1, 4096, 4, 4, 128, [1024, 2048, 4096], [1, 2, 4], "all"),  # LongNet-like, r = 1 first
+    (1, 4096, 8, 2, 64, [512, 2048], [1, 4], "all"),  # GQA
+    (1, 8192, 4, 1, 128, [2048, 8192], [2, 8], "all"),  # MQA, first branch r = 2 (filled buffers)
+    (2, 2048, 4, 2, 64, [256, 1024, 2048], [1, 2, 4], "all"),  # batch 2
+    (1, 3840, 4, 4, 128, [960, 3840], [5, 5], "all"),  # L = 192 and 768: partial tiles
+    (1, 2048, 4, 4, 64, [64, 2048], [16, 1], "all"),  # L = 4: a tile mostly past the block
+    (1, 4096, 8, 8, 128, [1024, 2048, 4096], [1, 2, 4], "split"),  # heads split: one branch a row
+]

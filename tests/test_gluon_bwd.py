@@ -1,0 +1,162 @@
+"""The Gluon backward (kernels/gluon_bwd.py, gluon_bwd_kernel.py): when it runs, and that it is exact.
+
+CPU: the switch (``flags.set_gluon_backward``, off by default) and the gate. CUDA (sm_90 with
+Triton's Gluon): impl="triton" with the Gluon backward on (and the Gluon forward, the default)
+against the float64 reference, judged as tests/test_gluon_fwd.py judges the forward: error <=
+2x the error of the Triton path (both Gluon switches off) + 1e-3; bitwise repeatable; a broadcast
+dO; what it refuses (split heads, a mask, the float32-accumulator budget) runs the Triton
+backward; a failing launch falls back with a warning.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from gluon_cases import CASES, err, needs_gluon, qkv, run
+
+from dilated_attention import call_cache, dilated_attention, flags
+from dilated_attention.kernels import gluon_bwd
+from dilated_attention.kernels import triton_launch as L
+
+
+@pytest.fixture
+def switches_reset():
+    yield
+    flags.set_gluon_forward(None)
+    flags.set_gluon_backward(None)
+
+
+def test_switch_off_by_default_and_environment(monkeypatch, switches_reset):
+    monkeypatch.delenv(flags.ENV_GLUON_BWD, raising=False)
+    flags.set_gluon_backward(None)
+    assert flags.gluon_backward_enabled() is False  # off until its CUDA tests have run
+    monkeypatch.setenv(flags.ENV_GLUON_BWD, "1")
+    flags.set_gluon_backward(None)
+    assert flags.gluon_backward_enabled() is True
+    monkeypatch.setenv(flags.ENV_GLUON_BWD, "yes")
+    flags.set_gluon_backward(None)
+    assert flags.gluon_backward_enabled() is False
+    flags.set_gluon_backward(True)
+    assert flags.gluon_backward_enabled() is True
+    with pytest.raises(TypeError, match="set_gluon_backward"):
+        flags.set_gluon_backward(1)
+
+
+def test_problem_on_the_cpu_and_for_split_heads():
+    q, k, v = qkv()
+    why = gluon_bwd.problem(q, k, v, False, [(64, 1, 0, 4)], 4)
+    assert why is not None and ("interpreter" in why or "CUDA" in why), why
+
+
+def test_cpu_backward_never_launches_gluon(seed, monkeypatch, switches_reset):
+    called = []
+    monkeypatch.setattr(gluon_bwd, "launch_branch", lambda *a, **kw: called.append(1))
+    flags.set_gluon_backward(True)
+    q, k, v = (t.float().requires_grad_() for t in qkv())
+    out = dilated_attention(q, k, v, [64, 128], [1, 2], impl="triton")
+    out.sum().backward()
+    assert q.grad is not None and not called
+
+
+def test_stages_fit_shared_memory():
+    # dK/dV: K + V halves (2 x 2 x 64 x D) + STAGES x (q + dO 64 x D, lse + delta 64 floats);
+    # dQ: Q + dO halves (4 x 64 x D) + STAGES x (K + V of BN x D); 2-byte elements, <= 227 KB
+    for d in (64, 128):
+        kv = 2 * (4 * 64 * d + gluon_bwd.kv_stages(d) * 2 * 64 * d) + gluon_bwd.kv_stages(d) * 512
+        dq = 2 * (4 * 64 * d + gluon_bwd.DQ_STAGES * 2 * gluon_bwd.dq_bn(d) * d)
+        assert max(kv, dq) <= 227 * 1024, (d, kv, dq)
+
+
+# --------------------------------------------------------------------------------- CUDA
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = gluon_bwd.launch_branch
+
+    def spy(*a, **kw):
+        calls.append(a[9:11])  # (w, r)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gluon_bwd, "launch_branch", spy)
+    return calls
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [c for c in CASES if c[7] == "all"],
+                         ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[6]}")  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_backward_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
+    b, n, h, hkv, d, seg, dil, _ = case
+    q, k, v = qkv(b, n, h, hkv, d, torch.float64, "cuda")
+    do = torch.randn_like(q)
+    ref = run(q, k, v, do, seg, dil, torch.float64, impl="reference", causal=causal)
+    flags.set_gluon_forward(False)
+    flags.set_gluon_backward(False)
+    call_cache.clear()
+    base = run(q, k, v, do, seg, dil, dtype, impl="triton", causal=causal)
+    flags.set_gluon_forward(None)
+    flags.set_gluon_backward(True)
+    calls = _spy(monkeypatch)
+    got = run(q, k, v, do, seg, dil, dtype, impl="triton", causal=causal)
+    assert len(calls) == len(seg), "the Gluon backward did not run every branch"
+    again = run(q, k, v, do, seg, dil, dtype, impl="triton", causal=causal)
+    for name, a, bb, r, a2 in zip("qkv", got[2], base[2], ref[2], again[2], strict=True):
+        assert a.dtype == dtype
+        ea, eb = err(a, r), err(bb, r)
+        assert ea <= 2 * eb + 1e-3, f"d{name}: Gluon err {ea:.3g} > 2 x Triton err {eb:.3g} + 1e-3"
+        assert torch.equal(a, a2), f"d{name}: not bitwise repeatable"
+
+
+@needs_gluon
+@pytest.mark.cuda
+def test_gluon_backward_broadcast_dout_and_refusals(seed, monkeypatch, switches_reset):
+    flags.set_gluon_backward(True)
+    seg, dil = [1024, 4096], [1, 4]
+    q, k, v = (t.requires_grad_() for t in qkv(1, 4096, 4, 2, 128, torch.bfloat16, "cuda"))
+    calls = _spy(monkeypatch)
+    out = dilated_attention(q, k, v, seg, dil, impl="triton")
+    g_gluon = torch.autograd.grad(out.sum(), (q, k, v))  # a broadcast (stride 0) dO
+    assert len(calls) == 2
+    flags.set_gluon_backward(False)
+    out = dilated_attention(q, k, v, seg, dil, impl="triton")
+    g_triton = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, bb in zip(g_gluon, g_triton, strict=True):
+        assert (a.float() - bb.float()).abs().max().item() < 3e-2
+    flags.set_gluon_backward(True)
+    calls.clear()
+    out = dilated_attention(q, k, v, seg, dil, impl="triton", head_assignment="split")
+    torch.autograd.grad(out.sum(), (q, k, v))
+    kpm = torch.zeros(1, 4096, dtype=torch.bool, device="cuda")
+    out = dilated_attention(q, k, v, seg, dil, impl="triton", key_padding_mask=kpm)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", 0)
+    out = dilated_attention(q, k, v, seg, dil, impl="triton")
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert not calls  # split heads, a mask, the float32 budget: the Triton backward
+
+
+@needs_gluon
+@pytest.mark.cuda
+def test_gluon_backward_failure_falls_back_with_a_warning(seed, monkeypatch, switches_reset):
+    q, k, v = qkv(1, 4096, 4, 4, 64, torch.float16, "cuda")
+    do = torch.randn_like(q)
+    out, lse = L.forward(q, k, v, None, [1024, 4096], [1, 4], True, 0.125, [(0, 4)] * 2)
+    args = (None, out, lse, [1024, 4096], [1, 4], True, 0.125, [(0, 4)] * 2)
+    flags.set_gluon_backward(False)
+    want = L.backward(do, q, k, v, *args)
+    flags.set_gluon_backward(True)
+    monkeypatch.setattr(gluon_bwd, "_failed", {})
+
+    def boom(*a, **kw):
+        raise RuntimeError("out of resources (test)")
+
+    monkeypatch.setattr(gluon_bwd, "launch_branch", boom)
+    with pytest.warns(RuntimeWarning, match="Gluon backward failed"):
+        got = L.backward(do, q, k, v, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
