@@ -10,6 +10,9 @@ backward; a failing launch falls back with a warning.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -61,6 +64,13 @@ def test_cpu_backward_never_launches_gluon(seed, monkeypatch, switches_reset):
     assert q.grad is not None and not called
 
 
+def test_lpad_is_the_kernels_tile():
+    mod = gluon_bwd.kernel_module()
+    if mod is None:
+        pytest.skip(f"Gluon does not import here: {gluon_bwd._import_error}")
+    assert gluon_bwd.LPAD == mod.LPAD == mod.BLK
+
+
 def test_stages_fit_shared_memory():
     # dK/dV: K + V halves (2 x 2 x 64 x D) + STAGES x (q + dO 64 x D, lse + delta 64 floats);
     # dQ: Q + dO halves (4 x 64 x D) + STAGES x (K + V of BN x D); 2-byte elements, <= 227 KB
@@ -68,6 +78,48 @@ def test_stages_fit_shared_memory():
         kv = 2 * (4 * 64 * d + gluon_bwd.kv_stages(d) * 2 * 64 * d) + gluon_bwd.kv_stages(d) * 512
         dq = 2 * (4 * 64 * d + gluon_bwd.DQ_STAGES * 2 * gluon_bwd.dq_bn(d) * d)
         assert max(kv, dq) <= 227 * 1024, (d, kv, dq)
+
+
+def _emulated_launch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=True):
+    """gluon_bwd.launch_branch with the kernels replaced by the float64 emulation of their index
+    math and schedule (benchmarks/gluon_dilated_bwd.py --emulate)."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import gluon_dilated_bwd as emu
+
+    args = [t.double() for t in (q, k, v, dout, lse2, delta2)]
+    ek, ev = emu.emulate_dkdv(*args, w, r, causal, scale)
+    eq = emu.emulate_dq(*args, w, r, causal, scale)
+    for acc, e in ((dq, eq), (dk, ek), (dv, ev)):
+        if add:
+            acc += e.float()
+        else:
+            acc.copy_(e.float())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seg,dil", [([32, 64], [1, 2]), ([64, 128], [2, 4])], ids=["r1-first", "r2-first"])
+def test_host_path_with_emulated_kernels(seed, monkeypatch, causal, seg, dil):
+    """gluon_bwd.backward on the CPU (delta from the library's delta kernel in the interpreter,
+    the block-major prep, store-or-add per branch, the final cast) with the kernels emulated:
+    the gradients of the float64 reference."""
+    from dilated_attention import reference
+
+    monkeypatch.setattr(gluon_bwd, "launch_branch", _emulated_launch)
+    q, k, v = (t.double() for t in qkv(1, 256, 4, 2, 16, torch.float32))
+    do = torch.randn_like(q)
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    hr = [(0, 4)] * len(seg)
+    out, lse = reference.dilated_attention_reference(*xs, seg, dil, causal=causal)
+    want = torch.autograd.grad(out, xs, do)
+    xs32 = [t.float() for t in (q, k, v)]
+    delta = L._delta(out.detach().float(), do.float())
+    got = gluon_bwd.backward(do.float(), *xs32, delta, lse.detach().float(), L.branch_list(seg, dil, hr),
+                             causal, 16**-0.5)  # fmt: skip
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert a.dtype == torch.float32
+        assert (a.double() - b).abs().max().item() < 1e-4, f"d{name}"
 
 
 # --------------------------------------------------------------------------------- CUDA

@@ -8,7 +8,8 @@ about the same precision in less memory; the float32 accumulators cost 2x a resu
 call whose three of them pass :data:`MAX_F32_BYTES` runs the Triton backward
 (``triton_launch.backward``: the 2M-token calls of issue 24 among them).
 
-lse and delta are handed to the kernels block-major per branch (:func:`prep_rows`, torch ops: a
+delta = rowsum(dO * out) comes from the Triton backward's delta kernel; lse and delta are handed
+to the kernels block-major per branch (:func:`prep_rows`, torch ops on (B, H, N) float32: a
 gather and a pad per branch); FA3 folds that into its preprocessing kernel, this does not yet.
 
 Restrictions, checked by :func:`problem`, beyond the forward's (``gluon_fwd.shape_problem``:
@@ -29,6 +30,9 @@ import torch
 from . import gluon_fwd
 
 LOG2E = 1.4426950408889634
+# block-major lse / delta rows padded to this multiple: the kernels' stationary tile
+# (gluon_bwd_kernel.LPAD = BLK; tests/test_gluon_bwd.py checks they agree where Gluon imports)
+LPAD = 128
 # the three float32 accumulators of one call (dq, dk, dv) above this: the Triton backward
 MAX_F32_BYTES = 8 << 30
 CONSUMER_REGS = gluon_fwd.CONSUMER_REGS
@@ -105,8 +109,7 @@ def prep_rows(x: torch.Tensor, w: int, r: int, pad_value: float, mult: float = 1
     ``y[b, h, s, t] = mult * x[b, h, s*w + h % r + r*t]``; -inf -> +inf; rows t >= L pad_value."""
     bsz, nh, n = x.shape
     big_l, nseg = w // r, n // w
-    lpad = kernel_module().LPAD
-    lp = -(-big_l // lpad) * lpad
+    lp = -(-big_l // LPAD) * LPAD
     x5 = x.float().reshape(bsz, nh, nseg, big_l, r)
     cidx = (torch.arange(nh, device=x.device) % r).view(1, nh, 1, 1, 1)
     y = x5.gather(-1, cidx.expand(bsz, nh, nseg, big_l, 1)).squeeze(-1) * mult
@@ -155,12 +158,12 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
     )  # fmt: skip
 
 
-def backward(dout, q, k, v, out, lse, branches, causal: bool, scale: float):
-    """dq, dk, dv (the inputs' dtypes) of the branches, given the FINAL out and lse (B, H, N)
-    float32; inputs as :func:`problem` accepts (dout: any layout)."""
+def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
+    """dq, dk, dv (the inputs' dtypes) of the branches, given the FINAL lse (B, H, N) float32
+    and delta = rowsum(dO * out) (B, H, N) float32 (``triton_launch._delta``); inputs as
+    :func:`problem` accepts (dout: any layout)."""
     if gluon_fwd.view_problem("dout", dout) is not None:
         dout = dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, H, N)
     # a first branch with r = 1 (over all heads: :func:`problem`) stores every row of the three
     # results (its blocks are whole segments, N % w == 0): no fill, and it stores, not adds
     store_first = branches[0][1] == 1

@@ -433,6 +433,21 @@ def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, conf
     return acc_o, acc_l
 
 
+def _delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dO * out) (B, H, N) float32 by the delta kernel; out and dout (B, N, H,
+    D) with a unit-stride last dim (:func:`_broadcast_view`)."""
+    bsz, nq, nh, d = out.shape
+    delta = torch.empty(bsz, nh, nq, dtype=torch.float32, device=out.device)
+    nrows = bsz * nq * nh
+    br = 16 if INTERPRET else 64
+    if nrows > 0:
+        _DELTA[(_cdiv(nrows, br),)](
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2), nrows, nq, nh, D=d, BR=br
+        )
+    return delta
+
+
 def _broadcast_view(x: torch.Tensor) -> torch.Tensor:
     """``x`` with a unit-stride last dim and the fewest bytes: a broadcast dim (stride 0, e.g.
     the all-ones gradient of ``out.sum()``) stays broadcast, only the rest is copied."""
@@ -460,14 +475,7 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
     cfgs = resolve_configs(d, config)
     dout = _broadcast_view(dout)
     out = _broadcast_view(out)
-    delta = torch.empty(bsz, nh, nq, dtype=torch.float32, device=q.device)
-    nrows = bsz * nq * nh
-    br = 16 if INTERPRET else 64
-    if nrows > 0:
-        _DELTA[(_cdiv(nrows, br),)](
-            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2), nrows, nq, nh, D=d, BR=br
-        )
+    delta = _delta(out, dout)
     several_q, several_kv = _rows_with_several_branches(nh, hkv, head_ranges)
     kp, skp, has_kpm = _kpm_arg(kpm, q)
     prec = _prec(q.dtype)
@@ -1225,7 +1233,8 @@ def gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_r
             return gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale,
                                   head_ranges)  # fmt: skip
     try:
-        return gluon_bwd.backward(dout, q, k, v, out, lse, branches, causal, scale)
+        delta = _delta(_broadcast_view(out), _broadcast_view(dout))
+        return gluon_bwd.backward(dout, q, k, v, delta, lse, branches, causal, scale)
     except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
         gluon_bwd.note_failure(q, causal, e)
         return None
