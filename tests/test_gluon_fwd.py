@@ -28,6 +28,12 @@ def switch_reset():
     flags.set_gluon_forward(None)
 
 
+@pytest.fixture(autouse=True)
+def small_calls_too(monkeypatch):
+    # the cases are small (N <= 8192, <= 8 heads): below gluon_fwd.MIN_ROWS, which keeps small
+    # calls on the Triton kernels for their host time; the kernels' exactness does not depend on it
+    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+
 # --------------------------------------------------------------------------------- CPU
 
 
@@ -192,3 +198,16 @@ def test_gluon_failure_falls_back_to_triton_with_a_warning(seed, monkeypatch, sw
         got = L.forward(q, k, v, None, seg, dil, True, 0.125, hr)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert "failed here before" in gluon_fwd.problem(q, k, v, True, L.branch_list(seg, dil, hr))
+
+
+@needs_gluon
+@pytest.mark.cuda
+def test_small_calls_stay_on_triton(seed, monkeypatch):
+    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 1 << 17)
+    calls = _spy(monkeypatch)
+    small = qkv(1, 4096, 8, 8, 64, torch.bfloat16, "cuda")  # 32768 rows x heads
+    L.forward(*small, None, [1024, 4096], [1, 4], False, 0.125, [(0, 8)] * 2)
+    assert not calls
+    big = qkv(1, 32768, 4, 4, 64, torch.bfloat16, "cuda")  # 131072
+    L.forward(*big, None, [1024, 4096], [1, 4], False, 0.125, [(0, 4)] * 2)
+    assert len(calls) == 2

@@ -104,7 +104,7 @@ included).
 runs the branches of a call through the Gluon kernel of ``kernels/gluon_fwd_kernel.py``
 (FlashAttention-3's structure: TMA loads, a producer warp, two consumer warpgroups with async
 wgmma) where it applies (``kernels/gluon_fwd.problem``: a Hopper GPU (sm_90) with Triton's Gluon,
-bf16/fp16, headdim 64 or 128, seqlen_q == seqlen_k, every branch with ``N % w == 0`` and
+batch x seqlen x heads >= ``gluon_fwd.MIN_ROWS``, bf16/fp16, headdim 64 or 128, seqlen_q == seqlen_k, every branch with ``N % w == 0`` and
 ``w % r == 0``, no key padding mask, no packed documents, no block-config override), or through
 the Triton kernels always. Both are exact (the CUDA tests compare each to the float64
 reference); the switch exists for A/B measurements. ``set_gluon_forward(False)`` turns it off for

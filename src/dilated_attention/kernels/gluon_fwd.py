@@ -33,6 +33,14 @@ LOADER_REGS = 24  # setmaxnreg of the loader's warpgroup (the minimum)
 # consumers (240 * 8 + 24 * 4 warps = 2016 <= 168 * 12)
 MAXNREG = 168
 GRID_YZ_MAX = 65535  # CUDA's limit on a grid's second and third axes
+# batch x seqlen x heads below this: the Triton kernels. The Gluon kernels launch through
+# Triton's Python launcher (descriptors built per call), the Triton ones through the direct
+# launches of their plans (a few microseconds each): on a small call the launches' host time
+# can outweigh the faster kernels. Provisional (2026-11-28, not measured: no device time
+# left): at the headline shape (2M rows x heads) the kernels save ~2 ms of ~10 per forward,
+# ~0.1 % of a row-head each, so a launch cost of ~100 us per call breaks even near 1e5; the
+# next GPU session measures it (benchmarks/ab_decode.py's training rows, switch on and off).
+MIN_ROWS = 1 << 17
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
 
@@ -116,6 +124,9 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
         return f"the Gluon forward needs seqlen_q == seqlen_k > 0 (got {n} and {k.shape[1]})"
     if not branches:
         return "no branch has heads"
+    if bsz * n * nh < MIN_ROWS:
+        return (f"batch x seqlen x heads = {bsz * n * nh} < gluon_fwd.MIN_ROWS = {MIN_ROWS}: "
+                f"the Triton kernels' direct launches cost less host time")  # fmt: skip
     for w, r, hs, he in branches:
         if n % w or w % r or w // r < 2:
             return (f"branch (w={w}, r={r}): the Gluon forward needs N % w == 0, w % r == 0 and "
