@@ -84,7 +84,8 @@
 #                                       and off (DILATED_ATTENTION_GLUON_FWD=0), same-run dense SDPA
 #   bash scripts/gpu_check.sh gluon-lib-bwd issue 24: the library's Gluon backward (off by default): pytest -m cuda
 #                                       tests/test_gluon_bwd.py tests/test_gluon_fwd.py, then the headline bench with
-#                                       DILATED_ATTENTION_GLUON_BWD=1 (same-run dense SDPA)
+#                                       DILATED_ATTENTION_GLUON_BWD=1 (same-run dense SDPA), then benchmarks/gluon_floor.py
+#                                       (small calls, Gluon forward vs Triton: the MIN_ROWS floor)
 #   bash scripts/gpu_check.sh gluon-bwd issue 24: benchmarks/gluon_dilated_bwd.py --check --quick, then $GLUON_BWD_ARGS (--bench) (the Gluon dK/dV and dQ
 #                                       prototype against the float64 reference, then per branch beside the library's
 #                                       Triton backward and cuDNN)
@@ -212,11 +213,13 @@ case "${1:-tests}" in
     ;;
   gluon-lib-bwd)
     # the library's Gluon backward (switch off by default): its CUDA tests, then the headline bench with it on
-    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py tests/test_gluon_fwd.py -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
+    timeout "${CUDA_TEST_TIMEOUT:-260}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py tests/test_gluon_fwd.py -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
-    DILATED_ATTENTION_GLUON_BWD=1 timeout "${BENCH_TIMEOUT:-200}" python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_bwd_on.md" > "$OUT/bench.txt" 2>&1
+    DILATED_ATTENTION_GLUON_BWD=1 timeout "${BENCH_TIMEOUT:-150}" python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_bwd_on.md" > "$OUT/bench.txt" 2>&1
     echo "bench (Gluon fwd + bwd) rc=$?" >> "$OUT/bench.txt"
-    grep -E "FAILED|Error|rc=" "$OUT/cuda_tests.txt" | tail -25; grep -E "^\||rc=" "$OUT/bench.txt" | tail -10
+    timeout "${FLOOR_TIMEOUT:-120}" python3 benchmarks/gluon_floor.py --out "$OUT/gluon_floor.md" > "$OUT/floor.txt" 2>&1
+    echo "gluon_floor rc=$?" >> "$OUT/floor.txt"
+    grep -E "FAILED|Error|rc=" "$OUT/cuda_tests.txt" | tail -25; grep -E "^\||rc=" "$OUT/bench.txt" | tail -10; grep -E "^\||rc=" "$OUT/floor.txt"
     ;;
   gluon-bwd)
     # a barrier mistake hangs: the quick check (12 cases) first, under its own timeout

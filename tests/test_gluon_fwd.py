@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_cases import CASES, err, needs_gluon, qkv, run
+from gluon_cases import CASES, err, gluon_ready, needs_gluon, qkv, run
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_fwd
@@ -211,3 +211,18 @@ def test_small_calls_stay_on_triton(seed, monkeypatch):
     big = qkv(1, 32768, 4, 4, 64, torch.bfloat16, "cuda")  # 131072
     L.forward(*big, None, [1024, 4096], [1, 4], False, 0.125, [(0, 4)] * 2)
     assert len(calls) == 2
+
+
+def test_floor_benchmark_refuses_without_a_hopper_gpu():
+    if gluon_ready() is None:
+        pytest.skip("a Hopper GPU with Gluon is here: the script would measure")
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import gluon_floor
+
+    assert gluon_floor.main([]) == 2
+    assert all(n * h >= 1 for n, h, *_ in gluon_floor.SIZES)
