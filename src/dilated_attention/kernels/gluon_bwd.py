@@ -23,8 +23,6 @@ have run on a GPU).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from . import gluon_fwd
@@ -48,12 +46,7 @@ def kernel_module():
     """The kernel module, imported once; None when Gluon or its Hopper module is missing."""
     global _module, _import_error
     if _module is None and _import_error is None:
-        try:
-            from . import gluon_bwd_kernel
-
-            _module = gluon_bwd_kernel
-        except Exception as e:  # noqa: BLE001  (any import failure: the Triton kernels run)
-            _import_error = f"{type(e).__name__}: {e}"
+        _module, _import_error = gluon_fwd.import_kernels("gluon_bwd_kernel")
     return _module
 
 
@@ -94,14 +87,8 @@ def problem(q, k, v, causal: bool, branches, nh: int) -> str | None:
 
 def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
     """Record a failed launch (the caller then runs the Triton backward) and warn once."""
-    why = f"{type(err).__name__}: {str(err)[:400]}"
-    _failed[(q.dtype, q.shape[-1], bool(causal))] = why
-    warnings.warn(
-        f"dilated_attention: the Gluon backward failed ({why}); this configuration runs the "
-        f"Triton backward from now on (set DILATED_ATTENTION_GLUON_BWD=0 to skip it)",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    gluon_fwd.record_failure(_failed, "backward", "Triton backward", "DILATED_ATTENTION_GLUON_BWD",
+                             q, causal, err)  # fmt: skip
 
 
 def prep_rows(x: torch.Tensor, w: int, r: int, pad_value: float, mult: float = 1.0) -> torch.Tensor:

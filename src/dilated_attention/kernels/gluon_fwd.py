@@ -19,6 +19,7 @@ grids within CUDA's limits. The switch is :func:`dilated_attention.flags.set_glu
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 
 import torch
@@ -39,7 +40,7 @@ GRID_YZ_MAX = 65535  # CUDA's limit on a grid's second and third axes
 # can outweigh the faster kernels. Provisional (2026-11-28, not measured: no device time
 # left): at the headline shape (2M rows x heads) the kernels save ~2 ms of ~10 per forward,
 # ~0.1 % of a row-head each, so a launch cost of ~100 us per call breaks even near 1e5; the
-# next GPU session measures it (benchmarks/ab_decode.py's training rows, switch on and off).
+# next GPU session measures it (benchmarks/gluon_floor.py).
 MIN_ROWS = 1 << 17
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
@@ -57,17 +58,21 @@ def stages(d: int) -> int:
     return 2 if d == 128 else 3
 
 
+def import_kernels(name: str):
+    """(module, None), or (None, why) when the kernel module ``name`` of this package does not
+    import (Gluon or its Hopper module missing): the lazy import of both Gluon modules."""
+    try:
+        return importlib.import_module(f"{__package__}.{name}"), None
+    except Exception as e:  # noqa: BLE001  (any import failure: the Triton kernels run)
+        return None, f"{type(e).__name__}: {e}"
+
+
 def kernel_module():
     """The kernel module, imported once; None when Gluon or its Hopper module is missing
     (:func:`import_error` says why)."""
     global _module, _import_error
     if _module is None and _import_error is None:
-        try:
-            from . import gluon_fwd_kernel
-
-            _module = gluon_fwd_kernel
-        except Exception as e:  # noqa: BLE001  (any import failure: the Triton kernels run)
-            _import_error = f"{type(e).__name__}: {e}"
+        _module, _import_error = import_kernels("gluon_fwd_kernel")
     return _module
 
 
@@ -140,16 +145,23 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
     return None
 
 
+def record_failure(failed: dict, what: str, fallback: str, env: str, q: torch.Tensor, causal: bool,
+                   err: BaseException) -> None:  # fmt: skip
+    """Record in ``failed`` that the Gluon ``what`` failed for q's (dtype, headdim, causal): those
+    calls run the ``fallback`` from then on; warn once."""
+    why = f"{type(err).__name__}: {str(err)[:400]}"
+    failed[(q.dtype, q.shape[-1], bool(causal))] = why
+    warnings.warn(
+        f"dilated_attention: the Gluon {what} failed ({why}); this configuration runs the "
+        f"{fallback} from now on (set {env}=0 to skip it)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
     """Record a failed launch (the caller then runs the Triton kernels) and warn once."""
-    why = f"{type(err).__name__}: {str(err)[:400]}"
-    _failed[(q.dtype, q.shape[-1], bool(causal))] = why
-    warnings.warn(
-        f"dilated_attention: the Gluon forward failed ({why}); this configuration runs the "
-        f"Triton kernels from now on (set DILATED_ATTENTION_GLUON_FWD=0 to skip it)",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    record_failure(_failed, "forward", "Triton kernels", "DILATED_ATTENTION_GLUON_FWD", q, causal, err)
 
 
 def _gl_dtype(dtype: torch.dtype):

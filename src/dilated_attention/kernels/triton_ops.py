@@ -234,14 +234,15 @@ class _EagerFused(torch.autograd.Function):
         plan, fc = ctx.plan, ctx.fc
         with backward_context(q.device.type):
             q2, k2, v2 = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-            # the Gluon backward where it applies (off by default), else what
-            # triton_launch.backward does with the forward's plan (its checks hold: no config,
-            # lo_rows or documents here; lse is the forward's, contiguous)
-            grads = _launch.gluon_backward(dout, q2, k2, v2, kpm, out, lse, fc.seg, fc.dil,
-                                           fc.causal, fc.scale, fc.pairs)  # fmt: skip
-            if grads is None and plan is not None and _launch.USE_PLANS:
-                grads = plan.backward(dout, q2, k2, v2, kpm, out, lse)
-            elif grads is None:
+            if plan is not None and _launch.USE_PLANS:
+                # what triton_launch.backward does with the forward's plan (its checks hold:
+                # no config, lo_rows or documents here; lse is the forward's, contiguous): the
+                # Gluon backward where it applies (off by default), else the plan
+                grads = _launch.gluon_backward(dout, q2, k2, v2, kpm, out, lse, fc.seg, fc.dil,
+                                               fc.causal, fc.scale, fc.pairs)  # fmt: skip
+                if grads is None:
+                    grads = plan.backward(dout, q2, k2, v2, kpm, out, lse)
+            else:  # (it asks the Gluon backward first itself)
                 grads = _launch.backward(dout, q2, k2, v2, kpm, out, lse, fc.seg, fc.dil, fc.causal,
                                          fc.scale, fc.pairs)  # fmt: skip
         dq, dk, dv = no_double_backward("impl='triton'", tuple(grads), (dout, q, k, v))
