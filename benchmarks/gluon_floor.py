@@ -17,7 +17,12 @@ median (``dilated_attention.timing.median_ms``: CUDA events around each call) an
 call of a back-to-back loop with one synchronisation at the end (host time included, what a
 training loop sees); reported as the median over rounds.
 
-    PYTHONPATH=src python3 benchmarks/gluon_floor.py --out $OUT/gluon_floor.md [--bwd]
+    PYTHONPATH=src python3 benchmarks/gluon_floor.py --out $OUT/gluon_floor.md [--bwd] [--sizes 0,1]
+    PYTHONPATH=src python3 benchmarks/gluon_floor.py --profile 50 [--bwd]   # where the host time goes
+
+``--profile CALLS``: no table; ``cProfile`` of CALLS calls of the gluon arm at the first size
+(forward, or forward+backward with ``--bwd``), the top functions by own time and by cumulative
+time, and the same for the triton arm.
 
 Exit 2 where the Gluon forward cannot run (no sm_90 GPU, no Gluon).
 """
@@ -100,6 +105,33 @@ def measure(size, bwd: bool, args) -> list[str]:
     return rows
 
 
+def profile(size, bwd: bool, calls: int, top: int = 25) -> None:
+    """cProfile of ``calls`` gluon-arm and triton-arm calls at ``size`` (host time per function)."""
+    import cProfile
+    import io
+    import pstats
+
+    n, h, d, seg, dil = size
+    c = training_calls(n, h, d, torch.bfloat16, list(seg), list(dil), torch.device("cuda"), "triton")
+    fn = c["fb"] if bwd else c["fwd"]
+    for name, f in (("gluon", armed(True, bwd, fn)), ("triton", armed(False, bwd, fn))):
+        for _ in range(3):
+            f()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            f()
+        torch.cuda.synchronize()
+        prof.disable()
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+            print(f"## {name} arm, N {n}, {h} x {d}, {len(seg)} branches, "
+                  f"{'fwd+bwd' if bwd else 'fwd'}, {calls} calls, by {key}")  # fmt: skip
+            print(buf.getvalue(), flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bwd", action="store_true", help="the gluon arm also runs the Gluon backward")
@@ -107,6 +139,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="markdown file to write")
+    p.add_argument("--sizes", default=None, help="comma-separated indices into SIZES (default: all)")
+    p.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                   help="cProfile CALLS calls at the first size instead of the table")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("gluon_floor: needs an sm_90 (Hopper) GPU")
@@ -116,6 +151,10 @@ def main(argv=None) -> int:
     if gluon_fwd.kernel_module() is None:
         print(f"gluon_floor: Gluon is missing: {gluon_fwd.import_error()}")
         return 2
+    sizes = SIZES if args.sizes is None else [SIZES[int(i)] for i in args.sizes.split(",")]
+    if args.profile:
+        profile(sizes[0], args.bwd, args.profile)
+        return 0
     lines = [*results_header("Gluon kernels vs Triton kernels on small eager calls (issue 24 / 23)",
                              "cuda", extra=[f"Gluon backward in the gluon arm: {args.bwd}",
                                             f"current gluon_fwd.MIN_ROWS: {gluon_fwd.MIN_ROWS}"]), "",
@@ -125,7 +164,7 @@ def main(argv=None) -> int:
              "| N | heads | branches | call | gluon event | triton event | sdpa event | gluon loop | "
              "triton loop | sdpa loop | triton / gluon (loop) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for size in SIZES:
+    for size in sizes:
         lines += measure(size, args.bwd, args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

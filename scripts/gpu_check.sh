@@ -82,10 +82,14 @@
 #                                       tests; $CUDA_TEST_TIMEOUT 400 s), `verify`,
 #                                       then the headline bench (N = 131072, causal and not) with the Gluon forward on
 #                                       and off (DILATED_ATTENTION_GLUON_FWD=0), same-run dense SDPA
-#   bash scripts/gpu_check.sh gluon-lib-bwd issue 24: the library's Gluon backward (off by default): pytest -m cuda
+#   bash scripts/gpu_check.sh gluon-lib-bwd issue 24: the library's Gluon backward: pytest -m cuda
 #                                       tests/test_gluon_bwd.py tests/test_gluon_fwd.py, then the headline bench with
-#                                       DILATED_ATTENTION_GLUON_BWD=1 (same-run dense SDPA), then benchmarks/gluon_floor.py
+#                                       the Gluon backward (on by default since 2026-11-28; same-run dense SDPA), then benchmarks/gluon_floor.py
 #                                       (small calls, Gluon forward vs Triton: the MIN_ROWS floor)
+#   bash scripts/gpu_check.sh gluon-on issue 24, both Gluon kernels on: gluon_floor.py --profile (host time of a small
+#                                       Gluon call), gluon_floor.py --bwd at $FLOOR_SIZES, then benchmarks/sweep.py
+#                                       ($SWEEP_ROWS, $SWEEP_BUDGET s, results $SWEEP_NAME.{md,json,png})
+#   bash scripts/gpu_check.sh gluon-final issue 24: the Gluon CUDA tests, then sweep rows $SWEEP_ROWS ($SWEEP_BUDGET s)
 #   bash scripts/gpu_check.sh gluon-bwd issue 24: benchmarks/gluon_dilated_bwd.py --check --quick, then $GLUON_BWD_ARGS (--bench) (the Gluon dK/dV and dQ
 #                                       prototype against the float64 reference, then per branch beside the library's
 #                                       Triton backward and cuDNN)
@@ -215,11 +219,31 @@ case "${1:-tests}" in
     # the library's Gluon backward (switch off by default): its CUDA tests, then the headline bench with it on
     timeout "${CUDA_TEST_TIMEOUT:-260}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py tests/test_gluon_fwd.py -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
-    DILATED_ATTENTION_GLUON_BWD=1 timeout "${BENCH_TIMEOUT:-150}" python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_bwd_on.md" > "$OUT/bench.txt" 2>&1
+    timeout "${BENCH_TIMEOUT:-150}" python3 -m dilated_attention bench --seqlens 131072 --causal false true --markdown "$OUT/bench_gluon_bwd_on.md" > "$OUT/bench.txt" 2>&1
     echo "bench (Gluon fwd + bwd) rc=$?" >> "$OUT/bench.txt"
     timeout "${FLOOR_TIMEOUT:-120}" python3 benchmarks/gluon_floor.py --out "$OUT/gluon_floor.md" > "$OUT/floor.txt" 2>&1
     echo "gluon_floor rc=$?" >> "$OUT/floor.txt"
     grep -E "FAILED|Error|rc=" "$OUT/cuda_tests.txt" | tail -25; grep -E "^\||rc=" "$OUT/bench.txt" | tail -10; grep -E "^\||rc=" "$OUT/floor.txt"
+    ;;
+  gluon-on)
+    # issue 24 with both Gluon kernels on by default: where a small Gluon call's host time goes (cProfile,
+    # gluon and triton arms, fwd+bwd), the floor A/B with the Gluon backward at $FLOOR_SIZES, then the
+    # sweep (rows $SWEEP_ROWS, all by default; no row starts after $SWEEP_BUDGET s)
+    timeout "${PROFILE_TIMEOUT:-90}" python3 benchmarks/gluon_floor.py --profile 30 --bwd > "$OUT/floor_profile.txt" 2>&1
+    echo "profile rc=$?" >> "$OUT/floor_profile.txt"
+    timeout "${FLOOR_TIMEOUT:-150}" python3 benchmarks/gluon_floor.py --bwd --rounds 2 --sizes "${FLOOR_SIZES:-2,3,4}" --out "$OUT/gluon_floor_bwd.md" > "$OUT/floor.txt" 2>&1
+    echo "gluon_floor --bwd rc=$?" >> "$OUT/floor.txt"
+    timeout "${SWEEP_TIMEOUT:-300}" python3 benchmarks/sweep.py --out "$OUT" --name "${SWEEP_NAME:-sweep_h200_gluon}" --budget-s "${SWEEP_BUDGET:-240}" --no-peers ${SWEEP_ROWS:+--rows "$SWEEP_ROWS"} > "$OUT/sweep.txt" 2>&1
+    echo "sweep rc=$?" >> "$OUT/sweep.txt"
+    grep -E "^## |tottime|rc=" "$OUT/floor_profile.txt" | head -20; grep -E "^\||rc=" "$OUT/floor.txt"; tail -30 "$OUT/sweep.txt"
+    ;;
+  gluon-final)
+    # issue 24: the Gluon kernels' CUDA tests on the final code, then sweep rows ($SWEEP_ROWS, $SWEEP_BUDGET s)
+    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py tests/test_gluon_fwd.py -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    timeout "${SWEEP_TIMEOUT:-320}" python3 benchmarks/sweep.py --out "$OUT" --name "${SWEEP_NAME:-sweep_h200_gluon_part2}" --budget-s "${SWEEP_BUDGET:-250}" --no-peers ${SWEEP_ROWS:+--rows "$SWEEP_ROWS"} > "$OUT/sweep.txt" 2>&1
+    echo "sweep rc=$?" >> "$OUT/sweep.txt"
+    grep -E "FAILED|Error|rc=|passed|failed" "$OUT/cuda_tests.txt" | tail -12; tail -30 "$OUT/sweep.txt"
     ;;
   gluon-bwd)
     # a barrier mistake hangs: the quick check (12 cases) first, under its own timeout

@@ -1,6 +1,6 @@
 """The Gluon backward (kernels/gluon_bwd.py, gluon_bwd_kernel.py): when it runs, and that it is exact.
 
-CPU: the switch (``flags.set_gluon_backward``, off by default) and the gate. CUDA (sm_90 with
+CPU: the switch (``flags.set_gluon_backward``, on by default) and the gate. CUDA (sm_90 with
 Triton's Gluon): impl="triton" with the Gluon backward on (and the Gluon forward, the default)
 against the float64 reference, judged as tests/test_gluon_fwd.py judges the forward: error <=
 2x the error of the Triton path (both Gluon switches off) + 1e-3; bitwise repeatable; a broadcast
@@ -38,18 +38,18 @@ def small_calls_too(monkeypatch):
     # calls on the Triton kernels for their host time; the kernels' exactness does not depend on it
     monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
 
-def test_switch_off_by_default_and_environment(monkeypatch, switches_reset):
+def test_switch_on_by_default_and_environment(monkeypatch, switches_reset):
     monkeypatch.delenv(flags.ENV_GLUON_BWD, raising=False)
     flags.set_gluon_backward(None)
-    assert flags.gluon_backward_enabled() is False  # off until its CUDA tests have run
+    assert flags.gluon_backward_enabled() is True  # on since its CUDA tests passed (H200)
+    monkeypatch.setenv(flags.ENV_GLUON_BWD, "0")
+    flags.set_gluon_backward(None)
+    assert flags.gluon_backward_enabled() is False
     monkeypatch.setenv(flags.ENV_GLUON_BWD, "1")
     flags.set_gluon_backward(None)
     assert flags.gluon_backward_enabled() is True
-    monkeypatch.setenv(flags.ENV_GLUON_BWD, "yes")
-    flags.set_gluon_backward(None)
+    flags.set_gluon_backward(False)
     assert flags.gluon_backward_enabled() is False
-    flags.set_gluon_backward(True)
-    assert flags.gluon_backward_enabled() is True
     with pytest.raises(TypeError, match="set_gluon_backward"):
         flags.set_gluon_backward(1)
 
@@ -126,6 +126,62 @@ def test_host_path_with_emulated_kernels(seed, monkeypatch, causal, seg, dil):
     for name, a, b in zip("qkv", got, want, strict=True):
         assert a.dtype == torch.float32
         assert (a.double() - b).abs().max().item() < 1e-4, f"d{name}"
+
+
+def test_out_of_memory_runs_the_triton_backward(seed, monkeypatch, switches_reset):
+    """An out-of-memory error in the Gluon backward (its float32 accumulators) gives None for
+    that call (the Triton backward runs it), records no failure (a later, smaller call may fit)
+    and warns once."""
+    q, k, v = qkv(1, 256, 4, 2, 16, torch.float32)
+    out, lse = L.forward(q, k, v, None, [64, 128], [1, 2], False, 0.25, [(0, 4)] * 2)
+    do = torch.randn_like(q)
+    flags.set_gluon_backward(True)
+    monkeypatch.setattr(gluon_bwd, "problem", lambda *a: None)  # as if on a Hopper GPU
+    monkeypatch.setattr(L.direct_launch, "current_device", lambda: L.direct_launch.tensor_device(q))
+    monkeypatch.setattr(gluon_bwd, "_failed", {})
+    monkeypatch.setattr(gluon_bwd, "_oom_warned", False)
+
+    def oom(*a, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(gluon_bwd, "backward", oom)
+    args = (None, out, lse, [64, 128], [1, 2], False, 0.25, [(0, 4)] * 2)
+    with pytest.warns(RuntimeWarning, match="did not fit"):
+        assert L.gluon_backward(do, q, k, v, *args) is None
+    assert gluon_bwd._failed == {}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert L.gluon_backward(do, q, k, v, *args) is None  # no second warning
+    got = L.backward(do, q, k, v, *args)  # the Triton backward
+    flags.set_gluon_backward(False)
+    want = L.backward(do, q, k, v, *args)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bsz,nh,n,w,r", [(1, 4, 256, 64, 1), (2, 3, 384, 128, 4), (1, 5, 600, 300, 3),
+                                          (1, 2, 1024, 1024, 2)])  # fmt: skip
+def test_block_rows_kernel_equals_prep_rows(seed, bsz, nh, n, w, r):
+    """The one-launch block-major rows (Triton kernel; the interpreter on the CPU) equal the
+    torch prep_rows bit for bit: the gather per head residue, x LOG2E, -inf -> +inf (rows no
+    query of a causal block reached), padding to LPAD (L = 300 // 3 = 100 and 512: not
+    multiples of 128), strided lse / delta views."""
+    from helpers import DEV, HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("no Triton to run the kernel")
+    lse = torch.randn(bsz, nh, 2 * n, device=DEV)[..., ::2] * 3  # a strided view
+    lse[..., ::7] = float("-inf")
+    delta = torch.randn(bsz, n, nh, device=DEV).transpose(1, 2)
+    delta[..., ::5] = float("-inf")  # prep_rows maps it as it maps lse
+    got = gluon_bwd.block_rows(lse, delta, w, r)
+    want = (gluon_bwd.prep_rows(lse, w, r, float("inf"), gluon_bwd.LOG2E),
+            gluon_bwd.prep_rows(delta, w, r, 0.0))  # fmt: skip
+    for g, e in zip(got, want, strict=True):
+        assert g.shape == e.shape and g.dtype == torch.float32
+        assert torch.equal(g, e)
 
 
 # --------------------------------------------------------------------------------- CUDA

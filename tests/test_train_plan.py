@@ -610,16 +610,18 @@ def test_direct_path_needs_alignment_hooks_and_the_switch(seed, monkeypatch):
 @pytest.mark.cuda
 def test_cuda_plans_equal_per_call_path():
     """Plans (their first call through Triton, later calls through the kept launchers) against
-    the per-call path (USE_PLANS False), bit for bit: out, lse, dq, dk, dv. The Gluon forward is
-    off: it runs before any plan (tests/test_gluon_fwd.py tests it), and a plan whose forward
-    never ran has no launchers to check."""
+    the per-call path (USE_PLANS False), bit for bit: out, lse, dq, dk, dv. The Gluon forward and
+    backward are off: they run before any plan (tests/test_gluon_fwd.py, test_gluon_bwd.py test
+    them), and a plan whose kernels never ran has no launchers to check."""
     from dilated_attention import flags
 
     flags.set_gluon_forward(False)
+    flags.set_gluon_backward(False)
     try:
         _plans_equal_per_call_path()
     finally:
         flags.set_gluon_forward(None)
+        flags.set_gluon_backward(None)
 
 
 def _plans_equal_per_call_path():

@@ -115,11 +115,11 @@ turns it off, any other value or none leaves it on. Read as the direct-launch sw
 its branches through the Gluon dK/dV and dQ kernels of ``kernels/gluon_bwd_kernel.py`` where
 they apply (``kernels/gluon_bwd.problem``: the forward's conditions, every branch over all
 heads, float32 accumulators within ``gluon_bwd.MAX_F32_BYTES``), or through the Triton kernels.
-**Off by default** until its CUDA tests have run on a GPU (written 2026-11-28 from the
-prototype that ran exact on an H200, ``benchmarks/gluon_dilated_bwd.py``).
-``set_gluon_backward(True)`` turns it on for this process, ``False`` off, ``None`` returns to
-the environment: ``DILATED_ATTENTION_GLUON_BWD=1`` turns it on, anything else or nothing leaves
-it off. Read as the direct-launch switch is.
+On by default since its CUDA tests passed on an H200 (2026-11-28, twenty-third session:
+``tests/test_gluon_bwd.py`` against the float64 reference, bitwise repeatable).
+``set_gluon_backward(False)`` turns it off for this process, ``True`` on, ``None`` returns to
+the environment: ``DILATED_ATTENTION_GLUON_BWD=0`` turns it off, any other value or none leaves
+it on. Read as the direct-launch switch is.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class _Switch:
 
 _direct = _Switch(ENV_DIRECT_LAUNCH, lambda v: v != "0")  # on unless "0"
 _gluon = _Switch(ENV_GLUON_FWD, lambda v: v != "0")  # on unless "0"
-_gluon_bwd = _Switch(ENV_GLUON_BWD, lambda v: v == "1")  # off unless "1"
+_gluon_bwd = _Switch(ENV_GLUON_BWD, lambda v: v != "0")  # on unless "0"
 _MODES = {"0": "off", "1": "on", "auto": "auto"}  # the rotary, cross-entropy and LayerNorm switches
 _rotary = _Switch(ENV_FUSED_ROTARY, lambda v: _MODES.get(v.lower(), ROTARY_DEFAULT))
 _ce = _Switch(ENV_CE_KERNEL, lambda v: _MODES.get(v.lower(), CE_KERNEL_DEFAULT))
@@ -293,7 +293,7 @@ def set_gluon_backward(enabled: bool | None) -> None:
 
 def gluon_backward_enabled() -> bool:
     """Whether the training backward may use the Gluon kernels now: the value set by
-    :func:`set_gluon_backward`, else the environment (``DILATED_ATTENTION_GLUON_BWD=1`` turns it
-    on; off by default) as read at the first call since the last :func:`set_gluon_backward`."""
+    :func:`set_gluon_backward`, else the environment (``DILATED_ATTENTION_GLUON_BWD=0`` turns it
+    off; on by default) as read at the first call since the last :func:`set_gluon_backward`."""
     v = _gluon_bwd.value
     return _gluon_bwd.load() if v is None else v

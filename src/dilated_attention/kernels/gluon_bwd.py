@@ -17,11 +17,14 @@ Hopper, bf16/fp16, D 64/128, N % w == 0, w % r == 0, dense-head views): every br
 heads (``head_assignment="all"``), no key padding mask, no packed documents, no block-config
 override (the caller checks those three). dO is made contiguous when its layout is not one the
 TMA views take (a broadcast dO from ``out.sum()``: one copy). The switch is
-:func:`dilated_attention.flags.set_gluon_backward` (**off by default** until its CUDA tests
-have run on a GPU).
+:func:`dilated_attention.flags.set_gluon_backward` (on by default since its CUDA tests passed
+on an H200, 2026-11-28).
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 
@@ -40,6 +43,7 @@ MAXNREG = gluon_fwd.MAXNREG
 _module = None  # gluon_bwd_kernel once imported
 _import_error: str | None = None
 _failed: dict[tuple, str] = {}  # (dtype, headdim, causal) -> why its first launch failed
+_oom_warned = False  # note_out_of_memory warned
 
 
 def kernel_module():
@@ -91,6 +95,22 @@ def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
                              q, causal, err)  # fmt: skip
 
 
+def note_out_of_memory(q: torch.Tensor) -> None:
+    """The float32 accumulators did not fit: this call runs the Triton backward (nothing is
+    recorded, a later call may fit); warn once per process."""
+    global _oom_warned
+    if not _oom_warned:
+        _oom_warned = True
+        warnings.warn(
+            f"dilated_attention: the Gluon backward's float32 accumulators (up to "
+            f"{3 * q.numel() * 4 / 2**30:.2f} GiB for this call) did not fit in GPU memory; calls "
+            "that do not fit run the Triton backward, which needs less (set "
+            "DILATED_ATTENTION_GLUON_BWD=0 to always run it)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
 def prep_rows(x: torch.Tensor, w: int, r: int, pad_value: float, mult: float = 1.0) -> torch.Tensor:
     """(B, H, N) float -> block-major float32 [B, H, N/w, Lp] of head h's residue h % r:
     ``y[b, h, s, t] = mult * x[b, h, s*w + h % r + r*t]``; -inf -> +inf; rows t >= L pad_value."""
@@ -106,13 +126,44 @@ def prep_rows(x: torch.Tensor, w: int, r: int, pad_value: float, mult: float = 1
     return out
 
 
+@functools.cache
+def _rows_kernel():
+    """The block-major rows kernel behind its direct launcher (imported on first use)."""
+    from . import direct_launch, triton_kernels
+
+    return direct_launch.DirectKernel(triton_kernels.gluon_bwd_rows_kernel, 4, max_plans=256)
+
+
+def block_rows(lse: torch.Tensor, delta: torch.Tensor, w: int, r: int):
+    """(lse2, delta2): :func:`prep_rows` of ``lse`` (mult LOG2E, pad +inf) and ``delta`` (pad 0)
+    for branch (w, r) in one launch of ``triton_kernels.gluon_bwd_rows_kernel`` (the same values
+    bit for bit: tests/test_gluon_bwd.py), where :func:`prep_rows` takes ~16 torch kernels.
+    lse, delta (B, H, N) float32; N % w == 0."""
+    bsz, nh, n = lse.shape
+    big_l, nseg = w // r, n // w
+    lp = -(-big_l // LPAD) * LPAD
+    lse2 = torch.empty((bsz, nh, nseg, lp), dtype=torch.float32, device=lse.device)
+    delta2 = torch.empty_like(lse2)
+    if lse2.numel():
+        _rows_kernel()[(lp // LPAD, nseg, bsz * nh)](
+            lse, delta, lse2, delta2, *lse.stride(), *delta.stride(), nh, w, r, big_l, nseg, lp,
+            LOG2E, BLOCK=LPAD,
+        )  # fmt: skip
+    return lse2, delta2
+
+
+@functools.cache
+def _row_layout():
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
 def _row_desc(x: torch.Tensor, rows: int):
     """1-D TMA descriptor of a flat float32 block-major row vector, box [rows]."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return TensorDescriptor(x, [x.numel()], [1], [rows], layout)
+    return TensorDescriptor(x, [x.numel()], [1], [rows], _row_layout())
 
 
 def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causal: bool,
@@ -159,8 +210,11 @@ def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
     dk = alloc(k.shape, dtype=torch.float32, device=q.device)
     dv = alloc(v.shape, dtype=torch.float32, device=q.device)
     for bi, (w, r, _, _) in enumerate(branches):
-        lse2 = prep_rows(lse, w, r, float("inf"), LOG2E)
-        delta2 = prep_rows(delta, w, r, 0.0)
+        if q.is_cuda:
+            lse2, delta2 = block_rows(lse, delta, w, r)
+        else:  # the CPU tests' emulated kernels (tests/test_gluon_bwd.py)
+            lse2 = prep_rows(lse, w, r, float("inf"), LOG2E)
+            delta2 = prep_rows(delta, w, r, 0.0)
         launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale,
                       add=bi > 0 or not store_first)  # fmt: skip
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -37,11 +37,15 @@ GRID_YZ_MAX = 65535  # CUDA's limit on a grid's second and third axes
 # batch x seqlen x heads below this: the Triton kernels. The Gluon kernels launch through
 # Triton's Python launcher (descriptors built per call), the Triton ones through the direct
 # launches of their plans (a few microseconds each): on a small call the launches' host time
-# can outweigh the faster kernels. Provisional (2026-11-28, not measured: no device time
-# left): at the headline shape (2M rows x heads) the kernels save ~2 ms of ~10 per forward,
-# ~0.1 % of a row-head each, so a launch cost of ~100 us per call breaks even near 1e5; the
-# next GPU session measures it (benchmarks/gluon_floor.py).
-MIN_ROWS = 1 << 17
+# can outweigh the faster kernels. Measured on an H200 (2026-11-28, benchmarks/gluon_floor.py:
+# causal, bf16, batch 1, the Gluon forward and backward vs the Triton kernels, back-to-back
+# eager calls, after the host cuts of that day: cached shared layouts, one rows kernel per
+# branch in the backward): at 262144 rows Gluon wins forward+backward (16384 x 16 x 128: 2831
+# vs 3806 us; 32768 x 8 x 64: 1973 vs 2348 us) and the forward at 16 x 128 (681 vs 925 us)
+# but not at 8 x 64 (589 vs 557 us); at 131072 rows (16384 x 8 x 64) it loses 4x (558 vs
+# 135 us forward: the ~0.4 ms of host time per Gluon call is not hidden). Hence 262144
+# (results/gluon_floor_h200_2026-11-28.md).
+MIN_ROWS = 1 << 18
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
 
@@ -170,20 +174,26 @@ def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
+@functools.lru_cache(maxsize=64)
+def _block_layout(rows: int, d: int, dtype: torch.dtype):
+    """The shared-memory layout of a [1, rows, 1, d] box (one object per box: Gluon's layout
+    constructor costs ~20 us of host time, and block_desc runs 5-13 times per branch)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], _gl_dtype(dtype))
+
+
 def block_desc(x: torch.Tensor, w: int, r: int, rows: int):
     """TMA descriptor of the dilated blocks of x (B, N, heads, D) (heads dense in a row): the
     4-D view [B*N/w, L, r*heads, D], strides [w*sn, r*sn, sh, 1], box [1, rows, 1, D]: index
     (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, n, heads, d = x.shape
     _, sn, sh, _ = x.stride()
     shape = [b * (n // w), w // r, r * heads, d]
     strides = [w * sn, r * sn, sh, 1]
-    block = [1, rows, 1, d]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
-    return TensorDescriptor(x, shape, strides, block, layout)
+    return TensorDescriptor(x, shape, strides, [1, rows, 1, d], _block_layout(rows, d, x.dtype))
 
 
 def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,

@@ -1221,7 +1221,9 @@ def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
 def gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges):
     """:func:`backward` through the Gluon kernels (``gluon_bwd``), or None where they do not
     apply (the switch off, a mask, :func:`gluon_bwd.problem`, dO of another dtype) or their first
-    launch of a configuration failed (then a warning, and the Triton backward runs it)."""
+    launch of a configuration failed (then a warning, and the Triton backward runs it). Out of
+    memory (their three float32 accumulators: ~1.5x the Triton backward's peak) gives None for
+    this call only: the Triton backward, which needs less, runs it (a warning, once)."""
     if kpm is not None or not flags.gluon_backward_enabled() or dout.dtype != q.dtype:
         return None
     branches = branch_list(seg, dil, head_ranges)
@@ -1235,6 +1237,9 @@ def gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_r
     try:
         delta = _delta(_broadcast_view(out), _broadcast_view(dout))
         return gluon_bwd.backward(dout, q, k, v, delta, lse, branches, causal, scale)
+    except torch.cuda.OutOfMemoryError:
+        gluon_bwd.note_out_of_memory(q)
+        return None
     except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
         gluon_bwd.note_failure(q, causal, e)
         return None
