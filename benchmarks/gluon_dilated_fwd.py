@@ -327,7 +327,7 @@ def _signature(d: int, causal: bool, dtype_name: str = "bf16", first: bool = Fal
            "v_desc": desc(gluon_fwd.KV_BN), "o_desc": desc(_mod.WG_M), "lo_desc": desc(_mod.WG_M),
            "LSE": "*fp32", "qk_scale": "fp32", "N": "i32", "L": "i32", "W": "i32", "NSEG": "i32",
            "S0": "i32", "LO_NSEG": "i32", "LO_S0": "i32", "R": "i32", "H": "i32", "HKV": "i32",
-           "HS": "i32", "NHB": "i32",
+           "HS": "i32", "NHB": "i32", "C0": "i32", "CW": "i32",
            "BN": "constexpr", "D": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr",
            "FIRST": "constexpr", "COMP": "constexpr", "STORE_LO": "constexpr",
            "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}  # fmt: skip

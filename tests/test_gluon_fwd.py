@@ -55,6 +55,35 @@ def test_switch_setter_getter_and_environment(monkeypatch, switch_reset):
         flags.set_gluon_forward("yes")
 
 
+@pytest.mark.parametrize("w,r", [(64, 1), (64, 4), (2048, 3), (4096, 6), (768, 5), (3072, 7), (100, 9)])
+@pytest.mark.parametrize("hs,he", [(0, 4), (0, 13), (6, 11), (14, 15)])
+def test_length_classes_cover_each_block_once(w, r, hs, he):
+    """The launches of a branch (length classes x the heads the kernel enumerates in each)
+    read and write exactly the rows of the branch's geometry: head h, offset c = h % r, rows
+    s*w + c + r*t inside segment s, each (row, head) once, and no row of another segment (the
+    TMA box stops at L)."""
+    if w % r and hs % r:
+        pytest.skip("uneven blocks need the branch's first head at a multiple of r (the gate)")
+    nseg = 3
+    want = {(s * w + h % r + r * t, h) for h in range(hs, he) for s in range(nseg)
+            for t in range(-(-(w - h % r) // r)) if h % r < w}  # fmt: skip
+    got = []
+    classes = gluon_fwd.length_classes(w, r)
+    assert sum(c1 - c0 for _, c0, c1 in classes) == r and classes[0][1] == 0
+    assert (len(classes) == 1) == (w % r == 0)
+    for big_l, c0, c1 in classes:
+        n = gluon_fwd.class_heads(hs, he, r, c0, c1) if (c0, c1) != (0, r) else he - hs
+        for i in range(n):
+            h = gluon_fwd.class_head(i, hs, r, c0, c1 - c0)
+            c = h % r
+            assert hs <= h < he and c0 <= c < c1
+            for s in range(nseg):
+                rows = [s * w + c + r * t for t in range(big_l)]
+                assert rows[-1] < (s + 1) * w, "a block reads into the next segment"
+                got += [(row, h) for row in rows]
+    assert len(got) == len(set(got)) and set(got) == want
+
+
 def test_problem_names_the_interpreter_or_the_device():
     q, k, v = qkv()
     why = gluon_fwd.problem(q, k, v, False, [(64, 1, 0, 4)])
@@ -108,6 +137,30 @@ def _spy(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
+    _vs_reference(monkeypatch, case, causal, dtype)
+
+
+UNEVEN_CASES = [
+    # (B, N, H, Hkv, D, seg, dil, head_assignment): branches with w % r != 0
+    (1, 4096, 8, 4, 128, [1024, 2048, 4096], [1, 3, 6], "all"),  # L 683/682, 683/682
+    (1, 3072, 4, 2, 64, [768, 3072], [5, 7], "all"),  # H < r: the short class has no head
+    (1, 3072, 4, 4, 128, [3072], [5], "all"),  # one branch, r > 1 first (filled buffers)
+    (2, 4096, 6, 6, 64, [1024, 4096], [2, 3], "split"),  # heads [3, 6) of r = 3: hs % r == 0
+]
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", UNEVEN_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[6]}-{c[7]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_forward_uneven_blocks_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
+    """Branches whose blocks have two lengths (w % r != 0), behind gluon_fwd.UNEVEN_BLOCKS."""
+    monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
+    _vs_reference(monkeypatch, case, causal, dtype)
+
+
+def _vs_reference(monkeypatch, case, causal, dtype):
     b, n, h, hkv, d, seg, dil, ha = case
     q, k, v = qkv(b, n, h, hkv, d, torch.float64, "cuda")
     do = torch.randn_like(q)

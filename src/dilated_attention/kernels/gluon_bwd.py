@@ -77,6 +77,9 @@ def problem(q, k, v, causal: bool, branches, nh: int) -> str | None:
         return why
     if any(hs != 0 or he != nh for _, _, hs, he in branches):
         return "the Gluon backward needs every branch over all heads (head_assignment='all')"
+    uneven = [(w, r) for w, r, _, _ in branches if w % r]
+    if uneven:  # the forward may take them (gluon_fwd.UNEVEN_BLOCKS), the backward not yet
+        return f"the Gluon backward needs w % r == 0 (branches {uneven})"
     bsz, n, _, d = q.shape
     f32 = 4 * bsz * n * d * (nh + 2 * k.shape[2])
     if f32 > MAX_F32_BYTES:

@@ -10,8 +10,9 @@ imports Gluon.
 The kernel's restrictions, checked by :func:`problem` (anything else runs the Triton kernels,
 the same math): a CUDA device of compute capability exactly 9.0 (its wgmma / TMA / setmaxnreg
 are Hopper's), Triton's Gluon with its Hopper module, bf16 or fp16, headdim 64 or 128,
-seqlen_q == seqlen_k, every branch with ``N % w == 0`` and ``w % r == 0`` (every dilated
-block has w // r >= 2 rows), q / k / v with heads dense in a row (row stride = heads x head
+seqlen_q == seqlen_k, every branch with ``N % w == 0``, ``w // r >= 2`` and ``w % r == 0`` (or,
+with :data:`UNEVEN_BLOCKS`, blocks of two lengths launched per length class from a head that is
+a multiple of r: :func:`length_classes`), q / k / v with heads dense in a row (row stride = heads x head
 stride: the TMA view folds the offset class into the head axis) and 16-byte aligned, and
 grids within CUDA's limits. The switch is :func:`dilated_attention.flags.set_gluon_forward`.
 """
@@ -46,6 +47,11 @@ GRID_YZ_MAX = 65535  # CUDA's limit on a grid's second and third axes
 # 135 us forward: the ~0.4 ms of host time per Gluon call is not hidden). Hence 262144
 # (results/gluon_floor_h200_2026-11-28.md).
 MIN_ROWS = 1 << 18
+# branches with w % r != 0 (blocks of two lengths, launched per length class:
+# :func:`length_classes`). Off until the forward's CUDA tests have run them on a GPU (written
+# 2026-11-28 without device time; tests/test_gluon_fwd.py turns it on for its uneven cases):
+# those branches run the Triton kernels.
+UNEVEN_BLOCKS = False
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
 
@@ -137,9 +143,12 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
         return (f"batch x seqlen x heads = {bsz * n * nh} < gluon_fwd.MIN_ROWS = {MIN_ROWS}: "
                 f"the Triton kernels' direct launches cost less host time")  # fmt: skip
     for w, r, hs, he in branches:
-        if n % w or w % r or w // r < 2:
-            return (f"branch (w={w}, r={r}): the Gluon forward needs N % w == 0, w % r == 0 and "
-                    f"w // r >= 2 (N = {n})")  # fmt: skip
+        if n % w or w // r < 2:
+            return (f"branch (w={w}, r={r}): the Gluon forward needs N % w == 0 and w // r >= 2 "
+                    f"(N = {n})")  # fmt: skip
+        if w % r and not (UNEVEN_BLOCKS and hs % r == 0):
+            return (f"branch (w={w}, r={r}): w % r != 0 (blocks of two lengths) runs the Triton "
+                    f"kernels (gluon_fwd.UNEVEN_BLOCKS is {UNEVEN_BLOCKS}; heads from {hs})")  # fmt: skip
         if n // w > GRID_YZ_MAX or bsz * (he - hs) > GRID_YZ_MAX:
             return f"branch (w={w}, r={r}): grid past CUDA's limits"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -183,15 +192,39 @@ def _block_layout(rows: int, d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], _gl_dtype(dtype))
 
 
-def block_desc(x: torch.Tensor, w: int, r: int, rows: int):
+def length_classes(w: int, r: int) -> list[tuple[int, int, int]]:
+    """(L, c0, c1): the block length L of the offsets c in [c0, c1) of branch (w, r): one class
+    (w // r, 0, r) when r divides w, else (ceil(w / r), 0, c*) and (w // r, c*, r) with
+    c* = w - r * (ceil(w / r) - 1) (row s*w + c + r*t lies in segment s for t < L)."""
+    big = -(-w // r)
+    cstar = w - r * (big - 1)
+    return [(big, 0, r)] if cstar == r else [(big, 0, cstar), (big - 1, cstar, r)]
+
+
+def class_heads(hs: int, he: int, r: int, c0: int, c1: int) -> int:
+    """How many heads h in [hs, he) have h % r in [c0, c1), for hs % r == 0 (or the whole
+    range, c0 = 0 and c1 = r): the kernel enumerates them as hs + (i // cw) * r + c0 + i % cw,
+    cw = c1 - c0 (:func:`class_head`)."""
+    full, rem = divmod(he - hs, r)
+    return full * (c1 - c0) + max(0, min(rem, c1) - c0)
+
+
+def class_head(i: int, hs: int, r: int, c0: int, cw: int) -> int:
+    """The kernel's i-th head of a launch (``gluon_fwd_kernel``: the same formula)."""
+    return hs + (i // cw) * r + c0 + i % cw
+
+
+def block_desc(x: torch.Tensor, w: int, r: int, rows: int, big_l: int | None = None):
     """TMA descriptor of the dilated blocks of x (B, N, heads, D) (heads dense in a row): the
     4-D view [B*N/w, L, r*heads, D], strides [w*sn, r*sn, sh, 1], box [1, rows, 1, D]: index
-    (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h."""
+    (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h. L = ``big_l`` (default
+    w // r): TMA reads zeros and writes nothing at t >= L, so a block of offset c must have
+    exactly L rows in its segment (:func:`length_classes`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, n, heads, d = x.shape
     _, sn, sh, _ = x.stride()
-    shape = [b * (n // w), w // r, r * heads, d]
+    shape = [b * (n // w), w // r if big_l is None else big_l, r * heads, d]
     strides = [w * sn, r * sn, sh, 1]
     return TensorDescriptor(x, shape, strides, [1, rows, 1, d], _block_layout(rows, d, x.dtype))
 
@@ -206,17 +239,18 @@ def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causa
     :func:`problem` accepts."""
     mod = kernel_module()
     bsz, n, nh, d = q.shape
-    big_l = w // r
-    grid = (-(-big_l // mod.BM), nseg, bsz * (he - hs))
-    if grid[1] * grid[2] == 0:
-        return
-    o_desc = block_desc(out, w, r, mod.WG_M)
-    lo_desc = block_desc(lo, w, r, mod.WG_M) if comp else o_desc
-    mod.gluon_fwd_kernel[grid](
-        block_desc(q, w, r, mod.WG_M), block_desc(k, w, r, KV_BN), block_desc(v, w, r, KV_BN),
-        o_desc, lo_desc, lse, scale * 1.4426950408889634,
-        n, big_l, w, n // w, s0, lo.shape[1] // w, lo_s0, r, nh, k.shape[2], hs, he - hs,
-        BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal), FIRST=bool(first),
-        COMP=bool(comp), STORE_LO=bool(store_lo), CONSUMER_REGS=CONSUMER_REGS,
-        LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
-    )  # fmt: skip
+    for big_l, c0, c1 in length_classes(w, r):
+        nhb = class_heads(hs, he, r, c0, c1) if (c0, c1) != (0, r) else he - hs
+        grid = (-(-big_l // mod.BM), nseg, bsz * nhb)
+        if grid[1] * grid[2] == 0:
+            continue
+        o_desc = block_desc(out, w, r, mod.WG_M, big_l)
+        lo_desc = block_desc(lo, w, r, mod.WG_M, big_l) if comp else o_desc
+        mod.gluon_fwd_kernel[grid](
+            block_desc(q, w, r, mod.WG_M, big_l), block_desc(k, w, r, KV_BN, big_l),
+            block_desc(v, w, r, KV_BN, big_l), o_desc, lo_desc, lse, scale * 1.4426950408889634,
+            n, big_l, w, n // w, s0, lo.shape[1] // w, lo_s0, r, nh, k.shape[2], hs, nhb,
+            c0, c1 - c0, BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
+            FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo),
+            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
+        )  # fmt: skip

@@ -4,9 +4,10 @@ use it): importing it needs ``triton.experimental.gluon`` with its Hopper module
 between Triton versions (written against 3.6.0).
 
 Math (docs/spec.md): branch (w, r) splits the positions into segments of w rows; query head h
-reads the rows ``s*w + c + r*t`` (t = 0..L-1, c = h % r, L = w // r: the host asks
-``N % w == 0`` and ``w % r == 0``) of segment s; inside such a block it is plain dense
-attention (causal inside the block when causal).
+reads the rows ``s*w + c + r*t`` (t = 0..L-1, c = h % r, L = ceil((w - c) / r): the host asks
+``N % w == 0``; with ``w % r != 0`` the offsets fall in two length classes, launched apart with
+their own L and descriptors) of segment s; inside such a block it is plain dense attention
+(causal inside the block when causal).
 
 :func:`gluon_fwd_kernel`, one program per (query tile of BM = 128 rows, segment, batch x head);
 three partitions of ``gl.warp_specialize``:
@@ -307,18 +308,23 @@ def _consumer_wg1(q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_e
 
 @gluon.jit
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, qk_scale, N, L, W, NSEG, S0,
-                     LO_NSEG, LO_S0, R, H, HKV, HS, NHB,
+                     LO_NSEG, LO_S0, R, H, HKV, HS, NHB, C0, CW,
                      BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
                      STORE_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr):  # fmt: skip
     """One program per (query tile of 128 rows, segment S0 + program_id(1), batch x head of
-    the branch's heads [HS, HS + NHB)); see the module docstring."""
+    the launch's NHB heads: the i-th is HS + (i // CW) * R + C0 + i % CW, the heads from HS on
+    whose offset h % R lies in [C0, C0 + CW): all of [HS, HS + NHB) when C0 = 0 and CW = R;
+    one length class of a branch with W % R != 0, whose blocks are L = ceil(W / R) rows for the
+    offsets below W - R * (L - 1) and L - 1 rows for the rest, HS % R == 0:
+    ``gluon_fwd.length_classes``); see the module docstring."""
     pid_m = gl.program_id(0)
     seg = S0 + gl.program_id(1)
     bh = gl.program_id(2)
     b = bh // NHB
-    h = HS + bh % NHB
+    i = bh % NHB
+    h = HS + (i // CW) * R + C0 + i % CW
     c = h % R
     hk = h // (H // HKV)
     q_row0 = pid_m * (2 * _WGM)
