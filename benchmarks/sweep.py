@@ -487,6 +487,8 @@ def markdown(results, peers_res, meta) -> str:
         "auto: the library's `pick_impl('auto', ...)` and the proposed rule "
         "(kernels/auto_rule.py) for a forward-only / a training call",
         f"wall time of the sweep: {meta.get('wall_s', 0):.0f} s",
+        *(["--gluon-uneven: the Gluon forward also ran branches with w % r != 0 "
+           "(gluon_fwd.UNEVEN_BLOCKS, off by default)"] if meta.get("gluon_uneven") else []),
     ])
     lines += [
         "",
@@ -617,6 +619,8 @@ def main(argv=None):
     p.add_argument("--impls", type=lambda x: x.split(","), default=["torch", "triton"],
                    help="comma-separated library impls to time (default torch,triton; dense SDPA always)")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--gluon-uneven", action="store_true",
+                   help="A/B: let the Gluon forward take branches with w %% r != 0 (gluon_fwd.UNEVEN_BLOCKS)")
     p.add_argument("--plan", action="store_true", help="print rows and estimated GPU seconds; run nothing")
     p.add_argument("--rule-report", metavar="JSON", help="print the rule evaluation of a sweep's JSON")
     p.add_argument("--emit-table", metavar="JSON", help="print MEASURED for kernels/auto_rule.py")
@@ -654,6 +658,11 @@ def main(argv=None):
             sys.exit("sweep.py needs a CUDA GPU (or --tiny on the CPU)")
         dev = torch.device("cuda")
     meta = run_info(dev, command_line("python3"))  # command, device, versions, date
+    if args.gluon_uneven:
+        from dilated_attention.kernels import gluon_fwd
+
+        gluon_fwd.UNEVEN_BLOCKS = True
+        meta["gluon_uneven"] = True
     if dev.type == "cpu":
         meta["device"] = f"CPU (--tiny): {meta['device']}"
     if args.out:
