@@ -316,7 +316,7 @@ def run_bench(lines: list[str], n: int = 131072, nh: int = 16, d: int = 128) -> 
 
 
 def _signature(d: int, causal: bool, dtype_name: str = "bf16", first: bool = False,
-               comp: bool = True):  # fmt: skip
+               comp: bool = True, classes: bool = False):  # fmt: skip
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype_name]
 
     def desc(rows):
@@ -330,9 +330,9 @@ def _signature(d: int, causal: bool, dtype_name: str = "bf16", first: bool = Fal
            "HS": "i32", "NHB": "i32", "C0": "i32", "CW": "i32",
            "BN": "constexpr", "D": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr",
            "FIRST": "constexpr", "COMP": "constexpr", "STORE_LO": "constexpr",
-           "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}  # fmt: skip
+           "CLASSES": "constexpr", "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}  # fmt: skip
     consts = {"BN": gluon_fwd.KV_BN, "D": d, "STAGES": gluon_fwd.stages(d), "CAUSAL": causal,
-              "FIRST": first, "COMP": comp, "STORE_LO": comp,
+              "FIRST": first, "COMP": comp, "STORE_LO": comp, "CLASSES": classes,
               "CONSUMER_REGS": gluon_fwd.CONSUMER_REGS, "LOADER_REGS": gluon_fwd.LOADER_REGS}  # fmt: skip
     return sig, consts
 
@@ -352,11 +352,15 @@ def compile_only(lines: list[str], sass_dir: str | None) -> bool:
               + " | ".join(SASS_FACTS) + " |", "|---" * (5 + len(SASS_FACTS)) + "|"]  # fmt: skip
     ok = True
     for dtype_name in ("bf16", "fp16"):
-        variants = ((128, False, True, False), (128, False, False, True), (128, True, True, True),
-                    (128, True, False, False), (64, False, False, True), (64, True, True, False))
-        for d, causal, first, comp in variants:
+        # the last two: a length class of a branch with w % r != 0 (gluon_fwd.UNEVEN_BLOCKS)
+        variants = ((128, False, True, False, False), (128, False, False, True, False),
+                    (128, True, True, True, False), (128, True, False, False, False),
+                    (64, False, False, True, False), (64, True, True, False, False),
+                    (128, True, False, True, True), (64, False, True, False, True))
+        for d, causal, first, comp, classes in variants:
             name = f"{dtype_name} D={d} causal={causal} first={first} comp={comp}"
-            sig, consts = _signature(d, causal, dtype_name, first, comp)
+            name += " classes" if classes else ""
+            sig, consts = _signature(d, causal, dtype_name, first, comp, classes)
             attrs = {(5,): [["tt.divisibility", 16]]}
             try:
                 ck = triton.compile(GluonASTSource(_mod.gluon_fwd_kernel, sig, consts, attrs),

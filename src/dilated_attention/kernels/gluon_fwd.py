@@ -251,6 +251,6 @@ def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causa
             block_desc(v, w, r, KV_BN, big_l), o_desc, lo_desc, lse, scale * 1.4426950408889634,
             n, big_l, w, n // w, s0, lo.shape[1] // w, lo_s0, r, nh, k.shape[2], hs, nhb,
             c0, c1 - c0, BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
-            FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo),
+            FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo), CLASSES=(c0, c1) != (0, r),
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
         )  # fmt: skip

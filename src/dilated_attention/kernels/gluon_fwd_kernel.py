@@ -311,20 +311,23 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, qk_scale, N, 
                      LO_NSEG, LO_S0, R, H, HKV, HS, NHB, C0, CW,
                      BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
-                     STORE_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     STORE_LO: gl.constexpr, CLASSES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr):  # fmt: skip
     """One program per (query tile of 128 rows, segment S0 + program_id(1), batch x head of
-    the launch's NHB heads: the i-th is HS + (i // CW) * R + C0 + i % CW, the heads from HS on
-    whose offset h % R lies in [C0, C0 + CW): all of [HS, HS + NHB) when C0 = 0 and CW = R;
-    one length class of a branch with W % R != 0, whose blocks are L = ceil(W / R) rows for the
-    offsets below W - R * (L - 1) and L - 1 rows for the rest, HS % R == 0:
-    ``gluon_fwd.length_classes``); see the module docstring."""
+    the launch's NHB heads: HS + i, or with CLASSES the i-th head from HS on whose offset
+    h % R lies in [C0, C0 + CW), HS + (i // CW) * R + C0 + i % CW: one length class of a branch
+    with W % R != 0, whose blocks are L = ceil(W / R) rows for the offsets below W - R * (L - 1)
+    and L - 1 rows for the rest, HS % R == 0 (``gluon_fwd.length_classes``; without CLASSES, C0
+    and CW are not read); see the module docstring."""
     pid_m = gl.program_id(0)
     seg = S0 + gl.program_id(1)
     bh = gl.program_id(2)
     b = bh // NHB
     i = bh % NHB
-    h = HS + (i // CW) * R + C0 + i % CW
+    if CLASSES:
+        h = HS + (i // CW) * R + C0 + i % CW
+    else:
+        h = HS + i
     c = h % R
     hk = h // (H // HKV)
     q_row0 = pid_m * (2 * _WGM)
