@@ -274,3 +274,33 @@ def test_gluon_backward_failure_falls_back_with_a_warning(seed, monkeypatch, swi
     with pytest.warns(RuntimeWarning, match="Gluon backward failed"):
         got = L.backward(do, q, k, v, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@needs_gluon
+@pytest.mark.cuda
+def test_gluon_training_call_does_not_synchronise(seed, monkeypatch, switches_reset):
+    """A training call through the Gluon forward and backward (descriptors, the rows kernel,
+    the accumulators and their casts) makes no host synchronisation (issue 23 item 3), and both
+    Gluon paths ran."""
+    calls = _spy(monkeypatch)
+    fwd_calls = []
+    real_fwd = gluon_fwd.launch_branch
+    monkeypatch.setattr(gluon_fwd, "launch_branch", lambda *a, **kw: fwd_calls.append(1) or real_fwd(*a, **kw))
+    q, k, v = (t.requires_grad_() for t in qkv(1, 4096, 4, 2, 128, torch.bfloat16, "cuda"))
+    seg, dil = [1024, 2048, 4096], [1, 2, 4]
+
+    def step():
+        out = dilated_attention(q, k, v, seg, dil, causal=True, impl="triton")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    step()  # first call: compilation and one-time probes may synchronise
+    torch.cuda.synchronize()
+    calls.clear()
+    fwd_calls.clear()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert fwd_calls and calls, "the Gluon forward / backward did not run"

@@ -10,6 +10,8 @@ bit; a failing first launch falls back to the Triton kernels with a warning.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -82,6 +84,113 @@ def test_length_classes_cover_each_block_once(w, r, hs, he):
                 assert rows[-1] < (s + 1) * w, "a block reads into the next segment"
                 got += [(row, h) for row in rows]
     assert len(got) == len(set(got)) and set(got) == want
+
+
+class _EmulatedKernel:
+    """``gluon_fwd_kernel`` in float64 on the CPU, through the descriptors it is given: each
+    access is the box TMA would move, rows [0, L) of one (block, column) of the descriptor's
+    view (``as_strided`` of its base with its strides: a block axis longer than the block's
+    rows reads the next segment's rows, as TMA would, and past the tensor raises; L past the
+    descriptor's own block axis is an error here), the program's head, columns, lse index and merge
+    (FIRST / COMP / STORE_LO, the (hi, lo) pair) as the kernel computes them. What it checks:
+    the host's launches (length classes, descriptors, grids, lo ranges, heads) and the kernel's
+    index formulas; not the kernel's pipelining."""
+
+    BM, WG_M = 128, 64
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.run(grid, *a, **kw)
+
+    def run(self, grid, q_desc, k_desc, v_desc, o_desc, lo_desc, lse, qk_scale, n, big_l, w, nseg, s0,
+            lo_nseg, lo_s0, r, nh, hkv, hs, nhb, c0, cw, *, CAUSAL, FIRST, COMP, STORE_LO, CLASSES, **_):
+        self.launches.append((w, r, big_l, c0, cw if CLASSES else None))
+        def box(d, blk, col):  # rows [0, big_l) of one (block, column): what the TMA boxes cover
+            assert big_l <= d.shape[1] and blk < d.shape[0] and col < d.shape[2]
+            st = d.strides
+            return torch.as_strided(d.base, (big_l, d.shape[3]), (st[1], st[3]),
+                                    d.base.storage_offset() + blk * st[0] + col * st[2])  # fmt: skip
+
+        qv, kv, vv, ov, lov = q_desc, k_desc, v_desc, o_desc, lo_desc
+        assert grid[0] == -(-big_l // self.BM)
+        scale = qk_scale / 1.4426950408889634
+        t = torch.arange(big_l)
+        for pid1 in range(grid[1]):
+            seg = s0 + pid1
+            for bh in range(grid[2]):
+                b, i = divmod(bh, nhb)
+                h = hs + (i // cw) * r + c0 + i % cw if CLASSES else hs + i
+                c = h % r
+                blk, col, kcol = b * nseg + seg, c * nh + h, c * hkv + h // (nh // hkv)
+                lo_blk = b * lo_nseg + seg - lo_s0
+                qb, kb, vb = (box(x, blk, cc).double() for x, cc in ((qv, col), (kv, kcol), (vv, kcol)))
+                sc = qb @ kb.T * scale
+                if CAUSAL:
+                    sc = sc.masked_fill(t[None, :] > t[:, None], float("-inf"))
+                lse_b = torch.logsumexp(sc, -1)
+                out_b = torch.softmax(sc, -1) @ vb
+                idx = (b * nh + h) * n + seg * w + c + r * t
+                flat = lse.view(-1)
+                if FIRST:
+                    new_out, new_lse = out_b, lse_b
+                else:
+                    lse_a = flat[idx].double()
+                    out_a = box(ov, blk, col).double()
+                    if COMP:
+                        out_a = out_a + box(lov, lo_blk, col).double()
+                    mx = torch.maximum(lse_a, lse_b)
+                    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+                    wa, wb = torch.exp(lse_a - mx), torch.exp(lse_b - mx)
+                    tot = wa + wb
+                    new_lse = torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)), float("-inf"))
+                    new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / torch.where(tot > 0, tot, 1.0)[:, None]
+                hi = new_out.to(ov.base.dtype)
+                box(ov, blk, col).copy_(hi)
+                if COMP and STORE_LO:
+                    box(lov, lo_blk, col).copy_((new_out - hi.double()).to(lov.base.dtype))
+                flat[idx] = new_lse.float()
+
+
+@pytest.mark.parametrize("seg,dil,h,hkv,ha", [
+    ([64, 192], [1, 5], 4, 2, "all"),  # 192 % 5: blocks of 39 and 38 rows
+    ([96, 192], [5, 7], 8, 8, "all"),  # both uneven, r = 7 with 8 heads: the last group partial
+    ([192], [5], 3, 1, "all"),  # one branch, r > 1 first (filled buffers), H < r
+    ([64, 128], [2, 3], 6, 6, "split"),  # heads [3, 6) of r = 3, 128 % 3 != 0
+    ([64, 96, 192], [1, 2, 4], 4, 2, "all"),  # even: one class per branch
+])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lo_rows", [None, 192])
+def test_gluon_forward_host_path_with_emulated_kernel(seed, monkeypatch, switch_reset, seg, dil, h, hkv, ha,
+                                                     causal, lo_rows):  # fmt: skip
+    """triton_launch._gluon_forward (buffers, lo ranges, branch order, length classes, TMA
+    descriptors, grids) with the kernel emulated in float64 (:class:`_EmulatedKernel`): the
+    float64 reference's out and lse to bf16 precision; uneven branches with UNEVEN_BLOCKS."""
+    from dilated_attention import reference
+    from dilated_attention.branches import branch_head_ranges as ranges_of
+    from dilated_attention.kernels import direct_launch
+
+    emu = _EmulatedKernel()
+    monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
+    monkeypatch.setattr(gluon_fwd, "problem", lambda *a: None)  # as on a Hopper GPU
+    mod = types.SimpleNamespace(BM=emu.BM, WG_M=emu.WG_M, gluon_fwd_kernel=emu)
+    monkeypatch.setattr(gluon_fwd, "kernel_module", lambda: mod)
+    monkeypatch.setattr(gluon_fwd, "_failed", {})
+    monkeypatch.setattr(direct_launch, "current_device", lambda: -1)
+    flags.set_gluon_forward(True)
+    q, k, v = qkv(2, 384, h, hkv, 16, torch.bfloat16)
+    hr = ranges_of(h, len(seg), ha)
+    got = L._gluon_forward(q, k, v, seg, dil, causal, 0.25, hr, lo_rows)
+    assert got is not None and emu.launches
+    uneven = [(w, r) for w, r, _, _ in L.branch_list(seg, dil, hr) if w % r]
+    assert all(any(x[:2] == u and x[4] is not None for x in emu.launches) for u in uneven)
+    want_out, want_lse = reference.dilated_attention_reference(
+        q.double(), k.double(), v.double(), seg, dil, causal=causal, softmax_scale=0.25, head_assignment=ha)
+    assert (got[0].double() - want_out).abs().max().item() < 2e-2
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(got[1]))
+    assert (got[1].double()[fin] - want_lse[fin]).abs().max().item() < 1e-4
 
 
 def test_problem_names_the_interpreter_or_the_device():
