@@ -235,9 +235,10 @@ def _row_sig():
     return f"tensordesc<fp32[{BMQ}],{lay!r}>"
 
 
-def _signature(kernel: str, d: int, causal: bool, dtype_name: str, add: bool):
-    """(kernel, signature, constexprs, attrs) of one variant for triton.compile."""
-    cst = {"D": d, "CAUSAL": causal, "ADD": add, "CONSUMER_REGS": CONSUMER_REGS,
+def _signature(kernel: str, d: int, causal: bool, dtype_name: str, add: bool, classes: bool = False):
+    """(kernel, signature, constexprs, attrs) of one variant for triton.compile (``classes``: a
+    length class of a branch with w % r != 0, gluon_fwd.UNEVEN_BLOCKS)."""
+    cst = {"D": d, "CAUSAL": causal, "ADD": add, "CLASSES": classes, "CONSUMER_REGS": CONSUMER_REGS,
            "LOADER_REGS": LOADER_REGS}  # fmt: skip
     if kernel == "dkdv":
         sig = {"q_desc": _desc_sig(dtype_name, BMQ, d), "do_desc": _desc_sig(dtype_name, BMQ, d),
@@ -245,7 +246,7 @@ def _signature(kernel: str, d: int, causal: bool, dtype_name: str, add: bool):
                "l_desc": _row_sig(), "dl_desc": _row_sig(), "DK": "*fp32", "DV": "*fp32",
                "qk_scale": "fp32", "sm_scale": "fp32", "L": "i32", "W": "i32", "NSEG": "i32",
                "NNB": "i32", "R": "i32", "H": "i32", "HKV": "i32", "REP": "i32", "NI": "i32",
-               "LP": "i32"}  # fmt: skip
+               "LP": "i32", "C0": "i32", "CW": "i32"}  # fmt: skip
         cst.update({"BMQ": BMQ, "STAGES": _kv_stages(d)})
         attrs = {(6,): [["tt.divisibility", 16]], (7,): [["tt.divisibility", 16]]}
         fn = _mod.dkdv_kernel
@@ -255,7 +256,8 @@ def _signature(kernel: str, d: int, causal: bool, dtype_name: str, add: bool):
                "k_desc": _desc_sig(dtype_name, bn, d), "v_desc": _desc_sig(dtype_name, bn, d),
                "DQ": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32",
                "sm_scale": "fp32", "L": "i32", "W": "i32", "NSEG": "i32", "NMB": "i32",
-               "R": "i32", "H": "i32", "HKV": "i32", "LP": "i32"}  # fmt: skip
+               "R": "i32", "H": "i32", "HKV": "i32", "LP": "i32", "NHB": "i32", "C0": "i32",
+               "CW": "i32"}  # fmt: skip
         cst.update({"BN": bn, "STAGES": _dq_stages(d)})
         attrs = {(4,): [["tt.divisibility", 16]], (5,): [["tt.divisibility", 16]],
                  (6,): [["tt.divisibility", 16]]}  # fmt: skip
@@ -270,9 +272,12 @@ SASS_FACTS = ("UTMALDG", "HGMMA", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "SYNCS
 
 
 def variants():
-    """(kernel, dtype, D, causal, add) of every compiled variant."""
-    return [(kern, dt, d, causal, add) for kern in ("dkdv", "dq") for dt in ("bf16", "fp16")
-            for d in (128, 64) for causal in (False, True) for add in (False, True)]  # fmt: skip
+    """(kernel, dtype, D, causal, add, classes) of every compiled variant: all with one block
+    length, and a length class (w % r != 0: add only) of each kernel, D and causality in bf16."""
+    return ([(kern, dt, d, causal, add, False) for kern in ("dkdv", "dq") for dt in ("bf16", "fp16")
+             for d in (128, 64) for causal in (False, True) for add in (False, True)]
+            + [(kern, "bf16", d, causal, True, True) for kern in ("dkdv", "dq") for d in (128, 64)
+               for causal in (False, True)])  # fmt: skip
 
 
 def compile_only(lines: list[str], sass_dir: str | None, only: str | None = None) -> bool:
@@ -285,11 +290,11 @@ def compile_only(lines: list[str], sass_dir: str | None, only: str | None = None
               "| variant | regs (cap) | stack / local | smem bytes | setmaxnreg values | "
               + " | ".join(SASS_FACTS) + " |", "|---" * (5 + len(SASS_FACTS)) + "|"]  # fmt: skip
     ok = True
-    for kern, dtype_name, d, causal, add in variants():
-        name = f"{kern} {dtype_name} D={d} causal={causal} add={add}"
+    for kern, dtype_name, d, causal, add, classes in variants():
+        name = f"{kern} {dtype_name} D={d} causal={causal} add={add}" + (" classes" if classes else "")
         if only and only not in name:
             continue
-        fn, sig, consts, attrs = _signature(kern, d, causal, dtype_name, add)
+        fn, sig, consts, attrs = _signature(kern, d, causal, dtype_name, add, classes)
         try:
             ck = triton.compile(GluonASTSource(fn, sig, consts, attrs),
                                 target=GPUTarget("cuda", 90, 32),
@@ -322,7 +327,7 @@ def compile_only(lines: list[str], sass_dir: str | None, only: str | None = None
         if sass_dir:
             os.makedirs(sass_dir, exist_ok=True)
             stem = os.path.join(sass_dir, f"gluon_bwd_{kern}_{dtype_name}_d{d}_c{int(causal)}"
-                                          f"_a{int(add)}")  # fmt: skip
+                                          f"_a{int(add)}" + ("_classes" if classes else ""))  # fmt: skip
             for ext, text in (("sass", sass), ("ptx", ck.asm["ptx"]), ("ttgir", ck.asm["ttgir"])):
                 with open(f"{stem}.{ext}", "w") as f:
                     f.write(text)

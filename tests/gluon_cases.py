@@ -50,3 +50,13 @@ CASES = [
     (1, 2048, 4, 4, 64, [64, 2048], [16, 1], "all"),  # L = 4: a tile mostly past the block
     (1, 4096, 8, 8, 128, [1024, 2048, 4096], [1, 2, 4], "split"),  # heads split: one branch a row
 ]
+
+UNEVEN_CASES = [
+    # (B, N, H, Hkv, D, seg, dil, head_assignment): branches with w % r != 0 (blocks of two
+    # lengths: gluon_fwd.UNEVEN_BLOCKS)
+    (1, 4096, 8, 4, 128, [1024, 2048, 4096], [1, 3, 6], "all"),  # L 683/682, 683/682
+    (1, 3072, 4, 2, 64, [768, 3072], [5, 7], "all"),  # H < r: the short class has no head
+    (1, 3072, 4, 4, 128, [3072], [5], "all"),  # one branch, r > 1 first (filled buffers)
+    (1, 4096, 8, 1, 64, [1024, 4096], [1, 6], "all"),  # MQA: rep 8 >= r
+    (2, 4096, 6, 6, 64, [1024, 4096], [2, 3], "split"),  # heads [3, 6) of r = 3: hs % r == 0
+]

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_cases import CASES, err, needs_gluon, qkv, run
+from gluon_cases import CASES, UNEVEN_CASES, err, needs_gluon, qkv, run
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_bwd, gluon_fwd
@@ -162,7 +162,7 @@ def test_out_of_memory_runs_the_triton_backward(seed, monkeypatch, switches_rese
 
 
 @pytest.mark.parametrize("bsz,nh,n,w,r", [(1, 4, 256, 64, 1), (2, 3, 384, 128, 4), (1, 5, 600, 300, 3),
-                                          (1, 2, 1024, 1024, 2)])  # fmt: skip
+                                          (1, 2, 1024, 1024, 2), (1, 9, 600, 300, 7), (2, 3, 384, 128, 5)])  # fmt: skip
 def test_block_rows_kernel_equals_prep_rows(seed, bsz, nh, n, w, r):
     """The one-launch block-major rows (Triton kernel; the interpreter on the CPU) equal the
     torch prep_rows bit for bit: the gather per head residue, x LOG2E, -inf -> +inf (rows no
@@ -182,6 +182,161 @@ def test_block_rows_kernel_equals_prep_rows(seed, bsz, nh, n, w, r):
     for g, e in zip(got, want, strict=True):
         assert g.shape == e.shape and g.dtype == torch.float32
         assert torch.equal(g, e)
+    # prep_rows itself, element by element (blocks of two lengths when w % r != 0)
+    big = -(-w // r)
+    for name, x, e, mult, pad in (("lse", lse, want[0], gluon_bwd.LOG2E, float("inf")), ("delta", delta, want[1], 1.0, 0.0)):
+        for h in range(nh):
+            c = h % r
+            for s in range(n // w):
+                for t in range(e.shape[-1]):
+                    row = s * w + c + r * t
+                    if t < big and row < (s + 1) * w:
+                        v = x[0, h, row].float() * mult
+                        v = torch.tensor(float("inf")) if v == float("-inf") else v
+                    else:
+                        v = torch.tensor(pad)
+                    assert e[0, h, s, t] == v, (name, h, s, t)
+
+
+def _box(d, blk, col, big_l):
+    """Rows [0, big_l) of (block, column) of a TMA descriptor's view: what its boxes cover
+    (past the tensor raises; past the descriptor's block axis is an error)."""
+    assert big_l <= d.shape[1] and blk < d.shape[0] and col < d.shape[2]
+    st = d.strides
+    return torch.as_strided(d.base, (big_l, d.shape[3]), (st[1], st[3]),
+                            d.base.storage_offset() + blk * st[0] + col * st[2])  # fmt: skip
+
+
+class _EmulatedBwdKernels:
+    """``dkdv_kernel`` and ``dq_kernel`` in float64 on the CPU at the granularity of a program
+    (its rows of keys or queries, all its heads), through the descriptors and arguments the
+    host passes: the grids, the programs' decode (the kernels' formulas, CLASSES included), the
+    descriptors' block axes, the block-major lse / delta rows, the masked stores or adds."""
+
+    BLK, BMQ, WG_M = 128, 64, 64
+
+    def __init__(self):
+        self.launches = []
+        self.dkdv_kernel = _Launcher(self._dkdv)
+        self.dq_kernel = _Launcher(self._dq)
+
+    def _grads(self, qb, dob, kb, vb, l2, dl2, qk_scale, causal, q_rows, k_rows):
+        sc = qb @ kb.T
+        p = torch.exp2(sc * qk_scale - l2[:, None])
+        if causal:
+            p = p.masked_fill(k_rows[None, :] > q_rows[:, None], 0.0)
+        ds = p * (dob @ vb.T - dl2[:, None])
+        return p, ds
+
+    def _dkdv(self, grid, q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, dk, dv, qk_scale, sm_scale,
+              big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw, *, CAUSAL, ADD, CLASSES, **_):
+        self.launches.append(("dkdv", w, r, big_l, CLASSES))
+        assert grid[0] == nnb * nseg and nnb == -(-big_l // self.BLK)
+        assert grid[1] % (hkv * (cw if CLASSES else ni)) == 0
+        lf, df = l_desc.base.reshape(-1).double(), dl_desc.base.reshape(-1).double()
+        t_all = torch.arange(big_l)
+        for pid0 in range(grid[0]):
+            pid_n, s = pid0 % nnb, pid0 // nnb
+            for pid_x in range(grid[1]):
+                if CLASSES:
+                    b, g = pid_x // (hkv * cw), (pid_x // cw) % hkv
+                    i0 = ((c0 + pid_x % cw - g * rep) % r + r) % r
+                else:
+                    b, g, i0 = pid_x // (hkv * ni), (pid_x // ni) % hkv, pid_x % ni
+                h_start = g * rep + i0
+                c = h_start % r
+                nhl = ((g + 1) * rep - h_start + r - 1) // r
+                blk = b * nseg + s
+                kr = t_all[pid_n * self.BLK : (pid_n + 1) * self.BLK]
+                kb = _box(k_desc, blk, c * hkv + g, big_l)[kr].double()
+                vb = _box(v_desc, blk, c * hkv + g, big_l)[kr].double()
+                gk = torch.zeros_like(kb)
+                gv = torch.zeros_like(vb)
+                for j in range(max(nhl, 0)):
+                    h = h_start + j * r
+                    qb = _box(q_desc, blk, c * nh + h, big_l).double()
+                    dob = _box(do_desc, blk, c * nh + h, big_l).double()
+                    lrow = ((b * nh + h) * nseg + s) * lp
+                    p, ds = self._grads(qb, dob, kb, vb, lf[lrow : lrow + big_l], df[lrow : lrow + big_l], qk_scale,
+                                        CAUSAL, t_all, kr)  # fmt: skip
+                    gv += p.T @ dob
+                    gk += ds.T @ qb
+                rows = s * w + c + r * kr
+                for out, gr in ((dk, gk * sm_scale), (dv, gv)):
+                    if ADD:
+                        out[b, rows, g] += gr.float()
+                    else:
+                        out[b, rows, g] = gr.float()
+
+    def _dq(self, grid, q_desc, do_desc, k_desc, v_desc, dq, lse2, delta2, qk_scale, sm_scale, big_l, w,
+            nseg, nmb, r, nh, hkv, lp, nhb, c0, cw, *, CAUSAL, ADD, CLASSES, **_):
+        self.launches.append(("dq", w, r, big_l, CLASSES))
+        assert grid[0] == nmb * nseg and grid[1] % (nhb if CLASSES else nh) == 0
+        lf, df = lse2.reshape(-1).double(), delta2.reshape(-1).double()
+        t_all = torch.arange(big_l)
+        for pid0 in range(grid[0]):
+            pid_m, s = pid0 % nmb, pid0 // nmb
+            for bh in range(grid[1]):
+                if CLASSES:
+                    b, i = bh // nhb, bh % nhb
+                    h = (i // cw) * r + c0 + i % cw
+                else:
+                    b, h = bh // nh, bh % nh
+                c, hk = h % r, h // (nh // hkv)
+                blk = b * nseg + s
+                qr = t_all[pid_m * self.BLK : (pid_m + 1) * self.BLK]
+                qb = _box(q_desc, blk, c * nh + h, big_l)[qr].double()
+                dob = _box(do_desc, blk, c * nh + h, big_l)[qr].double()
+                kb = _box(k_desc, blk, c * hkv + hk, big_l).double()
+                vb = _box(v_desc, blk, c * hkv + hk, big_l).double()
+                lrow = ((b * nh + h) * nseg + s) * lp
+                _, ds = self._grads(qb, dob, kb, vb, lf[lrow + qr], df[lrow + qr], qk_scale, CAUSAL, qr, t_all)
+                gq = (ds @ kb * sm_scale).float()
+                rows = s * w + c + r * qr
+                if ADD:
+                    dq[b, rows, h] += gq
+                else:
+                    dq[b, rows, h] = gq
+
+
+class _Launcher:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.fn(grid, *a, **kw)
+
+
+@pytest.mark.parametrize("seg,dil,h,hkv", [
+    ([64, 192], [1, 5], 4, 2, ),  # 192 % 5: blocks of 39 / 38 rows; rep 2 < r: programs without heads
+    ([64, 192], [1, 5], 8, 1),  # MQA, rep 8 >= r
+    ([96, 192], [5, 7], 8, 8),  # both uneven, r > 1 first: accumulators zeroed, every branch adds
+    ([192], [5], 3, 1),  # H < r
+    ([64, 128], [1, 2], 4, 2),  # even: one class per branch
+])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h, hkv, causal):
+    """gluon_bwd.backward's launches (length classes, descriptors, grids, CLASSES, the block-major
+    rows of two lengths) with both kernels emulated in float64 (:class:`_EmulatedBwdKernels`):
+    the float64 reference's gradients."""
+    from dilated_attention import reference
+
+    emu = _EmulatedBwdKernels()
+    monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
+    # float16 in (the descriptors' dtypes), the reference on the same values in float64
+    q, k, v = (t.double() for t in qkv(2, 384, h, hkv, 16, torch.float16))
+    do = torch.randn_like(q).half().double()
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = reference.dilated_attention_reference(*xs, seg, dil, causal=causal, softmax_scale=0.25)
+    want = torch.autograd.grad(out, xs, do)
+    delta = (do * out.detach()).sum(-1).transpose(1, 2).float()
+    got = gluon_bwd.backward(do.half(), *(t.half() for t in (q, k, v)), delta, lse.detach().float(),
+                             L.branch_list(seg, dil, [(0, h)] * len(seg)), causal, 0.25)  # fmt: skip
+    assert {x[1:3] for x in emu.launches} == set(zip(seg, dil, strict=True))
+    assert any(x[4] for x in emu.launches) == any(w % r for w, r in zip(seg, dil, strict=True))
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert a.dtype == torch.float16
+        assert (a.double() - b).abs().max().item() < 2e-3 * (1 + b.abs().max().item()), f"d{name}"
 
 
 # --------------------------------------------------------------------------------- CUDA
@@ -206,6 +361,22 @@ def _spy(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_backward_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
+    _backward_vs_reference(monkeypatch, case, causal, dtype)
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [c for c in UNEVEN_CASES if c[7] == "all"],
+                         ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[6]}")  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_backward_uneven_blocks_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
+    """Branches whose blocks have two lengths (w % r != 0), behind gluon_fwd.UNEVEN_BLOCKS."""
+    monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
+    _backward_vs_reference(monkeypatch, case, causal, dtype)
+
+
+def _backward_vs_reference(monkeypatch, case, causal, dtype):
     b, n, h, hkv, d, seg, dil, _ = case
     q, k, v = qkv(b, n, h, hkv, d, torch.float64, "cuda")
     do = torch.randn_like(q)

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_cases import CASES, err, gluon_ready, needs_gluon, qkv, run
+from gluon_cases import CASES, UNEVEN_CASES, err, gluon_ready, needs_gluon, qkv, run
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_fwd
@@ -247,15 +247,6 @@ def _spy(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
     _vs_reference(monkeypatch, case, causal, dtype)
-
-
-UNEVEN_CASES = [
-    # (B, N, H, Hkv, D, seg, dil, head_assignment): branches with w % r != 0
-    (1, 4096, 8, 4, 128, [1024, 2048, 4096], [1, 3, 6], "all"),  # L 683/682, 683/682
-    (1, 3072, 4, 2, 64, [768, 3072], [5, 7], "all"),  # H < r: the short class has no head
-    (1, 3072, 4, 4, 128, [3072], [5], "all"),  # one branch, r > 1 first (filled buffers)
-    (2, 4096, 6, 6, 64, [1024, 4096], [2, 3], "split"),  # heads [3, 6) of r = 3: hs % r == 0
-]
 
 
 @needs_gluon

@@ -13,7 +13,8 @@ to the kernels block-major per branch (:func:`prep_rows`, torch ops on (B, H, N)
 gather and a pad per branch); FA3 folds that into its preprocessing kernel, this does not yet.
 
 Restrictions, checked by :func:`problem`, beyond the forward's (``gluon_fwd.shape_problem``:
-Hopper, bf16/fp16, D 64/128, N % w == 0, w % r == 0, dense-head views): every branch over all
+Hopper, bf16/fp16, D 64/128, N % w == 0, w % r == 0 or ``gluon_fwd.UNEVEN_BLOCKS`` (each
+length class launched apart, as the forward does), dense-head views): every branch over all
 heads (``head_assignment="all"``), no key padding mask, no packed documents, no block-config
 override (the caller checks those three). dO is made contiguous when its layout is not one the
 TMA views take (a broadcast dO from ``out.sum()``: one copy). The switch is
@@ -77,9 +78,6 @@ def problem(q, k, v, causal: bool, branches, nh: int) -> str | None:
         return why
     if any(hs != 0 or he != nh for _, _, hs, he in branches):
         return "the Gluon backward needs every branch over all heads (head_assignment='all')"
-    uneven = [(w, r) for w, r, _, _ in branches if w % r]
-    if uneven:  # the forward may take them (gluon_fwd.UNEVEN_BLOCKS), the backward not yet
-        return f"the Gluon backward needs w % r == 0 (branches {uneven})"
     bsz, n, _, d = q.shape
     f32 = 4 * bsz * n * d * (nh + 2 * k.shape[2])
     if f32 > MAX_F32_BYTES:
@@ -115,17 +113,24 @@ def note_out_of_memory(q: torch.Tensor) -> None:
 
 
 def prep_rows(x: torch.Tensor, w: int, r: int, pad_value: float, mult: float = 1.0) -> torch.Tensor:
-    """(B, H, N) float -> block-major float32 [B, H, N/w, Lp] of head h's residue h % r:
-    ``y[b, h, s, t] = mult * x[b, h, s*w + h % r + r*t]``; -inf -> +inf; rows t >= L pad_value."""
+    """(B, H, N) float -> block-major float32 [B, H, N/w, Lp] of head h's residue c = h % r:
+    ``y[b, h, s, t] = mult * x[b, h, s*w + c + r*t]`` for t < L_c (the block's rows:
+    :func:`gluon_fwd.length_classes`); -inf -> +inf; rows t >= L_c pad_value. The torch form
+    (the CPU tests' emulated path; on CUDA :func:`block_rows`)."""
     bsz, nh, n = x.shape
-    big_l, nseg = w // r, n // w
-    lp = -(-big_l // LPAD) * LPAD
-    x5 = x.float().reshape(bsz, nh, nseg, big_l, r)
-    cidx = (torch.arange(nh, device=x.device) % r).view(1, nh, 1, 1, 1)
-    y = x5.gather(-1, cidx.expand(bsz, nh, nseg, big_l, 1)).squeeze(-1) * mult
+    big, nseg = -(-w // r), n // w
+    cstar = w - r * (big - 1)
+    lp = -(-big // LPAD) * LPAD
+    c = torch.arange(nh, device=x.device) % r
+    t = torch.arange(big, device=x.device)
+    rows = (torch.arange(nseg, device=x.device) * w).view(1, nseg, 1) + c.view(nh, 1, 1) + r * t
+    valid = t.view(1, 1, big) < big - (c >= cstar).long().view(nh, 1, 1)
+    idx = torch.where(valid, rows, 0).view(1, nh, nseg * big).expand(bsz, nh, nseg * big)
+    y = x.float().gather(-1, idx).view(bsz, nh, nseg, big) * mult
     y = torch.where(y == float("-inf"), torch.full_like(y, float("inf")), y)
+    y = torch.where(valid, y, torch.full_like(y, pad_value))
     out = torch.full((bsz, nh, nseg, lp), pad_value, dtype=torch.float32, device=x.device)
-    out[..., :big_l] = y
+    out[..., :big] = y
     return out
 
 
@@ -141,16 +146,17 @@ def block_rows(lse: torch.Tensor, delta: torch.Tensor, w: int, r: int):
     """(lse2, delta2): :func:`prep_rows` of ``lse`` (mult LOG2E, pad +inf) and ``delta`` (pad 0)
     for branch (w, r) in one launch of ``triton_kernels.gluon_bwd_rows_kernel`` (the same values
     bit for bit: tests/test_gluon_bwd.py), where :func:`prep_rows` takes ~16 torch kernels.
-    lse, delta (B, H, N) float32; N % w == 0."""
+    lse, delta (B, H, N) float32; N % w == 0 (w % r need not be)."""
     bsz, nh, n = lse.shape
-    big_l, nseg = w // r, n // w
-    lp = -(-big_l // LPAD) * LPAD
+    big, nseg = -(-w // r), n // w
+    cstar = w - r * (big - 1)
+    lp = -(-big // LPAD) * LPAD
     lse2 = torch.empty((bsz, nh, nseg, lp), dtype=torch.float32, device=lse.device)
     delta2 = torch.empty_like(lse2)
     if lse2.numel():
         _rows_kernel()[(lp // LPAD, nseg, bsz * nh)](
-            lse, delta, lse2, delta2, *lse.stride(), *delta.stride(), nh, w, r, big_l, nseg, lp,
-            LOG2E, BLOCK=LPAD,
+            lse, delta, lse2, delta2, *lse.stride(), *delta.stride(), nh, w, r, big, cstar, nseg,
+            lp, LOG2E, BLOCK=LPAD,
         )  # fmt: skip
     return lse2, delta2
 
@@ -178,25 +184,34 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
     bsz, n, nh, d = q.shape
     hkv = k.shape[2]
     rep = nh // hkv
-    big_l, nseg = w // r, n // w
+    nseg = n // w
     lp = lse2.shape[-1]
     bd = gluon_fwd.block_desc
-    nnb = -(-big_l // mod.BLK)
-    ni = min(rep, r)
-    mod.dkdv_kernel[(nnb * nseg, bsz * hkv * ni)](
-        bd(q, w, r, mod.BMQ), bd(dout, w, r, mod.BMQ), bd(k, w, r, mod.WG_M),
-        bd(v, w, r, mod.WG_M), _row_desc(lse2, mod.BMQ), _row_desc(delta2, mod.BMQ), dk, dv,
-        scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp,
-        BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
-    )  # fmt: skip
     bn = dq_bn(d)
-    mod.dq_kernel[(nnb * nseg, bsz * nh)](
-        bd(q, w, r, mod.WG_M), bd(dout, w, r, mod.WG_M), bd(k, w, r, bn), bd(v, w, r, bn),
-        dq, lse2, delta2, scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, lp,
-        BN=bn, D=d, STAGES=DQ_STAGES, CAUSAL=bool(causal), ADD=bool(add),
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
-    )  # fmt: skip
+    # one launch of each kernel per block-length class (w % r != 0: two, gluon_fwd.length_classes)
+    for big_l, c0, c1 in gluon_fwd.length_classes(w, r):
+        classes = (c0, c1) != (0, r)
+        cw = c1 - c0
+        nnb = -(-big_l // mod.BLK)
+        ni = min(rep, r)
+        mod.dkdv_kernel[(nnb * nseg, bsz * hkv * (cw if classes else ni))](
+            bd(q, w, r, mod.BMQ, big_l), bd(dout, w, r, mod.BMQ, big_l), bd(k, w, r, mod.WG_M, big_l),
+            bd(v, w, r, mod.WG_M, big_l), _row_desc(lse2, mod.BMQ), _row_desc(delta2, mod.BMQ), dk, dv,
+            scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw,
+            BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
+            CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
+            maxnreg=MAXNREG,
+        )  # fmt: skip
+        nhb = gluon_fwd.class_heads(0, nh, r, c0, c1) if classes else nh
+        if nhb == 0:
+            continue
+        mod.dq_kernel[(nnb * nseg, bsz * nhb)](
+            bd(q, w, r, mod.WG_M, big_l), bd(dout, w, r, mod.WG_M, big_l), bd(k, w, r, bn, big_l),
+            bd(v, w, r, bn, big_l), dq, lse2, delta2, scale * LOG2E, scale, big_l, w, nseg, nnb, r,
+            nh, hkv, lp, nhb, c0, cw, BN=bn, D=d, STAGES=DQ_STAGES, CAUSAL=bool(causal),
+            ADD=bool(add), CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+            num_warps=4, maxnreg=MAXNREG,
+        )  # fmt: skip
 
 
 def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):

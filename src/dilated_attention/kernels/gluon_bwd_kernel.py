@@ -5,7 +5,8 @@ needs ``triton.experimental.gluon`` with its Hopper module (written against Trit
 Math (docs/spec.md): the exact backward of branch (w, r) with the FINAL merged out and lse:
 ``P = exp(S - lse)``, ``delta = rowsum(dO * out)``, ``dS = P * (dP - delta)``, ``dV = P^T dO``,
 ``dK = scale * dS^T Q``, ``dQ = scale * dS K``, on the dilated blocks (rows ``s*w + c + r*t``,
-c = h % r, t < L = w // r; the host asks ``N % w == 0`` and ``w % r == 0``). Results are
+c = h % r, t < L = w // r; the host asks ``N % w == 0``; with ``w % r != 0`` it launches each
+length class of the branch apart, CLASSES: ``gluon_fwd.length_classes``). Results are
 float32 (B, N, heads, D) buffers, contiguous, that every branch adds into (``ADD``).
 
 lse and delta come block-major (``gluon_bwd.prep_rows``): float32 ``[B, H, N/w, Lp]`` of head
@@ -200,17 +201,26 @@ def _kv_consumer_wg1(k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q
 
 @gluon.jit
 def dkdv_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, qk_scale,
-                 sm_scale, L, W, NSEG, NNB, R, H, HKV, REP, NI, LP, BMQ: gl.constexpr,
+                 sm_scale, L, W, NSEG, NNB, R, H, HKV, REP, NI, LP, C0, CW, BMQ: gl.constexpr,
                  D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 ADD: gl.constexpr, CLASSES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  LOADER_REGS: gl.constexpr):  # fmt: skip
     pid0 = gl.program_id(0)
     pid_x = gl.program_id(1)
     pid_n = pid0 % NNB
     s = pid0 // NNB
-    b = pid_x // (HKV * NI)
-    g = (pid_x // NI) % HKV
-    i0 = pid_x % NI
+    if CLASSES:
+        # one length class of a branch with W % R != 0 (offsets [C0, C0 + CW), L rows each):
+        # programs per (batch, kv head g, offset c); the query heads of g with offset c start
+        # at g*REP + i0, i0 = (c - g*REP) mod R; none when i0 >= REP (nhl = 0: dK, dV += 0)
+        b = pid_x // (HKV * CW)
+        g = (pid_x // CW) % HKV
+        c_cls = C0 + pid_x % CW
+        i0 = ((c_cls - g * REP) % R + R) % R
+    else:
+        b = pid_x // (HKV * NI)
+        g = (pid_x // NI) % HKV
+        i0 = pid_x % NI
     h_start = g * REP + i0
     c = h_start % R
     # query heads of kv head g with residue c: h_start, h_start + R, ... < (g + 1) * REP
@@ -391,15 +401,22 @@ def _q_consumer_wg1(q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_
 
 @gluon.jit
 def dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, qk_scale, sm_scale, L, W,
-               NSEG, NMB, R, H, HKV, LP, BN: gl.constexpr, D: gl.constexpr,
+               NSEG, NMB, R, H, HKV, LP, NHB, C0, CW, BN: gl.constexpr, D: gl.constexpr,
                STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+               CLASSES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               LOADER_REGS: gl.constexpr):  # fmt: skip
     pid0 = gl.program_id(0)
     bh = gl.program_id(1)
     pid_m = pid0 % NMB
     s = pid0 // NMB
-    b = bh // H
-    h = bh % H
+    if CLASSES:
+        # one length class: the NHB heads whose offset lies in [C0, C0 + CW) (all heads)
+        b = bh // NHB
+        i = bh % NHB
+        h = (i // CW) * R + C0 + i % CW
+    else:
+        b = bh // H
+        h = bh % H
     c = h % R
     hk = h // (H // HKV)
     q_row0 = pid_m * (2 * _WGM)

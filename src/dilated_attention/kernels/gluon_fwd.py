@@ -48,9 +48,10 @@ GRID_YZ_MAX = 65535  # CUDA's limit on a grid's second and third axes
 # (results/gluon_floor_h200_2026-11-28.md).
 MIN_ROWS = 1 << 18
 # branches with w % r != 0 (blocks of two lengths, launched per length class:
-# :func:`length_classes`). Off until the forward's CUDA tests have run them on a GPU (written
-# 2026-11-28 without device time; tests/test_gluon_fwd.py turns it on for its uneven cases):
-# those branches run the Triton kernels.
+# :func:`length_classes`), in the forward and the backward (``gluon_bwd``). Off until their
+# CUDA tests have run them on a GPU (written 2026-11-28 without device time;
+# tests/test_gluon_fwd.py and test_gluon_bwd.py turn it on for their uneven cases): those
+# branches run the Triton kernels.
 UNEVEN_BLOCKS = False
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)

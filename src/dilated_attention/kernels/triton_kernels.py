@@ -534,18 +534,20 @@ def dilated_bwd_delta_kernel(O, DO, DELTA, sob, son, soh, sdob, sdon, sdoh, NROW
 
 @triton.jit
 def gluon_bwd_rows_kernel(LSE, DELTA, LSE2, DELTA2, slb, slh, sln, sdb, sdh, sdn, H, W, R, L,
-                          NSEG, LP, MULT, BLOCK: tl.constexpr):
+                          CSTAR, NSEG, LP, MULT, BLOCK: tl.constexpr):
     # the Gluon backward's block-major rows of branch (W, R) (kernels/gluon_bwd.py, block_rows):
     # LSE2[b, h, s, t] = MULT * LSE[b, h, s*W + h % R + R*t] with -inf -> +inf, DELTA2 the same
-    # with MULT 1; rows t >= L (up to LP, a multiple of BLOCK) +inf and 0. LSE, DELTA (B, H, N)
-    # float32; LSE2, DELTA2 contiguous (B, H, NSEG, LP) float32. Grid (LP / BLOCK, NSEG, B*H).
+    # with MULT 1; rows t >= L_h (up to LP, a multiple of BLOCK) +inf and 0, where L_h = L for
+    # the offsets h % R < CSTAR and L - 1 for the rest (W % R != 0: L = ceil(W / R); else
+    # CSTAR = R). LSE, DELTA (B, H, N) float32; LSE2, DELTA2 contiguous (B, H, NSEG, LP)
+    # float32. Grid (LP / BLOCK, NSEG, B*H).
     pid_t = tl.program_id(0)
     s = tl.program_id(1)
     bh = tl.program_id(2)
     b = (bh // H).to(tl.int64)
     h = bh % H
     t = pid_t * BLOCK + tl.arange(0, BLOCK)
-    valid = t < L
+    valid = t < L - (h % R >= CSTAR).to(tl.int32)
     row = (s * W + h % R + R * t).to(tl.int64)
     x = tl.load(LSE + b * slb + h * slh + row * sln, mask=valid, other=float("-inf")) * MULT
     x = tl.where(x == float("-inf"), float("inf"), x)
