@@ -60,20 +60,22 @@ def loop_us(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def armed(gluon: bool, bwd: bool, fn):
-    """``fn`` with the Gluon switches set for its duration."""
+def armed(gluon: bool, bwd: bool, fn, direct: bool = False):
+    """``fn`` with the Gluon switches set for its duration (``direct``: gluon_fwd.DIRECT_LAUNCH
+    in the gluon arm)."""
     from dilated_attention import flags
     from dilated_attention.kernels import gluon_fwd
 
     def run():
-        floor = gluon_fwd.MIN_ROWS
+        floor, was_direct = gluon_fwd.MIN_ROWS, gluon_fwd.DIRECT_LAUNCH
         flags.set_gluon_forward(gluon)
         flags.set_gluon_backward(gluon and bwd)
         gluon_fwd.MIN_ROWS = 0
+        gluon_fwd.DIRECT_LAUNCH = gluon and direct
         try:
             return fn()
         finally:
-            gluon_fwd.MIN_ROWS = floor
+            gluon_fwd.MIN_ROWS, gluon_fwd.DIRECT_LAUNCH = floor, was_direct
             flags.set_gluon_forward(None)
             flags.set_gluon_backward(None)
 
@@ -85,7 +87,7 @@ def measure(size, bwd: bool, args) -> list[str]:
     c = training_calls(n, h, d, torch.bfloat16, list(seg), list(dil), torch.device("cuda"), "triton")
     rows = []
     for what, fn, dense in (("fwd", c["fwd"], c["dense_fwd"]), ("fwd+bwd", c["fb"], c["dense_fb"])):
-        arms = {"gluon": armed(True, bwd, fn), "triton": armed(False, bwd, fn), "sdpa": dense}
+        arms = {"gluon": armed(True, bwd, fn, args.direct), "triton": armed(False, bwd, fn), "sdpa": dense}
         ev = {a: [] for a in arms}
         lp = {a: [] for a in arms}
         for f in arms.values():
@@ -105,7 +107,7 @@ def measure(size, bwd: bool, args) -> list[str]:
     return rows
 
 
-def profile(size, bwd: bool, calls: int, top: int = 25) -> None:
+def profile(size, bwd: bool, calls: int, top: int = 25, direct: bool = False) -> None:
     """cProfile of ``calls`` gluon-arm and triton-arm calls at ``size`` (host time per function)."""
     import cProfile
     import io
@@ -114,7 +116,7 @@ def profile(size, bwd: bool, calls: int, top: int = 25) -> None:
     n, h, d, seg, dil = size
     c = training_calls(n, h, d, torch.bfloat16, list(seg), list(dil), torch.device("cuda"), "triton")
     fn = c["fb"] if bwd else c["fwd"]
-    for name, f in (("gluon", armed(True, bwd, fn)), ("triton", armed(False, bwd, fn))):
+    for name, f in (("gluon", armed(True, bwd, fn, direct)), ("triton", armed(False, bwd, fn))):
         for _ in range(3):
             f()
         torch.cuda.synchronize()
@@ -135,6 +137,8 @@ def profile(size, bwd: bool, calls: int, top: int = 25) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bwd", action="store_true", help="the gluon arm also runs the Gluon backward")
+    p.add_argument("--direct", action="store_true",
+                   help="the gluon arm launches the Gluon kernels directly (gluon_fwd.DIRECT_LAUNCH)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
@@ -153,10 +157,11 @@ def main(argv=None) -> int:
         return 2
     sizes = SIZES if args.sizes is None else [SIZES[int(i)] for i in args.sizes.split(",")]
     if args.profile:
-        profile(sizes[0], args.bwd, args.profile)
+        profile(sizes[0], args.bwd, args.profile, direct=args.direct)
         return 0
     lines = [*results_header("Gluon kernels vs Triton kernels on small eager calls (issue 24 / 23)",
                              "cuda", extra=[f"Gluon backward in the gluon arm: {args.bwd}",
+                                            f"direct launches in the gluon arm: {args.direct}",
                                             f"current gluon_fwd.MIN_ROWS: {gluon_fwd.MIN_ROWS}"]), "",
              "Causal, batch 1, bf16, `impl=\"triton\"`; median over rounds of: event = the shared "
              "timer's median per call (us), loop = mean per call of back-to-back calls with one "

@@ -475,3 +475,23 @@ def test_gluon_training_call_does_not_synchronise(seed, monkeypatch, switches_re
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert fwd_calls and calls, "the Gluon forward / backward did not run"
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_direct_launches_change_no_bit(seed, monkeypatch, switches_reset, causal):
+    """gluon_fwd.DIRECT_LAUNCH (the Gluon kernels' later launches through their compiled
+    launchers): the same bits as Triton's launches, forward and backward, and it launched
+    directly (every key has a launcher)."""
+    q, k, v = qkv(1, 4096, 8, 2, 128, torch.bfloat16, "cuda")
+    do = torch.randn_like(q)
+    seg, dil = [1024, 2048, 4096], [1, 2, 4]
+    base = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
+    monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(gluon_fwd, "_direct", {})
+    run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)  # fills the launchers
+    assert gluon_fwd._direct and all(gluon_fwd._direct.values()), "no direct launcher"
+    got = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
+    for a, b in zip((got[0], got[1], *got[2]), (base[0], base[1], *base[2]), strict=True):
+        assert torch.equal(a, b)

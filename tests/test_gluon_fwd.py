@@ -193,6 +193,66 @@ def test_gluon_forward_host_path_with_emulated_kernel(seed, monkeypatch, switch_
     assert (got[1].double()[fin] - want_lse[fin]).abs().max().item() < 1e-4
 
 
+def test_direct_launch_of_gluon_kernels(monkeypatch):
+    """gluon_fwd.launch: the first launch of a specialisation through ``kernel[grid]``, later
+    ones through the compiled kernel's grid launcher with every parameter in signature order;
+    an int of another class, a misaligned tensor, other constexprs: another key; with
+    DIRECT_LAUNCH off, a kernel without a launcher, or a launch hook installed: ``kernel[grid]``."""
+    from dilated_attention.kernels import direct_launch
+
+    jit_calls, direct_calls = [], []
+
+    class FakeKernel:
+        arg_names = ("desc", "x", "n", "scale", "BN", "CAUSAL")
+
+        def __getitem__(self, grid):
+            def run(*args, **options):
+                jit_calls.append((grid, args, options))
+                return "compiled"
+
+            return run
+
+    kern = FakeKernel()
+    launchers = {"compiled": lambda gx, gy, gz, stream, args: direct_calls.append(((gx, gy, gz), stream, args))}
+    monkeypatch.setattr(direct_launch, "compiled_of", lambda ret: ret)
+    monkeypatch.setattr(direct_launch, "grid_launcher", lambda c: launchers.get(c))
+    monkeypatch.setattr(direct_launch, "current_stream", lambda dev: 99)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(gluon_fwd, "_direct", {})
+    monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", True)
+    x = torch.zeros(64, 4, 64, dtype=torch.bfloat16)
+    buf = torch.zeros(64)
+    desc = gluon_fwd.block_desc(x.view(1, 64, 4, 64), 64, 2, 16)
+    opts = dict(BN=128, CAUSAL=True, num_warps=4, maxnreg=168)
+
+    gluon_fwd.launch(kern, (3, 2), (desc, buf, 32, 0.5), opts)
+    assert len(jit_calls) == 1 and not direct_calls
+    gluon_fwd.launch(kern, (5, 1), (desc, buf, 48, 0.25), opts)  # same classes: direct
+    assert len(jit_calls) == 1 and direct_calls[-1] == ((5, 1, 1), 99, (desc, buf, 48, 0.25, 128, True))
+    for args, o in (((desc, buf, 33, 0.5), opts),  # 33: not a multiple of 16
+                    ((desc, buf[1:], 32, 0.5), opts),  # 4-byte aligned
+                    ((desc, buf, 32, 0.5), {**opts, "CAUSAL": False})):  # fmt: skip
+        n = len(jit_calls)
+        gluon_fwd.launch(kern, (1, 1), args, o)
+        assert len(jit_calls) == n + 1, args[2:]
+    other = gluon_fwd.block_desc(x.view(1, 64, 4, 64), 64, 2, 32)  # another box
+    n = len(jit_calls)
+    gluon_fwd.launch(kern, (1, 1), (other, buf, 32, 0.5), opts)
+    assert len(jit_calls) == n + 1
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: False)
+    gluon_fwd.launch(kern, (1, 1), (desc, buf, 32, 0.5), opts)
+    assert len(jit_calls) == n + 2
+    monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", False)
+    gluon_fwd.launch(kern, (1, 1), (desc, buf, 32, 0.5), opts)
+    assert len(jit_calls) == n + 3
+    monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", True)
+    launchers.clear()  # a kernel the direct launch cannot take: Triton's path, also later
+    monkeypatch.setattr(gluon_fwd, "_direct", {})
+    for _ in range(2):
+        gluon_fwd.launch(kern, (1, 1), (desc, buf, 32, 0.5), opts)
+    assert len(jit_calls) == n + 5
+
+
 def test_problem_names_the_interpreter_or_the_device():
     q, k, v = qkv()
     why = gluon_fwd.problem(q, k, v, False, [(64, 1, 0, 4)])

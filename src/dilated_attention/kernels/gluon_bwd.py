@@ -194,23 +194,23 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
         cw = c1 - c0
         nnb = -(-big_l // mod.BLK)
         ni = min(rep, r)
-        mod.dkdv_kernel[(nnb * nseg, bsz * hkv * (cw if classes else ni))](
+        gluon_fwd.launch(mod.dkdv_kernel, (nnb * nseg, bsz * hkv * (cw if classes else ni)), (
             bd(q, w, r, mod.BMQ, big_l), bd(dout, w, r, mod.BMQ, big_l), bd(k, w, r, mod.WG_M, big_l),
             bd(v, w, r, mod.WG_M, big_l), _row_desc(lse2, mod.BMQ), _row_desc(delta2, mod.BMQ), dk, dv,
-            scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw,
-            BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
-            CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
-            maxnreg=MAXNREG,
+            scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw),
+            dict(BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
+                 CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
+                 maxnreg=MAXNREG),
         )  # fmt: skip
         nhb = gluon_fwd.class_heads(0, nh, r, c0, c1) if classes else nh
         if nhb == 0:
             continue
-        mod.dq_kernel[(nnb * nseg, bsz * nhb)](
+        gluon_fwd.launch(mod.dq_kernel, (nnb * nseg, bsz * nhb), (
             bd(q, w, r, mod.WG_M, big_l), bd(dout, w, r, mod.WG_M, big_l), bd(k, w, r, bn, big_l),
             bd(v, w, r, bn, big_l), dq, lse2, delta2, scale * LOG2E, scale, big_l, w, nseg, nnb, r,
-            nh, hkv, lp, nhb, c0, cw, BN=bn, D=d, STAGES=DQ_STAGES, CAUSAL=bool(causal),
+            nh, hkv, lp, nhb, c0, cw), dict(BN=bn, D=d, STAGES=DQ_STAGES, CAUSAL=bool(causal),
             ADD=bool(add), CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-            num_warps=4, maxnreg=MAXNREG,
+            num_warps=4, maxnreg=MAXNREG),
         )  # fmt: skip
 
 

@@ -25,7 +25,8 @@ import warnings
 
 import torch
 
-from . import triton_import
+from .. import flags
+from . import direct_launch, triton_import
 
 KV_BN = 128  # key rows per tile
 CONSUMER_REGS = 240  # setmaxnreg of each consumer warpgroup (FA3: 240)
@@ -53,6 +54,11 @@ MIN_ROWS = 1 << 18
 # tests/test_gluon_fwd.py and test_gluon_bwd.py turn it on for their uneven cases): those
 # branches run the Triton kernels.
 UNEVEN_BLOCKS = False
+# later launches of a Gluon kernel with the same specialisation through the compiled kernel's
+# launcher (:func:`launch`), skipping Triton's JITFunction.run. Off until run on a GPU (written
+# 2026-11-28 without device time; the host time of a Gluon call, ~0.4 ms on an H200, is why
+# MIN_ROWS exists: benchmarks/results/gluon_floor_h200_2026-11-28.md).
+DIRECT_LAUNCH = False
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
 
@@ -193,6 +199,52 @@ def _block_layout(rows: int, d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], _gl_dtype(dtype))
 
 
+# (kernel, argument specialisations, options, device) -> the compiled kernel's grid launcher
+# (direct_launch.grid_launcher), or False where it has none (Triton's path for good)
+_direct: dict = {}
+
+
+def _spec(a):
+    """What Triton specialises a Gluon kernel argument on (Triton 3.6, checked on its
+    ``native_specialize_impl``): an int's class (1 / multiple of 16 / other, int32 / int64), a
+    float's type, a tensor's dtype and 16-byte alignment, a host tensor descriptor's dtype, block
+    shape and layout (not its shape or strides: those are runtime arguments)."""
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        return direct_launch.int_class(a)
+    if isinstance(a, float):
+        return "f"
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    return (a.base.dtype, tuple(a.block_shape), id(a.layout))  # a TensorDescriptor
+
+
+def launch(kernel, grid, args: tuple, options: dict) -> None:
+    """``kernel[grid](*args, **options)``: with :data:`DIRECT_LAUNCH` (and the direct-launch
+    switch, ``flags.set_direct_launch``), launches after the first of a specialisation go
+    straight to the compiled kernel's C launcher (``direct_launch.grid_launcher``), which fills
+    the descriptors' CUtensorMaps itself. ``args``: the kernel's positional parameters (tensors,
+    descriptors, numbers); ``options``: every later parameter by name (constexprs) and the
+    compile options (num_warps, maxnreg)."""
+    if not DIRECT_LAUNCH or not flags.direct_launch_enabled():
+        kernel[grid](*args, **options)
+        return
+    dev = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
+    key = (kernel, tuple(map(_spec, args)), tuple(options.items()), dev)
+    go = _direct.get(key)
+    if go is None:
+        compiled = direct_launch.compiled_of(kernel[grid](*args, **options))
+        _direct[key] = (compiled is not None and direct_launch.grid_launcher(compiled)) or False
+        return
+    if go is False or not direct_launch.hooks_idle():
+        kernel[grid](*args, **options)
+        return
+    names = kernel.arg_names[len(args):]
+    g = (*grid, 1, 1)
+    go(g[0], g[1], g[2], direct_launch.current_stream(dev), (*args, *(options[n] for n in names)))
+
+
 def length_classes(w: int, r: int) -> list[tuple[int, int, int]]:
     """(L, c0, c1): the block length L of the offsets c in [c0, c1) of branch (w, r): one class
     (w // r, 0, r) when r divides w, else (ceil(w / r), 0, c*) and (w // r, c*, r) with
@@ -247,11 +299,11 @@ def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causa
             continue
         o_desc = block_desc(out, w, r, mod.WG_M, big_l)
         lo_desc = block_desc(lo, w, r, mod.WG_M, big_l) if comp else o_desc
-        mod.gluon_fwd_kernel[grid](
+        launch(mod.gluon_fwd_kernel, grid, (
             block_desc(q, w, r, mod.WG_M, big_l), block_desc(k, w, r, KV_BN, big_l),
             block_desc(v, w, r, KV_BN, big_l), o_desc, lo_desc, lse, scale * 1.4426950408889634,
             n, big_l, w, n // w, s0, lo.shape[1] // w, lo_s0, r, nh, k.shape[2], hs, nhb,
-            c0, c1 - c0, BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
+            c0, c1 - c0), dict(BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
             FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo), CLASSES=(c0, c1) != (0, r),
-            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG,
+            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG),
         )  # fmt: skip
