@@ -192,6 +192,9 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
     for big_l, c0, c1 in gluon_fwd.length_classes(w, r):
         classes = (c0, c1) != (0, r)
         cw = c1 - c0
+        nhb = gluon_fwd.class_heads(0, nh, r, c0, c1) if classes else nh
+        if nhb == 0:  # no query head reads blocks of this length (H < r)
+            continue
         nnb = -(-big_l // mod.BLK)
         ni = min(rep, r)
         gluon_fwd.launch(mod.dkdv_kernel, (nnb * nseg, bsz * hkv * (cw if classes else ni)), (
@@ -202,9 +205,6 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
                  CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
                  maxnreg=MAXNREG),
         )  # fmt: skip
-        nhb = gluon_fwd.class_heads(0, nh, r, c0, c1) if classes else nh
-        if nhb == 0:
-            continue
         gluon_fwd.launch(mod.dq_kernel, (nnb * nseg, bsz * nhb), (
             bd(q, w, r, mod.WG_M, big_l), bd(dout, w, r, mod.WG_M, big_l), bd(k, w, r, bn, big_l),
             bd(v, w, r, bn, big_l), dq, lse2, delta2, scale * LOG2E, scale, big_l, w, nseg, nnb, r,
