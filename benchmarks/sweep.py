@@ -487,8 +487,9 @@ def markdown(results, peers_res, meta) -> str:
         "auto: the library's `pick_impl('auto', ...)` and the proposed rule "
         "(kernels/auto_rule.py) for a forward-only / a training call",
         f"wall time of the sweep: {meta.get('wall_s', 0):.0f} s",
-        *(["--gluon-uneven: the Gluon kernels also ran branches with w % r != 0 "
-           "(gluon_fwd.UNEVEN_BLOCKS, off by default)"] if meta.get("gluon_uneven") else []),
+        *(["--gluon-uneven: the Gluon kernels also ran branches with w % r != 0 and the Gluon "
+           "forward short last segments (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS; off by default)"]
+          if meta.get("gluon_uneven") else []),
     ])
     lines += [
         "",
@@ -620,7 +621,8 @@ def main(argv=None):
                    help="comma-separated library impls to time (default torch,triton; dense SDPA always)")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--gluon-uneven", action="store_true",
-                   help="A/B: let the Gluon kernels take branches with w %% r != 0 (gluon_fwd.UNEVEN_BLOCKS)")
+                   help="A/B: let the Gluon kernels take branches with w %% r != 0 and the Gluon forward "
+                        "N %% w != 0 (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS)")
     p.add_argument("--plan", action="store_true", help="print rows and estimated GPU seconds; run nothing")
     p.add_argument("--rule-report", metavar="JSON", help="print the rule evaluation of a sweep's JSON")
     p.add_argument("--emit-table", metavar="JSON", help="print MEASURED for kernels/auto_rule.py")
@@ -662,6 +664,7 @@ def main(argv=None):
         from dilated_attention.kernels import gluon_fwd
 
         gluon_fwd.UNEVEN_BLOCKS = True
+        gluon_fwd.TAIL_SEGMENTS = True
         meta["gluon_uneven"] = True
     if dev.type == "cpu":
         meta["device"] = f"CPU (--tiny): {meta['device']}"

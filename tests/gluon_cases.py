@@ -60,3 +60,11 @@ UNEVEN_CASES = [
     (1, 4096, 8, 1, 64, [1024, 4096], [1, 6], "all"),  # MQA: rep 8 >= r
     (2, 4096, 6, 6, 64, [1024, 4096], [2, 3], "split"),  # heads [3, 6) of r = 3: hs % r == 0
 ]
+
+TAIL_CASES = [
+    # (B, N, H, Hkv, D, seg, dil, head_assignment): N % w != 0, a short last segment
+    # (gluon_fwd.TAIL_SEGMENTS, batch 1)
+    (1, 5000, 8, 4, 128, [1024, 2048, 4096], [1, 2, 4], "all"),  # tails of 904 rows
+    (1, 3000, 4, 2, 64, [1024, 4096], [1, 3], "all"),  # N < 4096: one short segment of 3000
+    (1, 4500, 6, 6, 64, [2048, 4096], [2, 6], "all"),  # a tail of 404 rows with r = 6: two lengths
+]

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_cases import CASES, UNEVEN_CASES, err, gluon_ready, needs_gluon, qkv, run
+from gluon_cases import CASES, TAIL_CASES, UNEVEN_CASES, err, gluon_ready, needs_gluon, qkv, run
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_fwd
@@ -132,7 +132,8 @@ class _EmulatedKernel:
                 lse_b = torch.logsumexp(sc, -1)
                 out_b = torch.softmax(sc, -1) @ vb
                 idx = (b * nh + h) * n + seg * w + c + r * t
-                flat = lse.view(-1)
+                # the kernel's LSE pointer: the view's first element, then raw offsets
+                flat = torch.as_strided(lse, (lse.untyped_storage().nbytes() // 4 - lse.storage_offset(),), (1,))
                 if FIRST:
                     new_out, new_lse = out_b, lse_b
                 else:
@@ -153,33 +154,38 @@ class _EmulatedKernel:
                 flat[idx] = new_lse.float()
 
 
-@pytest.mark.parametrize("seg,dil,h,hkv,ha", [
-    ([64, 192], [1, 5], 4, 2, "all"),  # 192 % 5: blocks of 39 and 38 rows
-    ([96, 192], [5, 7], 8, 8, "all"),  # both uneven, r = 7 with 8 heads: the last group partial
-    ([192], [5], 3, 1, "all"),  # one branch, r > 1 first (filled buffers), H < r
-    ([64, 128], [2, 3], 6, 6, "split"),  # heads [3, 6) of r = 3, 128 % 3 != 0
-    ([64, 96, 192], [1, 2, 4], 4, 2, "all"),  # even: one class per branch
+@pytest.mark.parametrize("b,n,seg,dil,h,hkv,ha", [
+    (2, 384, [64, 192], [1, 5], 4, 2, "all"),  # 192 % 5: blocks of 39 and 38 rows
+    (2, 384, [96, 192], [5, 7], 8, 8, "all"),  # both uneven, r = 7 with 8 heads: the last group partial
+    (2, 384, [192], [5], 3, 1, "all"),  # one branch, r > 1 first (filled buffers), H < r
+    (2, 384, [64, 128], [2, 3], 6, 6, "split"),  # heads [3, 6) of r = 3, 128 % 3 != 0
+    (2, 384, [64, 96, 192], [1, 2, 4], 4, 2, "all"),  # even: one class per branch
+    (1, 400, [64, 192], [1, 5], 4, 2, "all"),  # short last segments of 16 rows (TAIL_SEGMENTS)
+    (1, 400, [96, 160], [2, 3], 6, 3, "all"),  # tails of 16 and 80 rows, 160 % 3 and 80 % 3 != 0
+    (1, 400, [64, 512], [1, 4], 4, 4, "all"),  # N < w: the whole sequence is one short segment
 ])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lo_rows", [None, 192])
-def test_gluon_forward_host_path_with_emulated_kernel(seed, monkeypatch, switch_reset, seg, dil, h, hkv, ha,
-                                                     causal, lo_rows):  # fmt: skip
-    """triton_launch._gluon_forward (buffers, lo ranges, branch order, length classes, TMA
-    descriptors, grids) with the kernel emulated in float64 (:class:`_EmulatedKernel`): the
-    float64 reference's out and lse to bf16 precision; uneven branches with UNEVEN_BLOCKS."""
+def test_gluon_forward_host_path_with_emulated_kernel(seed, monkeypatch, switch_reset, b, n, seg, dil, h, hkv,
+                                                     ha, causal, lo_rows):  # fmt: skip
+    """triton_launch._gluon_forward (buffers, lo ranges, branch order, length classes, short
+    last segments, TMA descriptors, grids) with the kernel emulated in float64
+    (:class:`_EmulatedKernel`): the float64 reference's out and lse to bf16 precision; uneven
+    branches with UNEVEN_BLOCKS, N % w != 0 with TAIL_SEGMENTS."""
     from dilated_attention import reference
     from dilated_attention.branches import branch_head_ranges as ranges_of
     from dilated_attention.kernels import direct_launch
 
     emu = _EmulatedKernel()
     monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
+    monkeypatch.setattr(gluon_fwd, "TAIL_SEGMENTS", True)
     monkeypatch.setattr(gluon_fwd, "problem", lambda *a: None)  # as on a Hopper GPU
     mod = types.SimpleNamespace(BM=emu.BM, WG_M=emu.WG_M, gluon_fwd_kernel=emu)
     monkeypatch.setattr(gluon_fwd, "kernel_module", lambda: mod)
     monkeypatch.setattr(gluon_fwd, "_failed", {})
     monkeypatch.setattr(direct_launch, "current_device", lambda: -1)
     flags.set_gluon_forward(True)
-    q, k, v = qkv(2, 384, h, hkv, 16, torch.bfloat16)
+    q, k, v = qkv(b, n, h, hkv, 16, torch.bfloat16)
     hr = ranges_of(h, len(seg), ha)
     got = L._gluon_forward(q, k, v, seg, dil, causal, 0.25, hr, lo_rows)
     assert got is not None and emu.launches
@@ -317,6 +323,19 @@ def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, case, causa
 def test_gluon_forward_uneven_blocks_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
     """Branches whose blocks have two lengths (w % r != 0), behind gluon_fwd.UNEVEN_BLOCKS."""
     monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
+    _vs_reference(monkeypatch, case, causal, dtype)
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_forward_tail_segments_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
+    """N % w != 0 (a short last segment), behind gluon_fwd.TAIL_SEGMENTS (and UNEVEN_BLOCKS for
+    a tail that r does not divide); the backward runs the Triton kernels."""
+    monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
+    monkeypatch.setattr(gluon_fwd, "TAIL_SEGMENTS", True)
     _vs_reference(monkeypatch, case, causal, dtype)
 
 

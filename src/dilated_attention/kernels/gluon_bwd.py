@@ -76,6 +76,8 @@ def problem(q, k, v, causal: bool, branches, nh: int) -> str | None:
     why = gluon_fwd.shape_problem(q, k, v, branches)
     if why is not None:
         return why
+    if any(q.shape[1] % w for w, _, _, _ in branches):
+        return "the Gluon backward needs N % w == 0 (the forward may take a short last segment)"
     if any(hs != 0 or he != nh for _, _, hs, he in branches):
         return "the Gluon backward needs every branch over all heads (head_assignment='all')"
     bsz, n, _, d = q.shape

@@ -54,6 +54,12 @@ MIN_ROWS = 1 << 18
 # tests/test_gluon_fwd.py and test_gluon_bwd.py turn it on for their uneven cases): those
 # branches run the Triton kernels.
 UNEVEN_BLOCKS = False
+# N % w != 0 (a short last segment of N % w rows, as docs/spec.md defines it) in the forward,
+# batch 1: the full segments as usual and the short one in a launch of its own
+# (:func:`launch_tail`; its blocks are length classes of (N % w, r), so a tail whose length r
+# does not divide also needs UNEVEN_BLOCKS). Off until run on a GPU (written 2026-11-28 without
+# device time); the backward runs the Triton kernels for these calls.
+TAIL_SEGMENTS = False
 # later launches of a Gluon kernel with the same specialisation through the compiled kernel's
 # launcher (:func:`launch`), skipping Triton's JITFunction.run. Off until run on a GPU (written
 # 2026-11-28 without device time; the host time of a Gluon call, ~0.4 ms on an H200, is why
@@ -150,12 +156,19 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
         return (f"batch x seqlen x heads = {bsz * n * nh} < gluon_fwd.MIN_ROWS = {MIN_ROWS}: "
                 f"the Triton kernels' direct launches cost less host time")  # fmt: skip
     for w, r, hs, he in branches:
-        if n % w or w // r < 2:
-            return (f"branch (w={w}, r={r}): the Gluon forward needs N % w == 0 and w // r >= 2 "
-                    f"(N = {n})")  # fmt: skip
-        if w % r and not (UNEVEN_BLOCKS and hs % r == 0):
-            return (f"branch (w={w}, r={r}): w % r != 0 (blocks of two lengths) runs the Triton "
-                    f"kernels (gluon_fwd.UNEVEN_BLOCKS is {UNEVEN_BLOCKS}; heads from {hs})")  # fmt: skip
+        if w // r < 2:
+            return f"branch (w={w}, r={r}): the Gluon forward needs w // r >= 2"
+        for length in (w, n % w):  # the segments, and the short last one (N % w rows)
+            if length % r and not (UNEVEN_BLOCKS and hs % r == 0):
+                return (f"branch (w={w}, r={r}): segments of {length} rows make blocks of two "
+                        f"lengths; they run the Triton kernels (gluon_fwd.UNEVEN_BLOCKS is "
+                        f"{UNEVEN_BLOCKS}; heads from {hs})")  # fmt: skip
+        if n % w:
+            if not TAIL_SEGMENTS or bsz != 1:
+                return (f"branch (w={w}): N = {n} is no multiple of w; the short last segment runs "
+                        f"the Triton kernels (gluon_fwd.TAIL_SEGMENTS is {TAIL_SEGMENTS}, batch {bsz})")  # fmt: skip
+            if any(0 < big < 2 for big, _, _ in length_classes(n % w, r)):
+                return f"branch (w={w}, r={r}): the short last segment ({n % w} rows) has blocks of one row"
         if n // w > GRID_YZ_MAX or bsz * (he - hs) > GRID_YZ_MAX:
             return f"branch (w={w}, r={r}): grid past CUDA's limits"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -280,6 +293,36 @@ def block_desc(x: torch.Tensor, w: int, r: int, rows: int, big_l: int | None = N
     shape = [b * (n // w), w // r if big_l is None else big_l, r * heads, d]
     strides = [w * sn, r * sn, sh, 1]
     return TensorDescriptor(x, shape, strides, [1, rows, 1, d], _block_layout(rows, d, x.dtype))
+
+
+def launch_tail(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,
+                scale: float, lo_row0: int, first: bool, comp: bool, store_lo: bool) -> None:  # fmt: skip
+    """Launch branch (w, r)'s short last segment (rows t0 = N - N % w to N; batch 1) as a
+    segment of its own: descriptors, result, lo and lse views that start at row t0, one segment
+    (NSEG 1, S0 0), segment length N % w (its length classes). ``lo`` holds the rows from
+    ``lo_row0`` on. Otherwise as :func:`launch_branch`."""
+    mod = kernel_module()
+    bsz, n, nh, d = q.shape
+    wt = n % w
+    t0 = n - wt
+    qt, kt, vt, ot = (x[:, t0:] for x in (q, k, v, out))
+    lot = lo[:, t0 - lo_row0 :] if comp else ot
+    for big_l, c0, c1 in length_classes(wt, r):
+        classes = (c0, c1) != (0, r)
+        nhb = class_heads(hs, he, r, c0, c1) if classes else he - hs
+        grid = (-(-big_l // mod.BM), 1, bsz * nhb)
+        if big_l == 0 or grid[2] == 0:
+            continue
+        o_desc = block_desc(ot, wt, r, mod.WG_M, big_l)
+        lo_desc = block_desc(lot, wt, r, mod.WG_M, big_l) if comp else o_desc
+        launch(mod.gluon_fwd_kernel, grid, (
+            block_desc(qt, wt, r, mod.WG_M, big_l), block_desc(kt, wt, r, KV_BN, big_l),
+            block_desc(vt, wt, r, KV_BN, big_l), o_desc, lo_desc, lse[..., t0:],
+            scale * 1.4426950408889634, n, big_l, wt, 1, 0, 1, 0, r, nh, k.shape[2], hs, nhb,
+            c0, c1 - c0), dict(BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
+            FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo), CLASSES=classes,
+            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG),
+        )  # fmt: skip
 
 
 def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,

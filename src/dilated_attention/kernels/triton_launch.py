@@ -1193,8 +1193,8 @@ def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
     bsz, n, nh, d = q.shape
     lay = _layout(q, k, None)
     several = _rows_with_several_branches(nh, k.shape[2], head_ranges)[0]
-    # branch 0 is the first launch (every branch has a segment: N % w == 0); r == 1 over all
-    # heads stores every row of out, lse and lo: no fill
+    # branch 0 is the first launch (its segments, then its short last one where N % w != 0:
+    # gluon_fwd.TAIL_SEGMENTS); r == 1 over all heads stores every row of out, lse and lo: no fill
     fill = not _first_branch_writes_all(branches, 0, nh, True, 0)
     out, comp = _acc_buffers((bsz, n, nh, d), q.dtype, q.device, several, fill)
     chunks = lo_chunks(lay, branches, bsz * nh * d * q.element_size(), lo_rows) if comp else [(0, n)]
@@ -1212,6 +1212,9 @@ def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
                     q, k, v, out, lo, lse, w, r, hs, he, causal, scale, c0 // w, (c1 - c0) // w,
                     row0 // w, bi == 0, comp, bi < last,
                 )  # fmt: skip
+                if c1 % w:  # the short last segment (only the last range ends at N)
+                    gluon_fwd.launch_tail(q, k, v, out, lo, lse, w, r, hs, he, causal, scale, row0,
+                                          bi == 0, comp, bi < last)  # fmt: skip
     except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
         gluon_fwd.note_failure(q, causal, e)
         return None
