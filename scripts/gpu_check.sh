@@ -257,9 +257,10 @@ case "${1:-tests}" in
     # the seven sweep rows they would take (--gluon-uneven), then gluon_floor.py --direct --bwd
     timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -m cuda tests/test_gluon_fwd.py tests/test_gluon_bwd.py -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
-    timeout "${SWEEP_TIMEOUT:-240}" python3 benchmarks/sweep.py --out "$OUT" --name "${SWEEP_NAME:-sweep_h200_uneven}" --budget-s "${SWEEP_BUDGET:-240}" --no-peers --gluon-uneven --rows "${SWEEP_ROWS:-8br-paper-d64-fp16-causal,paper-r6-12,paper-r6-12-causal-fp16,b4-32k-r3-12-d64-fp16,192k-32x1-causal,n100000-causal,w%r-r64-n65536}" > "$OUT/sweep.txt" 2>&1
+    # within one 600 s call: tests <= 300 s, sweep <= 190 s (no row starts after 150 s), floor <= 80 s
+    timeout "${SWEEP_TIMEOUT:-190}" python3 benchmarks/sweep.py --out "$OUT" --name "${SWEEP_NAME:-sweep_h200_uneven}" --budget-s "${SWEEP_BUDGET:-150}" --no-peers --gluon-uneven --rows "${SWEEP_ROWS:-8br-paper-d64-fp16-causal,paper-r6-12,paper-r6-12-causal-fp16,b4-32k-r3-12-d64-fp16,192k-32x1-causal,n100000-causal,w%r-r64-n65536}" > "$OUT/sweep.txt" 2>&1
     echo "sweep rc=$?" >> "$OUT/sweep.txt"
-    timeout "${FLOOR_TIMEOUT:-100}" python3 benchmarks/gluon_floor.py --direct --bwd --sizes "${FLOOR_SIZES:-1,2}" --out "$OUT/gluon_floor_direct.md" > "$OUT/floor.txt" 2>&1
+    timeout "${FLOOR_TIMEOUT:-80}" python3 benchmarks/gluon_floor.py --direct --bwd --sizes "${FLOOR_SIZES:-1,2}" --out "$OUT/gluon_floor_direct.md" > "$OUT/floor.txt" 2>&1
     echo "gluon_floor --direct rc=$?" >> "$OUT/floor.txt"
     grep -E "FAILED|Error|rc=|passed|failed" "$OUT/cuda_tests.txt" | tail -12; tail -12 "$OUT/sweep.txt"; grep -E "^\||rc=" "$OUT/floor.txt"
     ;;
