@@ -68,3 +68,13 @@ TAIL_CASES = [
     (1, 3000, 4, 2, 64, [1024, 4096], [1, 3], "all"),  # N < 4096: one short segment of 3000
     (1, 4500, 6, 6, 64, [2048, 4096], [2, 6], "all"),  # a tail of 404 rows with r = 6: two lengths
 ]
+
+
+def tma_box(d, blk: int, col: int, big_l: int) -> torch.Tensor:
+    """Rows [0, big_l) of (block, column) of a TMA descriptor's 4-D view, as a strided view of
+    its base: what the kernels' boxes cover (the emulated kernels of the CPU tests). Past the
+    tensor raises; past the descriptor's block axis is an error here."""
+    assert big_l <= d.shape[1] and blk < d.shape[0] and col < d.shape[2]
+    st = d.strides
+    return torch.as_strided(d.base, (big_l, d.shape[3]), (st[1], st[3]),
+                            d.base.storage_offset() + blk * st[0] + col * st[2])  # fmt: skip

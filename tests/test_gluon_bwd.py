@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_cases import CASES, UNEVEN_CASES, err, needs_gluon, qkv, run
+from gluon_cases import CASES, UNEVEN_CASES, err, needs_gluon, qkv, run, tma_box
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_bwd, gluon_fwd
@@ -198,15 +198,6 @@ def test_block_rows_kernel_equals_prep_rows(seed, bsz, nh, n, w, r):
                     assert e[0, h, s, t] == v, (name, h, s, t)
 
 
-def _box(d, blk, col, big_l):
-    """Rows [0, big_l) of (block, column) of a TMA descriptor's view: what its boxes cover
-    (past the tensor raises; past the descriptor's block axis is an error)."""
-    assert big_l <= d.shape[1] and blk < d.shape[0] and col < d.shape[2]
-    st = d.strides
-    return torch.as_strided(d.base, (big_l, d.shape[3]), (st[1], st[3]),
-                            d.base.storage_offset() + blk * st[0] + col * st[2])  # fmt: skip
-
-
 class _EmulatedBwdKernels:
     """``dkdv_kernel`` and ``dq_kernel`` in float64 on the CPU at the granularity of a program
     (its rows of keys or queries, all its heads), through the descriptors and arguments the
@@ -248,14 +239,14 @@ class _EmulatedBwdKernels:
                 nhl = ((g + 1) * rep - h_start + r - 1) // r
                 blk = b * nseg + s
                 kr = t_all[pid_n * self.BLK : (pid_n + 1) * self.BLK]
-                kb = _box(k_desc, blk, c * hkv + g, big_l)[kr].double()
-                vb = _box(v_desc, blk, c * hkv + g, big_l)[kr].double()
+                kb = tma_box(k_desc, blk, c * hkv + g, big_l)[kr].double()
+                vb = tma_box(v_desc, blk, c * hkv + g, big_l)[kr].double()
                 gk = torch.zeros_like(kb)
                 gv = torch.zeros_like(vb)
                 for j in range(max(nhl, 0)):
                     h = h_start + j * r
-                    qb = _box(q_desc, blk, c * nh + h, big_l).double()
-                    dob = _box(do_desc, blk, c * nh + h, big_l).double()
+                    qb = tma_box(q_desc, blk, c * nh + h, big_l).double()
+                    dob = tma_box(do_desc, blk, c * nh + h, big_l).double()
                     lrow = ((b * nh + h) * nseg + s) * lp
                     p, ds = self._grads(qb, dob, kb, vb, lf[lrow : lrow + big_l], df[lrow : lrow + big_l], qk_scale,
                                         CAUSAL, t_all, kr)  # fmt: skip
@@ -285,10 +276,10 @@ class _EmulatedBwdKernels:
                 c, hk = h % r, h // (nh // hkv)
                 blk = b * nseg + s
                 qr = t_all[pid_m * self.BLK : (pid_m + 1) * self.BLK]
-                qb = _box(q_desc, blk, c * nh + h, big_l)[qr].double()
-                dob = _box(do_desc, blk, c * nh + h, big_l)[qr].double()
-                kb = _box(k_desc, blk, c * hkv + hk, big_l).double()
-                vb = _box(v_desc, blk, c * hkv + hk, big_l).double()
+                qb = tma_box(q_desc, blk, c * nh + h, big_l)[qr].double()
+                dob = tma_box(do_desc, blk, c * nh + h, big_l)[qr].double()
+                kb = tma_box(k_desc, blk, c * hkv + hk, big_l).double()
+                vb = tma_box(v_desc, blk, c * hkv + hk, big_l).double()
                 lrow = ((b * nh + h) * nseg + s) * lp
                 _, ds = self._grads(qb, dob, kb, vb, lf[lrow + qr], df[lrow + qr], qk_scale, CAUSAL, qr, t_all)
                 gq = (ds @ kb * sm_scale).float()

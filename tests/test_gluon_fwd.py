@@ -17,7 +17,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_cases import CASES, TAIL_CASES, UNEVEN_CASES, err, gluon_ready, needs_gluon, qkv, run
+from gluon_cases import (
+    CASES,
+    TAIL_CASES,
+    UNEVEN_CASES,
+    err,
+    gluon_ready,
+    needs_gluon,
+    qkv,
+    run,
+    tma_box,
+)
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_fwd
@@ -107,11 +117,8 @@ class _EmulatedKernel:
     def run(self, grid, q_desc, k_desc, v_desc, o_desc, lo_desc, lse, qk_scale, n, big_l, w, nseg, s0,
             lo_nseg, lo_s0, r, nh, hkv, hs, nhb, c0, cw, *, CAUSAL, FIRST, COMP, STORE_LO, CLASSES, **_):
         self.launches.append((w, r, big_l, c0, cw if CLASSES else None))
-        def box(d, blk, col):  # rows [0, big_l) of one (block, column): what the TMA boxes cover
-            assert big_l <= d.shape[1] and blk < d.shape[0] and col < d.shape[2]
-            st = d.strides
-            return torch.as_strided(d.base, (big_l, d.shape[3]), (st[1], st[3]),
-                                    d.base.storage_offset() + blk * st[0] + col * st[2])  # fmt: skip
+        def box(d, blk, col):  # rows [0, big_l) of one (block, column)
+            return tma_box(d, blk, col, big_l)
 
         qv, kv, vv, ov, lov = q_desc, k_desc, v_desc, o_desc, lo_desc
         assert grid[0] == -(-big_l // self.BM)
