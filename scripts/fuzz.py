@@ -4,12 +4,14 @@
     TRITON_INTERPRET=1 PYTHONPATH=src python scripts/fuzz.py --impl triton --examples 50   # CPU
     PYTHONPATH=src python scripts/fuzz.py --impl triton --device cuda --examples 5000 --workers 12  # GPU
     PYTHONPATH=src python scripts/fuzz.py --varlen --impl torch --minutes 10   # packed documents
+    PYTHONPATH=src python scripts/fuzz.py --gluon --device cuda --examples 5000 --workers 12  # Gluon, sm_90
 
 Draws cases from tests/property_cases.py (the same generator as the hypothesis tests; with
 ``--varlen`` packed documents from tests/varlen_cases.py, checked against the reference on each
-document alone), checks forward, LSE and dq/dk/dv against the float64 reference, prints each
-mismatch with its case (replayable: the case holds its seed), a progress line every ``--every``
-examples and a summary; exit 1 if anything mismatched. The tensors are tiny: on a CPU set
+document alone; with ``--gluon`` cases of the Gluon kernels from tests/gluon_fuzz_cases.py, see
+below), checks forward, LSE and dq/dk/dv against the float64 reference, prints each mismatch
+with its case (replayable: the case holds its seed), a progress line every ``--every`` examples
+and a summary; exit 1 if anything mismatched or raised. The tensors are tiny: on a CPU set
 OMP_NUM_THREADS=1, above all for several runs side by side (two runs of two threads each on two
 cores ran some cases 20x slower, long enough to look hung).
 
@@ -45,6 +47,44 @@ the summary adds them up. Replay a worker's stream with ``--seed <its seed> --wo
 the same ``--pool``; a single case with ``property_cases.check(case, "triton", "cuda")``.
 Where the time goes per case once compiled (CPU measurements): the float64 reference ~1.4 ms, a
 dry run ~1 ms; on a GPU add the launches and ~10 host syncs of the comparison.
+
+Gluon kernels (``--gluon``, issue 24: kernels/gluon_fwd.py + gluon_fwd_kernel.py, gluon_bwd.py +
+gluon_bwd_kernel.py). The cases above never reach them (headdim 16, float32, masks, nq < nk);
+``--gluon`` draws from tests/gluon_fuzz_cases.py instead: configurations that pass every
+condition of the Gluon gate a case controls (bf16 / fp16, headdim 64 / 128, seqlen_q ==
+seqlen_k = N <= 4096, every branch with N % w == 0, w % r == 0 and w // r >= 2, contiguous
+inputs, no mask, no packed documents; partial tiles (w // r mostly no multiple of 64), first
+branches with r > 1, MHA / GQA / MQA, causal or not, batch 1-2, heads 1-8; one case in five
+with split heads: the Gluon forward, then the Triton backward), with ``gluon_fwd.MIN_ROWS = 0``
+in each worker (small cases take the Gluon path; exactness does not depend on it). Each case
+runs the float64 reference on the device (dense: its size bound is
+gluon_fuzz_cases.MAX_SCORES) on the kernels' rounded inputs, then impl="triton" with both Gluon
+switches off and on, judged as tests/test_gluon_fwd.py and test_gluon_bwd.py judge the Gluon
+path: out, lse, dq, dk, dv within 2x the error of the switches-off run + 1e-3, and both within
+a gross bound (fp16: varlen_cases.HALF_ATOL x (1 + max |ref|), bf16 8x that; property_cases has
+no bf16 / fp16 tolerance to reuse). A case whose Gluon kernels did not launch (the calls of
+``gluon_fwd.launch_branch`` and ``gluon_bwd.launch_branch`` that returned, counted: every
+branch forward; each branch backward unless split heads make it refuse) is an ERROR, not a
+pass: a run that fell back to the Triton kernels cannot report success. Where Gluon cannot run
+(no CUDA device, not sm_90, Gluon missing, Triton's interpreter: any CPU) ``--gluon`` says why
+and exits 2 without running a case.
+
+The compile pool serves ``--gluon`` as it serves the others (not ``--pool 0``: a Gluon case
+compiles ~3 Gluon and ~4 Triton binaries per branch, its switches-off run included). The Gluon
+kernels are ``GluonJITFunction``s, which dispatch through ``JITFunction.run``: the gate patches
+the class that defines ``run`` for each kind of kernel (JITFunction once compiled, for both;
+under the interpreter InterpretedFunction and JITFunction), classes a host TensorDescriptor by
+its ``__mangle__()`` (dtype, block shape, layout: all Triton specialises a descriptor on; its
+shape and strides are runtime arguments) and :func:`triton_binaries` counts the Gluon kernels'
+binaries too, so "binaries compiled for accepted variants" still says whether the gate held.
+(With ``gluon_fwd.DIRECT_LAUNCH``, off as shipped, later Gluon launches skip ``run`` and reuse
+a recorded binary, as direct_launch does for Triton.) A dry run launches nothing: the Gluon
+forward and backward return unwritten buffers, which nothing reads. A template fixes
+``FIXED["gluon"]`` (gluon_fuzz_cases.case_key); its variants redraw N (log-uniformly), each
+branch's w and r, the batch and the tensors within those classes (tests/test_fuzz.py measures
+the gate's rejections on the CPU, with the Gluon gate forced open for the dry runs).
+``--pool`` defaults to 2 here (~20 binaries per template). Replay one case with
+``gluon_fuzz_cases.check(case, "triton", "cuda")`` (it sets MIN_ROWS itself).
 """
 
 from __future__ import annotations
@@ -59,23 +99,30 @@ from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
+import gluon_fuzz_cases  # noqa: E402
 import property_cases  # noqa: E402
 import varlen_cases  # noqa: E402
 
-# per kind: (draw, check, variant, run the impl alone)
+# per kind (batch, --varlen, --gluon): (draw, check, variant, run the impl alone)
 KINDS = {
-    False: (property_cases.random_case, property_cases.check, property_cases.variant, property_cases.run_impl),
-    True: (varlen_cases.random_varlen_case, varlen_cases.check_varlen, varlen_cases.variant, varlen_cases.run_impl),
-}
+    "batch": (property_cases.random_case, property_cases.check, property_cases.variant, property_cases.run_impl),
+    "varlen": (varlen_cases.random_varlen_case, varlen_cases.check_varlen, varlen_cases.variant,
+               varlen_cases.run_impl),
+    "gluon": (gluon_fuzz_cases.gluon_case, gluon_fuzz_cases.check, gluon_fuzz_cases.variant,
+              gluon_fuzz_cases.run_impl),
+}  # fmt: skip
 # what a template fixes (a variant redraws the rest, within the values' specialisation classes)
 FIXED = {
-    False: "heads, kv heads, headdim 16, number of branches, causal, split heads, padding mask "
+    "batch": "heads, kv heads, headdim 16, number of branches, causal, split heads, padding mask "
            "present; classes (1 / multiple of 16 / other) of nk, nq, nk - nq, each w and r, "
            "(nk - nq) // w, batch x nq x heads",
-    True: "heads, kv heads, headdim 16, number of branches, causal, split, return_lse, float16 or "
-          "float32, layout, offsets' dtype / sharing / device, check_offsets, fold, per-call, grad, "
-          "self-attention packing, any document; classes of each w and r and of the row totals "
-          "(queries, keys, queries x heads, longest documents as passed)",
+    "varlen": "heads, kv heads, headdim 16, number of branches, causal, split, return_lse, float16 or "
+              "float32, layout, offsets' dtype / sharing / device, check_offsets, fold, per-call, grad, "
+              "self-attention packing, any document; classes of each w and r and of the row totals "
+              "(queries, keys, queries x heads, longest documents as passed)",
+    "gluon": "heads, kv heads, headdim 64 or 128, bf16 or fp16, number and order of branches, causal, "
+             "split heads; classes (1 / multiple of 16 / other) of N, heads x N, batch x N x heads and "
+             "of each branch's w, r, w // r, N // w and ceil((w // r) / 128)",
 }  # fmt: skip
 
 
@@ -107,26 +154,52 @@ def _arg_class(a) -> str:
         return "fp32"
     if isinstance(a, torch.Tensor):
         return f"{a.dtype}{'/16' if a.data_ptr() % 16 == 0 else ''}"
+    if hasattr(a, "__mangle__"):  # a Gluon host TensorDescriptor: Triton's own type string of it
+        return a.__mangle__()
     return type(a).__name__
+
+
+def _run_owner(kernel) -> type:
+    """The class that defines ``run`` for ``kernel`` (a GluonJITFunction inherits JITFunction's)."""
+    return next(c for c in type(kernel).__mro__ if "run" in vars(c))
+
+
+def gluon_kernels() -> list:
+    """One kernel object of each Gluon module (imported here: the gate patches their class)."""
+    from dilated_attention.kernels import gluon_bwd, gluon_fwd
+
+    fwd, bwd = gluon_fwd.kernel_module(), gluon_bwd.kernel_module()
+    if fwd is None or bwd is None:
+        raise RuntimeError(f"the Gluon kernels do not import: {gluon_fwd.import_error() or gluon_bwd._import_error}")
+    return [fwd.gluon_fwd_kernel, bwd.dkdv_kernel, bwd.dq_kernel]
 
 
 class CompileGate:
     """Replaces Triton's dispatch (``JITFunction.run``, the interpreter's ``run``: the class of
-    the library's kernels) with a recorder of each launch's *signature*: what Triton compiles a
-    binary for, namely the kernel, every constexpr's value, every other argument's class
-    (:func:`_arg_class`: integers as ``direct_launch.int_class``, tensors by dtype and 16-byte
-    alignment; ``do_not_specialize`` ones by type only) and the launch options. Launches that
+    the library's kernels; with ``gluon`` also the class that dispatches the Gluon kernels,
+    ``JITFunction``, the same one once compiled) with a recorder of each launch's *signature*:
+    what Triton compiles a binary for, namely the kernel, every constexpr's value, every other
+    argument's class (:func:`_arg_class`: integers as ``direct_launch.int_class``, tensors by
+    dtype and 16-byte alignment, Gluon tensor descriptors by dtype, block shape and layout;
+    ``do_not_specialize`` ones by type only) and the launch options. Launches that
     ``direct_launch`` makes without Triton's dispatch reuse a key that went through it before
     (same binary). ``dry``: record only, run nothing (:meth:`needs`)."""
 
-    def __init__(self):
+    def __init__(self, gluon: bool = False):
         from dilated_attention.kernels import triton_kernels as kern
 
-        self.cls = type(kern.dilated_fwd_kernel)
+        self.cls = _run_owner(kern.dilated_fwd_kernel)
         self.orig = self.cls.run
         self.seen: set = set()  # signatures launched for real
         self.dry: set | None = None  # while a dry run records
         self.params: dict = {}
+        self.patched: list[tuple[type, object]] = []  # (class, its own run)
+        owners = [self.cls] + [_run_owner(k) for k in (gluon_kernels() if gluon else [])]
+        for cls in dict.fromkeys(owners):
+            self.patched.append((cls, cls.run))
+            cls.run = self._recorder(cls.run)
+
+    def _recorder(self, orig):
         gate = self
 
         def run(fn, *args, grid, warmup, **kwargs):
@@ -135,12 +208,13 @@ class CompileGate:
                 gate.dry.add(sig)
                 return None
             gate.seen.add(sig)
-            return gate.orig(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            return orig(fn, *args, grid=grid, warmup=warmup, **kwargs)
 
-        self.cls.run = run
+        return run
 
     def close(self) -> None:
-        self.cls.run = self.orig
+        for cls, orig in reversed(self.patched):
+            cls.run = orig
 
     def signature(self, fn, args, kwargs) -> tuple:
         ps = self.params.get(id(fn))
@@ -162,7 +236,7 @@ class CompileGate:
             else:
                 parts.append(_arg_class(a))
         opts = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k not in names))
-        return (fn.__name__, tuple(parts), opts)
+        return (_kernel_name(fn), tuple(parts), opts)
 
     def needs(self, thunk) -> tuple[set, BaseException | None]:
         """The signatures ``thunk()`` launches through Triton's dispatch, run dry (no kernel
@@ -183,13 +257,23 @@ class CompileGate:
         return sigs, err
 
 
+def _kernel_name(fn) -> str:
+    """A kernel's name in signatures: its function's, ``gluon.`` before the Gluon kernels' (whose
+    dkdv / dq would read like the Triton ones)."""
+    mod = getattr(getattr(fn, "fn", None), "__module__", "") or ""
+    gluon = mod.rsplit(".", 1)[-1].startswith("gluon_") and not fn.__name__.startswith("gluon")
+    return f"gluon.{fn.__name__}" if gluon else fn.__name__
+
+
 def triton_binaries() -> set | None:
     """(kernel, cache key) of every binary in the in-process caches of Triton's JITFunctions of
-    the library's kernels (None under the interpreter, or where the cache layout is unknown)."""
+    the library's kernels, the Gluon ones where imported (None under the interpreter, or where
+    the cache layout is unknown)."""
     from dilated_attention.kernels import triton_decode, triton_kernels
 
     out, known = set(), False
-    for mod in (triton_kernels, triton_decode):
+    gluon = [sys.modules.get(f"dilated_attention.kernels.{m}") for m in ("gluon_fwd_kernel", "gluon_bwd_kernel")]
+    for mod in (triton_kernels, triton_decode, *filter(None, gluon)):
         for name, obj in vars(mod).items():
             caches = getattr(obj, "device_caches", None)
             if caches is None:
@@ -217,10 +301,16 @@ def work(o: dict) -> dict:
         torch.set_num_threads(o["threads"])
     tag = f"[w{o['index']}] " if o["workers"] > 1 else ""
     rng = random.Random(o["seed"])
-    varlen, impl, device, pool = o["varlen"], o["impl"], o["device"], o["pool"]
-    draw, check_case, variant, run_impl = KINDS[varlen]
-    d = 16 if impl == "triton" else rng.choice([4, 16])
-    gate = CompileGate() if impl == "triton" else None
+    kind, impl, device, pool = o["kind"], o["impl"], o["device"], o["pool"]
+    draw, check_case, variant, run_impl = KINDS[kind]
+    if kind == "gluon":
+        from dilated_attention.kernels import gluon_fwd
+
+        gluon_fwd.MIN_ROWS = 0  # small cases take the Gluon path too; exactness does not depend on it
+        d = None  # 64 or 128, drawn per template
+    else:
+        d = 16 if impl == "triton" else rng.choice([4, 16])
+    gate = CompileGate(gluon=kind == "gluon") if impl == "triton" else None
     templates: list = []
     r = Counter()  # examples, mismatches, errors, templates, accepted, rejected, no_values, unexpected
     t0 = time.monotonic()
@@ -282,32 +372,47 @@ def work(o: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--impl", choices=["torch", "triton"], default="torch")
+    ap.add_argument("--impl", choices=["torch", "triton"], default=None, help="default: torch (triton with --gluon)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--examples", type=int, default=0, help="stop after this many in all (0: no limit)")
     ap.add_argument("--minutes", type=float, default=1.0, help="stop starting cases after this long")
     ap.add_argument("--seed", type=int, default=None, help="generator seed (default: random)")
     ap.add_argument("--varlen", action="store_true", help="packed documents (dilated_attention_varlen)")
+    ap.add_argument("--gluon", action="store_true",
+                    help="cases the Gluon kernels take (sm_90 CUDA only; exit 2 where they cannot run)")  # fmt: skip
     ap.add_argument("--every", type=int, default=100, help="progress line every N examples (per worker)")
     ap.add_argument("--pool", type=int, default=None,
                     help="templates per worker: the compile pool (0: every case drawn freely; "
-                         "default 4 for --impl triton off the CPU, else 0)")  # fmt: skip
+                         "default 4 for --impl triton off the CPU (2 with --gluon), else 0)")  # fmt: skip
     ap.add_argument("--workers", type=int, default=1, help="processes (spawned), examples split")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per worker (default: 1 with several workers, else torch's)")
     args = ap.parse_args(argv)
+    if args.gluon and args.varlen:
+        ap.error("--gluon and --varlen exclude each other (the Gluon kernels take no packed documents)")
+    if args.gluon and args.impl == "torch":
+        ap.error("--gluon needs --impl triton (the Gluon kernels run inside impl='triton')")
+    args.impl = args.impl or ("triton" if args.gluon else "torch")
+    kind = "gluon" if args.gluon else "varlen" if args.varlen else "batch"
+    if args.gluon:
+        why = gluon_fuzz_cases.gluon_unavailable(args.device)
+        if why is not None:  # a run that fell back to the Triton kernels would pass for nothing
+            print(f"fuzz --gluon: the Gluon kernels cannot run here: {why}. Nothing was fuzzed (exit 2); "
+                  "run it on an sm_90 GPU with --device cuda", file=sys.stderr, flush=True)  # fmt: skip
+            return 2
     seed = args.seed if args.seed is not None else random.randrange(2**31)
-    pool = args.pool if args.pool is not None else (4 if args.impl == "triton" and args.device != "cpu" else 0)
+    pool = args.pool
+    if pool is None:
+        pool = (2 if args.gluon else 4) if args.impl == "triton" and args.device != "cpu" else 0
     nw = max(1, args.workers)
-    what = "varlen" if args.varlen else "batch"
-    print(f"fuzz ({what}): impl={args.impl} device={args.device} generator seed={seed} "
+    print(f"fuzz ({kind}): impl={args.impl} device={args.device} generator seed={seed} "
           f"workers={nw} pool={pool}", flush=True)  # fmt: skip
     t0 = time.monotonic()
     deadline = time.time() + 60 * args.minutes
     threads = args.threads if args.threads is not None else (1 if nw > 1 else 0)
     opts = [
         dict(index=i, workers=nw, seed=worker_seed(seed, i), impl=args.impl, device=args.device,
-             varlen=args.varlen, pool=pool, every=args.every, deadline=deadline, threads=threads,
+             kind=kind, pool=pool, every=args.every, deadline=deadline, threads=threads,
              examples=args.examples // nw + (i < args.examples % nw) if args.examples else 0)
         for i in range(nw)
     ]  # fmt: skip
@@ -350,7 +455,7 @@ def main(argv=None) -> int:
               f"freely, {tot['accepted']} variants run; {tot['rejected']} variants rejected before "
               f"running (needed a binary outside the pool), {tot['no_values']} without values in "
               f"class; {tot['unexpected']} binaries compiled for accepted variants (0: the gate held)")  # fmt: skip
-        print(f"fixed per template (from the pool, not per case): {FIXED[args.varlen]}; "
+        print(f"fixed per template (from the pool, not per case): {FIXED[kind]}; "
               "redrawn per case: everything else")  # fmt: skip
     if nw > 1:
         print("worker seeds: " + ", ".join(f"{res['seed']} ({res['counts'].get('examples', 0)} ex, "

@@ -64,6 +64,16 @@
 #                                       compiles ~31 dense / ~26 varlen binaries (mean 24 / 15) at ~3-4 s each, then
 #                                       ~10-50 ms a case); the binaries go to their own cache dir (random
 #                                       specialisations: not carried back)
+#   bash scripts/gpu_check.sh fuzz-gluon issue 24: scripts/fuzz.py --gluon on an sm_90 GPU: random configurations that
+#                                       take the Gluon forward and backward (bf16/fp16, D 64/128, N <= 4096, partial
+#                                       tiles, GQA/MQA, causal and not, split heads) against the float64 reference,
+#                                       judged as tests/test_gluon_*.py judge them (<= 2x the error with both Gluon
+#                                       switches off + 1e-3), each case an ERROR where the Gluon kernels did not launch;
+#                                       $FUZZ_GLUON_WORKERS (12) processes, compile pool of $FUZZ_GLUON_POOL (2)
+#                                       templates each, up to $FUZZ_GLUON_EXAMPLES (5000) cases in $FUZZ_GLUON_MINUTES
+#                                       (6; timeout $FUZZ_GLUON_TIMEOUT 450 s): <= 8 min in all. Not yet run (estimate:
+#                                       ~20-30 binaries per worker, Gluon ones of unknown compile time; exit 2 and
+#                                       nothing fuzzed where Gluon cannot run); own cache dir, as `fuzz`
 #   bash scripts/gpu_check.sh varlen-configs  issue 22: profile_varlen.py with dK/dV block-config variants
 #                                       ($VARLEN_CONFIGS, default: default,dkdv32x64,dkdv32x64s3,dkdv64s1;
 #                                       each compiles ~6 binaries: a call of its own), causal
@@ -503,6 +513,21 @@ case "${1:-tests}" in
     echo "fuzz rc=$?" >> "$OUT/fuzz_varlen.txt"
     grep -E "MISMATCH|ERROR|FAILED" "$OUT/fuzz_dense.txt" "$OUT/fuzz_varlen.txt" | head -5
     tail -6 "$OUT/fuzz_dense.txt"; tail -6 "$OUT/fuzz_varlen.txt"
+    ;;
+  fuzz-gluon)
+    # issue 24: the Gluon kernels (kernels/gluon_{fwd,bwd}.py) over >= 5,000 random configurations
+    # (scripts/fuzz.py's docstring, tests/gluon_fuzz_cases.py): each case the float64 reference on
+    # the GPU, impl="triton" with both Gluon switches off, then on (its Gluon launches counted: a
+    # fall back to Triton is an ERROR). A Gluon case compiles ~3 Gluon and ~4 Triton binaries
+    # per branch: a pool of 2 templates per worker, the rest variants. --minutes stops starting
+    # cases; the timeout leaves 90 s for a template still compiling then
+    timeout "${FUZZ_GLUON_TIMEOUT:-450}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_cache OMP_NUM_THREADS=1 \
+      python3 scripts/fuzz.py --gluon --impl triton --device cuda --workers "${FUZZ_GLUON_WORKERS:-12}" \
+      --pool "${FUZZ_GLUON_POOL:-2}" --examples "${FUZZ_GLUON_EXAMPLES:-5000}" --minutes "${FUZZ_GLUON_MINUTES:-6}" \
+      --every 100 > "$OUT/fuzz_gluon.txt" 2>&1
+    echo "fuzz rc=$?" >> "$OUT/fuzz_gluon.txt"
+    grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon.txt" | head -8
+    tail -8 "$OUT/fuzz_gluon.txt"
     ;;
   varlen-configs)
     timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_varlen.py --causal "${CAUSAL:-yes}" \

@@ -1,8 +1,13 @@
 """scripts/fuzz.py on the CPU at tiny sizes: the free mode, the compile pool (templates, variants
-within the Triton specialisation classes, the dry-run gate) and several workers.
+within the Triton specialisation classes, the dry-run gate) and several workers; ``--gluon``
+(tests/gluon_fuzz_cases.py) as far as a host can run it: its cases pass the Gluon gate (a
+predicate written out here, and the library's own checks with the device stood in for), its
+variants stay in class and need no other binary in the gate's dry runs (the Gluon gate forced
+open), the launch check, the judgement, and the exit 2 where Gluon cannot run.
 
 Under ``TRITON_INTERPRET=1`` nothing compiles, but the gate records the same signatures (the
-kernels' constexprs and argument classes) as on a GPU; the CUDA run is ``gpu_check.sh fuzz``.
+kernels' constexprs and argument classes) as on a GPU; the CUDA runs are ``gpu_check.sh fuzz``
+and ``gpu_check.sh fuzz-gluon``.
 """
 
 from __future__ import annotations
@@ -69,12 +74,12 @@ def test_gate_records_signatures_without_running():
     gate = fuzz.CompileGate()
     try:
         case = random_case(random.Random(5))
-        sigs, err = gate.needs(lambda: fuzz.KINDS[False][3](case, "triton", "cpu"))
+        sigs, err = gate.needs(lambda: fuzz.KINDS["batch"][3](case, "triton", "cpu"))
         assert err is None and sigs and not gate.seen  # recorded, nothing ran
         names = {s[0] for s in sigs}
         assert {"dilated_fwd_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel"} <= names
         # the real run launches exactly the signatures the dry run listed
-        assert not fuzz.KINDS[False][1](case, "triton", "cpu")
+        assert not fuzz.KINDS["batch"][1](case, "triton", "cpu")
         assert gate.seen == sigs
     finally:
         gate.close()
@@ -94,7 +99,7 @@ def test_gate_rejects_another_binary():
     # needs binaries the first did not launch
     gate = fuzz.CompileGate()
     try:
-        run = fuzz.KINDS[False][3]
+        run = fuzz.KINDS["batch"][3]
         case = random_case(random.Random(5))
         base, _ = gate.needs(lambda: run(case, "triton", "cpu"))
         other = dataclasses.replace(case, causal=not case.causal)
@@ -158,3 +163,310 @@ def test_mismatch_is_counted(capsys, monkeypatch):
     rc = fuzz.main(["--impl", "torch", "--examples", "2", "--seed", "2"])
     out = capsys.readouterr().out
     assert rc == 1 and out.count("MISMATCH Case(") == 2 and "dq: max abs err" in out
+
+
+# ------------------------------------------------------------------------------ --gluon
+
+
+def _gate_conditions(c) -> list[str]:
+    """The Gluon gate's conditions a case controls, written out again (gluon_fwd.shape_problem /
+    problem, gluon_bwd.problem; UNEVEN_BLOCKS and TAIL_SEGMENTS off): what fails, by name."""
+    import torch
+
+    bad = []
+    if c.dtype not in (torch.bfloat16, torch.float16):
+        bad.append("dtype")
+    if c.d not in (64, 128):
+        bad.append("headdim")
+    if c.b not in (1, 2) or not 1 <= c.h <= 8 or c.h % c.hkv:
+        bad.append("batch / heads")
+    if not 4 <= c.n <= 4096:
+        bad.append("N")
+    for w, r in zip(c.seg, c.dil, strict=True):
+        if c.n % w or w % r or w // r < 2 or r < 1:
+            bad.append(f"branch ({w}, {r})")
+    return bad
+
+
+def test_gluon_cases_satisfy_the_gate_and_cover_it():
+    import gluon_fuzz_cases as G
+
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(3000):
+        c = G.gluon_case(rng)
+        assert not _gate_conditions(c) and G.case_problem(c) is None, c
+        assert c.b * c.h * c.n * c.n <= G.MAX_SCORES
+        lens = [w // r for w, r in zip(c.seg, c.dil, strict=True)]
+        seen |= {("dtype", c.bf16), ("d", c.d), ("causal", c.causal), ("split", c.split), ("b", c.b),
+                 ("branches", len(c.seg)), ("backward gluon", G.backward_runs_gluon(c))}  # fmt: skip
+        seen.add(("kv", "mha" if c.hkv == c.h else "mqa" if c.hkv == 1 else "gqa"))
+        if c.dil[0] > 1:
+            seen.add("first branch r > 1")
+        if any(x % 64 for x in lens):
+            seen.add("partial tile")
+        if any(x > 128 and x % 128 for x in lens):
+            seen.add("several tiles, the last partial")
+        if c.n >= 2048:
+            seen.add("N >= 2048")
+    want = {("dtype", True), ("dtype", False), ("d", 64), ("d", 128), ("causal", True), ("causal", False),
+            ("split", True), ("split", False), ("b", 1), ("b", 2), ("branches", 1), ("branches", 3),
+            ("backward gluon", True), ("backward gluon", False), ("kv", "mha"), ("kv", "mqa"), ("kv", "gqa"),
+            "first branch r > 1", "partial tile", "several tiles, the last partial", "N >= 2048"}  # fmt: skip
+    assert want <= seen, want - seen
+    # the predicate refuses what the gate refuses
+    c = G.gluon_case(random.Random(1))
+    for bad in (dataclasses.replace(c, seg=(c.n + 1,) * len(c.seg)), dataclasses.replace(c, d=16),
+                dataclasses.replace(c, dil=tuple(w for w in c.seg))):  # fmt: skip
+        assert G.case_problem(bad) is not None and _gate_conditions(bad)
+
+
+def test_gluon_variants_stay_in_class():
+    import gluon_fuzz_cases as G
+
+    rng = random.Random(2)
+    made = 0
+    for _ in range(300):
+        t = G.gluon_case(rng)
+        c = G.variant(t, rng)
+        if c is None:
+            continue
+        made += 1
+        assert not _gate_conditions(c) and G.case_problem(c) is None, c
+        assert (c.h, c.hkv, c.d, c.bf16, c.causal, c.split, len(c.seg)) == (t.h, t.hkv, t.d, t.bf16, t.causal, t.split,
+                                                                            len(t.seg))  # fmt: skip
+        assert spec_class(c.n) == spec_class(t.n) and spec_class(c.b * c.n * c.h) == spec_class(t.b * t.n * t.h)
+        for (w, r), (w0, r0) in zip(zip(c.seg, c.dil, strict=True), zip(t.seg, t.dil, strict=True), strict=True):
+            for f in (lambda n, w, r: w, lambda n, w, r: r, lambda n, w, r: w // r, lambda n, w, r: n // w,
+                      lambda n, w, r: -(-(w // r) // 128)):  # fmt: skip
+                assert spec_class(f(c.n, w, r)) == spec_class(f(t.n, w0, r0)), (t, c)
+        assert G.case_key(c) == G.case_key(t)
+    assert made > 280
+    t = G.gluon_case(random.Random(3))
+    assert len({G.variant(t, random.Random(i)) for i in range(20)} - {None}) > 10  # values do vary
+
+
+class _OnCuda:
+    """What the Gluon gate reads of a contiguous CUDA tensor of ``shape`` (no memory): the
+    library's own ``shape_problem`` / ``problem`` judge the cases on the CPU."""
+
+    def __init__(self, shape, dtype):
+        import torch
+
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", 0)
+        self._size = torch.empty((), dtype=dtype).element_size()
+
+    def stride(self):
+        out, acc = [], 1
+        for s in reversed(self.shape):
+            out.append(acc)
+            acc *= s
+        return tuple(reversed(out))
+
+    def data_ptr(self):
+        return 1 << 20
+
+    def element_size(self):
+        return self._size
+
+
+@needs_triton
+def test_gluon_cases_pass_the_librarys_gate(monkeypatch):
+    """gluon_fwd.shape_problem and gluon_bwd.problem as on an sm_90 GPU with MIN_ROWS 0 (the
+    device checks stood in for): every case passes the forward's, the backward's exactly when
+    gluon_fuzz_cases.backward_runs_gluon says so; a case off the gate is refused."""
+    import gluon_fuzz_cases as G
+
+    from dilated_attention.branches import branch_head_ranges
+    from dilated_attention.kernels import gluon_bwd, gluon_fwd, triton_import
+    from dilated_attention.kernels import triton_launch as L
+
+    monkeypatch.setattr(triton_import, "INTERPRET", False)
+    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+    monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: object())
+    monkeypatch.setattr(gluon_bwd, "_failed", {})
+
+    def problems(c):
+        q = _OnCuda((c.b, c.n, c.h, c.d), c.dtype)
+        k = _OnCuda((c.b, c.n, c.hkv, c.d), c.dtype)
+        br = L.branch_list(c.seg, c.dil, branch_head_ranges(c.h, len(c.seg), c.head_assignment))
+        return gluon_fwd.shape_problem(q, k, k, br), gluon_bwd.problem(q, k, k, c.causal, br, c.h)
+
+    rng = random.Random(4)
+    for i in range(400):
+        c = G.gluon_case(rng) if i % 2 else G.variant(G.gluon_case(rng), rng)
+        if c is None:
+            continue
+        fwd, bwd = problems(c)
+        assert fwd is None, (fwd, c)
+        assert (bwd is None) == G.backward_runs_gluon(c), (bwd, c)
+    c = G.gluon_case(random.Random(5))
+    assert problems(dataclasses.replace(c, seg=(c.n + 1,) * len(c.seg)))[0] is not None
+    assert problems(dataclasses.replace(c, d=16))[0] is not None
+
+
+def test_gluon_launch_check():
+    import gluon_fuzz_cases as G
+
+    from dilated_attention.kernels import gluon_bwd, gluon_fwd
+
+    c = G.GluonCase(b=1, n=96, h=4, hkv=2, d=64, seg=(32, 96), dil=(1, 3), causal=True, split=False, bf16=True,
+                    seed=0)  # fmt: skip
+    full = {"fwd": [(32, 1, 0, 4), (96, 3, 0, 4), (32, 1, 0, 4)], "bwd": [(32, 1), (96, 3)]}  # lo ranges: twice
+    assert G.launch_problems(c, full) == []
+    assert G.launch_problems(c, {"fwd": [], "bwd": []})
+    assert G.launch_problems(c, {"fwd": full["fwd"][:1], "bwd": full["bwd"]})  # a branch missing
+    assert G.launch_problems(c, {"fwd": full["fwd"], "bwd": full["bwd"][:1]})
+    split = dataclasses.replace(c, split=True)  # heads [0, 2) and [2, 4): the Gluon backward refuses
+    assert not G.backward_runs_gluon(split)
+    assert G.launch_problems(split, {"fwd": [(32, 1, 0, 2), (96, 3, 2, 4)], "bwd": []}) == []
+    assert G.launch_problems(split, {"fwd": [(32, 1, 0, 2), (96, 3, 2, 4)], "bwd": full["bwd"]})
+    one = dataclasses.replace(c, seg=(96,), dil=(3,), split=True)  # one branch: all heads, the Gluon backward
+    assert G.backward_runs_gluon(one)
+    assert G.launch_problems(one, {"fwd": [(96, 3, 0, 4)], "bwd": [(96, 3)]}) == []
+    # counting_launches counts the calls that returned, restores both functions
+    real = gluon_fwd.launch_branch, gluon_bwd.launch_branch
+    try:
+        gluon_fwd.launch_branch = lambda *a, **kw: None
+
+        def boom(*a, **kw):
+            raise RuntimeError("out of resources (test)")
+
+        gluon_bwd.launch_branch = boom
+        stubs = gluon_fwd.launch_branch, gluon_bwd.launch_branch
+        with G.counting_launches() as seen:
+            gluon_fwd.launch_branch(*range(6), 32, 1, 0, 4, True)
+            with pytest.raises(RuntimeError):
+                gluon_bwd.launch_branch(*range(9), 32, 1, True, 0.1)
+        assert seen == {"fwd": [(32, 1, 0, 4)], "bwd": []}
+        assert (gluon_fwd.launch_branch, gluon_bwd.launch_branch) == stubs
+    finally:
+        gluon_fwd.launch_branch, gluon_bwd.launch_branch = real
+
+
+def test_gluon_judge():
+    import gluon_fuzz_cases as G
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ref = {n: torch.randn(2, 8, generator=g, dtype=torch.float64) for n in G.NAMES}
+    ref["lse"][0, 0] = float("-inf")
+    base = {n: (t + 1e-3 * torch.randn(t.shape, generator=g, dtype=torch.float64)).to(torch.bfloat16)
+            for n, t in ref.items()}  # fmt: skip
+    assert G.judge(ref, base, dict(base), torch.bfloat16) == []
+    worse = dict(base, dk=base["dk"] + 0.05)  # > 2x the Triton error + 1e-3
+    assert [m.split(":")[0] for m in G.judge(ref, base, worse, torch.bfloat16)] == ["dk"]
+    nan = dict(base, out=base["out"].clone())
+    nan["out"][1, 1] = float("nan")
+    assert G.judge(ref, base, nan, torch.bfloat16) == ["out: NaN"]
+    lse = dict(base, lse=base["lse"].clone())
+    lse["lse"][0, 0] = 0.0
+    assert G.judge(ref, base, lse, torch.bfloat16) == ["lse: -inf pattern differs"]
+    # a wrong result both paths share: the gross bound (fp16 tighter than bf16)
+    both = {n: t + 0.5 for n, t in base.items()}
+    assert any("Triton err" in m for m in G.judge(ref, both, both, torch.float16))
+    assert G.judge(ref, {n: t + 0.05 for n, t in base.items()}, {n: t + 0.05 for n, t in base.items()},
+                   torch.bfloat16) == []  # fmt: skip
+
+
+def test_gluon_check_raises_when_gluon_does_not_launch():
+    # on the CPU nothing takes the Gluon path: the check raises, it does not pass the case
+    import gluon_fuzz_cases as G
+
+    c = G.GluonCase(b=1, n=24, h=2, hkv=1, d=64, seg=(12, 24), dil=(2, 3), causal=True, split=False, bf16=False,
+                    seed=3)  # fmt: skip
+    with pytest.raises(G.GluonNotLaunched, match="the Gluon forward launched branches"):
+        G.check(c, "torch", "cpu")
+
+
+def test_gluon_mode_refuses_to_run_without_gluon(capsys):
+    import gluon_fuzz_cases as G
+
+    assert fuzz.main(["--gluon", "--examples", "3"]) == 2  # --device cpu: never a pass
+    err = capsys.readouterr().err
+    assert "the Gluon kernels cannot run here" in err and "Nothing was fuzzed (exit 2)" in err
+    if G.gluon_unavailable("cuda") is not None:  # this machine: no sm_90 GPU with Gluon
+        assert fuzz.main(["--gluon", "--impl", "triton", "--device", "cuda", "--examples", "3"]) == 2
+        assert "Nothing was fuzzed" in capsys.readouterr().err
+    for bad in (["--gluon", "--varlen"], ["--gluon", "--impl", "torch"]):
+        with pytest.raises(SystemExit) as e:
+            fuzz.main(bad)
+        assert e.value.code == 2
+
+
+@needs_triton
+def test_gluon_mode_counts_a_fallback_as_an_error(capsys, monkeypatch):
+    """--gluon end to end on the CPU with the Gluon gate forced open and the runs stubbed (no
+    Gluon kernel can launch here): each case is an ERROR, the exit 1; the worker set MIN_ROWS 0
+    and ran variants of its template through the gate."""
+    import gluon_fuzz_cases as G
+    import torch
+
+    from dilated_attention.kernels import gluon_fwd
+
+    if gluon_fwd.kernel_module() is None:
+        pytest.skip("Gluon does not import here")
+    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", gluon_fwd.MIN_ROWS)  # restored after the worker's 0
+    monkeypatch.setattr(G, "gluon_unavailable", lambda device: None)
+    monkeypatch.setattr(G, "run", lambda c, impl, device, gluon: {n: torch.zeros(1) for n in G.NAMES})
+    rc = fuzz.main(["--gluon", "--examples", "3", "--pool", "1", "--seed", "7"])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "fuzz (gluon): impl=triton" in out and out.count("ERROR GluonCase(") == 3
+    assert "GluonNotLaunched: the Gluon forward launched branches" in out
+    assert "examples run: 3  mismatches: 0  errors: 3" in out and "1 templates drawn freely, 2 variants run" in out
+    assert gluon_fwd.MIN_ROWS == 0
+
+
+@needs_triton
+def test_gate_records_gluon_launches_without_running(monkeypatch):
+    """CompileGate(gluon=True) over the Gluon path (its gate forced open on the CPU: the dry run
+    launches nothing): the Gluon kernels' signatures with their descriptors' classes beside the
+    switches-off run's Triton ones; variants of a template need no other binary, another causal
+    or headdim does; closing restores every class's dispatch."""
+    import gluon_fuzz_cases as G
+
+    from dilated_attention.kernels import gluon_bwd, gluon_fwd, triton_import
+    from dilated_attention.kernels import triton_kernels as kern
+    from dilated_attention.kernels import triton_launch as L
+
+    if not triton_import.INTERPRET or gluon_fwd.kernel_module() is None:
+        pytest.skip("the dry runs run on the CPU under Triton's interpreter, with Gluon importable")
+    monkeypatch.setattr(gluon_fwd, "problem", lambda *a: None)  # as on an sm_90 GPU
+    monkeypatch.setattr(gluon_bwd, "problem", lambda q, k, v, causal, branches, nh: None if all(
+        hs == 0 and he == nh for _, _, hs, he in branches) else "split heads")  # fmt: skip
+    monkeypatch.setattr(L.direct_launch, "current_device", lambda: -1)
+    classes = {fuzz._run_owner(k) for k in [kern.dilated_fwd_kernel, *fuzz.gluon_kernels()]}
+    before = {cls: cls.run for cls in classes}
+    gate = fuzz.CompileGate(gluon=True)
+    try:
+        assert {cls for cls, _ in gate.patched} == classes and all(cls.run is not before[cls] for cls in classes)
+        rng = random.Random(6)
+        accepted = total = 0
+        # float16: the interpreter refuses bf16 (the dry run never computes); split heads last
+        split = G.GluonCase(b=1, n=96, h=4, hkv=2, d=64, seg=(32, 96), dil=(1, 3), causal=True, split=True,
+                            bf16=False, seed=0)  # fmt: skip
+        for t in [dataclasses.replace(G.gluon_case(rng), bf16=False) for _ in range(4)] + [split]:
+            base, err = gate.needs(lambda c=t: G.run_impl(c, "triton", "cpu"))
+            assert err is None and not gate.seen
+            names = {s[0] for s in base}
+            gluon = {"gluon_fwd_kernel"}
+            if G.backward_runs_gluon(t):
+                gluon |= {"gluon.dkdv_kernel", "gluon.dq_kernel"}
+            assert {n for n in names if n.startswith("gluon")} == gluon, (names, t)
+            assert names & {"dilated_fwd_kernel", "dilated_fwd_folded_kernel"} and "dilated_bwd_dq_kernel" in names
+            descs = [a for s in base if s[0].startswith("gluon") for a in s[1] if a.startswith("tensordesc<fp16[")]
+            assert descs and all(f",{t.d}]" in a for a in descs)
+            for _ in range(10):
+                c = G.variant(t, rng)
+                if c is None:
+                    continue
+                total += 1
+                accepted += gate.needs(lambda c=c: G.run_impl(c, "triton", "cpu"))[0] <= base
+            for other in (dataclasses.replace(t, causal=not t.causal), dataclasses.replace(t, d=192 - t.d)):
+                assert not gate.needs(lambda c=other: G.run_impl(c, "triton", "cpu"))[0] <= base
+        assert total >= 30 and accepted >= 0.9 * total, (accepted, total)
+    finally:
+        gate.close()
+    assert all(cls.run is before[cls] for cls in classes)
