@@ -301,28 +301,13 @@ def launch_tail(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal:
     segment of its own: descriptors, result, lo and lse views that start at row t0, one segment
     (NSEG 1, S0 0), segment length N % w (its length classes). ``lo`` holds the rows from
     ``lo_row0`` on. Otherwise as :func:`launch_branch`."""
-    mod = kernel_module()
-    bsz, n, nh, d = q.shape
+    n = q.shape[1]
     wt = n % w
     t0 = n - wt
     qt, kt, vt, ot = (x[:, t0:] for x in (q, k, v, out))
     lot = lo[:, t0 - lo_row0 :] if comp else ot
-    for big_l, c0, c1 in length_classes(wt, r):
-        classes = (c0, c1) != (0, r)
-        nhb = class_heads(hs, he, r, c0, c1) if classes else he - hs
-        grid = (-(-big_l // mod.BM), 1, bsz * nhb)
-        if big_l == 0 or grid[2] == 0:
-            continue
-        o_desc = block_desc(ot, wt, r, mod.WG_M, big_l)
-        lo_desc = block_desc(lot, wt, r, mod.WG_M, big_l) if comp else o_desc
-        launch(mod.gluon_fwd_kernel, grid, (
-            block_desc(qt, wt, r, mod.WG_M, big_l), block_desc(kt, wt, r, KV_BN, big_l),
-            block_desc(vt, wt, r, KV_BN, big_l), o_desc, lo_desc, lse[..., t0:],
-            scale * 1.4426950408889634, n, big_l, wt, 1, 0, 1, 0, r, nh, k.shape[2], hs, nhb,
-            c0, c1 - c0), dict(BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
-            FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo), CLASSES=classes,
-            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG),
-        )  # fmt: skip
+    _launch_segments(qt, kt, vt, ot, lot, lse[..., t0:], n, wt, r, hs, he, causal, scale, 0, 1, 1, 1, 0,
+                     first, comp, store_lo)  # fmt: skip
 
 
 def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,
@@ -333,20 +318,33 @@ def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causa
     the lo buffer ``lo`` (B, rows, H, D) contiguous, which holds the rows from segment ``lo_s0``
     of branch w on (rows a multiple of w; ``out`` itself as a dummy without one). Inputs as
     :func:`problem` accepts."""
+    n = q.shape[1]
+    _launch_segments(q, k, v, out, lo, lse, n, w, r, hs, he, causal, scale, s0, nseg, n // w,
+                     lo.shape[1] // w, lo_s0, first, comp, store_lo)  # fmt: skip
+
+
+def _launch_segments(q, k, v, out, lo, lse, n: int, w: int, r: int, hs: int, he: int, causal: bool,
+                     scale: float, s0: int, nseg: int, nseg_all: int, lo_nseg: int, lo_s0: int,
+                     first: bool, comp: bool, store_lo: bool) -> None:  # fmt: skip
+    """The kernel over segments [s0, s0 + nseg) of length w of the views q, k, v, out, lo and
+    the lse pointer (``nseg_all`` segments per batch entry in the views, ``lo_nseg`` in lo, from
+    segment ``lo_s0`` on); ``n``: the row stride of lse per (batch, head). One launch per length
+    class of (w, r)."""
     mod = kernel_module()
-    bsz, n, nh, d = q.shape
+    bsz, _, nh, d = q.shape
     for big_l, c0, c1 in length_classes(w, r):
-        nhb = class_heads(hs, he, r, c0, c1) if (c0, c1) != (0, r) else he - hs
+        classes = (c0, c1) != (0, r)
+        nhb = class_heads(hs, he, r, c0, c1) if classes else he - hs
         grid = (-(-big_l // mod.BM), nseg, bsz * nhb)
-        if grid[1] * grid[2] == 0:
+        if big_l == 0 or grid[1] * grid[2] == 0:
             continue
         o_desc = block_desc(out, w, r, mod.WG_M, big_l)
         lo_desc = block_desc(lo, w, r, mod.WG_M, big_l) if comp else o_desc
         launch(mod.gluon_fwd_kernel, grid, (
             block_desc(q, w, r, mod.WG_M, big_l), block_desc(k, w, r, KV_BN, big_l),
             block_desc(v, w, r, KV_BN, big_l), o_desc, lo_desc, lse, scale * 1.4426950408889634,
-            n, big_l, w, n // w, s0, lo.shape[1] // w, lo_s0, r, nh, k.shape[2], hs, nhb,
+            n, big_l, w, nseg_all, s0, lo_nseg, lo_s0, r, nh, k.shape[2], hs, nhb,
             c0, c1 - c0), dict(BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
-            FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo), CLASSES=(c0, c1) != (0, r),
+            FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo), CLASSES=classes,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG),
         )  # fmt: skip
