@@ -67,15 +67,15 @@ def armed(gluon: bool, bwd: bool, fn, direct: bool = False):
     from dilated_attention.kernels import gluon_fwd
 
     def run():
-        floor, was_direct = gluon_fwd.MIN_ROWS, gluon_fwd.DIRECT_LAUNCH
+        floor, block, was_direct = gluon_fwd.MIN_ROWS, gluon_fwd.D64_MIN_BLOCK, gluon_fwd.DIRECT_LAUNCH
         flags.set_gluon_forward(gluon)
         flags.set_gluon_backward(gluon and bwd)
-        gluon_fwd.MIN_ROWS = 0
+        gluon_fwd.MIN_ROWS = gluon_fwd.D64_MIN_BLOCK = 0  # the floor measured here, not D64's rule
         gluon_fwd.DIRECT_LAUNCH = gluon and direct
         try:
             return fn()
         finally:
-            gluon_fwd.MIN_ROWS, gluon_fwd.DIRECT_LAUNCH = floor, was_direct
+            gluon_fwd.MIN_ROWS, gluon_fwd.D64_MIN_BLOCK, gluon_fwd.DIRECT_LAUNCH = floor, block, was_direct
             flags.set_gluon_forward(None)
             flags.set_gluon_backward(None)
 

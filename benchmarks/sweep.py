@@ -487,9 +487,9 @@ def markdown(results, peers_res, meta) -> str:
         "auto: the library's `pick_impl('auto', ...)` and the proposed rule "
         "(kernels/auto_rule.py) for a forward-only / a training call",
         f"wall time of the sweep: {meta.get('wall_s', 0):.0f} s",
-        *(["--gluon-uneven: the Gluon kernels also ran branches with w % r != 0 and the Gluon "
-           "forward short last segments (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS; off by default)"]
-          if meta.get("gluon_uneven") else []),
+        *(["--gluon-even-only: branches with w % r != 0 and short last segments ran the Triton "
+           "kernels (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS off; on by default since 2026-11-29)"]
+          if meta.get("gluon_even_only") else []),
     ])
     lines += [
         "",
@@ -620,9 +620,9 @@ def main(argv=None):
     p.add_argument("--impls", type=lambda x: x.split(","), default=["torch", "triton"],
                    help="comma-separated library impls to time (default torch,triton; dense SDPA always)")
     p.add_argument("--no-peers", action="store_true")
-    p.add_argument("--gluon-uneven", action="store_true",
-                   help="A/B: let the Gluon kernels take branches with w %% r != 0 and the Gluon forward "
-                        "N %% w != 0 (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS)")
+    p.add_argument("--gluon-even-only", action="store_true",
+                   help="A/B: branches with w %% r != 0 and N %% w != 0 run the Triton kernels, as before "
+                        "2026-11-29 (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS off)")
     p.add_argument("--plan", action="store_true", help="print rows and estimated GPU seconds; run nothing")
     p.add_argument("--rule-report", metavar="JSON", help="print the rule evaluation of a sweep's JSON")
     p.add_argument("--emit-table", metavar="JSON", help="print MEASURED for kernels/auto_rule.py")
@@ -660,12 +660,12 @@ def main(argv=None):
             sys.exit("sweep.py needs a CUDA GPU (or --tiny on the CPU)")
         dev = torch.device("cuda")
     meta = run_info(dev, command_line("python3"))  # command, device, versions, date
-    if args.gluon_uneven:
+    if args.gluon_even_only:
         from dilated_attention.kernels import gluon_fwd
 
-        gluon_fwd.UNEVEN_BLOCKS = True
-        gluon_fwd.TAIL_SEGMENTS = True
-        meta["gluon_uneven"] = True
+        gluon_fwd.UNEVEN_BLOCKS = False
+        gluon_fwd.TAIL_SEGMENTS = False
+        meta["gluon_even_only"] = True
     if dev.type == "cpu":
         meta["device"] = f"CPU (--tiny): {meta['device']}"
     if args.out:

@@ -306,7 +306,9 @@ def work(o: dict) -> dict:
     if kind == "gluon":
         from dilated_attention.kernels import gluon_fwd
 
-        gluon_fwd.MIN_ROWS = 0  # small cases take the Gluon path too; exactness does not depend on it
+        # small cases (and small head-dim-64 blocks) take the Gluon path too; exactness does not
+        # depend on the speed floors
+        gluon_fwd.MIN_ROWS = gluon_fwd.D64_MIN_BLOCK = 0
         d = None  # 64 or 128, drawn per template
     else:
         d = 16 if impl == "triton" else rng.choice([4, 16])

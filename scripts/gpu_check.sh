@@ -100,11 +100,8 @@
 #                                       Gluon call), gluon_floor.py --bwd at $FLOOR_SIZES, then benchmarks/sweep.py
 #                                       ($SWEEP_ROWS, $SWEEP_BUDGET s, results $SWEEP_NAME.{md,json,png})
 #   bash scripts/gpu_check.sh gluon-final issue 24: the Gluon CUDA tests, then sweep rows $SWEEP_ROWS ($SWEEP_BUDGET s)
-#   bash scripts/gpu_check.sh gluon-next issue 24: the Gluon kernels for w % r != 0 (gluon_fwd.UNEVEN_BLOCKS), short last
-#                                       segments (TAIL_SEGMENTS) and direct launches (DIRECT_LAUNCH), all off:
-#                                       test_gluon_{fwd,bwd}.py's CUDA tests, the seven sweep rows they would take
-#                                       (sweep.py --gluon-uneven), then
-#                                       gluon_floor.py --direct --bwd --sizes $FLOOR_SIZES
+#   bash scripts/gpu_check.sh gluon-ab   issue 24: benchmarks/gluon_ab.py over $AB_ROWS (Gluon or Triton per direction,
+#                                       same process: which kernels a call should take; D64_MIN_BLOCK's data)
 #   bash scripts/gpu_check.sh gluon-bwd issue 24: benchmarks/gluon_dilated_bwd.py --check --quick, then $GLUON_BWD_ARGS (--bench) (the Gluon dK/dV and dQ
 #                                       prototype against the float64 reference, then per branch beside the library's
 #                                       Triton backward and cuDNN)
@@ -260,19 +257,11 @@ case "${1:-tests}" in
     echo "sweep rc=$?" >> "$OUT/sweep.txt"
     grep -E "FAILED|Error|rc=|passed|failed" "$OUT/cuda_tests.txt" | tail -12; tail -30 "$OUT/sweep.txt"
     ;;
-  gluon-next)
-    # what the 2026-11-28 (twenty-third) session wrote without device time, switched off: the Gluon kernels
-    # for w % r != 0 (gluon_fwd.UNEVEN_BLOCKS), the Gluon forward's short last segments (TAIL_SEGMENTS) and
-    # their direct launches (DIRECT_LAUNCH). Their CUDA tests (all of test_gluon_fwd.py / test_gluon_bwd.py),
-    # the seven sweep rows they would take (--gluon-uneven), then gluon_floor.py --direct --bwd
-    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -m cuda tests/test_gluon_fwd.py tests/test_gluon_bwd.py -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
-    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
-    # within one 600 s call: tests <= 300 s, sweep <= 190 s (no row starts after 150 s), floor <= 80 s
-    timeout "${SWEEP_TIMEOUT:-190}" python3 benchmarks/sweep.py --out "$OUT" --name "${SWEEP_NAME:-sweep_h200_uneven}" --budget-s "${SWEEP_BUDGET:-150}" --no-peers --gluon-uneven --rows "${SWEEP_ROWS:-8br-paper-d64-fp16-causal,paper-r6-12,paper-r6-12-causal-fp16,b4-32k-r3-12-d64-fp16,192k-32x1-causal,n100000-causal,w%r-r64-n65536}" > "$OUT/sweep.txt" 2>&1
-    echo "sweep rc=$?" >> "$OUT/sweep.txt"
-    timeout "${FLOOR_TIMEOUT:-80}" python3 benchmarks/gluon_floor.py --direct --bwd --sizes "${FLOOR_SIZES:-1,2}" --out "$OUT/gluon_floor_direct.md" > "$OUT/floor.txt" 2>&1
-    echo "gluon_floor --direct rc=$?" >> "$OUT/floor.txt"
-    grep -E "FAILED|Error|rc=|passed|failed" "$OUT/cuda_tests.txt" | tail -12; tail -12 "$OUT/sweep.txt"; grep -E "^\||rc=" "$OUT/floor.txt"
+  gluon-ab)
+    # 2026-11-29: the rows of results/gluon_ab_h200_2026-11-29.md, cold ~60 s a row (compiles)
+    timeout "${AB_TIMEOUT:-470}" python3 benchmarks/gluon_ab.py --budget-s "${AB_BUDGET:-400}" --rows "${AB_ROWS:-8br-paper-d64-fp16-causal,b4-32k-r3-12-d64-fp16,b2-128k-16x8-d64-fp16,b8-16k-mqa-d64-w8k,512k-mqa-d64-causal,headline-causal,paper-r6-12-causal-fp16}" --out "$OUT/gluon_ab.md" > "$OUT/gluon_ab.txt" 2>&1
+    echo "gluon_ab rc=$?" >> "$OUT/gluon_ab.txt"
+    grep -E "^\||rc=" "$OUT/gluon_ab.txt" | tail -14
     ;;
   gluon-bwd)
     # a barrier mistake hangs: the quick check (12 cases) first, under its own timeout

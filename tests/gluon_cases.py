@@ -23,6 +23,28 @@ def gluon_ready() -> str | None:
 needs_gluon = pytest.mark.skipif(gluon_ready() is not None, reason=str(gluon_ready()))
 
 
+class OnCuda:
+    """What the Gluon gate reads of a contiguous CUDA tensor of ``shape`` (no memory): the
+    library's own ``shape_problem`` / ``problem`` judge the cases on the CPU."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", 0)
+        self._size = torch.empty((), dtype=dtype).element_size()
+
+    def stride(self):
+        out, acc = [], 1
+        for s in reversed(self.shape):
+            out.append(acc)
+            acc *= s
+        return tuple(reversed(out))
+
+    def data_ptr(self):
+        return 1 << 20
+
+    def element_size(self):
+        return self._size
+
+
 def qkv(b=1, n=256, h=4, hkv=2, d=64, dtype=torch.bfloat16, device="cpu"):
     q = torch.randn(b, n, h, d, dtype=dtype, device=device)
     k = torch.randn(b, n, hkv, d, dtype=dtype, device=device)

@@ -297,11 +297,11 @@ def gluon_unavailable(device: str) -> str | None:
 @contextlib.contextmanager
 def gluon_switches(on: bool):
     """Both Gluon switches ``on`` (``flags.set_gluon_forward`` / ``set_gluon_backward``) and
-    ``gluon_fwd.MIN_ROWS`` 0 meanwhile; afterwards the switches follow the environment again."""
+    ``gluon_fwd.MIN_ROWS`` and ``D64_MIN_BLOCK`` 0 meanwhile; afterwards the switches follow the environment again."""
     from dilated_attention.kernels import gluon_fwd
 
-    rows = gluon_fwd.MIN_ROWS
-    gluon_fwd.MIN_ROWS = 0
+    rows, block = gluon_fwd.MIN_ROWS, gluon_fwd.D64_MIN_BLOCK
+    gluon_fwd.MIN_ROWS = gluon_fwd.D64_MIN_BLOCK = 0
     flags.set_gluon_forward(on)
     flags.set_gluon_backward(on)
     call_cache.clear()
@@ -310,7 +310,7 @@ def gluon_switches(on: bool):
     finally:
         flags.set_gluon_forward(None)
         flags.set_gluon_backward(None)
-        gluon_fwd.MIN_ROWS = rows
+        gluon_fwd.MIN_ROWS, gluon_fwd.D64_MIN_BLOCK = rows, block
 
 
 @contextlib.contextmanager

@@ -246,36 +246,13 @@ def test_gluon_variants_stay_in_class():
     assert len({G.variant(t, random.Random(i)) for i in range(20)} - {None}) > 10  # values do vary
 
 
-class _OnCuda:
-    """What the Gluon gate reads of a contiguous CUDA tensor of ``shape`` (no memory): the
-    library's own ``shape_problem`` / ``problem`` judge the cases on the CPU."""
-
-    def __init__(self, shape, dtype):
-        import torch
-
-        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", 0)
-        self._size = torch.empty((), dtype=dtype).element_size()
-
-    def stride(self):
-        out, acc = [], 1
-        for s in reversed(self.shape):
-            out.append(acc)
-            acc *= s
-        return tuple(reversed(out))
-
-    def data_ptr(self):
-        return 1 << 20
-
-    def element_size(self):
-        return self._size
-
-
 @needs_triton
 def test_gluon_cases_pass_the_librarys_gate(monkeypatch):
     """gluon_fwd.shape_problem and gluon_bwd.problem as on an sm_90 GPU with MIN_ROWS 0 (the
     device checks stood in for): every case passes the forward's, the backward's exactly when
     gluon_fuzz_cases.backward_runs_gluon says so; a case off the gate is refused."""
     import gluon_fuzz_cases as G
+    from gluon_cases import OnCuda
 
     from dilated_attention.branches import branch_head_ranges
     from dilated_attention.kernels import gluon_bwd, gluon_fwd, triton_import
@@ -284,12 +261,13 @@ def test_gluon_cases_pass_the_librarys_gate(monkeypatch):
     monkeypatch.setattr(triton_import, "INTERPRET", False)
     monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+    monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: object())
     monkeypatch.setattr(gluon_bwd, "_failed", {})
 
     def problems(c):
-        q = _OnCuda((c.b, c.n, c.h, c.d), c.dtype)
-        k = _OnCuda((c.b, c.n, c.hkv, c.d), c.dtype)
+        q = OnCuda((c.b, c.n, c.h, c.d), c.dtype)
+        k = OnCuda((c.b, c.n, c.hkv, c.d), c.dtype)
         br = L.branch_list(c.seg, c.dil, branch_head_ranges(c.h, len(c.seg), c.head_assignment))
         return gluon_fwd.shape_problem(q, k, k, br), gluon_bwd.problem(q, k, k, c.causal, br, c.h)
 
@@ -408,6 +386,7 @@ def test_gluon_mode_counts_a_fallback_as_an_error(capsys, monkeypatch):
     if gluon_fwd.kernel_module() is None:
         pytest.skip("Gluon does not import here")
     monkeypatch.setattr(gluon_fwd, "MIN_ROWS", gluon_fwd.MIN_ROWS)  # restored after the worker's 0
+    monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", gluon_fwd.D64_MIN_BLOCK)
     monkeypatch.setattr(G, "gluon_unavailable", lambda device: None)
     monkeypatch.setattr(G, "run", lambda c, impl, device, gluon: {n: torch.zeros(1) for n in G.NAMES})
     rc = fuzz.main(["--gluon", "--examples", "3", "--pool", "1", "--seed", "7"])
@@ -416,7 +395,7 @@ def test_gluon_mode_counts_a_fallback_as_an_error(capsys, monkeypatch):
     assert "fuzz (gluon): impl=triton" in out and out.count("ERROR GluonCase(") == 3
     assert "GluonNotLaunched: the Gluon forward launched branches" in out
     assert "examples run: 3  mismatches: 0  errors: 3" in out and "1 templates drawn freely, 2 variants run" in out
-    assert gluon_fwd.MIN_ROWS == 0
+    assert gluon_fwd.MIN_ROWS == 0 and gluon_fwd.D64_MIN_BLOCK == 0
 
 
 @needs_triton

@@ -35,8 +35,10 @@ def switches_reset():
 @pytest.fixture(autouse=True)
 def small_calls_too(monkeypatch):
     # the cases are small (N <= 8192, <= 8 heads): below gluon_fwd.MIN_ROWS, which keeps small
-    # calls on the Triton kernels for their host time; the kernels' exactness does not depend on it
+    # calls on the Triton kernels for their host time, and their head-dim-64 blocks are below
+    # D64_MIN_BLOCK; the kernels' exactness depends on neither
     monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+    monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
 
 def test_switch_on_by_default_and_environment(monkeypatch, switches_reset):
     monkeypatch.delenv(flags.ENV_GLUON_BWD, raising=False)

@@ -21,6 +21,7 @@ from gluon_cases import (
     CASES,
     TAIL_CASES,
     UNEVEN_CASES,
+    OnCuda,
     err,
     gluon_ready,
     needs_gluon,
@@ -43,8 +44,10 @@ def switch_reset():
 @pytest.fixture(autouse=True)
 def small_calls_too(monkeypatch):
     # the cases are small (N <= 8192, <= 8 heads): below gluon_fwd.MIN_ROWS, which keeps small
-    # calls on the Triton kernels for their host time; the kernels' exactness does not depend on it
+    # calls on the Triton kernels for their host time, and their head-dim-64 blocks are below
+    # D64_MIN_BLOCK; the kernels' exactness depends on neither
     monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+    monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
 
 # --------------------------------------------------------------------------------- CPU
 
@@ -284,6 +287,38 @@ def test_view_problem_refuses_layouts_tma_cannot_view():
     assert why is not None
 
 
+def test_speed_rules_and_shipped_switches(monkeypatch):
+    """shape_problem as on an sm_90 GPU (the device checks stood in for): the measured speed
+    rules refuse what they name and nothing else, and blocks of two lengths and short last
+    segments are taken as shipped (on since their CUDA tests passed, 2026-11-29)."""
+    from dilated_attention.kernels import triton_import
+
+    monkeypatch.undo()  # the autouse zeros of MIN_ROWS / D64_MIN_BLOCK: the shipped values
+    monkeypatch.setattr(triton_import, "INTERPRET", False)
+    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
+    assert gluon_fwd.UNEVEN_BLOCKS and gluon_fwd.TAIL_SEGMENTS and not gluon_fwd.DIRECT_LAUNCH
+    assert (gluon_fwd.MIN_ROWS, gluon_fwd.D64_MIN_BLOCK) == (1 << 18, 2048)
+
+    def why(b, n, h, d, seg, dil):
+        q = OnCuda((b, n, h, d), torch.bfloat16)
+        return gluon_fwd.shape_problem(q, q, q, [(w, r, 0, h) for w, r in zip(seg, dil, strict=True)])
+
+    assert "MIN_ROWS" in why(1, 16384, 8, 128, [2048, 4096], [1, 2])  # 131072 rows
+    assert why(1, 32768, 8, 128, [2048, 4096], [1, 2]) is None  # 262144
+    # head dim 64: every block shorter than D64_MIN_BLOCK (the sweep's 8br-paper row's blocks)
+    small = ([512, 1024, 2048, 8192], [1, 1, 2, 6])
+    assert "D64_MIN_BLOCK" in why(2, 65536, 16, 64, *small)
+    assert why(2, 65536, 16, 128, *small) is None  # head dim 128: not this rule's
+    assert why(2, 65536, 16, 64, [512, 4096], [1, 2]) is None  # one branch's blocks of 2048
+    monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
+    assert why(2, 65536, 16, 64, *small) is None
+    # w % r != 0 and a short last segment (batch 1) are taken; batch 2 with a tail is not
+    assert why(1, 100000, 16, 128, [2048, 32768], [1, 6]) is None
+    assert "TAIL_SEGMENTS" in why(2, 100000, 16, 128, [2048, 32768], [1, 6])
+    monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", False)
+    assert "UNEVEN_BLOCKS" in why(1, 131072, 16, 128, [2048, 32768], [1, 6])
+
+
 def test_cpu_forward_never_launches_gluon(seed, monkeypatch):
     called = []
     monkeypatch.setattr(gluon_fwd, "launch_branch", lambda *a, **kw: called.append(1))
@@ -465,3 +500,26 @@ def test_floor_benchmark_refuses_without_a_hopper_gpu():
 
     assert gluon_floor.main([]) == 2
     assert all(n * h >= 1 for n, h, *_ in gluon_floor.SIZES)
+
+
+def test_ab_benchmark_checks_rows_and_refuses_without_a_hopper_gpu():
+    if gluon_ready() is None:
+        pytest.skip("a Hopper GPU with Gluon is here: the script would measure")
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import gluon_ab
+
+    assert gluon_ab.main(["--rows", "8br-paper-d64-fp16-causal,headline"]) == 2
+    with pytest.raises(SystemExit):  # a row sweep.py does not have: argparse's error, exit 2
+        gluon_ab.main(["--rows", "no-such-row"])
+    res = {"row": "r", "fb_flops": 3.5e12, "G/G": {"fwd_ms": 1.0, "fb_ms": 3.0, "bwd_ms": 2.0},
+           "T/T": {"fwd_ms": 1.5, "fb_ms": 4.0, "bwd_ms": 2.5}, "T/G": {"error": "OOM"},
+           "G/T": {"fwd_ms": 1.0, "fb_ms": 3.5, "bwd_ms": 2.5}}  # fmt: skip
+    info = {"command": "c", "device": "d", "versions": {"torch": "x"}, "date": "t"}
+    table = gluon_ab.markdown([res, {"row": "s", "skipped": "budget 1 s"}], info, False)
+    assert "| r | 1.00 | 1.50 | 2.00 | 2.50 | 3.00 (1167) | 4.00 (875) | OOM | 3.50 (1000) | G/G |" in table
+    assert "| s | skipped: budget 1 s |" in table

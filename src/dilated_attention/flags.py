@@ -286,7 +286,7 @@ def gluon_forward_enabled() -> bool:
 def set_gluon_backward(enabled: bool | None) -> None:
     """Run the training backward's branches through the Gluon kernels where they apply (True) or
     through the Triton kernels always (False) in this process; None returns to the environment's
-    choice (``DILATED_ATTENTION_GLUON_BWD``; off unless ``1``)."""
+    choice (``DILATED_ATTENTION_GLUON_BWD``; on unless ``0``)."""
     _check_bool("set_gluon_backward", enabled, ENV_GLUON_BWD)
     _gluon_bwd.set(enabled)
 

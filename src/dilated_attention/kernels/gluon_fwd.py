@@ -10,11 +10,15 @@ imports Gluon.
 The kernel's restrictions, checked by :func:`problem` (anything else runs the Triton kernels,
 the same math): a CUDA device of compute capability exactly 9.0 (its wgmma / TMA / setmaxnreg
 are Hopper's), Triton's Gluon with its Hopper module, bf16 or fp16, headdim 64 or 128,
-seqlen_q == seqlen_k, every branch with ``N % w == 0``, ``w // r >= 2`` and ``w % r == 0`` (or,
-with :data:`UNEVEN_BLOCKS`, blocks of two lengths launched per length class from a head that is
-a multiple of r: :func:`length_classes`), q / k / v with heads dense in a row (row stride = heads x head
-stride: the TMA view folds the offset class into the head axis) and 16-byte aligned, and
-grids within CUDA's limits. The switch is :func:`dilated_attention.flags.set_gluon_forward`.
+seqlen_q == seqlen_k, every branch with ``w // r >= 2``; ``w % r == 0`` or (with
+:data:`UNEVEN_BLOCKS`, on) blocks of two lengths launched per length class from a head that is a
+multiple of r (:func:`length_classes`); ``N % w == 0`` or (with :data:`TAIL_SEGMENTS`, on;
+batch 1, forward only) a short last segment launched on its own; q / k / v with heads dense in
+a row (row stride = heads x head stride: the TMA view folds the offset class into the head axis)
+and 16-byte aligned, and grids within CUDA's limits. Two speed rules, measured: calls of fewer
+than :data:`MIN_ROWS` rows (batch x seqlen x heads), and head dim 64 calls whose every block is
+shorter than :data:`D64_MIN_BLOCK`, run the Triton kernels. The switch is
+:func:`dilated_attention.flags.set_gluon_forward`.
 """
 
 from __future__ import annotations
@@ -48,22 +52,31 @@ GRID_YZ_MAX = 65535  # CUDA's limit on a grid's second and third axes
 # 135 us forward: the ~0.4 ms of host time per Gluon call is not hidden). Hence 262144
 # (results/gluon_floor_h200_2026-11-28.md).
 MIN_ROWS = 1 << 18
+# Head dim 64 with small blocks: the Gluon kernels are not taken when every branch's blocks
+# (w // r rows) are shorter than this. Measured on an H200 (2026-11-29, benchmarks/gluon_ab.py,
+# results/gluon_ab_h200_2026-11-29.md, same process, impl="triton"): on the sweep's
+# 8br-paper-d64-fp16-causal row (blocks of 512 to 1365 rows) the Triton kernels were faster in
+# both directions (forward 3.86 vs 4.66 ms, backward 11.57 vs 13.48 ms); on every head-dim-64
+# row with blocks of 2048 rows or more the Gluon backward was 13-22% faster and the forwards
+# within 6% of each other. Set 0 to take the Gluon kernels for every block length.
+D64_MIN_BLOCK = 2048
 # branches with w % r != 0 (blocks of two lengths, launched per length class:
-# :func:`length_classes`), in the forward and the backward (``gluon_bwd``). Off until their
-# CUDA tests have run them on a GPU (written 2026-11-28 without device time;
-# tests/test_gluon_fwd.py and test_gluon_bwd.py turn it on for their uneven cases): those
-# branches run the Triton kernels.
-UNEVEN_BLOCKS = False
+# :func:`length_classes`), in the forward and the backward (``gluon_bwd``). On since their CUDA
+# tests passed on an H200 (2026-11-29: tests/test_gluon_fwd.py and test_gluon_bwd.py, 111
+# passed); the sweep's rows with such branches ran 3-40% faster than on the Triton kernels
+# (results/gluon_uneven_h200_2026-11-29.md). False: those calls run the Triton kernels.
+UNEVEN_BLOCKS = True
 # N % w != 0 (a short last segment of N % w rows, as docs/spec.md defines it) in the forward,
 # batch 1: the full segments as usual and the short one in a launch of its own
 # (:func:`launch_tail`; its blocks are length classes of (N % w, r), so a tail whose length r
-# does not divide also needs UNEVEN_BLOCKS). Off until run on a GPU (written 2026-11-28 without
-# device time); the backward runs the Triton kernels for these calls.
-TAIL_SEGMENTS = False
+# does not divide also needs UNEVEN_BLOCKS). On since its CUDA tests passed (H200,
+# 2026-11-29); the backward runs the Triton kernels for these calls. False: the forward too.
+TAIL_SEGMENTS = True
 # later launches of a Gluon kernel with the same specialisation through the compiled kernel's
-# launcher (:func:`launch`), skipping Triton's JITFunction.run. Off until run on a GPU (written
-# 2026-11-28 without device time; the host time of a Gluon call, ~0.4 ms on an H200, is why
-# MIN_ROWS exists: benchmarks/results/gluon_floor_h200_2026-11-28.md).
+# launcher (:func:`launch`), skipping Triton's JITFunction.run. Its CUDA test passed (H200,
+# 2026-11-29: the same bits as Triton's launcher), but it did not cut the host time of a small
+# call (results/gluon_uneven_h200_2026-11-29.md: 16384 x 8 x 64, still 0.39x / 0.33x of the
+# Triton kernels' speed forward / forward+backward), so it stays off; MIN_ROWS stays.
 DIRECT_LAUNCH = False
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
@@ -155,6 +168,9 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
     if bsz * n * nh < MIN_ROWS:
         return (f"batch x seqlen x heads = {bsz * n * nh} < gluon_fwd.MIN_ROWS = {MIN_ROWS}: "
                 f"the Triton kernels' direct launches cost less host time")  # fmt: skip
+    if d == 64 and max(w // r for w, r, _, _ in branches) < D64_MIN_BLOCK:
+        return (f"headdim 64 and every branch's blocks shorter than gluon_fwd.D64_MIN_BLOCK = "
+                f"{D64_MIN_BLOCK} rows (w // r): the Triton kernels are faster there")  # fmt: skip
     for w, r, hs, he in branches:
         if w // r < 2:
             return f"branch (w={w}, r={r}): the Gluon forward needs w // r >= 2"
