@@ -490,6 +490,8 @@ def markdown(results, peers_res, meta) -> str:
         *(["--gluon-even-only: branches with w % r != 0 and short last segments ran the Triton "
            "kernels (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS off; on by default since 2026-11-29)"]
           if meta.get("gluon_even_only") else []),
+        *(["--gluon-bwd-tail: the Gluon backward also ran short last segments (gluon_bwd.TAIL_SEGMENTS; "
+           "off by default)"] if meta.get("gluon_bwd_tail") else []),
     ])
     lines += [
         "",
@@ -561,7 +563,7 @@ def summary(results, peers_res) -> str:
         dfwd, dfb, mark = dense_reference(results, i)
         cell = lambda m: "   n/a   " if not m else "   err   " if "error" in m else f"{m['fwd_tf']:4.0f}/{m.get('fb_tf') or 0:4.0f}"  # noqa: E731
         im = res["impls"]
-        best = max((m.get("fb_tf") or 0) for k, m in im.items() if k != "dense" and "error" not in m) if im else 0
+        best = max(((m.get("fb_tf") or 0) for k, m in im.items() if k != "dense" and "error" not in m), default=0)
         dense = cell(im.get("dense")) if "error" not in im.get("dense", {}) else "   err   "
         if dfb and not im.get("dense", {}).get("fb_tf"):
             dense = f"{dfwd:4.0f}/{dfb:4.0f}{mark}"
@@ -623,6 +625,9 @@ def main(argv=None):
     p.add_argument("--gluon-even-only", action="store_true",
                    help="A/B: branches with w %% r != 0 and N %% w != 0 run the Triton kernels, as before "
                         "2026-11-29 (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS off)")
+    p.add_argument("--gluon-bwd-tail", action="store_true",
+                   help="A/B: the Gluon backward also takes N %% w != 0 at batch 1 (gluon_bwd.TAIL_SEGMENTS, "
+                        "off by default until its CUDA tests pass)")
     p.add_argument("--plan", action="store_true", help="print rows and estimated GPU seconds; run nothing")
     p.add_argument("--rule-report", metavar="JSON", help="print the rule evaluation of a sweep's JSON")
     p.add_argument("--emit-table", metavar="JSON", help="print MEASURED for kernels/auto_rule.py")
@@ -666,6 +671,11 @@ def main(argv=None):
         gluon_fwd.UNEVEN_BLOCKS = False
         gluon_fwd.TAIL_SEGMENTS = False
         meta["gluon_even_only"] = True
+    if args.gluon_bwd_tail:
+        from dilated_attention.kernels import gluon_bwd
+
+        gluon_bwd.TAIL_SEGMENTS = True
+        meta["gluon_bwd_tail"] = True
     if dev.type == "cpu":
         meta["device"] = f"CPU (--tiny): {meta['device']}"
     if args.out:

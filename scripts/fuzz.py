@@ -52,11 +52,14 @@ Gluon kernels (``--gluon``, issue 24: kernels/gluon_fwd.py + gluon_fwd_kernel.py
 gluon_bwd_kernel.py). The cases above never reach them (headdim 16, float32, masks, nq < nk);
 ``--gluon`` draws from tests/gluon_fuzz_cases.py instead: configurations that pass every
 condition of the Gluon gate a case controls (bf16 / fp16, headdim 64 / 128, seqlen_q ==
-seqlen_k = N <= 4096, every branch with N % w == 0, w % r == 0 and w // r >= 2, contiguous
+seqlen_k = N <= 4096, every branch with w // r >= 2; some with w % r != 0 (blocks of two
+lengths) and, at batch 1, some with N % w != 0 (a short last segment: its backward is Gluon's
+only with ``--gluon-bwd-tail``), contiguous
 inputs, no mask, no packed documents; partial tiles (w // r mostly no multiple of 64), first
 branches with r > 1, MHA / GQA / MQA, causal or not, batch 1-2, heads 1-8; one case in five
 with split heads: the Gluon forward, then the Triton backward), with ``gluon_fwd.MIN_ROWS = 0``
-in each worker (small cases take the Gluon path; exactness does not depend on it). Each case
+and ``D64_MIN_BLOCK = 0`` in each worker (small cases take the Gluon path; exactness depends
+on neither). Each case
 runs the float64 reference on the device (dense: its size bound is
 gluon_fuzz_cases.MAX_SCORES) on the kernels' rounded inputs, then impl="triton" with both Gluon
 switches off and on, judged as tests/test_gluon_fwd.py and test_gluon_bwd.py judge the Gluon
@@ -309,6 +312,10 @@ def work(o: dict) -> dict:
         # small cases (and small head-dim-64 blocks) take the Gluon path too; exactness does not
         # depend on the speed floors
         gluon_fwd.MIN_ROWS = gluon_fwd.D64_MIN_BLOCK = 0
+        if o.get("gluon_bwd_tail"):
+            from dilated_attention.kernels import gluon_bwd
+
+            gluon_bwd.TAIL_SEGMENTS = True
         d = None  # 64 or 128, drawn per template
     else:
         d = 16 if impl == "triton" else rng.choice([4, 16])
@@ -382,6 +389,9 @@ def main(argv=None) -> int:
     ap.add_argument("--varlen", action="store_true", help="packed documents (dilated_attention_varlen)")
     ap.add_argument("--gluon", action="store_true",
                     help="cases the Gluon kernels take (sm_90 CUDA only; exit 2 where they cannot run)")  # fmt: skip
+    ap.add_argument("--gluon-bwd-tail", action="store_true",
+                    help="with --gluon: the Gluon backward also takes short last segments "
+                         "(gluon_bwd.TAIL_SEGMENTS, off as shipped)")  # fmt: skip
     ap.add_argument("--every", type=int, default=100, help="progress line every N examples (per worker)")
     ap.add_argument("--pool", type=int, default=None,
                     help="templates per worker: the compile pool (0: every case drawn freely; "
@@ -392,6 +402,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.gluon and args.varlen:
         ap.error("--gluon and --varlen exclude each other (the Gluon kernels take no packed documents)")
+    if args.gluon_bwd_tail and not args.gluon:
+        ap.error("--gluon-bwd-tail needs --gluon")
     if args.gluon and args.impl == "torch":
         ap.error("--gluon needs --impl triton (the Gluon kernels run inside impl='triton')")
     args.impl = args.impl or ("triton" if args.gluon else "torch")
@@ -408,13 +420,15 @@ def main(argv=None) -> int:
         pool = (2 if args.gluon else 4) if args.impl == "triton" and args.device != "cpu" else 0
     nw = max(1, args.workers)
     print(f"fuzz ({kind}): impl={args.impl} device={args.device} generator seed={seed} "
-          f"workers={nw} pool={pool}", flush=True)  # fmt: skip
+          f"workers={nw} pool={pool}" + (" gluon_bwd.TAIL_SEGMENTS on" if args.gluon_bwd_tail else ""),
+          flush=True)  # fmt: skip
     t0 = time.monotonic()
     deadline = time.time() + 60 * args.minutes
     threads = args.threads if args.threads is not None else (1 if nw > 1 else 0)
     opts = [
         dict(index=i, workers=nw, seed=worker_seed(seed, i), impl=args.impl, device=args.device,
              kind=kind, pool=pool, every=args.every, deadline=deadline, threads=threads,
+             gluon_bwd_tail=args.gluon_bwd_tail,
              examples=args.examples // nw + (i < args.examples % nw) if args.examples else 0)
         for i in range(nw)
     ]  # fmt: skip

@@ -100,6 +100,12 @@
 #                                       Gluon call), gluon_floor.py --bwd at $FLOOR_SIZES, then benchmarks/sweep.py
 #                                       ($SWEEP_ROWS, $SWEEP_BUDGET s, results $SWEEP_NAME.{md,json,png})
 #   bash scripts/gpu_check.sh gluon-final issue 24: the Gluon CUDA tests, then sweep rows $SWEEP_ROWS ($SWEEP_BUDGET s)
+#   bash scripts/gpu_check.sh gluon-next issue 24, what the 2026-11-29 session wrote without device time: the Gluon
+#                                       backward for short last segments (gluon_bwd.TAIL_SEGMENTS, off): its CUDA
+#                                       tests (with the even ones), then fuzz.py --gluon --gluon-bwd-tail (5,000
+#                                       cases, the generator now with w % r != 0 and N % w != 0)
+#   bash scripts/gpu_check.sh gluon-next-bench  the two sweep rows TAIL_SEGMENTS would take, with and without
+#                                       --gluon-bwd-tail, then gluon_ab.py on the d128 rows with 1024-row blocks
 #   bash scripts/gpu_check.sh gluon-ab   issue 24: benchmarks/gluon_ab.py over $AB_ROWS (Gluon or Triton per direction,
 #                                       same process: which kernels a call should take; D64_MIN_BLOCK's data)
 #   bash scripts/gpu_check.sh gluon-bwd issue 24: benchmarks/gluon_dilated_bwd.py --check --quick, then $GLUON_BWD_ARGS (--bench) (the Gluon dK/dV and dQ
@@ -256,6 +262,26 @@ case "${1:-tests}" in
     timeout "${SWEEP_TIMEOUT:-320}" python3 benchmarks/sweep.py --out "$OUT" --name "${SWEEP_NAME:-sweep_h200_gluon_part2}" --budget-s "${SWEEP_BUDGET:-250}" --no-peers ${SWEEP_ROWS:+--rows "$SWEEP_ROWS"} > "$OUT/sweep.txt" 2>&1
     echo "sweep rc=$?" >> "$OUT/sweep.txt"
     grep -E "FAILED|Error|rc=|passed|failed" "$OUT/cuda_tests.txt" | tail -12; tail -30 "$OUT/sweep.txt"
+    ;;
+  gluon-next)
+    # a cold machine compiles for minutes: -n 8, the tail tests and the even and uneven ones
+    timeout "${CUDA_TEST_TIMEOUT:-270}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py -k "tail or vs_reference" -n 8 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    timeout "${FUZZ_GLUON_TIMEOUT:-290}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_cache OMP_NUM_THREADS=1 \
+      python3 scripts/fuzz.py --gluon --gluon-bwd-tail --impl triton --device cuda --workers 12 --pool 2 \
+      --examples 5000 --minutes 3.5 --every 200 > "$OUT/fuzz_gluon.txt" 2>&1
+    echo "fuzz rc=$?" >> "$OUT/fuzz_gluon.txt"
+    grep -E "FAILED|rc=" "$OUT/cuda_tests.txt" | tail -8; grep -E "MISMATCH|ERROR" "$OUT/fuzz_gluon.txt" | head -5; tail -6 "$OUT/fuzz_gluon.txt"
+    ;;
+  gluon-next-bench)
+    for arm in off on; do
+      timeout 90 python3 benchmarks/sweep.py --out "$OUT" --name "sweep_tail_$arm" --budget-s 70 --no-peers --impls triton \
+        $([ $arm = on ] && echo --gluon-bwd-tail) --rows n100000-causal,w%r-r64-n65536 > "$OUT/sweep_tail_$arm.txt" 2>&1
+      echo "sweep $arm rc=$?" >> "$OUT/sweep_tail_$arm.txt"
+    done
+    timeout "${AB_TIMEOUT:-300}" python3 benchmarks/gluon_ab.py --budget-s 220 --rows b2-64k-7br-r64,8br-wN-32x8,paper-r6-12-causal-fp16 --out "$OUT/gluon_ab.md" > "$OUT/gluon_ab.txt" 2>&1
+    echo "gluon_ab rc=$?" >> "$OUT/gluon_ab.txt"
+    tail -5 "$OUT"/sweep_tail_*.txt; grep -E "^\||rc=" "$OUT/gluon_ab.txt" | tail -6
     ;;
   gluon-ab)
     # 2026-11-29: the rows of results/gluon_ab_h200_2026-11-29.md, cold ~60 s a row (compiles)

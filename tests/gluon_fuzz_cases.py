@@ -6,15 +6,19 @@ The Gluon kernels run a call only when every condition of their gate holds
 (``gluon_fwd.shape_problem`` / ``problem``, ``gluon_bwd.problem``), so the dense generator of
 tests/property_cases.py (headdim 16, float32, masks, nq < nk) never reaches them. A
 :class:`GluonCase` satisfies every condition a case controls (:func:`case_problem` lists them):
-bf16 or fp16, headdim 64 or 128, seqlen_q == seqlen_k = N, every branch with N % w == 0,
-w % r == 0 and w // r >= 2 (``gluon_fwd.UNEVEN_BLOCKS`` and ``TAIL_SEGMENTS`` stay off, as
-shipped), contiguous q / k / v, no key padding mask, no packed documents, batch 1-2, heads 1-8
+bf16 or fp16, headdim 64 or 128, seqlen_q == seqlen_k = N, every branch with w // r >= 2;
+w % r != 0 (blocks of two lengths, ``gluon_fwd.UNEVEN_BLOCKS``, on as shipped) for a branch in
+:data:`UNEVEN_P` of the draws, its heads starting at a multiple of r; N % w != 0 (a short last
+segment, ``gluon_fwd.TAIL_SEGMENTS``, on as shipped: batch 1, its blocks of >= 2 rows) in
+:data:`TAIL_P` of the batch-1 cases (their backward is the Gluon one only where
+``gluon_bwd.TAIL_SEGMENTS`` is on: :func:`backward_runs_gluon` reads it when asked);
+contiguous q / k / v, no key padding mask, no packed documents, batch 1-2, heads 1-8
 with kv heads dividing them (MHA, GQA, MQA), causal or not; the backward's extra condition,
 every branch over all heads, holds unless the case splits its heads (``split``, one case in
 five: the Gluon forward, then the Triton backward). What a case cannot control: the device
-(CUDA sm_90 with Triton's Gluon: :func:`gluon_unavailable`) and ``gluon_fwd.MIN_ROWS`` (batch x
-N x heads below it runs the Triton kernels for their host time), set to 0 while a case runs:
-the kernels' exactness does not depend on it. Sizes stay small for the float64 reference,
+(CUDA sm_90 with Triton's Gluon: :func:`gluon_unavailable`) and the speed rules
+``gluon_fwd.MIN_ROWS`` (batch x N x heads below it runs the Triton kernels for their host time)
+and ``D64_MIN_BLOCK``, set to 0 while a case runs: the kernels' exactness depends on neither. Sizes stay small for the float64 reference,
 which is dense (B x H x N x N scores, :data:`MAX_SCORES`): N <= 4096, drawn log-uniformly and
 mostly among numbers with many divisors (so that several branches fit); lengths w // r of
 every size, mostly not multiples of the kernels' 64 / 128-row tiles (partial tiles), some over
@@ -59,6 +63,9 @@ MAX_HEADS = 8
 # every batch and head count up to N = 2048
 MAX_SCORES = 1 << 26
 SPLIT_P = 0.2  # head_assignment="split": the Gluon forward, the Triton backward
+UNEVEN_P = 0.3  # a branch drawn with w % r != 0 (blocks of two lengths)
+TAIL_P = 0.5  # a batch-1 case whose branches may have N % w != 0 (a short last segment)
+GRID_MAX = 65535
 # gross bound on any result's error, times 1 + max |ref| (fp16: the repository's float16
 # tolerance, varlen_cases.HALF_ATOL; bf16: 8x, its 3 fewer mantissa bits)
 GROSS_ATOL = {torch.float16: HALF_ATOL, torch.bfloat16: 8 * HALF_ATOL}
@@ -101,15 +108,31 @@ def branches_with_heads(c: GluonCase) -> list[tuple[int, int, int, int]]:
     return [(w, r, hs, he) for (w, r), (hs, he) in zip(zip(c.seg, c.dil, strict=True), ranges, strict=True) if he > hs]
 
 
+def has_tail(c: GluonCase) -> bool:
+    """Whether a branch has a short last segment (N % w != 0)."""
+    return any(c.n % w for w in c.seg)
+
+
 def backward_runs_gluon(c: GluonCase) -> bool:
-    """Whether the Gluon backward takes the case: every branch with heads over all of them."""
+    """Whether the Gluon backward takes the case: every branch with heads over all of them, and
+    no short last segment unless ``gluon_bwd.TAIL_SEGMENTS`` is on (read now)."""
+    from dilated_attention.kernels import gluon_bwd
+
+    if has_tail(c) and not gluon_bwd.TAIL_SEGMENTS:
+        return False
     return all(hs == 0 and he == c.h for _, _, hs, he in branches_with_heads(c))
+
+
+def _tail_ok(t: int, r: int) -> bool:
+    """A short last segment of ``t`` rows with dilation r: none, or blocks of >= 2 rows."""
+    return t == 0 or t // r >= 2
 
 
 def case_problem(c: GluonCase) -> str | None:
     """Why the Gluon forward would not run case ``c`` on an sm_90 GPU with Gluon and
-    ``gluon_fwd.MIN_ROWS`` 0 (None: it would): the conditions of ``gluon_fwd.shape_problem``
-    that the case controls, with UNEVEN_BLOCKS and TAIL_SEGMENTS off, in pure Python; and the
+    ``gluon_fwd.MIN_ROWS`` and ``D64_MIN_BLOCK`` 0 (None: it would): the conditions of
+    ``gluon_fwd.shape_problem`` that the case controls, with UNEVEN_BLOCKS and TAIL_SEGMENTS on
+    (as shipped), in pure Python; and the
     fuzzer's own bounds (batch, heads, N, :data:`MAX_SCORES`)."""
     if c.dtype not in (torch.bfloat16, torch.float16) or c.d not in (64, 128):
         return f"dtype {c.dtype} / headdim {c.d}"
@@ -120,10 +143,17 @@ def case_problem(c: GluonCase) -> str | None:
     if not c.seg or len(c.seg) != len(c.dil) or not branches_with_heads(c):
         return "no branch with heads"
     for w, r in zip(c.seg, c.dil, strict=True):
-        if not (1 <= r <= w) or c.n % w or w % r or w // r < 2:
-            return f"branch (w={w}, r={r}) with N = {c.n}: needs N % w == 0, w % r == 0, w // r >= 2"
-        if c.n // w > 65535 or c.b * c.h > 65535:
+        if not (1 <= r <= w) or w // r < 2:
+            return f"branch (w={w}, r={r}): needs w // r >= 2"
+        if c.n % w and c.b != 1:
+            return f"branch (w={w}) with N = {c.n}: a short last segment needs batch 1 (batch {c.b})"
+        if not _tail_ok(c.n % w, r):
+            return f"branch (w={w}, r={r}) with N = {c.n}: its short last segment has blocks of one row"
+        if c.n // w > GRID_MAX or c.b * c.h > GRID_MAX:
             return f"branch (w={w}, r={r}): grid past CUDA's limits"
+    for w, r, hs, _ in branches_with_heads(c):
+        if (w % r or (c.n % w) % r) and hs % r:
+            return f"branch (w={w}, r={r}): blocks of two lengths need its heads from a multiple of r (from {hs})"
     return None
 
 
@@ -152,12 +182,19 @@ def _draw_n(rng: random.Random) -> int:
     return max(MIN_N, min(MAX_N, round(t)))
 
 
-def _draw_branch(rng: random.Random, n: int, first: bool) -> tuple[int, int]:
+def _draw_branch(rng: random.Random, n: int, first: bool, tail: bool = False) -> tuple[int, int]:
     """A branch (w, r) of length N = ``n``: r = 1 for half the first branches (LongNet's),
-    else mostly r > 1 where w has such a divisor."""
-    w = rng.choice([x for x in _divisors(n) if x >= 2])
+    else mostly r > 1 where w has such a divisor, and in :data:`UNEVEN_P` of the draws an r
+    that does not divide w. ``tail``: w need not divide N (half the draws: any w in [2, 2N])."""
+    if tail and rng.random() < 0.5:
+        w = rng.randint(2, 2 * n)
+    else:
+        w = rng.choice([x for x in _divisors(n) if x >= 2])
     if first and rng.random() < 0.5:
         return w, 1
+    uneven = [r for r in range(2, w // 2 + 1) if w % r] if rng.random() < UNEVEN_P else []
+    if uneven:
+        return w, rng.choice(uneven)
     rs = [r for r in _divisors(w) if w // r >= 2]
     dilated = [r for r in rs if r > 1]
     return w, rng.choice(dilated if dilated and rng.random() < 0.8 else rs)
@@ -175,17 +212,20 @@ def gluon_case(rng: random.Random, d: int | None = None) -> GluonCase:
     kind = rng.random()  # MHA, MQA, GQA (kv heads a proper divisor of the heads; MHA where none)
     gqa = [x for x in _divisors(h) if 1 < x < h]
     hkv = 1 if 1 / 3 <= kind < 2 / 3 else rng.choice(gqa) if kind >= 2 / 3 and gqa else h
-    nb = rng.randint(1, 3)
-    br = [_draw_branch(rng, n, i == 0) for i in range(nb)]
-    if rng.random() < 0.6:  # LongNet's order; else any order (FIRST / COMP / STORE_LO differ)
-        br.sort()
-    c = GluonCase(
-        b=b, n=n, h=h, hkv=hkv, d=d if d is not None else rng.choice([64, 128]), seg=tuple(w for w, _ in br),
-        dil=tuple(r for _, r in br), causal=rng.random() < 0.5, split=rng.random() < SPLIT_P,
-        bf16=rng.random() < 0.5, seed=rng.randrange(2**31),
-    )  # fmt: skip
-    assert case_problem(c) is None, (case_problem(c), c)
-    return c
+    d = d if d is not None else rng.choice([64, 128])
+    tail = b == 1 and rng.random() < TAIL_P
+    split, causal, bf16 = rng.random() < SPLIT_P, rng.random() < 0.5, rng.random() < 0.5
+    while True:  # redraw the branches until the gate takes them (two-length blocks' heads, tails)
+        nb = rng.randint(1, 3)
+        br = [_draw_branch(rng, n, i == 0, tail) for i in range(nb)]
+        if rng.random() < 0.6:  # LongNet's order; else any order (FIRST / COMP / STORE_LO differ)
+            br.sort()
+        c = GluonCase(
+            b=b, n=n, h=h, hkv=hkv, d=d, seg=tuple(w for w, _ in br), dil=tuple(r for _, r in br), causal=causal,
+            split=split, bf16=bf16, seed=rng.randrange(2**31),
+        )  # fmt: skip
+        if case_problem(c) is None:
+            return c
 
 
 # ------------------------------------------------------------------------------ variants
@@ -207,13 +247,52 @@ def tiles(d: int) -> tuple[int, ...]:
     return tuple(sorted(rows))
 
 
+def _length_key(w: int, r: int, d: int) -> tuple[int, ...]:
+    """The :func:`spec_class` of w, of both block lengths (floor and ceil of w / r) and of the
+    tile counts over each (:func:`tiles`)."""
+    lo, hi = w // r, -(-w // r)
+    return (spec_class(w), spec_class(lo), spec_class(hi),
+            *(spec_class(-(-x // t)) for x in (lo, hi) for t in tiles(d)))  # fmt: skip
+
+
 def branch_key(n: int, w: int, r: int, d: int) -> tuple[int, ...]:
-    """What a variant keeps of a branch: the :func:`spec_class` of w, r, the block length
-    L = w // r, the segments N // w and the tile counts ceil(L / rows) (:func:`tiles`): kernel
-    arguments of the Gluon and Triton launches."""
-    big_l = w // r
-    return (spec_class(w), spec_class(r), spec_class(big_l), spec_class(n // w),
-            *(spec_class(-(-big_l // t)) for t in tiles(d)))  # fmt: skip
+    """What a variant keeps of a branch: whether its blocks have two lengths (w % r != 0: the
+    kernels' CLASSES) and whether it has a short last segment (N % w rows), the
+    :func:`spec_class` of r and of the segments N // w, and :func:`_length_key` of its segments
+    and of its short last segment: kernel arguments of the Gluon and Triton launches."""
+    t = n % w
+    return (int(w % r > 0), int(t > 0), int(t % r > 0), spec_class(r), spec_class(n // w),
+            *_length_key(w, r, d), *(_length_key(t, r, d) if t else ()))  # fmt: skip
+
+
+def _int_in_class(rng: random.Random, cls: int, lo: int, hi: int) -> int | None:
+    """A random integer in [lo, hi] of :func:`spec_class` ``cls`` (None: none drawn)."""
+    if cls == 4:
+        return 1 if lo <= 1 <= hi else None
+    if cls == 1:
+        a, b = -(-lo // 16), hi // 16
+        return 16 * rng.randint(a, b) if a <= b else None
+    x = rng.randint(lo, hi) if lo <= hi else None
+    return x if x is not None and spec_class(x) == cls else None
+
+
+def _pair_like(n: int, d: int, key: tuple, rng: random.Random, tries: int = 400) -> tuple[int, int] | None:
+    """A branch (w, r) of length N = ``n`` with :func:`branch_key` ``key``: from :func:`_pairs`
+    where the key has blocks of one length and no short last segment, else by random draws of
+    w and r in their classes (key[3] for r, key[5] for w)."""
+    uneven, tail = key[0], key[1]
+    if not uneven and not tail:
+        got = _pairs(n, d).get(key)
+        return rng.choice(got) if got else None
+    divs = [x for x in _divisors(n) if spec_class(x) == key[5]]
+    for _ in range(tries):
+        w = _int_in_class(rng, key[5], 2, 2 * n) if tail else (rng.choice(divs) if divs else None)
+        if w is None or bool(n % w) != bool(tail):
+            continue
+        r = _int_in_class(rng, key[3], 1, w // 2)
+        if r is not None and branch_key(n, w, r, d) == key:
+            return w, r
+    return None
 
 
 @functools.lru_cache(maxsize=2 * MAX_N)
@@ -248,20 +327,22 @@ def variant(c: GluonCase, rng: random.Random, tries: int = 40) -> GluonCase | No
           and c.h * x * x <= MAX_SCORES]  # fmt: skip
     if not ns:
         return None
+    tail = any(key[1] for key in want[9])
     for n in rng.choices(ns, weights=[1.0 / x for x in ns], k=tries):
-        pairs = _pairs(n, c.d)
-        opts = [pairs.get(key) for key in want[9]]
-        if not all(opts):
-            continue
-        bs = [b for b in (1, 2) if spec_class(b * n * c.h) == want[8] and b * c.h * n * n <= MAX_SCORES]
+        bs = [b for b in ((1,) if tail else (1, 2))
+              if spec_class(b * n * c.h) == want[8] and b * c.h * n * n <= MAX_SCORES]  # fmt: skip
         if not bs:
             continue
-        br = [rng.choice(o) for o in opts]
+        br = [_pair_like(n, c.d, key, rng) for key in want[9]]
+        if not all(br):
+            continue
         out = GluonCase(
             b=rng.choice(bs), n=n, h=c.h, hkv=c.hkv, d=c.d, seg=tuple(w for w, _ in br), dil=tuple(r for _, r in br),
             causal=c.causal, split=c.split, bf16=c.bf16, seed=rng.randrange(2**31),
         )  # fmt: skip
-        assert case_key(out) == want and case_problem(out) is None, (out, c)
+        if case_problem(out) is not None:  # two-length blocks whose split heads start off a multiple of r
+            continue
+        assert case_key(out) == want, (out, c)
         return out
     return None
 
@@ -348,7 +429,9 @@ def launch_problems(c: GluonCase, seen: dict) -> list[str]:
     want = branches_with_heads(c)
     if set(seen["fwd"]) != set(want):
         bad.append(f"the Gluon forward launched branches (w, r, hs, he) {sorted(set(seen['fwd']))}, expected {want}")
-    want_bwd = sorted((w, r) for w, r, _, _ in want) if backward_runs_gluon(c) else []
+    # the backward launches each branch's full segments, then its short last one as (N % w, r)
+    want_bwd = sorted([(w, r) for w, r, _, _ in want] + [(c.n % w, r) for w, r, _, _ in want if c.n % w])
+    want_bwd = want_bwd if backward_runs_gluon(c) else []
     if sorted(seen["bwd"]) != want_bwd:
         bad.append(f"the Gluon backward launched branches (w, r) {sorted(seen['bwd'])}, expected {want_bwd}")
     return bad

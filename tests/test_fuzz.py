@@ -170,8 +170,11 @@ def test_mismatch_is_counted(capsys, monkeypatch):
 
 def _gate_conditions(c) -> list[str]:
     """The Gluon gate's conditions a case controls, written out again (gluon_fwd.shape_problem /
-    problem, gluon_bwd.problem; UNEVEN_BLOCKS and TAIL_SEGMENTS off): what fails, by name."""
+    problem, gluon_bwd.problem; UNEVEN_BLOCKS and TAIL_SEGMENTS on, as shipped): what fails, by
+    name."""
     import torch
+
+    from dilated_attention.branches import branch_head_ranges
 
     bad = []
     if c.dtype not in (torch.bfloat16, torch.float16):
@@ -182,9 +185,13 @@ def _gate_conditions(c) -> list[str]:
         bad.append("batch / heads")
     if not 4 <= c.n <= 4096:
         bad.append("N")
-    for w, r in zip(c.seg, c.dil, strict=True):
-        if c.n % w or w % r or w // r < 2 or r < 1:
+    ranges = branch_head_ranges(c.h, len(c.seg), c.head_assignment)
+    for w, r, (hs, he) in zip(c.seg, c.dil, ranges, strict=True):
+        t = c.n % w  # the short last segment: batch 1, blocks of >= 2 rows
+        if w // r < 2 or r < 1 or (t and (c.b != 1 or t // r < 2)):
             bad.append(f"branch ({w}, {r})")
+        if he > hs and (w % r or t % r) and hs % r:  # two block lengths: heads from a multiple of r
+            bad.append(f"branch ({w}, {r}) heads")
     return bad
 
 
@@ -209,16 +216,32 @@ def test_gluon_cases_satisfy_the_gate_and_cover_it():
             seen.add("several tiles, the last partial")
         if c.n >= 2048:
             seen.add("N >= 2048")
+        if any(w % r for w, r in zip(c.seg, c.dil, strict=True)):
+            seen.add("blocks of two lengths")
+        if any(c.n % w for w in c.seg):
+            seen.add("short last segment")
+        if any(w > c.n for w in c.seg):
+            seen.add("w > N: all short last segment")
+        if any(c.n % w and (c.n % w) % r for w, r in zip(c.seg, c.dil, strict=True)):
+            seen.add("short last segment of two block lengths")
+        if c.split and any(w % r and hs > 0 for w, r, hs, _ in G.branches_with_heads(c)):
+            seen.add("two block lengths on split heads")
     want = {("dtype", True), ("dtype", False), ("d", 64), ("d", 128), ("causal", True), ("causal", False),
             ("split", True), ("split", False), ("b", 1), ("b", 2), ("branches", 1), ("branches", 3),
             ("backward gluon", True), ("backward gluon", False), ("kv", "mha"), ("kv", "mqa"), ("kv", "gqa"),
-            "first branch r > 1", "partial tile", "several tiles, the last partial", "N >= 2048"}  # fmt: skip
+            "first branch r > 1", "partial tile", "several tiles, the last partial", "N >= 2048",
+            "blocks of two lengths", "short last segment", "w > N: all short last segment",
+            "short last segment of two block lengths", "two block lengths on split heads"}  # fmt: skip
     assert want <= seen, want - seen
     # the predicate refuses what the gate refuses
     c = G.gluon_case(random.Random(1))
-    for bad in (dataclasses.replace(c, seg=(c.n + 1,) * len(c.seg)), dataclasses.replace(c, d=16),
-                dataclasses.replace(c, dil=tuple(w for w in c.seg))):  # fmt: skip
-        assert G.case_problem(bad) is not None and _gate_conditions(bad)
+    for bad in (dataclasses.replace(c, b=2, seg=(c.n + 1,) * len(c.seg)), dataclasses.replace(c, d=16),
+                dataclasses.replace(c, dil=tuple(w for w in c.seg)),
+                dataclasses.replace(c, b=1, seg=(c.n + 1,), dil=(c.n // 2 + 1,)),  # a tail of one-row blocks
+                dataclasses.replace(c, h=4, hkv=4, split=True, seg=(c.n, c.n), dil=(1, 3))):  # fmt: skip
+        if bad.n % 3 == 0 and bad.split:  # w % 3 == 0: one block length, nothing to refuse
+            continue
+        assert G.case_problem(bad) is not None and _gate_conditions(bad), bad
 
 
 def test_gluon_variants_stay_in_class():
@@ -238,8 +261,10 @@ def test_gluon_variants_stay_in_class():
         assert spec_class(c.n) == spec_class(t.n) and spec_class(c.b * c.n * c.h) == spec_class(t.b * t.n * t.h)
         for (w, r), (w0, r0) in zip(zip(c.seg, c.dil, strict=True), zip(t.seg, t.dil, strict=True), strict=True):
             for f in (lambda n, w, r: w, lambda n, w, r: r, lambda n, w, r: w // r, lambda n, w, r: n // w,
-                      lambda n, w, r: -(-(w // r) // 128)):  # fmt: skip
+                      lambda n, w, r: -(-(w // r) // 128), lambda n, w, r: -(-w // r), lambda n, w, r: n % w,
+                      lambda n, w, r: (n % w) // r):  # fmt: skip
                 assert spec_class(f(c.n, w, r)) == spec_class(f(t.n, w0, r0)), (t, c)
+            assert (w % r > 0, c.n % w > 0) == (w0 % r0 > 0, t.n % w0 > 0), (t, c)
         assert G.case_key(c) == G.case_key(t)
     assert made > 280
     t = G.gluon_case(random.Random(3))
@@ -396,6 +421,14 @@ def test_gluon_mode_counts_a_fallback_as_an_error(capsys, monkeypatch):
     assert "GluonNotLaunched: the Gluon forward launched branches" in out
     assert "examples run: 3  mismatches: 0  errors: 3" in out and "1 templates drawn freely, 2 variants run" in out
     assert gluon_fwd.MIN_ROWS == 0 and gluon_fwd.D64_MIN_BLOCK == 0
+    # --gluon-bwd-tail: the worker turns gluon_bwd.TAIL_SEGMENTS on (and the header says so)
+    from dilated_attention.kernels import gluon_bwd
+
+    monkeypatch.setattr(gluon_bwd, "TAIL_SEGMENTS", False)
+    fuzz.main(["--gluon", "--gluon-bwd-tail", "--examples", "1", "--pool", "1", "--seed", "7"])
+    assert "gluon_bwd.TAIL_SEGMENTS on" in capsys.readouterr().out and gluon_bwd.TAIL_SEGMENTS
+    with pytest.raises(SystemExit):
+        fuzz.main(["--gluon-bwd-tail"])
 
 
 @needs_triton

@@ -9,12 +9,13 @@ call whose three of them pass :data:`MAX_F32_BYTES` runs the Triton backward
 (``triton_launch.backward``: the 2M-token calls of issue 24 among them).
 
 delta = rowsum(dO * out) comes from the Triton backward's delta kernel; lse and delta are handed
-to the kernels block-major per branch (:func:`prep_rows`, torch ops on (B, H, N) float32: a
-gather and a pad per branch); FA3 folds that into its preprocessing kernel, this does not yet.
+to the kernels block-major per branch (one Triton kernel per branch, :func:`block_rows`; on the
+CPU, for the emulated kernels of the tests, :func:`prep_rows`).
 
 Restrictions, checked by :func:`problem`, beyond the forward's (``gluon_fwd.shape_problem``:
-Hopper, bf16/fp16, D 64/128, N % w == 0, w % r == 0 or ``gluon_fwd.UNEVEN_BLOCKS`` (each
-length class launched apart, as the forward does), dense-head views): every branch over all
+Hopper, bf16/fp16, D 64/128, w % r == 0 or ``gluon_fwd.UNEVEN_BLOCKS`` (each length class
+launched apart, as the forward does), dense-head views), N % w == 0 unless
+:data:`TAIL_SEGMENTS` (off; batch 1): every branch over all
 heads (``head_assignment="all"``), no key padding mask, no packed documents, no block-config
 override (the caller checks those three). dO is made contiguous when its layout is not one the
 TMA views take (a broadcast dO from ``out.sum()``: one copy). The switch is
@@ -37,6 +38,12 @@ LOG2E = 1.4426950408889634
 LPAD = 128
 # the three float32 accumulators of one call (dq, dk, dv) above this: the Triton backward
 MAX_F32_BYTES = 8 << 30
+# N % w != 0 (batch 1, under gluon_fwd.TAIL_SEGMENTS): each branch's short last segment (N % w
+# rows) as a segment of its own, over views that start at its first row, after the branch's
+# full segments (:func:`backward`), as the forward does (``gluon_fwd.launch_tail``). Off until
+# its CUDA tests (tests/test_gluon_bwd.py, TAIL_CASES) have run on a GPU (written 2026-11-29
+# without device time): those calls run the Triton backward.
+TAIL_SEGMENTS = False
 CONSUMER_REGS = gluon_fwd.CONSUMER_REGS
 LOADER_REGS = gluon_fwd.LOADER_REGS
 MAXNREG = gluon_fwd.MAXNREG
@@ -76,8 +83,9 @@ def problem(q, k, v, causal: bool, branches, nh: int) -> str | None:
     why = gluon_fwd.shape_problem(q, k, v, branches)
     if why is not None:
         return why
-    if any(q.shape[1] % w for w, _, _, _ in branches):
-        return "the Gluon backward needs N % w == 0 (the forward may take a short last segment)"
+    if not TAIL_SEGMENTS and any(q.shape[1] % w for w, _, _, _ in branches):
+        return ("the Gluon backward needs N % w == 0 (gluon_bwd.TAIL_SEGMENTS is off; the forward "
+                "may take a short last segment)")  # fmt: skip
     if any(hs != 0 or he != nh for _, _, hs, he in branches):
         return "the Gluon backward needs every branch over all heads (head_assignment='all')"
     bsz, n, _, d = q.shape
@@ -187,6 +195,8 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
     hkv = k.shape[2]
     rep = nh // hkv
     nseg = n // w
+    if nseg == 0:  # N < w: the short last segment is all (its own launch)
+        return
     lp = lse2.shape[-1]
     bd = gluon_fwd.block_desc
     bn = dq_bn(d)
@@ -223,18 +233,32 @@ def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
     if gluon_fwd.view_problem("dout", dout) is not None:
         dout = dout.contiguous()
     # a first branch with r = 1 (over all heads: :func:`problem`) stores every row of the three
-    # results (its blocks are whole segments, N % w == 0): no fill, and it stores, not adds
+    # results (its blocks are whole segments, and so is its short last segment's): no fill, and
+    # it stores, not adds
     store_first = branches[0][1] == 1
     alloc = torch.empty if store_first else torch.zeros
     dq = alloc(q.shape, dtype=torch.float32, device=q.device)
     dk = alloc(k.shape, dtype=torch.float32, device=q.device)
     dv = alloc(v.shape, dtype=torch.float32, device=q.device)
+    n = q.shape[1]
     for bi, (w, r, _, _) in enumerate(branches):
-        if q.is_cuda:
-            lse2, delta2 = block_rows(lse, delta, w, r)
-        else:  # the CPU tests' emulated kernels (tests/test_gluon_bwd.py)
-            lse2 = prep_rows(lse, w, r, float("inf"), LOG2E)
-            delta2 = prep_rows(delta, w, r, 0.0)
-        launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale,
-                      add=bi > 0 or not store_first)  # fmt: skip
+        add = bi > 0 or not store_first
+        _segments(q, k, v, dout, lse, delta, dq, dk, dv, w, r, causal, scale, add)
+        if n % w:  # the short last segment (batch 1: problem), a segment of its own
+            t0 = n - n % w
+            qt, kt, vt, dot, dqt, dkt, dvt = (x[:, t0:] for x in (q, k, v, dout, dq, dk, dv))
+            _segments(qt, kt, vt, dot, lse[..., t0:], delta[..., t0:], dqt, dkt, dvt, n % w, r,
+                      causal, scale, add)  # fmt: skip
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _segments(q, k, v, dout, lse, delta, dq, dk, dv, w: int, r: int, causal: bool, scale: float,
+              add: bool) -> None:  # fmt: skip
+    """Branch (w, r) over the full segments of the views (lse, delta (B, H, N) views): its
+    block-major rows, then its launches."""
+    if q.is_cuda:
+        lse2, delta2 = block_rows(lse, delta, w, r)
+    else:  # the CPU tests' emulated kernels (tests/test_gluon_bwd.py)
+        lse2 = prep_rows(lse, w, r, float("inf"), LOG2E)
+        delta2 = prep_rows(delta, w, r, 0.0)
+    launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=add)
