@@ -101,8 +101,9 @@
 #                                       ($SWEEP_ROWS, $SWEEP_BUDGET s, results $SWEEP_NAME.{md,json,png})
 #   bash scripts/gpu_check.sh gluon-final issue 24: the Gluon CUDA tests, then sweep rows $SWEEP_ROWS ($SWEEP_BUDGET s)
 #   bash scripts/gpu_check.sh gluon-next issue 24, what the 2026-11-29 session wrote without device time: the Gluon
-#                                       backward for short last segments (gluon_bwd.TAIL_SEGMENTS, off): its CUDA
-#                                       tests (with the even ones), then fuzz.py --gluon --gluon-bwd-tail (5,000
+#                                       backward for short last segments (gluon_bwd.TAIL_SEGMENTS, off) and batch > 1
+#                                       with them, forward and backward (gluon_fwd.TAIL_BATCHES, off): their CUDA
+#                                       tests (with the backward's even and uneven ones), then fuzz.py --gluon --gluon-bwd-tail (5,000
 #                                       cases, the generator now with w % r != 0 and N % w != 0)
 #   bash scripts/gpu_check.sh gluon-next-bench  the two sweep rows TAIL_SEGMENTS would take, with and without
 #                                       --gluon-bwd-tail, then gluon_ab.py on the d128 rows with 1024-row blocks
@@ -265,11 +266,11 @@ case "${1:-tests}" in
     ;;
   gluon-next)
     # a cold machine compiles for minutes: -n 8, the tail tests and the even and uneven ones
-    timeout "${CUDA_TEST_TIMEOUT:-270}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py -k "tail or vs_reference" -n 8 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
+    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py tests/test_gluon_fwd.py -k "tail or backward_vs_reference or backward_uneven" -n 8 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
-    timeout "${FUZZ_GLUON_TIMEOUT:-290}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_cache OMP_NUM_THREADS=1 \
+    timeout "${FUZZ_GLUON_TIMEOUT:-250}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_cache OMP_NUM_THREADS=1 \
       python3 scripts/fuzz.py --gluon --gluon-bwd-tail --impl triton --device cuda --workers 12 --pool 2 \
-      --examples 5000 --minutes 3.5 --every 200 > "$OUT/fuzz_gluon.txt" 2>&1
+      --examples 5000 --minutes 3 --every 200 > "$OUT/fuzz_gluon.txt" 2>&1
     echo "fuzz rc=$?" >> "$OUT/fuzz_gluon.txt"
     grep -E "FAILED|rc=" "$OUT/cuda_tests.txt" | tail -8; grep -E "MISMATCH|ERROR" "$OUT/fuzz_gluon.txt" | head -5; tail -6 "$OUT/fuzz_gluon.txt"
     ;;

@@ -92,6 +92,14 @@ TAIL_CASES = [
 ]
 
 
+TAIL_BATCH_CASES = [
+    # (B, N, H, Hkv, D, seg, dil, head_assignment): N % w != 0 at batch 2, each entry launched
+    # apart (gluon_fwd.TAIL_BATCHES)
+    (2, 5000, 8, 4, 128, [1024, 2048, 4096], [1, 2, 4], "all"),
+    (2, 4500, 6, 6, 64, [2048, 4096], [2, 6], "all"),
+]
+
+
 def tma_box(d, blk: int, col: int, big_l: int) -> torch.Tensor:
     """Rows [0, big_l) of (block, column) of a TMA descriptor's 4-D view, as a strided view of
     its base: what the kernels' boxes cover (the emulated kernels of the CPU tests). Past the

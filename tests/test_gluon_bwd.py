@@ -18,7 +18,18 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_cases import CASES, TAIL_CASES, UNEVEN_CASES, OnCuda, err, needs_gluon, qkv, run, tma_box
+from gluon_cases import (
+    CASES,
+    TAIL_BATCH_CASES,
+    TAIL_CASES,
+    UNEVEN_CASES,
+    OnCuda,
+    err,
+    needs_gluon,
+    qkv,
+    run,
+    tma_box,
+)
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_bwd, gluon_fwd
@@ -332,22 +343,24 @@ def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h,
         assert (a.double() - b).abs().max().item() < 2e-3 * (1 + b.abs().max().item()), f"d{name}"
 
 
-@pytest.mark.parametrize("n,seg,dil,h,hkv", [
-    (400, [64, 192], [1, 5], 4, 2),  # tails of 16 rows: r = 1 (stores) and r = 5 (blocks of 4 / 3)
-    (150, [64, 192], [1, 5], 4, 4),  # N < 192: that branch is all short last segment
-    (300, [96, 192], [5, 7], 8, 1),  # r > 1 first (zeroed, every launch adds); tails 12 and 108
+@pytest.mark.parametrize("b,n,seg,dil,h,hkv", [
+    (1, 400, [64, 192], [1, 5], 4, 2),  # tails of 16 rows: r = 1 (stores) and r = 5 (blocks of 4 / 3)
+    (1, 150, [64, 192], [1, 5], 4, 4),  # N < 192: that branch is all short last segment
+    (1, 300, [96, 192], [5, 7], 8, 1),  # r > 1 first (zeroed, every launch adds); tails 12 and 108
+    (2, 400, [64, 192], [1, 5], 4, 2),  # batch 2: each entry apart (gluon_fwd.TAIL_BATCHES)
+    (3, 300, [96, 192], [5, 7], 8, 1),
 ])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_tail_segments_with_emulated_kernels(seed, monkeypatch, n, seg, dil, h, hkv, causal):
-    """gluon_bwd.backward with N % w != 0 (gluon_bwd.TAIL_SEGMENTS, batch 1): each branch's full
-    segments, then its short last segment over views from its first row, with both kernels
-    emulated in float64: the float64 reference's gradients (the reference defines the short
-    segment)."""
+def test_backward_tail_segments_with_emulated_kernels(seed, monkeypatch, b, n, seg, dil, h, hkv, causal):
+    """gluon_bwd.backward with N % w != 0 (gluon_bwd.TAIL_SEGMENTS; batch > 1: each entry
+    apart): each branch's full segments, then its short last segment over views from its first
+    row, with both kernels emulated in float64: the float64 reference's gradients (the
+    reference defines the short segment)."""
     from dilated_attention import reference
 
     emu = _EmulatedBwdKernels()
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
-    q, k, v = (t.double() for t in qkv(1, n, h, hkv, 16, torch.float16))
+    q, k, v = (t.double() for t in qkv(b, n, h, hkv, 16, torch.float16))
     do = torch.randn_like(q).half().double()
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = reference.dilated_attention_reference(*xs, seg, dil, causal=causal, softmax_scale=0.25)
@@ -356,6 +369,8 @@ def test_backward_tail_segments_with_emulated_kernels(seed, monkeypatch, n, seg,
     got = gluon_bwd.backward(do.half(), *(t.half() for t in (q, k, v)), delta, lse.detach().float(),
                              L.branch_list(seg, dil, [(0, h)] * len(seg)), causal, 0.25)  # fmt: skip
     tails = {(n % w, r) for w, r in zip(seg, dil, strict=True)}
+    launches = sum(x[0] == "dq" for x in emu.launches)
+    assert launches >= b * len(seg), "each batch entry launched apart"
     assert tails <= {x[1:3] for x in emu.launches}, "a short last segment was not launched"
     for name, a, b in zip("qkv", got, want, strict=True):
         assert (a.double() - b).abs().max().item() < 2e-3 * (1 + b.abs().max().item()), f"d{name}"
@@ -376,8 +391,10 @@ def test_backward_refuses_short_segments_unless_switched_on(monkeypatch):
     assert "TAIL_SEGMENTS" in gluon_bwd.problem(q, q, q, True, br, 16)
     monkeypatch.setattr(gluon_bwd, "TAIL_SEGMENTS", True)
     assert gluon_bwd.problem(q, q, q, True, br, 16) is None
-    q2 = OnCuda((2, 100000, 16, 128), torch.bfloat16)  # batch 2: the forward's gate refuses it
-    assert "batch 2" in gluon_bwd.problem(q2, q2, q2, True, br, 16)
+    q2 = OnCuda((2, 100000, 16, 128), torch.bfloat16)  # batch 2: needs gluon_fwd.TAIL_BATCHES too
+    assert "TAIL_BATCHES" in gluon_bwd.problem(q2, q2, q2, True, br, 16)
+    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
+    assert gluon_bwd.problem(q2, q2, q2, True, br, 16) is None
 
 
 # --------------------------------------------------------------------------------- CUDA
@@ -428,6 +445,18 @@ def test_gluon_backward_tail_segments_vs_reference(seed, monkeypatch, switches_r
     _backward_vs_reference(monkeypatch, case, causal, dtype)
 
 
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", TAIL_BATCH_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_backward_tail_segments_batched_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
+    """N % w != 0 at batch 2 (gluon_bwd.TAIL_SEGMENTS, gluon_fwd.TAIL_BATCHES): each entry apart."""
+    monkeypatch.setattr(gluon_bwd, "TAIL_SEGMENTS", True)
+    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
+    _backward_vs_reference(monkeypatch, case, causal, dtype)
+
+
 def _backward_vs_reference(monkeypatch, case, causal, dtype):
     b, n, h, hkv, d, seg, dil, _ = case
     q, k, v = qkv(b, n, h, hkv, d, torch.float64, "cuda")
@@ -441,8 +470,10 @@ def _backward_vs_reference(monkeypatch, case, causal, dtype):
     flags.set_gluon_backward(True)
     calls = _spy(monkeypatch)
     got = run(q, k, v, do, seg, dil, dtype, impl="triton", causal=causal)
-    # one launch per branch, and one more per short last segment (N % w != 0)
-    assert len(calls) == len(seg) + sum(n % w > 0 for w in seg), "the Gluon backward did not run every branch"
+    # one launch per branch, one more per short last segment (N % w != 0); batch > 1 with such
+    # segments: per batch entry
+    per = b if any(n % w for w in seg) else 1
+    assert len(calls) == per * (len(seg) + sum(n % w > 0 for w in seg)), "the Gluon backward did not run every branch"
     again = run(q, k, v, do, seg, dil, dtype, impl="triton", causal=causal)
     for name, a, bb, r, a2 in zip("qkv", got[2], base[2], ref[2], again[2], strict=True):
         assert a.dtype == dtype

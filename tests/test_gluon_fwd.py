@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from gluon_cases import (
     CASES,
+    TAIL_BATCH_CASES,
     TAIL_CASES,
     UNEVEN_CASES,
     OnCuda,
@@ -173,6 +174,8 @@ class _EmulatedKernel:
     (1, 400, [64, 192], [1, 5], 4, 2, "all"),  # short last segments of 16 rows (TAIL_SEGMENTS)
     (1, 400, [96, 160], [2, 3], 6, 3, "all"),  # tails of 16 and 80 rows, 160 % 3 and 80 % 3 != 0
     (1, 400, [64, 512], [1, 4], 4, 4, "all"),  # N < w: the whole sequence is one short segment
+    (2, 400, [64, 192], [1, 5], 4, 2, "all"),  # batch 2 with tails: each entry apart (TAIL_BATCHES)
+    (3, 400, [96, 512], [2, 4], 4, 4, "all"),  # batch 3, r > 1 first (filled buffers), N < w
 ])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lo_rows", [None, 192])
@@ -189,6 +192,7 @@ def test_gluon_forward_host_path_with_emulated_kernel(seed, monkeypatch, switch_
     emu = _EmulatedKernel()
     monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
     monkeypatch.setattr(gluon_fwd, "TAIL_SEGMENTS", True)
+    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
     monkeypatch.setattr(gluon_fwd, "problem", lambda *a: None)  # as on a Hopper GPU
     mod = types.SimpleNamespace(BM=emu.BM, WG_M=emu.WG_M, gluon_fwd_kernel=emu)
     monkeypatch.setattr(gluon_fwd, "kernel_module", lambda: mod)
@@ -314,7 +318,12 @@ def test_speed_rules_and_shipped_switches(monkeypatch):
     assert why(2, 65536, 16, 64, *small) is None
     # w % r != 0 and a short last segment (batch 1) are taken; batch 2 with a tail is not
     assert why(1, 100000, 16, 128, [2048, 32768], [1, 6]) is None
-    assert "TAIL_SEGMENTS" in why(2, 100000, 16, 128, [2048, 32768], [1, 6])
+    assert "TAIL_BATCHES" in why(2, 100000, 16, 128, [2048, 32768], [1, 6])
+    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
+    assert why(2, 100000, 16, 128, [2048, 32768], [1, 6]) is None
+    assert gluon_fwd.batch_entries(2, 100000, [(2048, 1, 0, 16)]) == [slice(0, 1), slice(1, 2)]
+    assert gluon_fwd.batch_entries(2, 131072, [(2048, 1, 0, 16)]) is None
+    assert gluon_fwd.batch_entries(1, 100000, [(2048, 1, 0, 16)]) is None
     monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", False)
     assert "UNEVEN_BLOCKS" in why(1, 131072, 16, 128, [2048, 32768], [1, 6])
 
@@ -378,6 +387,17 @@ def test_gluon_forward_tail_segments_vs_reference(seed, monkeypatch, switch_rese
     a tail that r does not divide); the backward runs the Triton kernels."""
     monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
     monkeypatch.setattr(gluon_fwd, "TAIL_SEGMENTS", True)
+    _vs_reference(monkeypatch, case, causal, dtype)
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", TAIL_BATCH_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_forward_tail_segments_batched_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
+    """N % w != 0 at batch 2: each batch entry launched apart (gluon_fwd.TAIL_BATCHES)."""
+    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
     _vs_reference(monkeypatch, case, causal, dtype)
 
 

@@ -15,7 +15,8 @@ CPU, for the emulated kernels of the tests, :func:`prep_rows`).
 Restrictions, checked by :func:`problem`, beyond the forward's (``gluon_fwd.shape_problem``:
 Hopper, bf16/fp16, D 64/128, w % r == 0 or ``gluon_fwd.UNEVEN_BLOCKS`` (each length class
 launched apart, as the forward does), dense-head views), N % w == 0 unless
-:data:`TAIL_SEGMENTS` (off; batch 1): every branch over all
+:data:`TAIL_SEGMENTS` (off; batch 1, or any batch with ``gluon_fwd.TAIL_BATCHES``, off: each
+entry launched apart): every branch over all
 heads (``head_assignment="all"``), no key padding mask, no packed documents, no block-config
 override (the caller checks those three). dO is made contiguous when its layout is not one the
 TMA views take (a broadcast dO from ``out.sum()``: one copy). The switch is
@@ -241,14 +242,18 @@ def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
     dk = alloc(k.shape, dtype=torch.float32, device=q.device)
     dv = alloc(v.shape, dtype=torch.float32, device=q.device)
     n = q.shape[1]
+    # batch > 1 with short last segments: each entry apart (gluon_fwd.TAIL_BATCHES)
+    entries = gluon_fwd.batch_entries(q.shape[0], n, branches)
     for bi, (w, r, _, _) in enumerate(branches):
         add = bi > 0 or not store_first
-        _segments(q, k, v, dout, lse, delta, dq, dk, dv, w, r, causal, scale, add)
-        if n % w:  # the short last segment (batch 1: problem), a segment of its own
-            t0 = n - n % w
-            qt, kt, vt, dot, dqt, dkt, dvt = (x[:, t0:] for x in (q, k, v, dout, dq, dk, dv))
-            _segments(qt, kt, vt, dot, lse[..., t0:], delta[..., t0:], dqt, dkt, dvt, n % w, r,
-                      causal, scale, add)  # fmt: skip
+        for qe, ke, ve, doe, lse_e, de, dqe, dke, dve in gluon_fwd.entry_views(
+                entries, q, k, v, dout, lse, delta, dq, dk, dv):  # fmt: skip
+            _segments(qe, ke, ve, doe, lse_e, de, dqe, dke, dve, w, r, causal, scale, add)
+            if n % w:  # the short last segment, a segment of its own
+                t0 = n - n % w
+                qt, kt, vt, dot, dqt, dkt, dvt = (x[:, t0:] for x in (qe, ke, ve, doe, dqe, dke, dve))
+                _segments(qt, kt, vt, dot, lse_e[..., t0:], de[..., t0:], dqt, dkt, dvt, n % w, r,
+                          causal, scale, add)  # fmt: skip
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -72,6 +72,12 @@ UNEVEN_BLOCKS = True
 # does not divide also needs UNEVEN_BLOCKS). On since its CUDA tests passed (H200,
 # 2026-11-29); the backward runs the Triton kernels for these calls. False: the forward too.
 TAIL_SEGMENTS = True
+# batch > 1 with N % w != 0 (under TAIL_SEGMENTS): each batch entry launched on its own, over
+# views of one entry (the descriptors' block axis counts N // w segments per entry, which
+# skips the short last segment of every entry but the last), forward and, with
+# ``gluon_bwd.TAIL_SEGMENTS``, backward: batch x the launches. Off until its CUDA tests have
+# run on a GPU (written 2026-11-29 without device time): those calls run the Triton kernels.
+TAIL_BATCHES = False
 # later launches of a Gluon kernel with the same specialisation through the compiled kernel's
 # launcher (:func:`launch`), skipping Triton's JITFunction.run. Its CUDA test passed (H200,
 # 2026-11-29: the same bits as Triton's launcher), but it did not cut the host time of a small
@@ -180,9 +186,10 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
                         f"lengths; they run the Triton kernels (gluon_fwd.UNEVEN_BLOCKS is "
                         f"{UNEVEN_BLOCKS}; heads from {hs})")  # fmt: skip
         if n % w:
-            if not TAIL_SEGMENTS or bsz != 1:
+            if not TAIL_SEGMENTS or (bsz != 1 and not TAIL_BATCHES):
                 return (f"branch (w={w}): N = {n} is no multiple of w; the short last segment runs "
-                        f"the Triton kernels (gluon_fwd.TAIL_SEGMENTS is {TAIL_SEGMENTS}, batch {bsz})")  # fmt: skip
+                        f"the Triton kernels (gluon_fwd.TAIL_SEGMENTS is {TAIL_SEGMENTS}, "
+                        f"TAIL_BATCHES {TAIL_BATCHES}, batch {bsz})")  # fmt: skip
             if any(0 < big < 2 for big, _, _ in length_classes(n % w, r)):
                 return f"branch (w={w}, r={r}): the short last segment ({n % w} rows) has blocks of one row"
         if n // w > GRID_YZ_MAX or bsz * (he - hs) > GRID_YZ_MAX:
@@ -309,6 +316,22 @@ def block_desc(x: torch.Tensor, w: int, r: int, rows: int, big_l: int | None = N
     shape = [b * (n // w), w // r if big_l is None else big_l, r * heads, d]
     strides = [w * sn, r * sn, sh, 1]
     return TensorDescriptor(x, shape, strides, [1, rows, 1, d], _block_layout(rows, d, x.dtype))
+
+
+def batch_entries(bsz: int, n: int, branches) -> list[slice] | None:
+    """The batch slices to launch apart: one per entry where batch > 1 and a branch has a short
+    last segment (:data:`TAIL_BATCHES`: a 4-D view of several entries assumes N = segments x
+    w); None: the whole batch at once."""
+    if bsz > 1 and any(n % w for w, _, _, _ in branches):
+        return [slice(b, b + 1) for b in range(bsz)]
+    return None
+
+
+def entry_views(entries: list[slice] | None, *xs: torch.Tensor):
+    """Per :func:`batch_entries` slice, the views ``x[slice]`` of ``xs``; None: ``xs`` once."""
+    if entries is None:
+        return [xs]
+    return [tuple(x[e] for x in xs) for e in entries]
 
 
 def launch_tail(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,

@@ -1151,8 +1151,8 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     (:func:`lo_chunks`; None: the rule there). The result does not depend on it.
 
     Where the Gluon forward applies (no ``kpm``, ``docs`` or ``config``, ``fold`` not True,
-    the switch on and :func:`gluon_fwd.problem` None: Hopper, bf16/fp16, D 64/128, N % w == 0,
-    w % r == 0) the branches run through it (:func:`_gluon_forward`, no plan: ``plan_sink``
+    the switch on and :func:`gluon_fwd.problem` None: Hopper, bf16/fp16, D 64/128, w // r >= 2,
+    the speed rules; its module docstring) the branches run through it (:func:`_gluon_forward`, no plan: ``plan_sink``
     gets None). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
     :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
     used (None for the per-call path), for a caller that passes it to :func:`backward`.
@@ -1204,17 +1204,20 @@ def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
     else:
         lse = torch.empty((bsz, nh, n), dtype=torch.float32, device=q.device)
     last = len(branches) - 1
+    # batch > 1 with short last segments: each entry apart (gluon_fwd.TAIL_BATCHES)
+    entries = gluon_fwd.batch_entries(bsz, n, branches)
     try:
         for c0, c1 in chunks:
             lo, _, row0 = _lo_range(acc_lo, out, c0, len(chunks) > 1, fill)
-            for bi, (w, r, hs, he) in enumerate(branches):
-                gluon_fwd.launch_branch(
-                    q, k, v, out, lo, lse, w, r, hs, he, causal, scale, c0 // w, (c1 - c0) // w,
-                    row0 // w, bi == 0, comp, bi < last,
-                )  # fmt: skip
-                if c1 % w:  # the short last segment (only the last range ends at N)
-                    gluon_fwd.launch_tail(q, k, v, out, lo, lse, w, r, hs, he, causal, scale, row0,
-                                          bi == 0, comp, bi < last)  # fmt: skip
+            for qe, ke, ve, oe, loe, lsee in gluon_fwd.entry_views(entries, q, k, v, out, lo, lse):
+                for bi, (w, r, hs, he) in enumerate(branches):
+                    gluon_fwd.launch_branch(
+                        qe, ke, ve, oe, loe, lsee, w, r, hs, he, causal, scale, c0 // w, (c1 - c0) // w,
+                        row0 // w, bi == 0, comp, bi < last,
+                    )  # fmt: skip
+                    if c1 % w:  # the short last segment (only the last range ends at N)
+                        gluon_fwd.launch_tail(qe, ke, ve, oe, loe, lsee, w, r, hs, he, causal, scale, row0,
+                                              bi == 0, comp, bi < last)  # fmt: skip
     except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
         gluon_fwd.note_failure(q, causal, e)
         return None
