@@ -100,6 +100,11 @@ TAIL_BATCH_CASES = [
 ]
 
 
+def case_id(c) -> str:
+    """A CUDA case's test id: B x N x H / Hkv x D-seg-dil-head_assignment."""
+    return f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}-{c[7]}"
+
+
 def tma_box(d, blk: int, col: int, big_l: int) -> torch.Tensor:
     """Rows [0, big_l) of (block, column) of a TMA descriptor's 4-D view, as a strided view of
     its base: what the kernels' boxes cover (the emulated kernels of the CPU tests). Past the

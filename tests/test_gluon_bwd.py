@@ -24,6 +24,7 @@ from gluon_cases import (
     TAIL_CASES,
     UNEVEN_CASES,
     OnCuda,
+    case_id,
     err,
     needs_gluon,
     qkv,
@@ -414,8 +415,7 @@ def _spy(monkeypatch):
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", [c for c in CASES if c[7] == "all"],
-                         ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[6]}")  # fmt: skip
+@pytest.mark.parametrize("case", [c for c in CASES if c[7] == "all"], ids=case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_backward_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
@@ -424,8 +424,7 @@ def test_gluon_backward_vs_reference(seed, monkeypatch, switches_reset, case, ca
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", [c for c in UNEVEN_CASES if c[7] == "all"],
-                         ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[6]}")  # fmt: skip
+@pytest.mark.parametrize("case", [c for c in UNEVEN_CASES if c[7] == "all"], ids=case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_backward_uneven_blocks_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
@@ -436,7 +435,7 @@ def test_gluon_backward_uneven_blocks_vs_reference(seed, monkeypatch, switches_r
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}")
+@pytest.mark.parametrize("case", TAIL_CASES, ids=case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_backward_tail_segments_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
@@ -447,7 +446,7 @@ def test_gluon_backward_tail_segments_vs_reference(seed, monkeypatch, switches_r
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", TAIL_BATCH_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}")
+@pytest.mark.parametrize("case", TAIL_BATCH_CASES, ids=case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_backward_tail_segments_batched_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):

@@ -23,6 +23,7 @@ from gluon_cases import (
     TAIL_CASES,
     UNEVEN_CASES,
     OnCuda,
+    case_id,
     err,
     gluon_ready,
     needs_gluon,
@@ -359,7 +360,7 @@ def _spy(monkeypatch):
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[6]}-{c[7]}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
@@ -368,7 +369,7 @@ def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, case, causa
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", UNEVEN_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[6]}-{c[7]}")
+@pytest.mark.parametrize("case", UNEVEN_CASES, ids=case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward_uneven_blocks_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
@@ -379,7 +380,7 @@ def test_gluon_forward_uneven_blocks_vs_reference(seed, monkeypatch, switch_rese
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}")
+@pytest.mark.parametrize("case", TAIL_CASES, ids=case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward_tail_segments_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
@@ -392,7 +393,7 @@ def test_gluon_forward_tail_segments_vs_reference(seed, monkeypatch, switch_rese
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", TAIL_BATCH_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}")
+@pytest.mark.parametrize("case", TAIL_BATCH_CASES, ids=case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward_tail_segments_batched_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):

@@ -1152,8 +1152,8 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
 
     Where the Gluon forward applies (no ``kpm``, ``docs`` or ``config``, ``fold`` not True,
     the switch on and :func:`gluon_fwd.problem` None: Hopper, bf16/fp16, D 64/128, w // r >= 2,
-    the speed rules; its module docstring) the branches run through it (:func:`_gluon_forward`, no plan: ``plan_sink``
-    gets None). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
+    the speed rules; its module docstring) the branches run through it (:func:`_gluon_forward`,
+    no plan: ``plan_sink`` gets None). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
     :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
     used (None for the per-call path), for a caller that passes it to :func:`backward`.
     """
