@@ -488,10 +488,11 @@ def markdown(results, peers_res, meta) -> str:
         "(kernels/auto_rule.py) for a forward-only / a training call",
         f"wall time of the sweep: {meta.get('wall_s', 0):.0f} s",
         *(["--gluon-even-only: branches with w % r != 0 and short last segments ran the Triton "
-           "kernels (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS off; on by default since 2026-11-29)"]
+           "kernels (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS, TAIL_BATCHES and gluon_bwd.TAIL_SEGMENTS off; "
+           "on by default since 2026-11-29)"]
           if meta.get("gluon_even_only") else []),
         *(["--gluon-bwd-tail: the Gluon backward also ran short last segments (gluon_bwd.TAIL_SEGMENTS; "
-           "off by default)"] if meta.get("gluon_bwd_tail") else []),
+           "off by default before 2026-11-29's second session)"] if meta.get("gluon_bwd_tail") else []),
     ])
     lines += [
         "",
@@ -624,10 +625,11 @@ def main(argv=None):
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--gluon-even-only", action="store_true",
                    help="A/B: branches with w %% r != 0 and N %% w != 0 run the Triton kernels, as before "
-                        "2026-11-29 (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS off)")
+                        "2026-11-29 (gluon_fwd.UNEVEN_BLOCKS, TAIL_SEGMENTS, TAIL_BATCHES and "
+                        "gluon_bwd.TAIL_SEGMENTS off)")
     p.add_argument("--gluon-bwd-tail", action="store_true",
-                   help="A/B: the Gluon backward also takes N %% w != 0 at batch 1 (gluon_bwd.TAIL_SEGMENTS, "
-                        "off by default until its CUDA tests pass)")
+                   help="A/B: the Gluon backward also takes N %% w != 0 at batch 1 (gluon_bwd.TAIL_SEGMENTS; "
+                        "on by default since 2026-11-29: kept for the committed A/B commands)")
     p.add_argument("--plan", action="store_true", help="print rows and estimated GPU seconds; run nothing")
     p.add_argument("--rule-report", metavar="JSON", help="print the rule evaluation of a sweep's JSON")
     p.add_argument("--emit-table", metavar="JSON", help="print MEASURED for kernels/auto_rule.py")
@@ -666,10 +668,10 @@ def main(argv=None):
         dev = torch.device("cuda")
     meta = run_info(dev, command_line("python3"))  # command, device, versions, date
     if args.gluon_even_only:
-        from dilated_attention.kernels import gluon_fwd
+        from dilated_attention.kernels import gluon_bwd, gluon_fwd
 
-        gluon_fwd.UNEVEN_BLOCKS = False
-        gluon_fwd.TAIL_SEGMENTS = False
+        gluon_fwd.UNEVEN_BLOCKS = gluon_fwd.TAIL_SEGMENTS = gluon_fwd.TAIL_BATCHES = False
+        gluon_bwd.TAIL_SEGMENTS = False
         meta["gluon_even_only"] = True
     if args.gluon_bwd_tail:
         from dilated_attention.kernels import gluon_bwd

@@ -391,7 +391,7 @@ def main(argv=None) -> int:
                     help="cases the Gluon kernels take (sm_90 CUDA only; exit 2 where they cannot run)")  # fmt: skip
     ap.add_argument("--gluon-bwd-tail", action="store_true",
                     help="with --gluon: the Gluon backward also takes short last segments "
-                         "(gluon_bwd.TAIL_SEGMENTS, off as shipped)")  # fmt: skip
+                         "(gluon_bwd.TAIL_SEGMENTS; on as shipped since 2026-11-29, kept for old commands)")  # fmt: skip
     ap.add_argument("--every", type=int, default=100, help="progress line every N examples (per worker)")
     ap.add_argument("--pool", type=int, default=None,
                     help="templates per worker: the compile pool (0: every case drawn freely; "

@@ -305,7 +305,7 @@ def test_gluon_cases_pass_the_librarys_gate(monkeypatch):
         assert fwd is None, (fwd, c)
         assert (bwd is None) == G.backward_runs_gluon(c), (bwd, c)
     c = G.gluon_case(random.Random(5))
-    assert problems(dataclasses.replace(c, seg=(c.n + 1,) * len(c.seg)))[0] is not None
+    assert "w // r >= 2" in problems(dataclasses.replace(c, seg=(2,) * len(c.seg), dil=(2,) * len(c.seg)))[0]
     assert problems(dataclasses.replace(c, d=16))[0] is not None
 
 

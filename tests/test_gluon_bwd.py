@@ -377,25 +377,27 @@ def test_backward_tail_segments_with_emulated_kernels(seed, monkeypatch, b, n, s
         assert (a.double() - b).abs().max().item() < 2e-3 * (1 + b.abs().max().item()), f"d{name}"
 
 
-def test_backward_refuses_short_segments_unless_switched_on(monkeypatch):
-    """gluon_bwd.problem as on an sm_90 GPU: N % w != 0 runs the Triton backward while
-    gluon_bwd.TAIL_SEGMENTS is off (as shipped), the Gluon one when it is on (batch 1)."""
+def test_backward_takes_short_segments_only_when_switched_on(monkeypatch):
+    """gluon_bwd.problem as on an sm_90 GPU: N % w != 0 runs the Gluon backward while
+    gluon_bwd.TAIL_SEGMENTS is on (as shipped since 2026-11-29), the Triton one when it is off;
+    batch > 1 also needs gluon_fwd.TAIL_BATCHES (on as shipped)."""
     from dilated_attention.kernels import triton_import
 
     monkeypatch.setattr(triton_import, "INTERPRET", False)
     monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: object())
     monkeypatch.setattr(gluon_bwd, "_failed", {})
-    assert gluon_bwd.TAIL_SEGMENTS is False
+    assert gluon_bwd.TAIL_SEGMENTS is True and gluon_fwd.TAIL_BATCHES is True
     q = OnCuda((1, 100000, 16, 128), torch.bfloat16)
+    q2 = OnCuda((2, 100000, 16, 128), torch.bfloat16)
     br = [(2048, 1, 0, 16), (32768, 8, 0, 16)]
-    assert "TAIL_SEGMENTS" in gluon_bwd.problem(q, q, q, True, br, 16)
-    monkeypatch.setattr(gluon_bwd, "TAIL_SEGMENTS", True)
     assert gluon_bwd.problem(q, q, q, True, br, 16) is None
-    q2 = OnCuda((2, 100000, 16, 128), torch.bfloat16)  # batch 2: needs gluon_fwd.TAIL_BATCHES too
-    assert "TAIL_BATCHES" in gluon_bwd.problem(q2, q2, q2, True, br, 16)
-    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
     assert gluon_bwd.problem(q2, q2, q2, True, br, 16) is None
+    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", False)  # batch 2 needs it, batch 1 does not
+    assert "TAIL_BATCHES" in gluon_bwd.problem(q2, q2, q2, True, br, 16)
+    assert gluon_bwd.problem(q, q, q, True, br, 16) is None
+    monkeypatch.setattr(gluon_bwd, "TAIL_SEGMENTS", False)
+    assert "TAIL_SEGMENTS" in gluon_bwd.problem(q, q, q, True, br, 16)
 
 
 # --------------------------------------------------------------------------------- CUDA

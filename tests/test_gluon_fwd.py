@@ -301,7 +301,8 @@ def test_speed_rules_and_shipped_switches(monkeypatch):
     monkeypatch.undo()  # the autouse zeros of MIN_ROWS / D64_MIN_BLOCK: the shipped values
     monkeypatch.setattr(triton_import, "INTERPRET", False)
     monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
-    assert gluon_fwd.UNEVEN_BLOCKS and gluon_fwd.TAIL_SEGMENTS and not gluon_fwd.DIRECT_LAUNCH
+    assert gluon_fwd.UNEVEN_BLOCKS and gluon_fwd.TAIL_SEGMENTS and gluon_fwd.TAIL_BATCHES
+    assert not gluon_fwd.DIRECT_LAUNCH
     assert (gluon_fwd.MIN_ROWS, gluon_fwd.D64_MIN_BLOCK) == (1 << 18, 2048)
 
     def why(b, n, h, d, seg, dil):
@@ -317,11 +318,12 @@ def test_speed_rules_and_shipped_switches(monkeypatch):
     assert why(2, 65536, 16, 64, [512, 4096], [1, 2]) is None  # one branch's blocks of 2048
     monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
     assert why(2, 65536, 16, 64, *small) is None
-    # w % r != 0 and a short last segment (batch 1) are taken; batch 2 with a tail is not
+    # w % r != 0 and a short last segment are taken, at batch 2 only under TAIL_BATCHES
     assert why(1, 100000, 16, 128, [2048, 32768], [1, 6]) is None
-    assert "TAIL_BATCHES" in why(2, 100000, 16, 128, [2048, 32768], [1, 6])
-    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
     assert why(2, 100000, 16, 128, [2048, 32768], [1, 6]) is None
+    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", False)
+    assert "TAIL_BATCHES" in why(2, 100000, 16, 128, [2048, 32768], [1, 6])
+    assert why(1, 100000, 16, 128, [2048, 32768], [1, 6]) is None
     assert gluon_fwd.batch_entries(2, 100000, [(2048, 1, 0, 16)]) == [slice(0, 1), slice(1, 2)]
     assert gluon_fwd.batch_entries(2, 131072, [(2048, 1, 0, 16)]) is None
     assert gluon_fwd.batch_entries(1, 100000, [(2048, 1, 0, 16)]) is None

@@ -70,14 +70,16 @@ UNEVEN_BLOCKS = True
 # batch 1: the full segments as usual and the short one in a launch of its own
 # (:func:`launch_tail`; its blocks are length classes of (N % w, r), so a tail whose length r
 # does not divide also needs UNEVEN_BLOCKS). On since its CUDA tests passed (H200,
-# 2026-11-29); the backward runs the Triton kernels for these calls. False: the forward too.
+# 2026-11-29); the backward too since ``gluon_bwd.TAIL_SEGMENTS`` (on). False: the forward
+# runs the Triton kernels for these calls.
 TAIL_SEGMENTS = True
 # batch > 1 with N % w != 0 (under TAIL_SEGMENTS): each batch entry launched on its own, over
 # views of one entry (the descriptors' block axis counts N // w segments per entry, which
 # skips the short last segment of every entry but the last), forward and, with
-# ``gluon_bwd.TAIL_SEGMENTS``, backward: batch x the launches. Off until its CUDA tests have
-# run on a GPU (written 2026-11-29 without device time): those calls run the Triton kernels.
-TAIL_BATCHES = False
+# ``gluon_bwd.TAIL_SEGMENTS``, backward: batch x the launches. On since its CUDA tests passed
+# on an H200 (2026-11-29, results/gluon_tail_h200_2026-11-29.md); no sweep row has batch > 1
+# with N % w != 0, so its speed is unmeasured. False: those calls run the Triton kernels.
+TAIL_BATCHES = True
 # later launches of a Gluon kernel with the same specialisation through the compiled kernel's
 # launcher (:func:`launch`), skipping Triton's JITFunction.run. Its CUDA test passed (H200,
 # 2026-11-29: the same bits as Triton's launcher), but it did not cut the host time of a small
