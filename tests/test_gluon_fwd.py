@@ -321,6 +321,10 @@ def test_speed_rules_and_shipped_switches(monkeypatch):
     # w % r != 0 and a short last segment are taken, at batch 2 only under TAIL_BATCHES
     assert why(1, 100000, 16, 128, [2048, 32768], [1, 6]) is None
     assert why(2, 100000, 16, 128, [2048, 32768], [1, 6]) is None
+    # each entry launched apart must clear MIN_ROWS alone: 10000 x 16 = 160000 rows (x 4 = 640000)
+    assert "launches each entry apart" in why(4, 10000, 16, 128, [2048, 32768], [1, 6])
+    assert why(4, 10240, 16, 128, [2048, 5120], [1, 5]) is None  # no short last segment
+    assert why(4, 20000, 16, 128, [2048, 32768], [1, 6]) is None  # 320000 rows an entry
     monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", False)
     assert "TAIL_BATCHES" in why(2, 100000, 16, 128, [2048, 32768], [1, 6])
     assert why(1, 100000, 16, 128, [2048, 32768], [1, 6]) is None

@@ -78,7 +78,9 @@ TAIL_SEGMENTS = True
 # skips the short last segment of every entry but the last), forward and, with
 # ``gluon_bwd.TAIL_SEGMENTS``, backward: batch x the launches. On since its CUDA tests passed
 # on an H200 (2026-11-29, results/gluon_tail_h200_2026-11-29.md); no sweep row has batch > 1
-# with N % w != 0, so its speed is unmeasured. False: those calls run the Triton kernels.
+# with N % w != 0, so its speed is unmeasured. Since each entry pays a Gluon call's host time,
+# each entry must clear MIN_ROWS alone (seqlen x heads >= MIN_ROWS, :func:`shape_problem`).
+# False: those calls run the Triton kernels.
 TAIL_BATCHES = True
 # later launches of a Gluon kernel with the same specialisation through the compiled kernel's
 # launcher (:func:`launch`), skipping Triton's JITFunction.run. Its CUDA test passed (H200,
@@ -176,6 +178,10 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
     if bsz * n * nh < MIN_ROWS:
         return (f"batch x seqlen x heads = {bsz * n * nh} < gluon_fwd.MIN_ROWS = {MIN_ROWS}: "
                 f"the Triton kernels' direct launches cost less host time")  # fmt: skip
+    if bsz > 1 and n * nh < MIN_ROWS and any(n % w for w, _, _, _ in branches):
+        return (f"batch {bsz} with a short last segment launches each entry apart "
+                f"(gluon_fwd.TAIL_BATCHES), and seqlen x heads = {n * nh} < gluon_fwd.MIN_ROWS = "
+                f"{MIN_ROWS}: the Triton kernels' direct launches cost less host time")  # fmt: skip
     if d == 64 and max(w // r for w, r, _, _ in branches) < D64_MIN_BLOCK:
         return (f"headdim 64 and every branch's blocks shorter than gluon_fwd.D64_MIN_BLOCK = "
                 f"{D64_MIN_BLOCK} rows (w // r): the Triton kernels are faster there")  # fmt: skip
