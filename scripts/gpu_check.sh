@@ -107,6 +107,9 @@
 #                                       cases, the generator now with w % r != 0 and N % w != 0)
 #   bash scripts/gpu_check.sh gluon-next-bench  the two sweep rows TAIL_SEGMENTS would take, with and without
 #                                       --gluon-bwd-tail, then gluon_ab.py on the d128 rows with 1024-row blocks
+#   bash scripts/gpu_check.sh ceiling   issue 24: benchmarks/block_ceiling.py --per-branch over $CEIL_ROWS (each row's
+#                                       blocks on dense SDPA: the most a segment-then-dilate kernel can reach, beside
+#                                       the library and dense SDPA on the whole row)
 #   bash scripts/gpu_check.sh gluon-ab   issue 24: benchmarks/gluon_ab.py over $AB_ROWS (Gluon or Triton per direction,
 #                                       same process: which kernels a call should take; D64_MIN_BLOCK's data)
 #   bash scripts/gpu_check.sh gluon-bwd issue 24: benchmarks/gluon_dilated_bwd.py --check --quick, then $GLUON_BWD_ARGS (--bench) (the Gluon dK/dV and dQ
@@ -284,6 +287,13 @@ case "${1:-tests}" in
     timeout "${AB_TIMEOUT:-300}" python3 benchmarks/gluon_ab.py --budget-s 220 --rows b2-64k-7br-r64,8br-wN-32x8,paper-r6-12-causal-fp16 --out "$OUT/gluon_ab.md" > "$OUT/gluon_ab.txt" 2>&1
     echo "gluon_ab rc=$?" >> "$OUT/gluon_ab.txt"
     tail -n 5 "$OUT"/sweep_tail_*.txt; grep -E "^\||rc=" "$OUT/gluon_ab.txt" | tail -6
+    ;;
+  ceiling)
+    timeout "${CEIL_TIMEOUT:-400}" python3 benchmarks/block_ceiling.py --per-branch --budget-s "${CEIL_BUDGET:-300}" \
+      --rows "${CEIL_ROWS:-8br-paper-d64-fp16-causal,paper-r6-12-causal-fp16,b8-16k-mqa-d64-w8k,headline-causal,headline}" \
+      --out "$OUT/block_ceiling.md" > "$OUT/block_ceiling.txt" 2>&1
+    echo "block_ceiling rc=$?" >> "$OUT/block_ceiling.txt"
+    grep -E "^\| .* \| fwd|rc=|sum of branches" "$OUT/block_ceiling.txt" | tail -24
     ;;
   gluon-ab)
     # 2026-11-29: the rows of results/gluon_ab_h200_2026-11-29.md, cold ~60 s a row (compiles)
