@@ -493,6 +493,8 @@ def markdown(results, peers_res, meta) -> str:
           if meta.get("gluon_even_only") else []),
         *(["--gluon-bwd-tail: the Gluon backward also ran short last segments (gluon_bwd.TAIL_SEGMENTS; "
            "off by default before 2026-11-29's second session)"] if meta.get("gluon_bwd_tail") else []),
+        *(["--gluon-split-phases: the Gluon backward ran every branch's dK/dV before its dQ "
+           "(gluon_bwd.SPLIT_PHASES; off by default)"] if meta.get("gluon_split_phases") else []),
     ])
     lines += [
         "",
@@ -630,6 +632,9 @@ def main(argv=None):
     p.add_argument("--gluon-bwd-tail", action="store_true",
                    help="A/B: the Gluon backward also takes N %% w != 0 at batch 1 (gluon_bwd.TAIL_SEGMENTS; "
                         "on by default since 2026-11-29: kept for the committed A/B commands)")
+    p.add_argument("--gluon-split-phases", action="store_true",
+                   help="A/B: the Gluon backward runs every branch's dK/dV before its dQ, freeing dk's and "
+                        "dv's float32 accumulators first (gluon_bwd.SPLIT_PHASES, off by default)")
     p.add_argument("--plan", action="store_true", help="print rows and estimated GPU seconds; run nothing")
     p.add_argument("--rule-report", metavar="JSON", help="print the rule evaluation of a sweep's JSON")
     p.add_argument("--emit-table", metavar="JSON", help="print MEASURED for kernels/auto_rule.py")
@@ -678,6 +683,11 @@ def main(argv=None):
 
         gluon_bwd.TAIL_SEGMENTS = True
         meta["gluon_bwd_tail"] = True
+    if args.gluon_split_phases:
+        from dilated_attention.kernels import gluon_bwd
+
+        gluon_bwd.SPLIT_PHASES = True
+        meta["gluon_split_phases"] = True
     if dev.type == "cpu":
         meta["device"] = f"CPU (--tiny): {meta['device']}"
     if args.out:

@@ -107,6 +107,9 @@
 #                                       cases, the generator now with w % r != 0 and N % w != 0)
 #   bash scripts/gpu_check.sh gluon-next-bench  the two sweep rows TAIL_SEGMENTS would take, with and without
 #                                       --gluon-bwd-tail, then gluon_ab.py on the d128 rows with 1024-row blocks
+#   bash scripts/gpu_check.sh gluon-split issue 24: gluon_bwd.SPLIT_PHASES (written 2026-11-29 without device time):
+#                                       its CUDA test (same bits, lower peak) with the backward's reference tests, then
+#                                       sweep rows with and without --gluon-split-phases (fwd+bwd time, peak, mem ratio)
 #   bash scripts/gpu_check.sh ceiling   issue 24: benchmarks/block_ceiling.py --per-branch over $CEIL_ROWS (each row's
 #                                       blocks on dense SDPA: the most a segment-then-dilate kernel can reach, beside
 #                                       the library and dense SDPA on the whole row)
@@ -287,6 +290,16 @@ case "${1:-tests}" in
     timeout "${AB_TIMEOUT:-300}" python3 benchmarks/gluon_ab.py --budget-s 220 --rows b2-64k-7br-r64,8br-wN-32x8,paper-r6-12-causal-fp16 --out "$OUT/gluon_ab.md" > "$OUT/gluon_ab.txt" 2>&1
     echo "gluon_ab rc=$?" >> "$OUT/gluon_ab.txt"
     tail -n 5 "$OUT"/sweep_tail_*.txt; grep -E "^\||rc=" "$OUT/gluon_ab.txt" | tail -6
+    ;;
+  gluon-split)
+    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -m cuda tests/test_gluon_bwd.py -k "split_phases or backward_vs_reference or tail" -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
+    for arm in off on; do
+      timeout 150 python3 benchmarks/sweep.py --out "$OUT" --name "sweep_split_$arm" --budget-s 120 --no-peers --impls triton \
+        $([ $arm = on ] && echo --gluon-split-phases) --rows "${SPLIT_ROWS:-headline,headline-causal,gqa32x8-causal,n100000-causal}" > "$OUT/sweep_split_$arm.txt" 2>&1
+      echo "sweep $arm rc=$?" >> "$OUT/sweep_split_$arm.txt"
+    done
+    grep -E "FAILED|rc=" "$OUT/cuda_tests.txt" | tail -8; grep -h "| triton |\|rc=" "$OUT"/sweep_split_*.txt "$OUT"/sweep_split_*.md | tail -12
     ;;
   ceiling)
     timeout "${CEIL_TIMEOUT:-400}" python3 benchmarks/block_ceiling.py --per-branch --budget-s "${CEIL_BUDGET:-300}" \

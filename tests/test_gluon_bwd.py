@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -100,7 +101,8 @@ def test_stages_fit_shared_memory():
         assert max(kv, dq) <= 227 * 1024, (d, kv, dq)
 
 
-def _emulated_launch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=True):
+def _emulated_launch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=True,
+                     kernels=("dkdv", "dq")):  # fmt: skip
     """gluon_bwd.launch_branch with the kernels replaced by the float64 emulation of their index
     math and schedule (benchmarks/gluon_dilated_bwd.py --emulate)."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -112,21 +114,26 @@ def _emulated_launch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scal
     ek, ev = emu.emulate_dkdv(*args, w, r, causal, scale)
     eq = emu.emulate_dq(*args, w, r, causal, scale)
     for acc, e in ((dq, eq), (dk, ek), (dv, ev)):
+        if acc is None:  # a phase without this result (gluon_bwd.SPLIT_PHASES)
+            assert (e is eq) != ("dq" in kernels)
+            continue
         if add:
             acc += e.float()
         else:
             acc.copy_(e.float())
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seg,dil", [([32, 64], [1, 2]), ([64, 128], [2, 4])], ids=["r1-first", "r2-first"])
-def test_host_path_with_emulated_kernels(seed, monkeypatch, causal, seg, dil):
+def test_host_path_with_emulated_kernels(seed, monkeypatch, causal, seg, dil, split):
     """gluon_bwd.backward on the CPU (delta from the library's delta kernel in the interpreter,
     the block-major prep, store-or-add per branch, the final cast) with the kernels emulated:
     the gradients of the float64 reference."""
     from dilated_attention import reference
 
     monkeypatch.setattr(gluon_bwd, "launch_branch", _emulated_launch)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
     q, k, v = (t.double() for t in qkv(1, 256, 4, 2, 16, torch.float32))
     do = torch.randn_like(q)
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -320,7 +327,8 @@ class _Launcher:
     ([64, 128], [1, 2], 4, 2),  # even: one class per branch
 ])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h, hkv, causal):
+@pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
+def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h, hkv, causal, split):
     """gluon_bwd.backward's launches (length classes, descriptors, grids, CLASSES, the block-major
     rows of two lengths) with both kernels emulated in float64 (:class:`_EmulatedBwdKernels`):
     the float64 reference's gradients."""
@@ -328,6 +336,7 @@ def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h,
 
     emu = _EmulatedBwdKernels()
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
     # float16 in (the descriptors' dtypes), the reference on the same values in float64
     q, k, v = (t.double() for t in qkv(2, 384, h, hkv, 16, torch.float16))
     do = torch.randn_like(q).half().double()
@@ -352,7 +361,8 @@ def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h,
     (3, 300, [96, 192], [5, 7], 8, 1),
 ])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_tail_segments_with_emulated_kernels(seed, monkeypatch, b, n, seg, dil, h, hkv, causal):
+@pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
+def test_backward_tail_segments_with_emulated_kernels(seed, monkeypatch, b, n, seg, dil, h, hkv, causal, split):
     """gluon_bwd.backward with N % w != 0 (gluon_bwd.TAIL_SEGMENTS; batch > 1: each entry
     apart): each branch's full segments, then its short last segment over views from its first
     row, with both kernels emulated in float64: the float64 reference's gradients (the
@@ -361,6 +371,7 @@ def test_backward_tail_segments_with_emulated_kernels(seed, monkeypatch, b, n, s
 
     emu = _EmulatedBwdKernels()
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
     q, k, v = (t.double() for t in qkv(b, n, h, hkv, 16, torch.float16))
     do = torch.randn_like(q).half().double()
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -579,4 +590,132 @@ def test_direct_launches_change_no_bit(seed, monkeypatch, switches_reset, causal
     assert gluon_fwd._direct and all(gluon_fwd._direct.values()), "no direct launcher"
     got = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
     for a, b in zip((got[0], got[1], *got[2]), (base[0], base[1], *base[2]), strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [
+    (1, 16384, 16, 16, 128, [2048, 4096, 8192], [1, 2, 4], "all"),  # r = 1 first (stores)
+    (2, 6000, 8, 2, 64, [2048, 4096], [2, 6], "all"),  # GQA, r > 1 first (zeroed), tails, w % r
+])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_phases_same_bits_and_lower_peak(seed, monkeypatch, switches_reset, case, causal):
+    """gluon_bwd.SPLIT_PHASES (every branch's dK/dV first, its accumulators cast and freed
+    before dQ's is allocated): the same bits as one phase (each accumulator still adds its
+    branches in order), and a lower peak: by at least one float32 q-sized accumulator (MHA:
+    5 + 6 + 1 -> 5 + 4 + 1 result sizes) less 10% slack."""
+    b, n, h, hkv, d, seg, dil, _ = case
+    q, k, v = qkv(b, n, h, hkv, d, torch.bfloat16, "cuda")
+    do = torch.randn_like(q)
+    flags.set_gluon_backward(True)
+    peaks, grads = {}, {}
+    calls = _spy(monkeypatch)
+    for split in (False, True, False):
+        monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
+        xs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = dilated_attention(*xs, seg, dil, causal=causal, impl="triton")
+        calls.clear()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        g = torch.autograd.grad(out, xs, do)
+        torch.cuda.synchronize()
+        assert calls, "the Gluon backward did not run"
+        peaks[split] = torch.cuda.max_memory_allocated() - base
+        grads.setdefault(split, g)
+        for a, a0 in zip(g, grads[split], strict=True):
+            assert torch.equal(a, a0)
+        del out, xs, g
+    for a, a0 in zip(grads[True], grads[False], strict=True):
+        assert torch.equal(a, a0), "split phases changed bits"
+    saved = 4 * q.numel() if hkv == h else 4 * k.numel() * 2  # MHA: dq's float32; GQA: dk's and dv's
+    assert peaks[True] <= peaks[False] - 0.9 * min(saved, 4 * q.numel()), peaks
+
+
+class _CountingTorch:
+    """gluon_bwd's ``torch`` with ``empty`` / ``zeros`` of float32 recorded (weak references):
+    how many float32 accumulators are alive at each emulated launch."""
+
+    def __init__(self):
+        self.refs = []
+
+    def __getattr__(self, name):
+        fn = getattr(torch, name)
+        if name not in ("empty", "zeros"):
+            return fn
+
+        def alloc(*a, **kw):
+            t = fn(*a, **kw)
+            if kw.get("dtype") is torch.float32:
+                self.refs.append(weakref.ref(t))
+            return t
+
+        return alloc
+
+    def live(self) -> int:
+        return sum(ref() is not None for ref in self.refs)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
+def test_split_phases_free_the_dkdv_accumulators_before_dq(seed, monkeypatch, split):
+    """gluon_bwd.SPLIT_PHASES: every dK/dV launch sees two float32 accumulators alive and every
+    dQ launch one (dk's and dv's cast and freed first); without it, three throughout. The
+    results are the same bits either way (the kernels add in the same branch order)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dilated_attention import reference
+
+    emu = _EmulatedBwdKernels()
+    counting = _CountingTorch()
+    live = []
+    for name in ("dkdv_kernel", "dq_kernel"):
+        fn = getattr(emu, name).fn
+        setattr(
+            emu,
+            name,
+            _Launcher(
+                lambda *a, fn=fn, name=name, **kw: (
+                    live.append((name, counting.live())),
+                    fn(*a, **kw),
+                )
+            ),
+        )
+    monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
+    q, k, v = qkv(1, 256, 4, 2, 16, torch.float16)
+    do = torch.randn_like(q)
+    seg, dil = [64, 128], [1, 2]
+    out, lse = reference.dilated_attention_reference(
+        *(t.double() for t in (q, k, v)), seg, dil, softmax_scale=0.25
+    )
+    delta = (do.double() * out).sum(-1).transpose(1, 2).float()
+    args = (do, q, k, v, delta, lse.float(), L.branch_list(seg, dil, [(0, 4)] * 2), True, 0.25)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", False)
+    want = gluon_bwd.backward(*args)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
+    monkeypatch.setattr(gluon_bwd, "torch", counting)
+    live.clear()
+
+    class Casts(TorchDispatchMode):  # the float32 accumulators alive at each cast to the result dtype
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            to16 = (kwargs or {}).get("dtype") == torch.float16
+            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32 and to16:
+                live.append(("cast", counting.live()))
+            return func(*args, **(kwargs or {}))
+
+    with Casts():
+        got = gluon_bwd.backward(*args)
+    casts = [c for n, c in live if n == "cast"]
+    assert casts == ([2, 1, 1] if split else [3, 2, 1]), "each accumulator freed once cast"
+    assert {n for n, _ in live} == {"dkdv_kernel", "dq_kernel", "cast"}
+    if split:
+        assert {c for n, c in live if n == "dkdv_kernel"} == {2}
+        assert {c for n, c in live if n == "dq_kernel"} == {1}
+        assert live.index(("dq_kernel", 1)) > max(
+            i for i, (n, _) in enumerate(live) if n == "dkdv_kernel"
+        )
+    else:
+        assert {c for n, c in live if n != "cast"} == {3}
+    assert counting.live() == 0, "an accumulator outlived the call"
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

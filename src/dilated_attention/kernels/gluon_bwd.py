@@ -2,8 +2,10 @@
 
 :func:`problem` says why the kernels cannot run a backward (None: they can); :func:`backward`
 runs every branch's dK/dV and dQ kernels, each adding into float32 accumulators (zeros, one per
-result), and returns them cast to the inputs' dtype: every row's sum is float32 in branch order
-(deterministic, no atomics), rounded once. The Triton backward's compensated (hi, lo) pairs hold
+result), and returns them cast to the inputs' dtype, one at a time, each freed once cast: every
+row's sum is float32 in branch order (deterministic, no atomics), rounded once. With
+:data:`SPLIT_PHASES` every branch's dK/dV kernels run first and dk, dv are cast and freed before
+the dQ kernels' accumulator is allocated (a lower peak; the same bits). The Triton backward's compensated (hi, lo) pairs hold
 about the same precision in less memory; the float32 accumulators cost 2x a result each, so a
 call whose three of them pass :data:`MAX_F32_BYTES` runs the Triton backward
 (``triton_launch.backward``: the 2M-token calls of issue 24 among them).
@@ -47,6 +49,16 @@ MAX_F32_BYTES = 8 << 30
 # changes ran fwd+bwd 21-26% faster (the float32 accumulators raise their peak from 1.13x to
 # 1.75x the q/k/v/out/grads bytes). False: those calls run the Triton backward.
 TAIL_SEGMENTS = True
+# the dK/dV kernels of every branch first, into two float32 accumulators that are cast to the
+# results' dtype and freed before the dQ kernels' accumulator is allocated (both kernels read
+# only the FINAL lse and delta, so the order is free). Peak memory of a backward, in results of
+# q's size (MHA): 5 inputs kept for it + 3 float32 accumulators (6) + a cast result = 12
+# (measured 1.75x the 8 tensors of a training call, sweep 2026-11-29, which is 14: the three
+# casts then ran while all three accumulators lived) -> 5 + 4 + 1 = 10 (1.25x). The cost: each
+# branch's block-major lse / delta rows are built twice (two small gathers a branch). Off until
+# its CUDA tests have run on a GPU (written 2026-11-29 without device time).
+SPLIT_PHASES = False
+KERNELS = ("dkdv", "dq")
 CONSUMER_REGS = gluon_fwd.CONSUMER_REGS
 LOADER_REGS = gluon_fwd.LOADER_REGS
 MAXNREG = gluon_fwd.MAXNREG
@@ -189,10 +201,11 @@ def _row_desc(x: torch.Tensor, rows: int):
 
 
 def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causal: bool,
-                  scale: float, add: bool = True) -> None:  # fmt: skip
+                  scale: float, add: bool = True, kernels: tuple[str, ...] = KERNELS) -> None:  # fmt: skip
     """Add branch (w, r)'s dK, dV and dQ (all heads) into the float32 accumulators dq (B, N, H,
     D), dk, dv (B, N, Hkv, D), contiguous; lse2 / delta2 block-major (:func:`prep_rows`).
-    ``add`` False: store instead (the rows this branch reads; r = 1: all of them)."""
+    ``add`` False: store instead (the rows this branch reads; r = 1: all of them). ``kernels``:
+    which of "dkdv" and "dq" to launch (the other's accumulators may be None)."""
     mod = kernel_module()
     bsz, n, nh, d = q.shape
     hkv = k.shape[2]
@@ -212,27 +225,30 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
             continue
         nnb = -(-big_l // mod.BLK)
         ni = min(rep, r)
-        gluon_fwd.launch(mod.dkdv_kernel, (nnb * nseg, bsz * hkv * (cw if classes else ni)), (
-            bd(q, w, r, mod.BMQ, big_l), bd(dout, w, r, mod.BMQ, big_l), bd(k, w, r, mod.WG_M, big_l),
-            bd(v, w, r, mod.WG_M, big_l), _row_desc(lse2, mod.BMQ), _row_desc(delta2, mod.BMQ), dk, dv,
-            scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw),
-            dict(BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
-                 CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
-                 maxnreg=MAXNREG),
-        )  # fmt: skip
-        gluon_fwd.launch(mod.dq_kernel, (nnb * nseg, bsz * nhb), (
-            bd(q, w, r, mod.WG_M, big_l), bd(dout, w, r, mod.WG_M, big_l), bd(k, w, r, bn, big_l),
-            bd(v, w, r, bn, big_l), dq, lse2, delta2, scale * LOG2E, scale, big_l, w, nseg, nnb, r,
-            nh, hkv, lp, nhb, c0, cw), dict(BN=bn, D=d, STAGES=DQ_STAGES, CAUSAL=bool(causal),
-            ADD=bool(add), CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-            num_warps=4, maxnreg=MAXNREG),
-        )  # fmt: skip
+        if "dkdv" in kernels:
+            gluon_fwd.launch(mod.dkdv_kernel, (nnb * nseg, bsz * hkv * (cw if classes else ni)), (
+                bd(q, w, r, mod.BMQ, big_l), bd(dout, w, r, mod.BMQ, big_l), bd(k, w, r, mod.WG_M, big_l),
+                bd(v, w, r, mod.WG_M, big_l), _row_desc(lse2, mod.BMQ), _row_desc(delta2, mod.BMQ), dk,
+                dv, scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw),
+                dict(BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
+                     CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                     num_warps=4, maxnreg=MAXNREG),
+            )  # fmt: skip
+        if "dq" in kernels:
+            gluon_fwd.launch(mod.dq_kernel, (nnb * nseg, bsz * nhb), (
+                bd(q, w, r, mod.WG_M, big_l), bd(dout, w, r, mod.WG_M, big_l), bd(k, w, r, bn, big_l),
+                bd(v, w, r, bn, big_l), dq, lse2, delta2, scale * LOG2E, scale, big_l, w, nseg, nnb, r,
+                nh, hkv, lp, nhb, c0, cw), dict(BN=bn, D=d, STAGES=DQ_STAGES, CAUSAL=bool(causal),
+                ADD=bool(add), CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                num_warps=4, maxnreg=MAXNREG),
+            )  # fmt: skip
 
 
 def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
     """dq, dk, dv (the inputs' dtypes) of the branches, given the FINAL lse (B, H, N) float32
     and delta = rowsum(dO * out) (B, H, N) float32 (``triton_launch._delta``); inputs as
-    :func:`problem` accepts (dout: any layout)."""
+    :func:`problem` accepts (dout: any layout). With :data:`SPLIT_PHASES`, every branch's dK/dV
+    first and its dQ after, each phase's accumulators cast and freed before the next."""
     if gluon_fwd.view_problem("dout", dout) is not None:
         dout = dout.contiguous()
     # a first branch with r = 1 (over all heads: :func:`problem`) stores every row of the three
@@ -240,27 +256,52 @@ def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
     # it stores, not adds
     store_first = branches[0][1] == 1
     alloc = torch.empty if store_first else torch.zeros
-    dq = alloc(q.shape, dtype=torch.float32, device=q.device)
-    dk = alloc(k.shape, dtype=torch.float32, device=q.device)
-    dv = alloc(v.shape, dtype=torch.float32, device=q.device)
+    args = (dout, q, k, v, delta, lse, branches, causal, scale, store_first)
+    if not SPLIT_PHASES:
+        accs = [alloc(x.shape, dtype=torch.float32, device=q.device) for x in (q, k, v)]
+        _run_branches(*args, *accs, KERNELS)
+        return _cast_each(accs, (q.dtype, k.dtype, v.dtype))
+    accs = [alloc(x.shape, dtype=torch.float32, device=q.device) for x in (k, v)]
+    _run_branches(*args, None, *accs, ("dkdv",))
+    dk, dv = _cast_each(accs, (k.dtype, v.dtype))
+    accs = [alloc(q.shape, dtype=torch.float32, device=q.device)]
+    _run_branches(*args, accs[0], None, None, ("dq",))
+    (dq,) = _cast_each(accs, (q.dtype,))
+    return dq, dk, dv
+
+
+def _cast_each(accs: list, dtypes) -> list:
+    """Each accumulator cast to its dtype, the list's reference dropped as soon as it is cast
+    (``accs`` must hold the only references): one float32 accumulator and one result live
+    together at a time, not all of them."""
+    out = []
+    for i, dt in enumerate(dtypes):
+        out.append(accs[i].to(dt))
+        accs[i] = None
+    return out
+
+
+def _run_branches(dout, q, k, v, delta, lse, branches, causal, scale, store_first, dq, dk, dv,
+                  kernels) -> None:  # fmt: skip
+    """Launch ``kernels`` of every branch into the accumulators (None where not launched); batch
+    > 1 with short last segments: each entry apart (gluon_fwd.TAIL_BATCHES)."""
     n = q.shape[1]
-    # batch > 1 with short last segments: each entry apart (gluon_fwd.TAIL_BATCHES)
     entries = gluon_fwd.batch_entries(q.shape[0], n, branches)
     for bi, (w, r, _, _) in enumerate(branches):
         add = bi > 0 or not store_first
         for qe, ke, ve, doe, lse_e, de, dqe, dke, dve in gluon_fwd.entry_views(
                 entries, q, k, v, dout, lse, delta, dq, dk, dv):  # fmt: skip
-            _segments(qe, ke, ve, doe, lse_e, de, dqe, dke, dve, w, r, causal, scale, add)
+            _segments(qe, ke, ve, doe, lse_e, de, dqe, dke, dve, w, r, causal, scale, add, kernels)
             if n % w:  # the short last segment, a segment of its own
                 t0 = n - n % w
-                qt, kt, vt, dot, dqt, dkt, dvt = (x[:, t0:] for x in (qe, ke, ve, doe, dqe, dke, dve))
+                qt, kt, vt, dot, dqt, dkt, dvt = (None if x is None else x[:, t0:]
+                                                  for x in (qe, ke, ve, doe, dqe, dke, dve))  # fmt: skip
                 _segments(qt, kt, vt, dot, lse_e[..., t0:], de[..., t0:], dqt, dkt, dvt, n % w, r,
-                          causal, scale, add)  # fmt: skip
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+                          causal, scale, add, kernels)  # fmt: skip
 
 
 def _segments(q, k, v, dout, lse, delta, dq, dk, dv, w: int, r: int, causal: bool, scale: float,
-              add: bool) -> None:  # fmt: skip
+              add: bool, kernels: tuple[str, ...] = ("dkdv", "dq")) -> None:  # fmt: skip
     """Branch (w, r) over the full segments of the views (lse, delta (B, H, N) views): its
     block-major rows, then its launches."""
     if q.is_cuda:
@@ -268,4 +309,6 @@ def _segments(q, k, v, dout, lse, delta, dq, dk, dv, w: int, r: int, causal: boo
     else:  # the CPU tests' emulated kernels (tests/test_gluon_bwd.py)
         lse2 = prep_rows(lse, w, r, float("inf"), LOG2E)
         delta2 = prep_rows(delta, w, r, 0.0)
-    launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=add)
+    launch_branch(
+        q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=add, kernels=kernels
+    )

@@ -336,10 +336,11 @@ def batch_entries(bsz: int, n: int, branches) -> list[slice] | None:
 
 
 def entry_views(entries: list[slice] | None, *xs: torch.Tensor):
-    """Per :func:`batch_entries` slice, the views ``x[slice]`` of ``xs``; None: ``xs`` once."""
+    """Per :func:`batch_entries` slice, the views ``x[slice]`` of ``xs`` (None stays None);
+    ``entries`` None: ``xs`` once."""
     if entries is None:
         return [xs]
-    return [tuple(x[e] for x in xs) for e in entries]
+    return [tuple(None if x is None else x[e] for x in xs) for e in entries]
 
 
 def launch_tail(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,
