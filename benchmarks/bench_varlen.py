@@ -13,7 +13,10 @@ LongNet branches. Forward and forward+backward median times of
                 ``check_offsets=False``): the fills stay (rows past the last document), the
                 route every packed call took before branch packedfills (2026-11-26);
   (b) one seq:  one sequence of ``--total`` tokens through the batch path (impl="triton"): the
-                rate to match, per useful FLOP;
+                rate to match, per useful FLOP; on a Hopper GPU this is the Gluon kernels
+                (on by default since 2026-11-28), which packed documents do not take;
+  (b') one seq, Triton kernels: the same with both Gluon switches off (CUDA only): the same
+                kernel family as (a), so (a) / (b') is what packing itself costs;
   (c) padded:   every document padded to the longest, a batch with key_padding_mask
                 (impl="triton"): what packing replaces;
   (d) dense:    dense SDPA over the packed stream as one sequence, and dense varlen attention
@@ -49,7 +52,7 @@ if "--tiny" in sys.argv[1:] and not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from dilated_attention import dilated_attention, dilated_attention_varlen  # noqa: E402
+from dilated_attention import dilated_attention, dilated_attention_varlen, flags  # noqa: E402
 from dilated_attention.flops import dense_flops, dilated_flops, dilated_flops_varlen  # noqa: E402
 from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen  # noqa: E402
 
@@ -106,6 +109,22 @@ def _fwd_and_fb(call, xs, do):
         return torch.autograd.grad(out, xs, do)
 
     return fwd, fb
+
+
+def _without_gluon(fn):
+    """``fn`` run with both Gluon switches off (forward and backward: the backward's choice is
+    made when autograd runs it, inside ``fn``), then back to their defaults."""
+
+    def call():
+        flags.set_gluon_forward(False)
+        flags.set_gluon_backward(False)
+        try:
+            return fn()
+        finally:
+            flags.set_gluon_forward(None)
+            flags.set_gluon_backward(None)
+
+    return call
 
 
 def rows(args) -> tuple[list[dict], dict]:
@@ -167,6 +186,9 @@ def rows(args) -> tuple[list[dict], dict]:
                 lambda a, b, c: dilated_attention(a, b, c, seg, dil, causal=causal, impl="triton"),
                 xs, do[None])
 
+        def one_sequence_triton_kernels():
+            return tuple(_without_gluon(f) for f in one_sequence())
+
         def padded():
             shape = (docs, longest, h, d)
             xp = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(4)]
@@ -208,6 +230,8 @@ def rows(args) -> tuple[list[dict], dict]:
         if not args.ratio_only:
             add("(a') varlen packed (triton, unchecked device offsets)", useful, varlen_unchecked)
         rb, fb_ = add("(b) one sequence (triton)", one_seq, one_sequence)
+        if cuda:
+            add("(b') one sequence (triton, Gluon kernels off)", one_seq, one_sequence_triton_kernels)
         if fa is not None and fb_ is not None and args.rounds > 1:
             # the ratio the target is about, from interleaved rounds (a, b, a, b, ...): one
             # timing each is a few repetitions of a ~30 ms step, and the clocks drift between
@@ -278,6 +302,11 @@ def report(rows_, info, args, argv) -> str:
             speedup = c["fb_ms"] / a["fb_ms"]
             padded = (f"padded / varlen time = {speedup:.2f}x (target >= 1.8: "
                       f"{'met' if speedup >= 1.8 else 'NOT met'})")
+        family = ""
+        bt = by.get((causal, "(b'"))
+        if bt is not None and "error" not in bt:
+            family = (f"; against one sequence on the Triton kernels (the same kernel family): "
+                      f"{(a['fb_ms'] / a['flops']) / (bt['fb_ms'] / bt['flops']):.3f}x")
         unchecked = ""
         if u is not None and "error" not in u:
             unchecked = (f"; unchecked device offsets (fills kept) "
@@ -285,7 +314,7 @@ def report(rows_, info, args, argv) -> str:
         lines.append(
             f"- causal={causal}: varlen time per useful FLOP = {per_flop:.3f}x one sequence's "
             f"{rounds}(target <= 1.1: {'met' if per_flop <= 1.1 else 'NOT met'}); {padded}"
-            f"{unchecked}"
+            f"{unchecked}{family}"
         )
     return "\n".join(lines) + "\n"
 

@@ -157,3 +157,23 @@ def test_profile_varlen_api_step_is_the_direct_step():
         for a, b in zip(api, direct, strict=True):
             torch.testing.assert_close(a, b[0], atol=1e-5, rtol=1e-5)
         assert api[0].abs().sum() > 0
+
+
+def test_one_sequence_on_the_triton_kernels_turns_both_gluon_switches_off(monkeypatch):
+    """Row (b'): the whole call (forward, and the backward autograd runs inside it) sees both
+    Gluon switches off; the defaults come back after it, also when it raises."""
+    from dilated_attention import flags
+
+    monkeypatch.delenv(flags.ENV_GLUON_FWD, raising=False)
+    monkeypatch.delenv(flags.ENV_GLUON_BWD, raising=False)
+    seen = []
+    bench_varlen._without_gluon(lambda: seen.append((flags.gluon_forward_enabled(), flags.gluon_backward_enabled())))()
+    assert seen == [(False, False)]
+    assert flags.gluon_forward_enabled() and flags.gluon_backward_enabled()
+
+    def boom():
+        raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError):
+        bench_varlen._without_gluon(boom)()
+    assert flags.gluon_forward_enabled() and flags.gluon_backward_enabled()
