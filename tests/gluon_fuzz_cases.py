@@ -9,8 +9,9 @@ tests/property_cases.py (headdim 16, float32, masks, nq < nk) never reaches them
 bf16 or fp16, headdim 64 or 128, seqlen_q == seqlen_k = N, every branch with w // r >= 2;
 w % r != 0 (blocks of two lengths, ``gluon_fwd.UNEVEN_BLOCKS``, on as shipped) for a branch in
 :data:`UNEVEN_P` of the draws, its heads starting at a multiple of r; N % w != 0 (a short last
-segment, ``gluon_fwd.TAIL_SEGMENTS``, on as shipped: batch 1, its blocks of >= 2 rows) in
-:data:`TAIL_P` of the batch-1 cases (their backward is the Gluon one only where
+segment, ``gluon_fwd.TAIL_SEGMENTS``, on as shipped: its blocks of >= 2 rows; at batch 2 with
+``gluon_fwd.TAIL_BATCHES``, on as shipped since 2026-11-29, read when drawing) in
+:data:`TAIL_P` of the cases (their backward is the Gluon one only where
 ``gluon_bwd.TAIL_SEGMENTS`` is on: :func:`backward_runs_gluon` reads it when asked);
 contiguous q / k / v, no key padding mask, no packed documents, batch 1-2, heads 1-8
 with kv heads dividing them (MHA, GQA, MQA), causal or not; the backward's extra condition,
@@ -64,7 +65,7 @@ MAX_HEADS = 8
 MAX_SCORES = 1 << 26
 SPLIT_P = 0.2  # head_assignment="split": the Gluon forward, the Triton backward
 UNEVEN_P = 0.3  # a branch drawn with w % r != 0 (blocks of two lengths)
-TAIL_P = 0.5  # a batch-1 case whose branches may have N % w != 0 (a short last segment)
+TAIL_P = 0.5  # a case whose branches may have N % w != 0 (a short last segment; batch 2 under TAIL_BATCHES)
 GRID_MAX = 65535
 # gross bound on any result's error, times 1 + max |ref| (fp16: the repository's float16
 # tolerance, varlen_cases.HALF_ATOL; bf16: 8x, its 3 fewer mantissa bits)
@@ -108,6 +109,14 @@ def branches_with_heads(c: GluonCase) -> list[tuple[int, int, int, int]]:
     return [(w, r, hs, he) for (w, r), (hs, he) in zip(zip(c.seg, c.dil, strict=True), ranges, strict=True) if he > hs]
 
 
+def tail_batches() -> bool:
+    """``gluon_fwd.TAIL_BATCHES`` (read now): batch > 1 with short last segments, each entry
+    launched apart (on as shipped since 2026-11-29)."""
+    from dilated_attention.kernels import gluon_fwd
+
+    return gluon_fwd.TAIL_BATCHES
+
+
 def has_tail(c: GluonCase) -> bool:
     """Whether a branch has a short last segment (N % w != 0)."""
     return any(c.n % w for w in c.seg)
@@ -145,8 +154,9 @@ def case_problem(c: GluonCase) -> str | None:
     for w, r in zip(c.seg, c.dil, strict=True):
         if not (1 <= r <= w) or w // r < 2:
             return f"branch (w={w}, r={r}): needs w // r >= 2"
-        if c.n % w and c.b != 1:
-            return f"branch (w={w}) with N = {c.n}: a short last segment needs batch 1 (batch {c.b})"
+        if c.n % w and c.b != 1 and not tail_batches():
+            return (f"branch (w={w}) with N = {c.n}: a short last segment needs batch 1 (batch {c.b}) "
+                    "while gluon_fwd.TAIL_BATCHES is off")  # fmt: skip
         if not _tail_ok(c.n % w, r):
             return f"branch (w={w}, r={r}) with N = {c.n}: its short last segment has blocks of one row"
         if c.n // w > GRID_MAX or c.b * c.h > GRID_MAX:
@@ -213,7 +223,7 @@ def gluon_case(rng: random.Random, d: int | None = None) -> GluonCase:
     gqa = [x for x in _divisors(h) if 1 < x < h]
     hkv = 1 if 1 / 3 <= kind < 2 / 3 else rng.choice(gqa) if kind >= 2 / 3 and gqa else h
     d = d if d is not None else rng.choice([64, 128])
-    tail = b == 1 and rng.random() < TAIL_P
+    tail = (b == 1 or tail_batches()) and rng.random() < TAIL_P
     split, causal, bf16 = rng.random() < SPLIT_P, rng.random() < 0.5, rng.random() < 0.5
     while True:  # redraw the branches until the gate takes them (two-length blocks' heads, tails)
         nb = rng.randint(1, 3)
@@ -329,7 +339,7 @@ def variant(c: GluonCase, rng: random.Random, tries: int = 40) -> GluonCase | No
         return None
     tail = any(key[1] for key in want[9])
     for n in rng.choices(ns, weights=[1.0 / x for x in ns], k=tries):
-        bs = [b for b in ((1,) if tail else (1, 2))
+        bs = [b for b in ((1,) if tail and not tail_batches() else (1, 2))
               if spec_class(b * n * c.h) == want[8] and b * c.h * n * n <= MAX_SCORES]  # fmt: skip
         if not bs:
             continue
@@ -431,6 +441,8 @@ def launch_problems(c: GluonCase, seen: dict) -> list[str]:
         bad.append(f"the Gluon forward launched branches (w, r, hs, he) {sorted(set(seen['fwd']))}, expected {want}")
     # the backward launches each branch's full segments, then its short last one as (N % w, r)
     want_bwd = sorted([(w, r) for w, r, _, _ in want] + [(c.n % w, r) for w, r, _, _ in want if c.n % w])
+    if has_tail(c):  # batch > 1: each entry launched apart (gluon_fwd.TAIL_BATCHES)
+        want_bwd = sorted(want_bwd * c.b)
     want_bwd = want_bwd if backward_runs_gluon(c) else []
     if sorted(seen["bwd"]) != want_bwd:
         bad.append(f"the Gluon backward launched branches (w, r) {sorted(seen['bwd'])}, expected {want_bwd}")

@@ -187,8 +187,8 @@ def _gate_conditions(c) -> list[str]:
         bad.append("N")
     ranges = branch_head_ranges(c.h, len(c.seg), c.head_assignment)
     for w, r, (hs, he) in zip(c.seg, c.dil, ranges, strict=True):
-        t = c.n % w  # the short last segment: batch 1, blocks of >= 2 rows
-        if w // r < 2 or r < 1 or (t and (c.b != 1 or t // r < 2)):
+        t = c.n % w  # the short last segment: blocks of >= 2 rows (batch 2: TAIL_BATCHES, on as shipped)
+        if w // r < 2 or r < 1 or (t and t // r < 2):
             bad.append(f"branch ({w}, {r})")
         if he > hs and (w % r or t % r) and hs % r:  # two block lengths: heads from a multiple of r
             bad.append(f"branch ({w}, {r}) heads")
@@ -224,6 +224,8 @@ def test_gluon_cases_satisfy_the_gate_and_cover_it():
             seen.add("w > N: all short last segment")
         if any(c.n % w and (c.n % w) % r for w, r in zip(c.seg, c.dil, strict=True)):
             seen.add("short last segment of two block lengths")
+        if c.b == 2 and G.has_tail(c):
+            seen.add("short last segment at batch 2")
         if c.split and any(w % r and hs > 0 for w, r, hs, _ in G.branches_with_heads(c)):
             seen.add("two block lengths on split heads")
     want = {("dtype", True), ("dtype", False), ("d", 64), ("d", 128), ("causal", True), ("causal", False),
@@ -231,11 +233,12 @@ def test_gluon_cases_satisfy_the_gate_and_cover_it():
             ("backward gluon", True), ("backward gluon", False), ("kv", "mha"), ("kv", "mqa"), ("kv", "gqa"),
             "first branch r > 1", "partial tile", "several tiles, the last partial", "N >= 2048",
             "blocks of two lengths", "short last segment", "w > N: all short last segment",
-            "short last segment of two block lengths", "two block lengths on split heads"}  # fmt: skip
+            "short last segment of two block lengths", "two block lengths on split heads",
+            "short last segment at batch 2"}  # fmt: skip
     assert want <= seen, want - seen
     # the predicate refuses what the gate refuses
     c = G.gluon_case(random.Random(1))
-    for bad in (dataclasses.replace(c, b=2, seg=(c.n + 1,) * len(c.seg)), dataclasses.replace(c, d=16),
+    for bad in (dataclasses.replace(c, b=3), dataclasses.replace(c, d=16),
                 dataclasses.replace(c, dil=tuple(w for w in c.seg)),
                 dataclasses.replace(c, b=1, seg=(c.n + 1,), dil=(c.n // 2 + 1,)),  # a tail of one-row blocks
                 dataclasses.replace(c, h=4, hkv=4, split=True, seg=(c.n, c.n), dil=(1, 3))):  # fmt: skip
@@ -482,3 +485,23 @@ def test_gate_records_gluon_launches_without_running(monkeypatch):
     finally:
         gate.close()
     assert all(cls.run is before[cls] for cls in classes)
+
+
+def test_gluon_cases_draw_batch_two_tails_only_under_tail_batches(monkeypatch):
+    """gluon_fwd.TAIL_BATCHES (read when drawing): on, the generator draws batch 2 with short
+    last segments and its variants keep them; off, neither does, and the predicate refuses them."""
+    import gluon_fuzz_cases as G
+
+    from dilated_attention.kernels import gluon_fwd
+
+    def draws(n=300):
+        rng = random.Random(7)
+        cs = [G.gluon_case(rng) for _ in range(n)]
+        return cs + [v for v in (G.variant(c, rng) for c in cs) if v is not None]
+
+    assert any(c.b == 2 and G.has_tail(c) for c in draws())
+    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", False)
+    cs = draws()
+    assert not any(c.b == 2 and G.has_tail(c) for c in cs)
+    tail = next(c for c in cs if G.has_tail(c))
+    assert "TAIL_BATCHES" in G.case_problem(dataclasses.replace(tail, b=2))
