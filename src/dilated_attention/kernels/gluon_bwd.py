@@ -5,8 +5,8 @@ runs every branch's dK/dV and dQ kernels, each adding into float32 accumulators 
 result), and returns them cast to the inputs' dtype, one at a time, each freed once cast: every
 row's sum is float32 in branch order (deterministic, no atomics), rounded once. With
 :data:`SPLIT_PHASES` every branch's dK/dV kernels run first and dk, dv are cast and freed before
-the dQ kernels' accumulator is allocated (a lower peak; the same bits). The Triton backward's compensated (hi, lo) pairs hold
-about the same precision in less memory; the float32 accumulators cost 2x a result each, so a
+the dQ kernels' accumulator is allocated (a lower peak; the same bits). The Triton backward's
+compensated (hi, lo) pairs hold about the same precision in less memory; the float32 accumulators cost 2x a result each, so a
 call whose three of them pass :data:`MAX_F32_BYTES` runs the Triton backward
 (``triton_launch.backward``: the 2M-token calls of issue 24 among them).
 
@@ -309,6 +309,5 @@ def _segments(q, k, v, dout, lse, delta, dq, dk, dv, w: int, r: int, causal: boo
     else:  # the CPU tests' emulated kernels (tests/test_gluon_bwd.py)
         lse2 = prep_rows(lse, w, r, float("inf"), LOG2E)
         delta2 = prep_rows(delta, w, r, 0.0)
-    launch_branch(
-        q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=add, kernels=kernels
-    )
+    launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=add,
+                  kernels=kernels)  # fmt: skip
