@@ -6,9 +6,9 @@ result), and returns them cast to the inputs' dtype, one at a time, each freed o
 row's sum is float32 in branch order (deterministic, no atomics), rounded once. With
 :data:`SPLIT_PHASES` every branch's dK/dV kernels run first and dk, dv are cast and freed before
 the dQ kernels' accumulator is allocated (a lower peak; the same bits). The Triton backward's
-compensated (hi, lo) pairs hold about the same precision in less memory; the float32 accumulators cost 2x a result each, so a
-call whose three of them pass :data:`MAX_F32_BYTES` runs the Triton backward
-(``triton_launch.backward``: the 2M-token calls of issue 24 among them).
+compensated (hi, lo) pairs hold about the same precision in less memory; the float32
+accumulators cost 2x a result each, so a call whose three of them pass :data:`MAX_F32_BYTES`
+runs the Triton backward (``triton_launch.backward``: the 2M-token calls of issue 24 among them).
 
 delta = rowsum(dO * out) comes from the Triton backward's delta kernel; lse and delta are handed
 to the kernels block-major per branch (one Triton kernel per branch, :func:`block_rows`; on the
