@@ -91,6 +91,9 @@ ROWS = [
     Row("b2-128k-16x8-d64-fp16", 2, 131072, 16, 8, 64, "fp16", *LONGNET5, False),
     Row("192k-32x1-causal", 1, 196608, 32, 1, 128, "bf16", (8192, 32768, 131072), (1, 6, 12), True),
     Row("b2-48k-r12-w%r", 2, 49152, 16, 16, 128, "bf16", (2048, 6144, 12288, 24576), (1, 4, 6, 12), False),
+    # batch > 1 with a short last segment (24576 % 16384): the Gluon kernels launch each entry
+    # apart (gluon_fwd.TAIL_BATCHES, 2026-11-29)
+    Row("b4-24k-tail-gqa-causal", 4, 24576, 16, 4, 128, "bf16", *_geo(2048, 4, (1, 2, 4, 8)), True),
     Row("512k-mqa-d64-causal", 1, 524288, 16, 1, 64, "bf16", *_geo(4096, 5, (1, 2, 4, 8, 16)), True),
     Row("1m-mqa-d64-causal", 1, 1048576, 16, 1, 64, "bf16", *_geo(8192, 5, (1, 2, 4, 8, 16)), True),
 ]

@@ -111,6 +111,9 @@
 #                                       its CUDA test (same bits as one phase, lower peak; the CPU tests compare both modes
 #                                       with the float64 reference through the emulated kernels), then
 #                                       sweep rows with and without --gluon-split-phases (fwd+bwd time, peak, mem ratio)
+#   bash scripts/gpu_check.sh tail-batch issue 24: sweep row b4-24k-tail-gqa-causal (batch 4 with a short last segment)
+#                                       as shipped (gluon_fwd.TAIL_BATCHES: each entry launched apart) and with
+#                                       --gluon-even-only (the Triton kernels): TAIL_BATCHES' speed, never measured
 #   bash scripts/gpu_check.sh ceiling   issue 24: benchmarks/block_ceiling.py --per-branch over $CEIL_ROWS (each row's
 #                                       blocks on dense SDPA: the most a segment-then-dilate kernel can reach, beside
 #                                       the library and dense SDPA on the whole row)
@@ -301,6 +304,14 @@ case "${1:-tests}" in
       echo "sweep $arm rc=$?" >> "$OUT/sweep_split_$arm.txt"
     done
     grep -E "FAILED|rc=" "$OUT/cuda_tests.txt" | tail -8; grep -h "| triton |\|rc=" "$OUT"/sweep_split_*.txt "$OUT"/sweep_split_*.md | tail -12
+    ;;
+  tail-batch)
+    for arm in shipped even-only; do
+      timeout 200 python3 benchmarks/sweep.py --out "$OUT" --name "sweep_tailbatch_$arm" --budget-s 150 --no-peers --impls triton \
+        $([ $arm = even-only ] && echo --gluon-even-only) --rows b4-24k-tail-gqa-causal > "$OUT/sweep_tailbatch_$arm.txt" 2>&1
+      echo "sweep $arm rc=$?" >> "$OUT/sweep_tailbatch_$arm.txt"
+    done
+    grep -h "| triton \|| dense \|rc=" "$OUT"/sweep_tailbatch_*.md "$OUT"/sweep_tailbatch_*.txt | tail -8
     ;;
   ceiling)
     timeout "${CEIL_TIMEOUT:-400}" python3 benchmarks/block_ceiling.py --per-branch --budget-s "${CEIL_BUDGET:-300}" \
