@@ -719,3 +719,23 @@ def test_split_phases_free_the_dkdv_accumulators_before_dq(seed, monkeypatch, sp
     assert counting.live() == 0, "an accumulator outlived the call"
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def test_float32_budget_counts_the_accumulators_alive_at_once(monkeypatch):
+    """gluon_bwd.MAX_F32_BYTES against the float32 accumulators alive together: dq, dk and dv
+    in one phase; with SPLIT_PHASES the larger of dq and dk + dv."""
+    from dilated_attention.kernels import triton_import
+
+    monkeypatch.setattr(triton_import, "INTERPRET", False)
+    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: object())
+    monkeypatch.setattr(gluon_bwd, "_failed", {})
+    q, k = OnCuda((1, 131072, 16, 128), torch.bfloat16), OnCuda((1, 131072, 4, 128), torch.bfloat16)
+    br = [(2048, 1, 0, 16), (8192, 4, 0, 16)]
+    f32_q = 4 * 131072 * 128 * 16  # 1 GiB; dk + dv: 0.5 GiB
+    monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", f32_q)
+    assert "MAX_F32_BYTES" in gluon_bwd.problem(q, k, k, True, br, 16)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", True)
+    assert gluon_bwd.problem(q, k, k, True, br, 16) is None
+    monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", f32_q - 1)
+    assert "MAX_F32_BYTES" in gluon_bwd.problem(q, k, k, True, br, 16)

@@ -104,7 +104,9 @@ def problem(q, k, v, causal: bool, branches, nh: int) -> str | None:
     if any(hs != 0 or he != nh for _, _, hs, he in branches):
         return "the Gluon backward needs every branch over all heads (head_assignment='all')"
     bsz, n, _, d = q.shape
-    f32 = 4 * bsz * n * d * (nh + 2 * k.shape[2])
+    f32_q, f32_kv = 4 * bsz * n * d * nh, 4 * bsz * n * d * 2 * k.shape[2]
+    # the float32 accumulators alive at once: all three, or per phase with SPLIT_PHASES
+    f32 = max(f32_q, f32_kv) if SPLIT_PHASES else f32_q + f32_kv
     if f32 > MAX_F32_BYTES:
         return f"the Gluon backward's float32 accumulators ({f32 / 2**30:.1f} GiB) pass MAX_F32_BYTES"
     key = (q.dtype, d, bool(causal))
