@@ -105,6 +105,33 @@ def case_id(c) -> str:
     return f"{c[0]}x{c[1]}x{c[2]}/{c[3]}x{c[4]}-{c[5]}-{c[6]}-{c[7]}"
 
 
+# each geometry's cases and the switches that let the Gluon kernels take them ((module, name):
+# gluon_fwd / gluon_bwd). All on as shipped since 2026-11-29; the tests set them, so that a
+# default turned off does not turn its test into a test of the Triton kernels.
+_TAIL = (("fwd", "UNEVEN_BLOCKS"), ("fwd", "TAIL_SEGMENTS"), ("bwd", "TAIL_SEGMENTS"))
+GEOMETRIES = {
+    "even": (CASES, ()),
+    "uneven": (UNEVEN_CASES, (("fwd", "UNEVEN_BLOCKS"),)),
+    "tail": (TAIL_CASES, _TAIL),
+    "tail-batched": (TAIL_BATCH_CASES, (*_TAIL, ("fwd", "TAIL_BATCHES"))),
+}
+
+
+def geometry_cases(all_heads: bool = False) -> list:
+    """pytest params (kind, case) of every :data:`GEOMETRIES` case, id "kind-case"; ``all_heads``:
+    only those with every branch over all heads (what the Gluon backward takes)."""
+    return [pytest.param(kind, c, id=f"{kind}-{case_id(c)}") for kind, (cases, _) in GEOMETRIES.items()
+            for c in cases if not all_heads or c[7] == "all"]  # fmt: skip
+
+
+def switch_on(monkeypatch, kind: str) -> None:
+    """Turn on the switches geometry ``kind`` needs (:data:`GEOMETRIES`)."""
+    from dilated_attention.kernels import gluon_bwd
+
+    for mod, name in GEOMETRIES[kind][1]:
+        monkeypatch.setattr(gluon_fwd if mod == "fwd" else gluon_bwd, name, True)
+
+
 def tma_box(d, blk: int, col: int, big_l: int) -> torch.Tensor:
     """Rows [0, big_l) of (block, column) of a TMA descriptor's 4-D view, as a strided view of
     its base: what the kernels' boxes cover (the emulated kernels of the CPU tests). Past the

@@ -20,16 +20,13 @@ import torch
 pytest.importorskip("triton")
 
 from gluon_cases import (
-    CASES,
-    TAIL_BATCH_CASES,
-    TAIL_CASES,
-    UNEVEN_CASES,
     OnCuda,
-    case_id,
     err,
+    geometry_cases,
     needs_gluon,
     qkv,
     run,
+    switch_on,
     tma_box,
 )
 
@@ -428,44 +425,13 @@ def _spy(monkeypatch):
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", [c for c in CASES if c[7] == "all"], ids=case_id)
+@pytest.mark.parametrize("kind,case", geometry_cases(all_heads=True))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_backward_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
-    _backward_vs_reference(monkeypatch, case, causal, dtype)
-
-
-@needs_gluon
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", [c for c in UNEVEN_CASES if c[7] == "all"], ids=case_id)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_backward_uneven_blocks_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
-    """Branches whose blocks have two lengths (w % r != 0), behind gluon_fwd.UNEVEN_BLOCKS."""
-    monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
-    _backward_vs_reference(monkeypatch, case, causal, dtype)
-
-
-@needs_gluon
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", TAIL_CASES, ids=case_id)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_backward_tail_segments_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
-    """N % w != 0 (short last segments, batch 1), behind gluon_bwd.TAIL_SEGMENTS."""
-    monkeypatch.setattr(gluon_bwd, "TAIL_SEGMENTS", True)
-    _backward_vs_reference(monkeypatch, case, causal, dtype)
-
-
-@needs_gluon
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", TAIL_BATCH_CASES, ids=case_id)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_backward_tail_segments_batched_vs_reference(seed, monkeypatch, switches_reset, case, causal, dtype):
-    """N % w != 0 at batch 2 (gluon_bwd.TAIL_SEGMENTS, gluon_fwd.TAIL_BATCHES): each entry apart."""
-    monkeypatch.setattr(gluon_bwd, "TAIL_SEGMENTS", True)
-    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
+def test_gluon_backward_vs_reference(seed, monkeypatch, switches_reset, kind, case, causal, dtype):
+    """Every geometry the backward takes (gluon_cases.GEOMETRIES, every branch over all heads):
+    even blocks, blocks of two lengths, short last segments, at batch 2 each entry apart."""
+    switch_on(monkeypatch, kind)
     _backward_vs_reference(monkeypatch, case, causal, dtype)
 
 

@@ -18,17 +18,14 @@ import torch
 pytest.importorskip("triton")
 
 from gluon_cases import (
-    CASES,
-    TAIL_BATCH_CASES,
-    TAIL_CASES,
-    UNEVEN_CASES,
     OnCuda,
-    case_id,
     err,
+    geometry_cases,
     gluon_ready,
     needs_gluon,
     qkv,
     run,
+    switch_on,
     tma_box,
 )
 
@@ -366,45 +363,13 @@ def _spy(monkeypatch):
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("kind,case", geometry_cases())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
-    _vs_reference(monkeypatch, case, causal, dtype)
-
-
-@needs_gluon
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", UNEVEN_CASES, ids=case_id)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_uneven_blocks_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
-    """Branches whose blocks have two lengths (w % r != 0), behind gluon_fwd.UNEVEN_BLOCKS."""
-    monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
-    _vs_reference(monkeypatch, case, causal, dtype)
-
-
-@needs_gluon
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", TAIL_CASES, ids=case_id)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_tail_segments_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
-    """N % w != 0 (a short last segment), behind gluon_fwd.TAIL_SEGMENTS (and UNEVEN_BLOCKS for
-    a tail that r does not divide); the backward runs the Triton kernels."""
-    monkeypatch.setattr(gluon_fwd, "UNEVEN_BLOCKS", True)
-    monkeypatch.setattr(gluon_fwd, "TAIL_SEGMENTS", True)
-    _vs_reference(monkeypatch, case, causal, dtype)
-
-
-@needs_gluon
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", TAIL_BATCH_CASES, ids=case_id)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_tail_segments_batched_vs_reference(seed, monkeypatch, switch_reset, case, causal, dtype):
-    """N % w != 0 at batch 2: each batch entry launched apart (gluon_fwd.TAIL_BATCHES)."""
-    monkeypatch.setattr(gluon_fwd, "TAIL_BATCHES", True)
+def test_gluon_forward_vs_reference(seed, monkeypatch, switch_reset, kind, case, causal, dtype):
+    """Every geometry (gluon_cases.GEOMETRIES): even blocks, blocks of two lengths (w % r != 0),
+    short last segments (N % w != 0), at batch 2 each entry launched apart; split heads too."""
+    switch_on(monkeypatch, kind)
     _vs_reference(monkeypatch, case, causal, dtype)
 
 
