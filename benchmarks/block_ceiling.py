@@ -41,8 +41,8 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from common import command_line, median_ms, results_header, run_info  # noqa: E402
-from sweep import _DT, ROWS, Row, Timer, dflops, flops, run_dense, tiny_row  # noqa: E402
+from common import command_line, results_header, run_info  # noqa: E402
+from sweep import _DT, ROWS, Row, Timer, dflops, flops, measure, run_dense, tiny_row  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
@@ -92,14 +92,12 @@ def _sdpa_backend(name: str):
 def time_group(
     blocks: int, length: int, d: int, dtype, causal: bool, dev, backends, iters: int
 ) -> dict:
-    """Fastest backend's forward and forward+backward ms on ``(blocks, 1, length, d)`` tensors:
-    ``{"fwd_ms", "fb_ms", "fwd_backend", "fb_backend", "errors"}``."""
+    """Fastest backend's forward and forward+backward ms on ``(blocks, 1, length, d)`` tensors
+    (``sweep.measure`` per backend): ``{"fwd_ms", "fb_ms", "fwd_backend", "fb_backend", "errors"}``."""
     from torch.nn.attention import sdpa_kernel
 
-    q = torch.randn(blocks, 1, length, d, device=dev, dtype=dtype, requires_grad=True)
-    k = torch.randn_like(q, requires_grad=True)
-    v = torch.randn_like(q, requires_grad=True)
-    do = torch.randn_like(q)
+    xs = [torch.randn(blocks, 1, length, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(3)]
+    do = torch.randn_like(xs[0])
     best: dict = {"errors": []}
     for name in backends:
         be = _sdpa_backend(name)
@@ -107,52 +105,28 @@ def time_group(
             continue
         try:
             with sdpa_kernel([be]):
-
-                def fwd():
-                    with torch.no_grad():
-                        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-                def fb():
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    torch.autograd.grad(out, (q, k, v), do)
-
-                t_f = median_ms(fwd, dev, 1, iters)
-                t_b = median_ms(fb, dev, 1, iters)
+                m = measure(lambda: F.scaled_dot_product_attention(*xs, is_causal=causal), xs, do,
+                            Timer(dev), dev, iters)  # fmt: skip
         except Exception as e:  # a backend that does not take this shape: the others do
             best["errors"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
             continue
-        for key, t in (("fwd", t_f), ("fb", t_b)):
-            if t < best.get(f"{key}_ms", float("inf")):
-                best[f"{key}_ms"], best[f"{key}_backend"] = t, name
+        for key in ("fwd", "fb"):
+            if m[f"{key}_ms"] < best.get(f"{key}_ms", float("inf")):
+                best[f"{key}_ms"], best[f"{key}_backend"] = m[f"{key}_ms"], name
     if "fwd_ms" not in best:
         raise RuntimeError(f"no SDPA backend ran {blocks} x {length} x {d}: {best['errors']}")
     return best
 
 
 def time_library(r: Row, seg, dil, dev, impl: str, iters: int) -> dict:
-    """The library's ``impl`` on row ``r`` with branches (seg, dil): fwd (no_grad) and fwd+bwd ms."""
+    """The library's ``impl`` on row ``r`` with branches (seg, dil): fwd (no_grad) and fwd+bwd ms
+    (``sweep.measure``)."""
     dt = _DT[r.dtype]
-    q = torch.randn(
-        r.batch, r.seqlen, r.nheads, r.headdim, device=dev, dtype=dt, requires_grad=True
-    )
-    k = torch.randn(
-        r.batch, r.seqlen, r.nheads_kv, r.headdim, device=dev, dtype=dt, requires_grad=True
-    )
+    q = torch.randn(r.batch, r.seqlen, r.nheads, r.headdim, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(r.batch, r.seqlen, r.nheads_kv, r.headdim, device=dev, dtype=dt, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
-    do = torch.randn_like(q)
-
-    def call():
-        return dilated_attention(q, k, v, list(seg), list(dil), causal=r.causal, impl=impl)
-
-    def fwd():
-        with torch.no_grad():
-            call()
-
-    def fb():
-        torch.autograd.grad(call(), (q, k, v), do)
-
-    res = {"fwd_ms": median_ms(fwd, dev, 1, iters), "fb_ms": median_ms(fb, dev, 1, iters)}
-    return res
+    call = lambda: dilated_attention(q, k, v, list(seg), list(dil), causal=r.causal, impl=impl)  # noqa: E731
+    return measure(call, (q, k, v), torch.randn_like(q), Timer(dev), dev, iters)
 
 
 def run_row(r: Row, dev, args) -> dict:
