@@ -12,8 +12,9 @@ the same math): a CUDA device of compute capability exactly 9.0 (its wgmma / TMA
 are Hopper's), Triton's Gluon with its Hopper module, bf16 or fp16, headdim 64 or 128,
 seqlen_q == seqlen_k, every branch with ``w // r >= 2``; ``w % r == 0`` or (with
 :data:`UNEVEN_BLOCKS`, on) blocks of two lengths launched per length class from a head that is a
-multiple of r (:func:`length_classes`); ``N % w == 0`` or (with :data:`TAIL_SEGMENTS`, on;
-batch 1, forward only) a short last segment launched on its own; q / k / v with heads dense in
+multiple of r (:func:`length_classes`); ``N % w == 0`` or (with :data:`TAIL_SEGMENTS`, on,
+forward and ``gluon_bwd.TAIL_SEGMENTS`` backward) a short last segment launched on its own (at
+batch > 1 each entry apart: :data:`TAIL_BATCHES`); q / k / v with heads dense in
 a row (row stride = heads x head stride: the TMA view folds the offset class into the head axis)
 and 16-byte aligned, and grids within CUDA's limits. Two speed rules, measured: calls of fewer
 than :data:`MIN_ROWS` rows (batch x seqlen x heads), and head dim 64 calls whose every block is
@@ -178,7 +179,7 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
     if bsz * n * nh < MIN_ROWS:
         return (f"batch x seqlen x heads = {bsz * n * nh} < gluon_fwd.MIN_ROWS = {MIN_ROWS}: "
                 f"the Triton kernels' direct launches cost less host time")  # fmt: skip
-    if bsz > 1 and n * nh < MIN_ROWS and any(n % w for w, _, _, _ in branches):
+    if n * nh < MIN_ROWS and batch_entries(bsz, n, branches) is not None:
         return (f"batch {bsz} with a short last segment launches each entry apart "
                 f"(gluon_fwd.TAIL_BATCHES), and seqlen x heads = {n * nh} < gluon_fwd.MIN_ROWS = "
                 f"{MIN_ROWS}: the Triton kernels' direct launches cost less host time")  # fmt: skip
