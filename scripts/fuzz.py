@@ -53,8 +53,8 @@ gluon_bwd_kernel.py). The cases above never reach them (headdim 16, float32, mas
 ``--gluon`` draws from tests/gluon_fuzz_cases.py instead: configurations that pass every
 condition of the Gluon gate a case controls (bf16 / fp16, headdim 64 / 128, seqlen_q ==
 seqlen_k = N <= 4096, every branch with w // r >= 2; some with w % r != 0 (blocks of two
-lengths) and, at batch 1, some with N % w != 0 (a short last segment: its backward is Gluon's
-only with ``--gluon-bwd-tail``), contiguous
+lengths) and some with N % w != 0 (a short last segment, at batch 2 each entry launched apart;
+forward and backward Gluon's as shipped since 2026-11-29), contiguous
 inputs, no mask, no packed documents; partial tiles (w // r mostly no multiple of 64), first
 branches with r > 1, MHA / GQA / MQA, causal or not, batch 1-2, heads 1-8; one case in five
 with split heads: the Gluon forward, then the Triton backward), with ``gluon_fwd.MIN_ROWS = 0``
