@@ -48,6 +48,16 @@ def test_bench_overhead_tiny_runs(tmp_path):
     assert "| " in res.stdout
 
 
+@pytest.mark.slow  # runs the benchmark script in a subprocess (~5 s)
+def test_host_cost_cpu_runs():
+    """benchmarks/host_cost_cpu.py (issue 23 item 3's CPU yardstick) runs: it broke silently once
+    (bf16 through the Triton path, refused under the interpreter since 2026-11-28)."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/host_cost_cpu.py"), "--calls", "20", "--small"],
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("median host time per call") == 2, res.stdout
+
+
 @pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

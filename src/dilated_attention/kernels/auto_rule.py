@@ -61,63 +61,62 @@ class Measured(NamedTuple):
 
 # ----------------------------------------------------------------------------------------
 # MEASURED: filled from a benchmarks/sweep.py results JSON (``--emit-table``); every entry is
-# one row of a committed results file, timed on one H100 (torch 2.11, triton 3.6). Source:
-# benchmarks/results/sweep_h100_2026-11-25_all.json: all 22 rows of the sweep, each forward-only
-# and forward+backward, from sweep_h100_2026-11-25_part1/part2 (one run each), with the three
-# rows whose forward the fold rule of 2026-11-25 changed (b2-64k-7br-r64, 8br-wN-32x8, 256k-6br)
-# taken from sweep_h100_2026-11-25_refold (re-measured after that change). Except 3br-w64k,
-# the one row where torch was fastest: the Gluon kernels (on by default on Hopper since
-# 2026-11-28) made the fused kernel faster there, 10.42 vs 11.93 ms forward and 42.75 vs 48.11
-# fwd+bwd on an H200 (sweep_h200_2026-11-28_gluon_part1); the old H100 entries timed kernels
-# that no longer run at that shape on Hopper. To regenerate from an H100 sweep with the Gluon
-# kernels (issue 24). In that H200 sweep the fused kernel was the fastest on all 21 rows timed.
+# one row of a committed results file. Source: benchmarks/results/sweep_h200_2026-11-29_s26_part1
+# and _part2 (all 23 rows of the sweep, each forward-only and forward+backward, one run each, on
+# one H200: torch 2.11, triton 3.6, the Gluon kernels on as shipped on Hopper). The fused kernel was
+# the fastest impl on every row (``--rule-report``: 46 of 46 within 5%, leave-one-out too). The
+# H100 table it replaces (sweep_h100_2026-11-25, before the Gluon kernels) had torch fastest on one
+# row, 3br-w64k; with the Gluon kernels the fused kernel wins there too (10.11 vs 11.77 ms forward,
+# 43.07 vs 49.08 fwd+bwd). On GPUs without the Gluon kernels (not sm_90) that row's neighbourhood
+# may still favour torch: not measured there.
 # ----------------------------------------------------------------------------------------
 MEASURED: tuple[Measured, ...] = (
-    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, False, 0.0), (('torch', 15.454), ('triton', 10.887))),
-    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, True, 0.0), (('torch', 52.538), ('triton', 48.774))),
-    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, False, 0.0), (('torch', 17.55), ('triton', 7.374))),
-    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, True, 0.0), (('torch', 44.248), ('triton', 31.418))),
-    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, False, 0.0), (('torch', 28.756), ('triton', 14.082))),
-    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, True, 0.0), (('torch', 97.332), ('triton', 57.962))),
-    Measured(CallShape(8, 16384, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, False, 0.0), (('torch', 10.38), ('triton', 7.025))),
-    Measured(CallShape(8, 16384, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, True, 0.0), (('torch', 37.852), ('triton', 30.114))),
-    Measured(CallShape(2, 65536, 16, 16, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64)), False, False, 0.0), (('torch', 13.885), ('triton', 6.966))),
-    Measured(CallShape(2, 65536, 16, 16, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64)), False, True, 0.0), (('torch', 47.175), ('triton', 29.979))),
-    # 3br-w64k: from sweep_h200_2026-11-28_gluon_part1 (H200, the Gluon kernels on; see above)
-    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((4096, 1), (16384, 4), (65536, 16)), False, False, 0.0), (('torch', 11.93), ('triton', 10.42))),
-    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((4096, 1), (16384, 4), (65536, 16)), False, True, 0.0), (('torch', 48.11), ('triton', 42.75))),
-    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), False, False, 0.0), (('torch', 25.721), ('triton', 11.702))),
-    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), False, True, 0.0), (('torch', 72.174), ('triton', 53.005))),
-    Measured(CallShape(2, 65536, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), True, False, 0.0), (('torch', 33.252), ('triton', 15.153))),
-    Measured(CallShape(2, 65536, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), True, True, 0.0), (('torch', 113.105), ('triton', 63.663))),
-    Measured(CallShape(1, 100000, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, False, 0.0), (('torch', 13.195), ('triton', 5.816))),
-    Measured(CallShape(1, 100000, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, True, 0.0), (('torch', 37.484), ('triton', 24.534))),
-    Measured(CallShape(8, 16384, 16, 1, 64, 'bf16', ((2048, 1), (4096, 2), (8192, 4)), False, False, 0.0), (('torch', 9.167), ('triton', 5.838))),
-    Measured(CallShape(8, 16384, 16, 1, 64, 'bf16', ((2048, 1), (4096, 2), (8192, 4)), False, True, 0.0), (('torch', 30.687), ('triton', 23.095))),
-    Measured(CallShape(4, 32768, 16, 8, 64, 'fp16', ((4096, 1), (8192, 3), (16384, 6), (32768, 12)), True, False, 0.0), (('torch', 10.487), ('triton', 5.301))),
-    Measured(CallShape(4, 32768, 16, 8, 64, 'fp16', ((4096, 1), (8192, 3), (16384, 6), (32768, 12)), True, True, 0.0), (('torch', 35.417), ('triton', 20.96))),
-    Measured(CallShape(1, 262144, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16), (65536, 32)), False, False, 0.0), (('torch', 55.578), ('triton', 21.759))),
-    Measured(CallShape(1, 262144, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16), (65536, 32)), False, True, 0.0), (('torch', 103.614), ('triton', 98.179))),
-    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64), (131072, 64)), False, False, 0.0), (('torch', 29.373), ('triton', 13.747))),
-    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64), (131072, 64)), False, True, 0.0), (('torch', 100.704), ('triton', 55.754))),
-    Measured(CallShape(2, 65536, 16, 16, 64, 'fp16', ((512, 1), (1024, 1), (2048, 2), (4096, 4), (8192, 6), (16384, 12), (32768, 24), (65536, 48)), True, False, 0.0), (('torch', 21.428), ('triton', 4.321))),
-    Measured(CallShape(2, 65536, 16, 16, 64, 'fp16', ((512, 1), (1024, 1), (2048, 2), (4096, 4), (8192, 6), (16384, 12), (32768, 24), (65536, 48)), True, True, 0.0), (('torch', 49.611), ('triton', 16.979))),
-    Measured(CallShape(1, 65536, 16, 16, 128, 'bf16', ((3000, 1), (6000, 3), (12500, 6), (25000, 12), (50000, 64)), False, False, 0.0), (('torch', 26.932), ('triton', 6.01))),
-    Measured(CallShape(1, 65536, 16, 16, 128, 'bf16', ((3000, 1), (6000, 3), (12500, 6), (25000, 12), (50000, 64)), False, True, 0.0), (('torch', 65.742), ('triton', 26.546))),
-    Measured(CallShape(8, 16384, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), False, False, 0.0), (('torch', 34.416), ('triton', 19.941))),
-    Measured(CallShape(8, 16384, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), False, True, 0.0), (('torch', 124.932), ('triton', 91.803))),
-    Measured(CallShape(4, 32768, 32, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, False, 0.0), (('torch', 28.313), ('triton', 13.7))),
-    Measured(CallShape(4, 32768, 32, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, True, 0.0), (('torch', 99.583), ('triton', 57.315))),
-    Measured(CallShape(2, 131072, 16, 8, 64, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, False, 0.0), (('torch', 24.657), ('triton', 12.239))),
-    Measured(CallShape(2, 131072, 16, 8, 64, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, True, 0.0), (('torch', 83.73), ('triton', 52.371))),
-    Measured(CallShape(1, 196608, 32, 1, 128, 'bf16', ((8192, 1), (32768, 6), (131072, 12)), True, False, 0.0), (('torch', 62.373), ('triton', 37.109))),
-    Measured(CallShape(1, 196608, 32, 1, 128, 'bf16', ((8192, 1), (32768, 6), (131072, 12)), True, True, 0.0), (('torch', 218.273), ('triton', 167.561))),
-    Measured(CallShape(2, 49152, 16, 16, 128, 'bf16', ((2048, 1), (6144, 4), (12288, 6), (24576, 12)), False, False, 0.0), (('torch', 10.903), ('triton', 6.444))),
-    Measured(CallShape(2, 49152, 16, 16, 128, 'bf16', ((2048, 1), (6144, 4), (12288, 6), (24576, 12)), False, True, 0.0), (('torch', 39.444), ('triton', 27.65))),
-    Measured(CallShape(1, 524288, 16, 1, 64, 'bf16', ((4096, 1), (8192, 2), (16384, 4), (32768, 8), (65536, 16)), True, False, 0.0), (('torch', 46.604), ('triton', 25.616))),
-    Measured(CallShape(1, 524288, 16, 1, 64, 'bf16', ((4096, 1), (8192, 2), (16384, 4), (32768, 8), (65536, 16)), True, True, 0.0), (('torch', 152.815), ('triton', 111.371))),
-    Measured(CallShape(1, 1048576, 16, 1, 64, 'bf16', ((8192, 1), (16384, 2), (32768, 4), (65536, 8), (131072, 16)), True, False, 0.0), (('torch', 144.354), ('triton', 98.855))),
-    Measured(CallShape(1, 1048576, 16, 1, 64, 'bf16', ((8192, 1), (16384, 2), (32768, 4), (65536, 8), (131072, 16)), True, True, 0.0), (('torch', 503.543), ('triton', 423.684))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, False, 0.0), (('torch', 13.368), ('triton', 7.43))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, True, 0.0), (('torch', 50.213), ('triton', 33.741))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, False, 0.0), (('torch', 10.927), ('triton', 4.923))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, True, 0.0), (('torch', 40.554), ('triton', 20.656))),
+    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, False, 0.0), (('torch', 27.462), ('triton', 9.95))),
+    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, True, 0.0), (('torch', 93.51), ('triton', 39.09))),
+    Measured(CallShape(8, 16384, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, False, 0.0), (('torch', 9.76), ('triton', 4.963))),
+    Measured(CallShape(8, 16384, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, True, 0.0), (('torch', 37.8), ('triton', 19.575))),
+    Measured(CallShape(2, 65536, 16, 16, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64)), False, False, 0.0), (('torch', 13.325), ('triton', 4.835))),
+    Measured(CallShape(2, 65536, 16, 16, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64)), False, True, 0.0), (('torch', 47.552), ('triton', 19.951))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((4096, 1), (16384, 4), (65536, 16)), False, False, 0.0), (('torch', 11.766), ('triton', 10.105))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((4096, 1), (16384, 4), (65536, 16)), False, True, 0.0), (('torch', 49.079), ('triton', 43.067))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), False, False, 0.0), (('torch', 17.766), ('triton', 8.109))),
+    Measured(CallShape(1, 131072, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), False, True, 0.0), (('torch', 62.977), ('triton', 40.372))),
+    Measured(CallShape(2, 65536, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), True, False, 0.0), (('torch', 31.893), ('triton', 10.478))),
+    Measured(CallShape(2, 65536, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 6), (32768, 12)), True, True, 0.0), (('torch', 109.081), ('triton', 45.337))),
+    Measured(CallShape(1, 100000, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, False, 0.0), (('torch', 8.48), ('triton', 4.223))),
+    Measured(CallShape(1, 100000, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), True, True, 0.0), (('torch', 31.197), ('triton', 16.02))),
+    Measured(CallShape(8, 16384, 16, 1, 64, 'bf16', ((2048, 1), (4096, 2), (8192, 4)), False, False, 0.0), (('torch', 9.013), ('triton', 5.188))),
+    Measured(CallShape(8, 16384, 16, 1, 64, 'bf16', ((2048, 1), (4096, 2), (8192, 4)), False, True, 0.0), (('torch', 30.18), ('triton', 18.558))),
+    Measured(CallShape(4, 32768, 16, 8, 64, 'fp16', ((4096, 1), (8192, 3), (16384, 6), (32768, 12)), True, False, 0.0), (('torch', 10.008), ('triton', 5.188))),
+    Measured(CallShape(4, 32768, 16, 8, 64, 'fp16', ((4096, 1), (8192, 3), (16384, 6), (32768, 12)), True, True, 0.0), (('torch', 34.654), ('triton', 18.085))),
+    Measured(CallShape(1, 262144, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16), (65536, 32)), False, False, 0.0), (('torch', 27.885), ('triton', 16.598))),
+    Measured(CallShape(1, 262144, 16, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16), (65536, 32)), False, True, 0.0), (('torch', 104.353), ('triton', 70.934))),
+    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64), (131072, 64)), False, False, 0.0), (('torch', 28.207), ('triton', 9.177))),
+    Measured(CallShape(1, 131072, 32, 8, 128, 'bf16', ((1024, 1), (2048, 2), (4096, 4), (8192, 8), (16384, 16), (32768, 32), (65536, 64), (131072, 64)), False, True, 0.0), (('torch', 97.144), ('triton', 40.221))),
+    Measured(CallShape(2, 65536, 16, 16, 64, 'fp16', ((512, 1), (1024, 1), (2048, 2), (4096, 4), (8192, 6), (16384, 12), (32768, 24), (65536, 48)), True, False, 0.0), (('torch', 12.02), ('triton', 3.848))),
+    Measured(CallShape(2, 65536, 16, 16, 64, 'fp16', ((512, 1), (1024, 1), (2048, 2), (4096, 4), (8192, 6), (16384, 12), (32768, 24), (65536, 48)), True, True, 0.0), (('torch', 39.197), ('triton', 15.348))),
+    Measured(CallShape(1, 65536, 16, 16, 128, 'bf16', ((3000, 1), (6000, 3), (12500, 6), (25000, 12), (50000, 64)), False, False, 0.0), (('torch', 18.089), ('triton', 4.628))),
+    Measured(CallShape(1, 65536, 16, 16, 128, 'bf16', ((3000, 1), (6000, 3), (12500, 6), (25000, 12), (50000, 64)), False, True, 0.0), (('torch', 47.145), ('triton', 19.932))),
+    Measured(CallShape(8, 16384, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), False, False, 0.0), (('torch', 33.115), ('triton', 14.321))),
+    Measured(CallShape(8, 16384, 32, 8, 128, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), False, True, 0.0), (('torch', 121.806), ('triton', 64.858))),
+    Measured(CallShape(4, 32768, 32, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, False, 0.0), (('torch', 26.892), ('triton', 9.485))),
+    Measured(CallShape(4, 32768, 32, 16, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, True, 0.0), (('torch', 96.314), ('triton', 39.839))),
+    Measured(CallShape(2, 131072, 16, 8, 64, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, False, 0.0), (('torch', 23.886), ('triton', 11.428))),
+    Measured(CallShape(2, 131072, 16, 8, 64, 'fp16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)), False, True, 0.0), (('torch', 81.626), ('triton', 44.652))),
+    Measured(CallShape(1, 196608, 32, 1, 128, 'bf16', ((8192, 1), (32768, 6), (131072, 12)), True, False, 0.0), (('torch', 61.154), ('triton', 25.562))),
+    Measured(CallShape(1, 196608, 32, 1, 128, 'bf16', ((8192, 1), (32768, 6), (131072, 12)), True, True, 0.0), (('torch', 214.033), ('triton', 122.774))),
+    Measured(CallShape(2, 49152, 16, 16, 128, 'bf16', ((2048, 1), (6144, 4), (12288, 6), (24576, 12)), False, False, 0.0), (('torch', 10.374), ('triton', 4.368))),
+    Measured(CallShape(2, 49152, 16, 16, 128, 'bf16', ((2048, 1), (6144, 4), (12288, 6), (24576, 12)), False, True, 0.0), (('torch', 36.936), ('triton', 18.099))),
+    Measured(CallShape(4, 24576, 16, 4, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, False, 0.0), (('torch', 9.587), ('triton', 4.145))),
+    Measured(CallShape(4, 24576, 16, 4, 128, 'bf16', ((2048, 1), (4096, 2), (8192, 4), (16384, 8)), True, True, 0.0), (('torch', 33.124), ('triton', 15.612))),
+    Measured(CallShape(1, 524288, 16, 1, 64, 'bf16', ((4096, 1), (8192, 2), (16384, 4), (32768, 8), (65536, 16)), True, False, 0.0), (('torch', 44.156), ('triton', 25.063))),
+    Measured(CallShape(1, 524288, 16, 1, 64, 'bf16', ((4096, 1), (8192, 2), (16384, 4), (32768, 8), (65536, 16)), True, True, 0.0), (('torch', 149.137), ('triton', 88.143))),
+    Measured(CallShape(1, 1048576, 16, 1, 64, 'bf16', ((8192, 1), (16384, 2), (32768, 4), (65536, 8), (131072, 16)), True, False, 0.0), (('torch', 142.284), ('triton', 89.532))),
+    Measured(CallShape(1, 1048576, 16, 1, 64, 'bf16', ((8192, 1), (16384, 2), (32768, 4), (65536, 8), (131072, 16)), True, True, 0.0), (('torch', 499.24), ('triton', 334.973))),
 )
 
 # distance weight per feature of :func:`features` (same order); a difference of 1 in a
