@@ -13,6 +13,15 @@ called directly (forward, then backward from its out and lse: the kernels of
 memory) or disagree are reported as such. Last, the best of each kernel combined against the
 defaults, causal and not, and the defaults with the folded forward off (``fold=False``).
 Stops starting new candidates after --max-seconds.
+
+``--row NAME`` tunes on one row of benchmarks/sweep.py instead (its batch, N, heads, kv heads,
+head dim, dtype, branches and causality; the check runs at the row's own shape, the last table
+in its own causality only), with the candidates of its head dim (:data:`CANDIDATES_D64` at
+D <= 64). With ``config=None`` (the "shipped" line) a Hopper GPU may run the Gluon kernels
+where their rules take the row; every candidate runs the Triton kernels (a ``config`` keeps
+the call off the Gluon path).
+
+    PYTHONPATH=src python3 benchmarks/tune_triton.py --row 8br-paper-d64-fp16-causal --out tune.md
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import argparse
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -45,40 +55,97 @@ CANDIDATES = {
            (128, 32, 4, 3)],
 }
 
+# D <= 64 (2026-11-29: tune the short causal blocks of 8br-paper-d64-fp16-causal, the one sweep
+# row under issue 24's floors; its branches run the Triton kernels, gluon_fwd.D64_MIN_BLOCK): the
+# default first, then smaller query tiles (short causal blocks: more programs, less diagonal
+# waste), other key tiles and pipelines
+CANDIDATES_D64 = {
+    "fwd": [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4),
+            (128, 64, 8, 3), (64, 64, 2, 3), (128, 128, 8, 2)],
+    "dkdv": [(32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (16, 64, 4, 3),
+             (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 2, 3), (16, 128, 4, 3)],
+    "dq": [(128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 16, 4, 3),
+           (128, 32, 8, 3), (32, 32, 2, 3)],
+}
 
-HEADS = branch_head_ranges(16, len(SEG), "all")
+
+class Shape(NamedTuple):
+    """One call shape: a sweep row's, or the headline's (batch 1, 16 x 128, bf16)."""
+
+    name: str
+    batch: int
+    n: int
+    heads: int
+    heads_kv: int
+    d: int
+    dtype: torch.dtype
+    seg: tuple[int, ...]
+    dil: tuple[int, ...]
+    causal: bool | None  # None: time both (the headline's sweep: not causal, then both)
+
+    @property
+    def head_ranges(self):
+        return branch_head_ranges(self.heads, len(self.seg), "all")
 
 
-def _fwd_bwd(q, k, v, do, causal, backward, config=None, fold=None):
+def headline_shape(n: int) -> Shape:
+    return Shape("headline", 1, n, 16, 16, 128, torch.bfloat16, tuple(SEG), tuple(DIL), None)
+
+
+def row_shape(name: str) -> Shape:
+    """The shape of benchmarks/sweep.py's row ``name``."""
+    from sweep import _DT, ROWS
+
+    rows = {r.name: r for r in ROWS}
+    if name not in rows:
+        raise SystemExit(f"--row: unknown row {name!r}; sweep.py has {sorted(rows)}")
+    r = rows[name]
+    return Shape(r.name, r.batch, r.seqlen, r.nheads, r.nheads_kv, r.headdim, _DT[r.dtype], tuple(r.seg),
+                 tuple(r.dil), r.causal)
+
+
+def candidates_for(d: int) -> dict:
+    return CANDIDATES_D64 if d <= 64 else CANDIDATES
+
+
+def _fwd_bwd(sh: Shape, q, k, v, do, causal, backward, config=None, fold=None):
     """The kernels of impl="triton" through the launcher: [out] or [out, dq, dk, dv]."""
-    args = (SEG, DIL, causal, 128**-0.5, HEADS)
+    args = (list(sh.seg), list(sh.dil), causal, sh.d**-0.5, sh.head_ranges)
     out, lse = triton_launch.forward(q, k, v, None, *args, config=config, fold=fold)
     if not backward:
         return [out]
     return [out, *triton_launch.backward(do, q, k, v, None, out, lse, *args, config=config)]
 
 
-def _run(n, causal, backward, config=None, seed=0):
+def _inputs(sh: Shape, n: int, generator=None):
+    mk = lambda h: torch.randn(sh.batch, n, h, sh.d, device="cuda", dtype=sh.dtype,  # noqa: E731
+                               generator=generator)
+    return mk(sh.heads), mk(sh.heads_kv), mk(sh.heads_kv), mk(sh.heads)
+
+
+def _run(sh: Shape, n, causal, backward, config=None, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, do = (torch.randn(1, n, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-                   for _ in range(4))
-    return _fwd_bwd(q, k, v, do, causal, backward, config)
+    return _fwd_bwd(sh, *_inputs(sh, n, g), causal, backward, config)
 
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _time(n, causal, backward, config=None, fold=None):
+def _time(sh: Shape, n, causal, backward, config=None, fold=None):
     import triton.testing
 
-    q, k, v, do = (torch.randn(1, n, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = _inputs(sh, n)
 
     def f():
-        _fwd_bwd(q, k, v, do, causal, backward, config, fold)
+        _fwd_bwd(sh, q, k, v, do, causal, backward, config, fold)
 
     f()
     return triton.testing.do_bench(f, warmup=10, rep=40, return_mode="median")
+
+
+def _flops(sh: Shape, n, causal):
+    return dilated_flops(sh.batch, n, n, sh.heads, sh.d, list(sh.seg), list(sh.dil), causal)
 
 
 def _spec(config):
@@ -87,7 +154,8 @@ def _spec(config):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=131072)
+    p.add_argument("--n", type=int, default=131072, help="N of the headline shape (without --row)")
+    p.add_argument("--row", default=None, help="tune on this benchmarks/sweep.py row instead of the headline")
     p.add_argument("--max-seconds", type=float, default=240)
     p.add_argument("--out", default=None)
     p.add_argument("--candidates", default=None,
@@ -100,16 +168,21 @@ def main():
     bad = [x for x in want if x not in CANDIDATES]
     if bad:
         p.error(f"--kernels: unknown {bad}; choose from {sorted(CANDIDATES)}")
-    cands = {x: CANDIDATES[x] for x in want}
+    sh = row_shape(a.row) if a.row else headline_shape(a.n)
+    n = sh.n
+    cands = {x: candidates_for(sh.d)[x] for x in want}
     if a.candidates:
-        default = triton_launch.default_configs(128)
+        default = triton_launch.default_configs(sh.d)
         cands = {}
         for item in filter(None, (s.strip() for s in a.candidates.split(";"))):
             name, _, vals = item.partition("=")
             cands.setdefault(name.strip(), [default[name.strip()]]).append(tuple(int(x) for x in vals.split(",")))
     t0 = time.time()
-    ref = _run(32768, False, True)
-    fl = dilated_flops(1, a.n, a.n, 16, 128, SEG, DIL, False)
+    # the check: the headline's at N = 32768 not causal; a row's at its own shape and causality
+    check_n, check_causal = (32768, False) if sh.causal is None else (n, sh.causal)
+    sweep_causal = bool(sh.causal)
+    ref = _run(sh, check_n, check_causal, True)
+    fl = _flops(sh, n, sweep_causal)
     lines = ["| kernel | BM, BN, warps, stages | check (max rel err vs default) | ms | TFLOP/s |",
              "|---|---|---|---|---|"]
     best: dict = {}
@@ -119,13 +192,13 @@ def main():
                 lines.append(f"| {kernel} | {cfg} | not run (time) | | |")
                 continue
             try:
-                got = _run(32768, False, True, {kernel: cfg})
+                got = _run(sh, check_n, check_causal, True, {kernel: cfg})
                 err = max(_rel(x, y) for x, y in zip(got, ref, strict=True))
                 if not err < 1e-2:
                     lines.append(f"| {kernel} | {cfg} | MISMATCH {err:.2e} | | |")
                     continue
                 bwd = kernel != "fwd"
-                ms = _time(a.n, False, bwd, {kernel: cfg})
+                ms = _time(sh, n, sweep_causal, bwd, {kernel: cfg})
                 tf = (3.5 if bwd else 1.0) * fl / ms / 1e9
                 lines.append(f"| {kernel} | {cfg} | {err:.1e} | {ms:.2f} | {tf:.0f} |")
                 if kernel not in best or ms < best[kernel][1]:
@@ -138,18 +211,24 @@ def main():
     combo = {kk: c for kk, (c, _) in best.items()}
     lines += ["", f"best per kernel: `config={combo}` (`--candidates '{_spec(combo)}'`)", "",
               "| causal | config | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s |", "|---|---|---|---|---|"]
-    for causal in (False, True):
-        flc = dilated_flops(1, a.n, a.n, 16, 128, SEG, DIL, causal)
-        runs = [("default", None, None), ("best", combo, None)]
+    for causal in ((False, True) if sh.causal is None else (sh.causal,)):
+        flc = _flops(sh, n, causal)
+        default = triton_launch.default_configs(sh.d)
+        # "shipped": config=None, the library's own choice (Gluon where it takes the call);
+        # "default": the Triton kernels at their default configs
+        runs = [("shipped (config=None)", None, None), ("default", default, None), ("best", combo, None)]
         if not causal:  # the folded forward is the default only for non-causal calls
             runs.append(("default, fold=False", None, False))
         for name, cfg, fold in runs:
-            f_ms = _time(a.n, causal, False, cfg, fold)
-            b_ms = _time(a.n, causal, True, cfg, fold)
+            f_ms = _time(sh, n, causal, False, cfg, fold)
+            b_ms = _time(sh, n, causal, True, cfg, fold)
             lines.append(f"| {causal} | {name} | {f_ms:.2f} | {b_ms:.2f} | {3.5 * flc / b_ms / 1e9:.0f} |")
             print(lines[-1], flush=True)
+    dt = str(sh.dtype).replace("torch.", "")
     head = results_header("Triton block-config sweep", "cuda", command_line("python3"), [
-        f"N = {a.n}, bf16, batch 1, 16 heads x 128, w={SEG}, r={DIL}; sweep not causal",
+        f"{sh.name}: N = {n}, {dt}, batch {sh.batch}, {sh.heads} heads ({sh.heads_kv} kv) x {sh.d}, "
+        f"w={list(sh.seg)}, r={list(sh.dil)}; candidates timed {'causal' if sweep_causal else 'not causal'}; "
+        f"check at N = {check_n}, {'causal' if check_causal else 'not causal'}",
     ]) + [""]
     text = "\n".join(head + lines) + "\n"
     print(text)

@@ -114,6 +114,12 @@
 #   bash scripts/gpu_check.sh tail-batch issue 24: sweep row b4-24k-tail-gqa-causal (batch 4 with a short last segment)
 #                                       as shipped (gluon_fwd.TAIL_BATCHES: each entry launched apart) and with
 #                                       --gluon-even-only (the Triton kernels): TAIL_BATCHES' speed, never measured
+#   bash scripts/gpu_check.sh split-ab  issue 24: benchmarks/split_ab.py over $SPLIT_ROWS (gluon_bwd.SPLIT_PHASES off / on,
+#                                       interleaved in one process, $SPLIT_ROUNDS (5) rounds: does 1.25x peak instead
+#                                       of 1.50x cost time? One run per arm in separate calls could not say, 2026-11-29)
+#   bash scripts/gpu_check.sh tune-8br  issue 24: benchmarks/tune_triton.py --row $TUNE_ROW (8br-paper-d64-fp16-causal,
+#                                       the one sweep row under the floors: its short d64 causal blocks run the Triton
+#                                       kernels) over the D 64 candidates, $TUNE_SECONDS (420) s of candidates
 #   bash scripts/gpu_check.sh ceiling   issue 24: benchmarks/block_ceiling.py --per-branch over $CEIL_ROWS (each row's
 #                                       blocks on dense SDPA: the most a segment-then-dilate kernel can reach, beside
 #                                       the library and dense SDPA on the whole row)
@@ -312,6 +318,18 @@ case "${1:-tests}" in
       echo "sweep $arm rc=$?" >> "$OUT/sweep_tailbatch_$arm.txt"
     done
     grep -h "| triton \|| dense \|rc=" "$OUT"/sweep_tailbatch_*.md "$OUT"/sweep_tailbatch_*.txt | tail -8
+    ;;
+  split-ab)
+    timeout "${SPLIT_TIMEOUT:-400}" python3 benchmarks/split_ab.py --rounds "${SPLIT_ROUNDS:-5}" \
+      --rows "${SPLIT_ROWS:-headline,headline-causal,gqa32x8-causal,n100000-causal}" --out "$OUT/split_ab.md" > "$OUT/split_ab.txt" 2>&1
+    echo "split_ab rc=$?" >> "$OUT/split_ab.txt"
+    grep -E "^\||rc=" "$OUT/split_ab.txt" | tail -8
+    ;;
+  tune-8br)
+    timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_triton.py --row "${TUNE_ROW:-8br-paper-d64-fp16-causal}" \
+      --max-seconds "${TUNE_SECONDS:-420}" --out "$OUT/tune_8br.md" > "$OUT/tune_8br.txt" 2>&1
+    echo "tune_triton rc=$?" >> "$OUT/tune_8br.txt"
+    grep -E "^\||best per kernel|rc=" "$OUT/tune_8br.txt" | tail -40
     ;;
   ceiling)
     timeout "${CEIL_TIMEOUT:-400}" python3 benchmarks/block_ceiling.py --per-branch --budget-s "${CEIL_BUDGET:-300}" \

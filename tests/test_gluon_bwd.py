@@ -708,3 +708,31 @@ def test_float32_budget_counts_the_accumulators_alive_at_once(monkeypatch):
     assert gluon_bwd.problem(q, k, k, True, br, 16) is None
     monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", f32_q - 1)
     assert "MAX_F32_BYTES" in gluon_bwd.problem(q, k, k, True, br, 16)
+
+
+def test_split_ab_benchmark_checks_rows_and_refuses_without_a_hopper_gpu():
+    """benchmarks/split_ab.py (SPLIT_PHASES off / on, interleaved): exit 2 without sm_90, argparse's
+    error on an unknown row, and its table from given rounds (medians, per-round ratios, peaks)."""
+    from gluon_cases import gluon_ready
+
+    if gluon_ready() is None:
+        pytest.skip("a Hopper GPU with Gluon is here: the script would measure")
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import split_ab
+
+    assert split_ab.main(["--rows", "headline"]) == 2
+    with pytest.raises(SystemExit):
+        split_ab.main(["--rows", "no-such-row"])
+    with pytest.raises(SystemExit):
+        split_ab.main(["--rows", "headline", "--rounds", "0"])
+    res = {"row": "r", "ms": {"off": [10.0, 12.0, 11.0], "on": [10.5, 11.0, 11.0]},
+           "peak_ratio": {"off": 1.5, "on": 1.25}}  # fmt: skip
+    info = {"command": "c", "device": "d", "versions": {"torch": "x"}, "date": "t"}
+    table = split_ab.markdown([res, {"row": "s", "skipped": "skipped: budget 1 s"},
+                               {"row": "e", "error": "the Gluon backward does not take this row: x"}], info, 3, 5)
+    # medians 11.00 / 11.00; pairs 1.05, 0.917, 1.0
+    assert "| r | 11.00 (10.00-12.00) | 11.00 (10.50-11.00) | 1.000 | 0.917-1.050 | 1.50x | 1.25x |" in table
+    assert "| s | skipped: budget 1 s |" in table
+    assert "| e | the Gluon backward does not take this row: x |" in table

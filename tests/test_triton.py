@@ -199,6 +199,33 @@ def test_config_overrides_checked():
         triton_launch.resolve_configs(128, {"bwd": (32, 64, 8, 3)})
 
 
+def test_tune_triton_candidates_and_rows():
+    """benchmarks/tune_triton.py: every built-in candidate passes the launcher's config check at
+    its head dim (a bad one would only show as an ERR row on the GPU) and the default is among them, and ``--row`` takes a
+    sweep row's shape."""
+    import pathlib
+    import sys
+
+    bench = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import tune_triton
+
+    for d, cands in ((128, tune_triton.CANDIDATES), (64, tune_triton.CANDIDATES_D64)):
+        assert tune_triton.candidates_for(d) is cands
+        for kernel, configs in cands.items():
+            assert triton_launch.default_configs(d, interpret=False)[kernel] in configs, (d, kernel)
+            for cfg in configs:
+                triton_launch.resolve_configs(d, {kernel: cfg})
+            assert len(set(configs)) == len(configs), (d, kernel)
+    sh = tune_triton.row_shape("8br-paper-d64-fp16-causal")
+    assert (sh.batch, sh.n, sh.heads, sh.d, sh.dtype, sh.causal) == (2, 65536, 16, 64, torch.float16, True)
+    assert len(sh.head_ranges) == len(sh.seg) == 8
+    assert tune_triton.headline_shape(4096).causal is None
+    with pytest.raises(SystemExit, match="unknown row"):
+        tune_triton.row_shape("no-such-row")
+
+
 @pytest.mark.skipif(DEV != "cpu" or not INTERP, reason="interpreter tests run on the CPU")
 def test_triton_config_override_interpreter(seed):
     """A non-default config reaches the kernels (other block shapes, same results)."""
