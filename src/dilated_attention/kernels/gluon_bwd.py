@@ -53,10 +53,13 @@ TAIL_SEGMENTS = True
 # results' dtype and freed before the dQ kernels' accumulator is allocated (both kernels read
 # only the FINAL lse and delta, so the order is free). Peak memory of a backward, in results of
 # q's size (MHA): 5 inputs kept for it + 3 float32 accumulators (6) + a cast result = 12
-# (measured 1.75x the 8 tensors of a training call, sweep 2026-11-29, which is 14: the three
-# casts then ran while all three accumulators lived) -> 5 + 4 + 1 = 10 (1.25x). The cost: each
-# branch's block-major lse / delta rows are built twice (two small gathers a branch). Off until
-# its CUDA tests have run on a GPU (written 2026-11-29 without device time).
+# (1.50x the 8 tensors of a training call, measured on an H200 2026-11-29; 1.75x = 14 before the
+# one-at-a-time casts) -> 5 + 4 + 1 = 10 (measured 1.25x; 1.41x at GQA 32 / 8). The cost: each
+# branch's block-major lse / delta rows are built twice (two small gathers a branch). Its CUDA
+# test passed (same bits as one phase, lower peak; H200, 2026-11-29). Its time, one run per arm
+# in separate calls: +0.1..+8.9% and -2.1% on four rows, inside the spread of the same code
+# across calls (results/issue24_h200_2026-11-29_s26.md). Off until benchmarks/split_ab.py
+# (interleaved in one process) shows it costs nothing.
 SPLIT_PHASES = False
 KERNELS = ("dkdv", "dq")
 CONSUMER_REGS = gluon_fwd.CONSUMER_REGS
