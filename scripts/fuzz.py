@@ -316,6 +316,10 @@ def work(o: dict) -> dict:
             from dilated_attention.kernels import gluon_bwd
 
             gluon_bwd.TAIL_SEGMENTS = True
+        if o.get("gluon_split_phases"):
+            from dilated_attention.kernels import gluon_bwd
+
+            gluon_bwd.SPLIT_PHASES = True
         d = None  # 64 or 128, drawn per template
     else:
         d = 16 if impl == "triton" else rng.choice([4, 16])
@@ -392,6 +396,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gluon-bwd-tail", action="store_true",
                     help="with --gluon: the Gluon backward also takes short last segments "
                          "(gluon_bwd.TAIL_SEGMENTS; on as shipped since 2026-11-29, kept for old commands)")  # fmt: skip
+    ap.add_argument("--gluon-split-phases", action="store_true",
+                    help="with --gluon: the Gluon backward runs every branch's dK/dV before its dQ "
+                         "(gluon_bwd.SPLIT_PHASES; off as shipped)")  # fmt: skip
     ap.add_argument("--every", type=int, default=100, help="progress line every N examples (per worker)")
     ap.add_argument("--pool", type=int, default=None,
                     help="templates per worker: the compile pool (0: every case drawn freely; "
@@ -404,6 +411,8 @@ def main(argv=None) -> int:
         ap.error("--gluon and --varlen exclude each other (the Gluon kernels take no packed documents)")
     if args.gluon_bwd_tail and not args.gluon:
         ap.error("--gluon-bwd-tail needs --gluon")
+    if args.gluon_split_phases and not args.gluon:
+        ap.error("--gluon-split-phases needs --gluon")
     if args.gluon and args.impl == "torch":
         ap.error("--gluon needs --impl triton (the Gluon kernels run inside impl='triton')")
     args.impl = args.impl or ("triton" if args.gluon else "torch")
@@ -420,7 +429,8 @@ def main(argv=None) -> int:
         pool = (2 if args.gluon else 4) if args.impl == "triton" and args.device != "cpu" else 0
     nw = max(1, args.workers)
     print(f"fuzz ({kind}): impl={args.impl} device={args.device} generator seed={seed} "
-          f"workers={nw} pool={pool}" + (" gluon_bwd.TAIL_SEGMENTS on" if args.gluon_bwd_tail else ""),
+          f"workers={nw} pool={pool}" + (" gluon_bwd.TAIL_SEGMENTS on" if args.gluon_bwd_tail else "")
+          + (" gluon_bwd.SPLIT_PHASES on" if args.gluon_split_phases else ""),
           flush=True)  # fmt: skip
     t0 = time.monotonic()
     deadline = time.time() + 60 * args.minutes
@@ -428,7 +438,7 @@ def main(argv=None) -> int:
     opts = [
         dict(index=i, workers=nw, seed=worker_seed(seed, i), impl=args.impl, device=args.device,
              kind=kind, pool=pool, every=args.every, deadline=deadline, threads=threads,
-             gluon_bwd_tail=args.gluon_bwd_tail,
+             gluon_bwd_tail=args.gluon_bwd_tail, gluon_split_phases=args.gluon_split_phases,
              examples=args.examples // nw + (i < args.examples % nw) if args.examples else 0)
         for i in range(nw)
     ]  # fmt: skip

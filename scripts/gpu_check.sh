@@ -116,7 +116,8 @@
 #                                       --gluon-even-only (the Triton kernels): TAIL_BATCHES' speed, never measured
 #   bash scripts/gpu_check.sh split-ab  issue 24: benchmarks/split_ab.py over $SPLIT_ROWS (gluon_bwd.SPLIT_PHASES off / on,
 #                                       interleaved in one process, $SPLIT_ROUNDS (5) rounds: does 1.25x peak instead
-#                                       of 1.50x cost time? One run per arm in separate calls could not say, 2026-11-29)
+#                                       of 1.50x cost time? One run per arm in separate calls could not say, 2026-11-29),
+#                                       then fuzz.py --gluon --gluon-split-phases ($FUZZ_SPLIT_EXAMPLES 5000, 2.5 min)
 #   bash scripts/gpu_check.sh tune-8br  issue 24: benchmarks/tune_triton.py --row $TUNE_ROW (8br-paper-d64-fp16-causal,
 #                                       the one sweep row under the floors: its short d64 causal blocks run the Triton
 #                                       kernels) over the D 64 candidates, $TUNE_SECONDS (420) s of candidates
@@ -323,7 +324,11 @@ case "${1:-tests}" in
     timeout "${SPLIT_TIMEOUT:-400}" python3 benchmarks/split_ab.py --rounds "${SPLIT_ROUNDS:-5}" \
       --rows "${SPLIT_ROWS:-headline,headline-causal,gqa32x8-causal,n100000-causal}" --out "$OUT/split_ab.md" > "$OUT/split_ab.txt" 2>&1
     echo "split_ab rc=$?" >> "$OUT/split_ab.txt"
-    grep -E "^\||rc=" "$OUT/split_ab.txt" | tail -8
+    timeout "${FUZZ_SPLIT_TIMEOUT:-200}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_cache OMP_NUM_THREADS=1 \
+      python3 scripts/fuzz.py --gluon --gluon-split-phases --impl triton --device cuda --workers 12 --pool 2 \
+      --examples "${FUZZ_SPLIT_EXAMPLES:-5000}" --minutes 2.5 --every 500 > "$OUT/fuzz_split.txt" 2>&1
+    echo "fuzz rc=$?" >> "$OUT/fuzz_split.txt"
+    grep -E "^\||rc=" "$OUT/split_ab.txt" | tail -8; grep -E "MISMATCH|ERROR" "$OUT/fuzz_split.txt" | head -5; tail -3 "$OUT/fuzz_split.txt"
     ;;
   tune-8br)
     timeout "${TUNE_TIMEOUT:-540}" python3 benchmarks/tune_triton.py --row "${TUNE_ROW:-8br-paper-d64-fp16-causal}" \

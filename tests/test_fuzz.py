@@ -432,6 +432,12 @@ def test_gluon_mode_counts_a_fallback_as_an_error(capsys, monkeypatch):
     assert "gluon_bwd.TAIL_SEGMENTS on" in capsys.readouterr().out and gluon_bwd.TAIL_SEGMENTS
     with pytest.raises(SystemExit):
         fuzz.main(["--gluon-bwd-tail"])
+    # --gluon-split-phases: the worker turns gluon_bwd.SPLIT_PHASES on
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", False)
+    fuzz.main(["--gluon", "--gluon-split-phases", "--examples", "1", "--pool", "1", "--seed", "7"])
+    assert "gluon_bwd.SPLIT_PHASES on" in capsys.readouterr().out and gluon_bwd.SPLIT_PHASES
+    with pytest.raises(SystemExit):
+        fuzz.main(["--gluon-split-phases"])
 
 
 @needs_triton
