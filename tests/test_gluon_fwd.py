@@ -515,3 +515,51 @@ def test_ab_benchmark_checks_rows_and_refuses_without_a_hopper_gpu():
     table = gluon_ab.markdown([res, {"row": "s", "skipped": "budget 1 s"}], info, False)
     assert "| r | 1.00 | 1.50 | 2.00 | 2.50 | 3.00 (1167) | 4.00 (875) | OOM | 3.50 (1000) | G/G |" in table
     assert "| s | skipped: budget 1 s |" in table
+
+
+def test_varlen_prototype_host_math_against_the_reference():
+    """benchmarks/gluon_varlen_fwd.py (the Gluon forward over packed documents, a prototype not
+    yet run on a GPU): its (document, segment) entries, grid and the kernel's per-program index
+    arithmetic (emulated in float64) give each document's reference out and lse, with empty,
+    one-token and long documents, w % r != 0, r > 1 first, causal and not, GQA; the scratch
+    allocator is set for the launch only; without an sm_90 GPU --check exits 2."""
+    import os
+    import sys
+
+    from dilated_attention.reference import dilated_attention_reference
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import gluon_varlen_fwd as G
+
+    assert G.entries([0, 5, 5, 17, 18], 8) == ([0, 5, 13, 17], [5, 8, 4, 1])
+    assert G.grid_for([0, 5, 5, 17, 18], 8, 3, 4) == (1, 4, 4)
+    assert G.grid_for([0, 300], 256, 1, 2) == (2, 2, 2)  # blocks of 256 and 44 rows
+    assert G.grid_for([0, 0], 8, 1, 2) == (0, 0, 0)
+    g = torch.Generator().manual_seed(0)
+    lens = [7, 0, 1, 40, 13]
+    offs = [0]
+    for n in lens:
+        offs.append(offs[-1] + n)
+    for seg, dil in (([4, 8, 16], [1, 2, 4]), ([6, 10], [2, 3]), ([4, 64], [1, 5])):
+        for causal in (False, True):
+            q = torch.randn(offs[-1], 4, 8, generator=g)
+            k, v = torch.randn(offs[-1], 2, 8, generator=g), torch.randn(offs[-1], 2, 8, generator=g)
+            out, lse = G.emulate_forward(q, k, v, offs, seg, dil, causal)
+            for a, b in zip(offs[:-1], offs[1:], strict=True):
+                if a == b:
+                    continue
+                ro, rl = dilated_attention_reference(q[a:b][None].double(), k[a:b][None].double(),
+                                                     v[a:b][None].double(), seg, dil, causal=causal)
+                torch.testing.assert_close(out[a:b], ro[0], atol=1e-10, rtol=0)
+                torch.testing.assert_close(lse[:, a:b], rl[0], atol=1e-10, rtol=0)
+    if G._IMPORT_ERROR is None:
+        from triton.runtime import _allocation
+
+        before = _allocation._allocator.get()
+        with G._Scratch(torch.device("cpu")) as sc:
+            assert _allocation._allocator.get() is sc and sc(640, 128, None).numel() == 640
+        assert _allocation._allocator.get() is before
+    if gluon_ready() is not None:
+        assert G.main(["--check"]) == 2
