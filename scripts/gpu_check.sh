@@ -121,8 +121,8 @@
 #   bash scripts/gpu_check.sh tune-8br  issue 24: benchmarks/tune_triton.py --row $TUNE_ROW (8br-paper-d64-fp16-causal,
 #                                       the one sweep row under the floors: its short d64 causal blocks run the Triton
 #                                       kernels) over the D 64 candidates, $TUNE_SECONDS (420) s of candidates
-#   bash scripts/gpu_check.sh varlen-proto issue 22 item 2b: benchmarks/gluon_varlen_fwd.py --check --bench (the Gluon
-#                                       forward over packed documents, one launch per branch, descriptors made on the
+#   bash scripts/gpu_check.sh varlen-proto issue 22 item 2b: benchmarks/gluon_varlen.py --check --bench (the Gluon kernels,
+#                                       forward and backward, over packed documents, one launch per branch, descriptors made on the
 #                                       device: a prototype compiled for sm_90 on the CPU only, 2026-11-29; a barrier or
 #                                       descriptor mistake hangs, hence its own timeout $PROTO_TIMEOUT 300 s)
 #   bash scripts/gpu_check.sh ceiling   issue 24: benchmarks/block_ceiling.py --per-branch over $CEIL_ROWS (each row's
@@ -341,9 +341,9 @@ case "${1:-tests}" in
     grep -E "^\||best per kernel|rc=" "$OUT/tune_8br.txt" | tail -40
     ;;
   varlen-proto)
-    timeout "${PROTO_TIMEOUT:-300}" python3 benchmarks/gluon_varlen_fwd.py --check --bench --out "$OUT/gluon_varlen_fwd.md" > "$OUT/gluon_varlen_fwd.txt" 2>&1
-    echo "gluon_varlen_fwd rc=$?" >> "$OUT/gluon_varlen_fwd.txt"
-    grep -E "^\||rc=|Error" "$OUT/gluon_varlen_fwd.txt" | tail -30
+    timeout "${PROTO_TIMEOUT:-300}" python3 benchmarks/gluon_varlen.py --check --bench --out "$OUT/gluon_varlen.md" > "$OUT/gluon_varlen.txt" 2>&1
+    echo "gluon_varlen rc=$?" >> "$OUT/gluon_varlen.txt"
+    grep -E "^\||rc=|Error" "$OUT/gluon_varlen.txt" | tail -30
     ;;
   ceiling)
     timeout "${CEIL_TIMEOUT:-400}" python3 benchmarks/block_ceiling.py --per-branch --budget-s "${CEIL_BUDGET:-300}" \

@@ -518,7 +518,7 @@ def test_ab_benchmark_checks_rows_and_refuses_without_a_hopper_gpu():
 
 
 def test_varlen_prototype_host_math_against_the_reference():
-    """benchmarks/gluon_varlen_fwd.py (the Gluon forward over packed documents, a prototype not
+    """benchmarks/gluon_varlen.py (the Gluon forward over packed documents, a prototype not
     yet run on a GPU): its (document, segment) entries, grid and the kernel's per-program index
     arithmetic (emulated in float64) give each document's reference out and lse, with empty,
     one-token and long documents, w % r != 0, r > 1 first, causal and not, GQA; the scratch
@@ -531,7 +531,7 @@ def test_varlen_prototype_host_math_against_the_reference():
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    import gluon_varlen_fwd as G
+    import gluon_varlen as G
 
     assert G.entries([0, 5, 5, 17, 18], 8) == ([0, 5, 13, 17], [5, 8, 4, 1])
     assert G.grid_for([0, 5, 5, 17, 18], 8, 3, 4) == (1, 4, 4)
@@ -554,6 +554,26 @@ def test_varlen_prototype_host_math_against_the_reference():
                                                      v[a:b][None].double(), seg, dil, causal=causal)
                 torch.testing.assert_close(out[a:b], ro[0], atol=1e-10, rtol=0)
                 torch.testing.assert_close(lse[:, a:b], rl[0], atol=1e-10, rtol=0)
+    # the backward's block-major lse / delta rows: one document whose length w divides equal the
+    # library's per-segment rows (gluon_bwd.prep_rows) entry for segment; a short last segment
+    # and a second document get their own entries
+    from dilated_attention.kernels import gluon_bwd
+
+    for w, r in ((8, 2), (12, 5), (16, 1)):
+        x = torch.randn(3, 48, generator=g)
+        x[1, 5] = float("-inf")
+        want = gluon_bwd.prep_rows(x[None], w, r, float("inf"), 2.0)[0]
+        torch.testing.assert_close(G.varlen_rows(x, [0, 48], w, r, float("inf"), 2.0), want, atol=0, rtol=0)
+        got = G.varlen_rows(x, [0, 20, 48], w, r, 0.0)
+        p0, ws = G.entries([0, 20, 48], w)
+        for h in range(3):
+            c = h % r
+            for e, (a, n) in enumerate(zip(p0, ws, strict=True)):
+                rows = [a + c + r * t for t in range(max(-(-(n - c) // r), 0))]
+                want_e = x[h, rows].clone()
+                want_e[want_e == float("-inf")] = float("inf")
+                torch.testing.assert_close(got[h, e, : len(rows)], want_e, atol=0, rtol=0)
+                assert (got[h, e, len(rows):] == 0).all()
     if G._IMPORT_ERROR is None:
         from triton.runtime import _allocation
 

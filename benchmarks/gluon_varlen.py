@@ -1,0 +1,839 @@
+"""Prototype: the Gluon kernels over packed documents in ONE launch per branch and kernel (issue 22 item 2b).
+
+Why: on Hopper one sequence runs the Gluon kernels and packed documents the Triton varlen ones,
+so the packed stream's rate per useful FLOP lags one sequence's by the two families' gap
+(benchmarks/NOTES_triton.md, "Packed documents in the Gluon kernels"). This prototype is NOTES'
+option A, forward and backward: the library's Gluon partitions (``kernels/gluon_fwd_kernel``:
+loader, two consumer warpgroups, the (hi, lo) merge epilogue; ``kernels/gluon_bwd_kernel``: the
+dK/dV and dQ loaders and consumers) unchanged, under new top-level kernels whose programs build
+their block's TMA descriptors on the device (``tma.make_tensor_descriptor``): base at the
+block's first row ``p0 + c`` (``p0`` the segment's first row in the packed stream, ``c = h %
+r``), shape ``[1, L, 1, D]`` (the dK/dV kernel's q / dO: ``[1, L, H, D]``, its loader's column
+being the query head) with ``L = ceil((w_s - c) / r)`` rows for a segment of ``w_s`` rows, row
+stride ``r x`` the stream's. TMA then zero-fills past the block and drops stores past it,
+exactly as the host descriptors do at a launch's L: no masking changes, no length classes (each
+program has its own L), short last segments and documents shorter than w included. The
+backward's pointer stores (dq, dk, dv rows ``blk * W + c + R t``) get ``blk = p0, W = 1``; its
+block-major lse / delta rows are per (head, entry) (:func:`varlen_rows`).
+
+One program per (query tile of 128 rows, entry, head); an entry is one (document, segment)
+of the branch, listed on the host here (``entries``: the prototype reads the offsets on the
+host; the library would build the table on the device, as its Triton varlen grid does).
+Programs past their block's rows do nothing. The descriptors need a global scratch of 640 bytes
+a program (forward: five descriptors; 512 in the backward kernels: four), which Triton asks of the allocator in ``triton.runtime._allocation._allocator`` (a
+ContextVar): set around each launch and reset after, so the process-wide default (set by the
+user or not) is left as found.
+
+    /tmp/t36/bin/python benchmarks/gluon_varlen.py --compile-only    # CPU: sm_90 compile (Triton 3.6)
+    PYTHONPATH=src python3 benchmarks/gluon_varlen.py --check --bench --out $OUT/gluon_varlen.md
+
+``--check``: random packed batches (lognormal lengths with empty, one-token and long
+documents; branches with w % r != 0, w > a document, r > 1 first; causal and not; GQA; bf16 and
+fp16; D 64 and 128) against the float64 reference on each document alone (out, lse, dq, dk,
+dv), judged against the library's own varlen error on the same inputs. ``--bench``: the
+issue's packed batch (128K tokens, lognormal mean 8K, 16 x 128, bf16, LongNet branches) forward
+and forward+backward: this prototype, the library's varlen call (Triton kernels), and one
+sequence of 128K tokens (Gluon, and Triton) per useful FLOP. Exit 2 without an sm_90 GPU (the
+compile mode needs only Triton 3.6). Not in src/: nothing here is wired into the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    from dilated_attention.kernels import gluon_bwd_kernel as BK
+    from dilated_attention.kernels import gluon_fwd_kernel as F
+
+    _IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001  (no Gluon / no Hopper module in this Triton)
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+from dilated_attention.kernels import gluon_bwd, gluon_fwd  # noqa: E402
+
+SCRATCH_PER_PROGRAM = 640  # five 128-byte descriptors (checked against the compiled kernel)
+PROGRAM_ROWS = 128  # query rows a program covers: gluon_fwd_kernel.BM (two 64-row consumers)
+
+if _IMPORT_ERROR is None:
+    _WGM = gl.constexpr(F.WG_M)
+
+    @gluon.jit
+    def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL, SNQ, SNK, R, H, HKV,
+                                q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
+                                D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                FIRST: gl.constexpr, COMP: gl.constexpr, STORE_LO: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+        """One program per (query tile of 128 rows, entry e, head h): the block of head h in
+        entry e's segment (rows ENT_P0[e] + c + R t, c = h % R, t < L, the segment ENT_W[e]
+        rows long) through the library's partitions with descriptors made here (coordinates 0
+        but the row). q, out, lo: (TOTAL, H, D) rows of SNQ elements; k, v: (TOTAL, HKV, D) rows of
+        SNK; lse (H, TOTAL) float32."""
+        pid_m = gl.program_id(0)
+        e = gl.program_id(1)
+        h = gl.program_id(2)
+        c = h % R
+        hk = h // (H // HKV)
+        p0 = gl.load(ENT_P0 + e)
+        ws = gl.load(ENT_W + e)
+        L = gl.maximum((ws - c + R - 1) // R, 0)
+        q_row0 = pid_m * (2 * _WGM)
+        if q_row0 < L:
+            row = (p0 + c).to(gl.int64)
+            rq = R.to(gl.int64) * SNQ
+            rk = R.to(gl.int64) * SNK
+            q_desc = tma.make_tensor_descriptor(Q + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
+                                                [1, _WGM, 1, D], q_layout)  # fmt: skip
+            k_desc = tma.make_tensor_descriptor(K + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
+                                                [1, BN, 1, D], kv_layout)  # fmt: skip
+            v_desc = tma.make_tensor_descriptor(V + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
+                                                [1, BN, 1, D], kv_layout)  # fmt: skip
+            o_desc = tma.make_tensor_descriptor(O + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
+                                                [1, _WGM, 1, D], q_layout)  # fmt: skip
+            lo_desc = tma.make_tensor_descriptor(LO + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
+                                                 [1, _WGM, 1, D], q_layout)  # fmt: skip
+            n_kv = gl.cdiv(L, BN)
+            if CAUSAL:
+                n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
+                n_full = gl.minimum(q_row0 // BN, L // BN)
+            else:
+                n_tiles = n_kv
+                n_full = L // BN
+            lse_base = h.to(gl.int64) * TOTAL
+            pos0 = p0 + c
+            dtype: gl.constexpr = Q.dtype.element_ty
+            q_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
+            k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
+            v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
+            e_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
+            q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            e_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(q_bars.index(i), count=1)
+                mbarrier.init(e_bars.index(i), count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_ready.index(i), count=1)
+                mbarrier.init(v_ready.index(i), count=1)
+                mbarrier.init(k_empty.index(i), count=2)
+                mbarrier.init(v_empty.index(i), count=2)
+            # as gluon_fwd_kernel, with the block, column and lo coordinates 0 (the descriptors
+            # start at the block) and lse at pos0 + R t of row h
+            gl.warp_specialize(
+                [
+                    (F._consumer_wg0, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
+                                       o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, 0, 0, 0,
+                                       q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL,
+                                       FIRST, COMP, STORE_LO)),
+                    (F._consumer_wg1, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
+                                       o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, 0, 0, 0,
+                                       q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL,
+                                       FIRST, COMP, STORE_LO)),
+                    (F._loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready,
+                                 v_ready, k_empty, v_empty, q_row0, 0, 0, 0, n_tiles, BN, STAGES)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOADER_REGS],
+            )  # fmt: skip
+
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, qk_scale, sm_scale, NE, NNB,
+                           R, H, HKV, REP, NI, LP, SNQ, SNK, q_layout: gl.constexpr, kv_layout: gl.constexpr,
+                           BMQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           LOADER_REGS: gl.constexpr):  # fmt: skip
+        """``gluon_bwd_kernel.dkdv_kernel`` over entries: one program per (key tile of 128 rows,
+        entry e) x (kv head g, residue slot i0); its K / V descriptors start at the block's first
+        row (head g), its q / dO descriptors at that row over all heads (the loader's column is
+        the query head: c passed as 0); dK / dV rows p0 + c + R t (blk = p0, W = 1); lse / delta
+        rows block-major [H, NE, LP] (b = 0, s = e, NSEG = NE)."""
+        pid0 = gl.program_id(0)
+        pid_x = gl.program_id(1)
+        pid_n = pid0 % NNB
+        e = pid0 // NNB
+        g = pid_x // NI
+        i0 = pid_x % NI
+        h_start = g * REP + i0
+        c = h_start % R
+        nhl = ((g + 1) * REP - h_start + R - 1) // R
+        p0 = gl.load(ENT_P0 + e)
+        ws = gl.load(ENT_W + e)
+        L = gl.maximum((ws - c + R - 1) // R, 0)
+        n_lo = pid_n * (2 * _WGM)
+        if n_lo < L:
+            row = (p0 + c).to(gl.int64)
+            rq = R.to(gl.int64) * SNQ
+            rk = R.to(gl.int64) * SNK
+            q_desc = tma.make_tensor_descriptor(Q + row * SNQ, [1, L, H, D], [rq * L, rq, D, 1], [1, BMQ, 1, D],
+                                                q_layout)  # fmt: skip
+            do_desc = tma.make_tensor_descriptor(DO + row * SNQ, [1, L, H, D], [rq * L, rq, D, 1], [1, BMQ, 1, D],
+                                                 q_layout)  # fmt: skip
+            k_desc = tma.make_tensor_descriptor(K + row * SNK + g * D, [1, L, 1, D], [rk * L, rk, D, 1],
+                                                [1, _WGM, 1, D], kv_layout)  # fmt: skip
+            v_desc = tma.make_tensor_descriptor(V + row * SNK + g * D, [1, L, 1, D], [rk * L, rk, D, 1],
+                                                [1, _WGM, 1, D], kv_layout)  # fmt: skip
+            n_qt_all = gl.cdiv(L, BMQ)
+            if CAUSAL:
+                m_first = n_lo
+                n_qt = n_qt_all - n_lo // BMQ
+                n_diag = gl.minimum(n_qt, (2 * _WGM) // BMQ)
+            else:
+                m_first = n_lo * 0
+                n_qt = n_qt_all
+                n_diag = n_qt * 0
+            dtype: gl.constexpr = Q.dtype.element_ty
+            k_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], kv_layout)
+            v_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], kv_layout)
+            q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BMQ, 1, D], q_layout)
+            do_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BMQ, 1, D], q_layout)
+            l_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
+            dl_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(q_ready.index(i), count=1)
+                mbarrier.init(do_ready.index(i), count=1)
+                mbarrier.init(q_empty.index(i), count=2)
+                mbarrier.init(do_empty.index(i), count=2)
+            gl.warp_specialize(
+                [
+                    (BK._kv_consumer_wg0, (k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready,
+                                           do_ready, q_empty, do_empty, DK, DV, p0, n_lo, c, g, nhl, m_first,
+                                           n_qt, n_diag, L, 1, R, HKV, qk_scale, sm_scale, BMQ, D, STAGES,
+                                           ADD)),
+                    (BK._kv_consumer_wg1, (k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready,
+                                           do_ready, q_empty, do_empty, DK, DV, p0, n_lo, c, g, nhl, m_first,
+                                           n_qt, n_diag, L, 1, R, HKV, qk_scale, sm_scale, BMQ, D, STAGES,
+                                           ADD)),
+                    (BK._kv_loader, (q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs, q_bufs,
+                                     do_bufs, l_bufs, dl_bufs, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                                     0, n_lo, 0, 0, h_start, nhl, m_first, n_qt, 0, e, H, R, NE, LP, BMQ,
+                                     STAGES)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOADER_REGS],
+            )  # fmt: skip
+
+    @gluon.jit
+    def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_scale, NE, NMB, R, H, HKV,
+                         LP, SNQ, SNK, q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
+                         D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+        """``gluon_bwd_kernel.dq_kernel`` over entries: one program per (query tile of 128 rows,
+        entry e) x head h; descriptors at the block's first row; dQ rows p0 + c + R t (blk = p0,
+        W = 1); lse / delta rows block-major [H, NE, LP]."""
+        pid0 = gl.program_id(0)
+        h = gl.program_id(1)
+        pid_m = pid0 % NMB
+        e = pid0 // NMB
+        c = h % R
+        hk = h // (H // HKV)
+        p0 = gl.load(ENT_P0 + e)
+        ws = gl.load(ENT_W + e)
+        L = gl.maximum((ws - c + R - 1) // R, 0)
+        q_row0 = pid_m * (2 * _WGM)
+        if q_row0 < L:
+            row = (p0 + c).to(gl.int64)
+            rq = R.to(gl.int64) * SNQ
+            rk = R.to(gl.int64) * SNK
+            q_desc = tma.make_tensor_descriptor(Q + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
+                                                [1, _WGM, 1, D], q_layout)  # fmt: skip
+            do_desc = tma.make_tensor_descriptor(DO + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
+                                                 [1, _WGM, 1, D], q_layout)  # fmt: skip
+            k_desc = tma.make_tensor_descriptor(K + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
+                                                [1, BN, 1, D], kv_layout)  # fmt: skip
+            v_desc = tma.make_tensor_descriptor(V + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
+                                                [1, BN, 1, D], kv_layout)  # fmt: skip
+            lrow = (h.to(gl.int64) * NE + e) * LP
+            n_kv = gl.cdiv(L, BN)
+            if CAUSAL:
+                n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
+                n_full = gl.minimum(q_row0 // BN, n_tiles)
+            else:
+                n_tiles = n_kv
+                n_full = n_kv
+            dtype: gl.constexpr = Q.dtype.element_ty
+            q_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
+            do_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
+            k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
+            v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_ready.index(i), count=1)
+                mbarrier.init(v_ready.index(i), count=1)
+                mbarrier.init(k_empty.index(i), count=2)
+                mbarrier.init(v_empty.index(i), count=2)
+            gl.warp_specialize(
+                [
+                    (BK._q_consumer_wg0, (q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
+                                          v_empty, DQ, LSE2, DELTA, lrow, p0, q_row0, c, h, n_tiles, n_full,
+                                          L, 1, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD)),
+                    (BK._q_consumer_wg1, (q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
+                                          v_empty, DQ, LSE2, DELTA, lrow, p0, q_row0, c, h, n_tiles, n_full,
+                                          L, 1, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD)),
+                    (BK._q_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar,
+                                    k_ready, v_ready, k_empty, v_empty, 0, q_row0, 0, 0, n_tiles, BN, STAGES)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOADER_REGS],
+            )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ host
+
+
+def entries(offsets: list[int], w: int) -> tuple[list[int], list[int]]:
+    """(first row, rows) of every segment of branch w in every non-empty document: document i
+    (rows offsets[i]:offsets[i+1]) has segments of w rows from its first row, the last one
+    shorter where its length is no multiple of w."""
+    p0, ws = [], []
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+        for s in range(a, b, w):
+            p0.append(s)
+            ws.append(min(w, b - s))
+    return p0, ws
+
+
+def grid_for(offsets: list[int], w: int, r: int, nh: int) -> tuple[int, int, int]:
+    """(query tiles of the longest block, entries, heads); (0, 0, 0) without an entry. The
+    longest block is the first offset's (c = 0) of the longest segment: ceil(min(w, n) / r)."""
+    lens = [b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    n_ent = sum(-(-n // w) for n in lens)
+    if not n_ent:
+        return (0, 0, 0)
+    longest = -(-max(min(w, n) for n in lens) // r)
+    return (-(-longest // PROGRAM_ROWS), n_ent, nh)
+
+
+class _Scratch:
+    """Triton's allocator for the descriptors' global scratch, set for one launch: the previous
+    allocator (the user's, or Triton's default) comes back after it."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=self.device)
+
+    def __enter__(self):
+        from triton.runtime import _allocation
+
+        self._token = _allocation._allocator.set(self)
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime import _allocation
+
+        _allocation._allocator.reset(self._token)
+        return False
+
+
+def varlen_forward(q, k, v, offsets: list[int], seg, dil, causal: bool, scale: float | None = None):
+    """out (total, H, D) and lse (H, total) float32 of dilated attention over the packed
+    documents ``offsets`` (host ints, queries and keys alike), every head in every branch.
+    Buffers and the FIRST / COMP / STORE_LO choices as the library's Gluon forward."""
+    total, nh, d = q.shape
+    nkv = k.shape[1]
+    for name, x in (("q", q), ("k", k), ("v", v)):  # the descriptors' strides: rows of heads x D
+        if not x.is_contiguous():
+            raise ValueError(f"varlen_forward: {name} must be contiguous (total, heads, D), got strides {x.stride()}")
+    if k.shape != v.shape or nh % nkv or offsets[-1] > total:
+        raise ValueError(f"varlen_forward: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"last offset {offsets[-1]}")
+    scale = d**-0.5 if scale is None else scale
+    branches = list(zip(seg, dil, strict=True))
+    # branch 0 with r = 1 stores every row of every document; else the buffers start filled
+    covered = offsets[0] == 0 and offsets[-1] == total
+    fill = not (branches[0][1] == 1 and covered)
+    several = len(branches) > 1
+    out = torch.zeros_like(q) if fill else torch.empty_like(q)
+    lo = (torch.zeros_like(q) if fill else torch.empty_like(q)) if several else out
+    lse = torch.full((nh, total), float("-inf"), dtype=torch.float32, device=q.device) if fill else \
+        torch.empty((nh, total), dtype=torch.float32, device=q.device)
+    kern = gluon_fwd_varlen_kernel
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([1, F.WG_M, 1, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([1, gluon_fwd.KV_BN, 1, d], gdt)
+    last = len(branches) - 1
+    with _Scratch(q.device):
+        for bi, (w, r) in enumerate(branches):
+            p0, ws = entries(offsets, w)
+            if not p0:
+                continue
+            ent = torch.tensor([p0, ws], dtype=torch.int32).to(q.device, non_blocking=True)
+            grid = grid_for(offsets, w, r, nh)
+            kern[grid](q, k, v, out, lo, lse, ent[0], ent[1], scale * 1.4426950408889634, total,
+                       q.stride(0), k.stride(0), r, nh, nkv, q_layout=q_layout, kv_layout=kv_layout,
+                       BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d), CAUSAL=bool(causal),
+                       FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
+                       CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS,
+                       num_warps=4, maxnreg=gluon_fwd.MAXNREG)  # fmt: skip
+    return out, lse
+
+
+def emulate_forward(q, k, v, offsets: list[int], seg, dil, causal: bool, scale: float | None = None):
+    """The kernel's index arithmetic in float64 on any device (a CPU check of the design, no
+    Gluon): per branch, entry (p0, w_s) and head h, the block rows p0 + c + r t (t < L, L =
+    ceil((w_s - c) / r), c = h % r), dense attention inside it (causal inside the block), its
+    (out, lse) merged into the result by LSE weights at rows pos0 + r t of lse's row h."""
+    total, nh, d = q.shape
+    grp = nh // k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    out = torch.zeros(total, nh, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((nh, total), float("-inf"), dtype=torch.float64, device=q.device)
+    for w, r in zip(seg, dil, strict=True):
+        for p0, ws in zip(*entries(offsets, w), strict=True):
+            for h in range(nh):
+                c = h % r
+                n_rows = max(-(-(ws - c) // r), 0)
+                if n_rows == 0:
+                    continue
+                rows = p0 + c + r * torch.arange(n_rows, device=q.device)
+                qb = q[rows, h].double()
+                kb, vb = k[rows, h // grp].double(), v[rows, h // grp].double()
+                s_ = qb @ kb.T * scale
+                if causal:
+                    s_ = s_.masked_fill(torch.ones_like(s_, dtype=torch.bool).triu(1), float("-inf"))
+                lb = torch.logsumexp(s_, dim=1)
+                ob = torch.softmax(s_, dim=1) @ vb
+                la = lse[h, rows]
+                mx = torch.maximum(la, lb)
+                wa, wb = torch.exp(la - mx), torch.exp(lb - mx)
+                out[rows, h] = (out[rows, h] * wa[:, None] + ob * wb[:, None]) / (wa + wb)[:, None]
+                lse[h, rows] = mx + torch.log(wa + wb)
+    return out, lse
+
+
+def varlen_rows(x: torch.Tensor, offsets: list[int], w: int, r: int, pad_value: float,
+                mult: float = 1.0) -> torch.Tensor:
+    """(H, total) float -> block-major float32 [H, NE, LP] over branch w's entries (the library's
+    ``gluon_bwd.prep_rows`` with entries for segments): ``y[h, e, t] = mult * x[h, p0_e + c +
+    r t]`` for t < L(e, c) = ceil((w_e - c) / r), c = h % r; -inf -> +inf; other rows
+    ``pad_value``; LP = the longest block rounded up to ``gluon_bwd.LPAD``."""
+    nh = x.shape[0]
+    p0, ws = entries(offsets, w)
+    ne = len(p0)
+    big = max(-(-n // r) for n in ws) if ws else 0
+    lp = max(-(-big // gluon_bwd.LPAD) * gluon_bwd.LPAD, gluon_bwd.LPAD)
+    out = torch.full((nh, ne, lp), pad_value, dtype=torch.float32, device=x.device)
+    if ne == 0:
+        return out
+    p0_t = torch.tensor(p0, device=x.device).view(1, ne, 1)
+    ws_t = torch.tensor(ws, device=x.device).view(1, ne, 1)
+    c = (torch.arange(nh, device=x.device) % r).view(nh, 1, 1)
+    t = torch.arange(big, device=x.device).view(1, 1, big)
+    n_rows = torch.clamp(torch.div(ws_t - c + r - 1, r, rounding_mode="floor"), min=0)
+    valid = t < n_rows
+    idx = torch.where(valid, p0_t + c + r * t, 0).view(nh, ne * big)
+    y = x.float().gather(-1, idx).view(nh, ne, big) * mult
+    y = torch.where(y == float("-inf"), torch.full_like(y, float("inf")), y)
+    out[..., :big] = torch.where(valid, y, torch.full_like(y, pad_value))
+    return out
+
+
+def varlen_backward(dout, q, k, v, out, lse, offsets: list[int], seg, dil, causal: bool,
+                    scale: float | None = None):
+    """dq, dk, dv (the inputs' dtypes) over the packed documents, from the FINAL out and lse
+    (:func:`varlen_forward`): the library's Gluon backward (float32 accumulators, a first
+    branch with r = 1 over covered rows stores instead of adding) with entries for segments."""
+    total, nh, d = q.shape
+    nkv = k.shape[1]
+    rep = nh // nkv
+    scale = d**-0.5 if scale is None else scale
+    dout = dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1).t().contiguous()  # (H, total)
+    covered = offsets[0] == 0 and offsets[-1] == total
+    store_first = dil[0] == 1 and covered
+    alloc = torch.empty if store_first else torch.zeros
+    dq = alloc(q.shape, dtype=torch.float32, device=q.device)
+    dk = alloc(k.shape, dtype=torch.float32, device=q.device)
+    dv = alloc(v.shape, dtype=torch.float32, device=q.device)
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    bn = gluon_bwd.dq_bn(d)
+    lay = lambda rows: gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], gdt)  # noqa: E731
+    common = dict(D=d, CAUSAL=bool(causal), CONSUMER_REGS=gluon_bwd.CONSUMER_REGS,
+                  LOADER_REGS=gluon_bwd.LOADER_REGS, num_warps=4, maxnreg=gluon_bwd.MAXNREG)  # fmt: skip
+    with _Scratch(q.device):
+        for bi, (w, r) in enumerate(zip(seg, dil, strict=True)):
+            p0, ws = entries(offsets, w)
+            if not p0:
+                continue
+            add = bi > 0 or not store_first
+            ne = len(p0)
+            ent = torch.tensor([p0, ws], dtype=torch.int32).to(q.device, non_blocking=True)
+            lse2 = varlen_rows(lse, offsets, w, r, float("inf"), gluon_bwd.LOG2E)
+            delta2 = varlen_rows(delta, offsets, w, r, 0.0)
+            lp = lse2.shape[-1]
+            nb = -(-max(-(-n // r) for n in ws) // PROGRAM_ROWS)
+            ni = min(rep, r)
+            dkdv_varlen_kernel[(nb * ne, nkv * ni)](
+                q, dout, k, v, gluon_bwd._row_desc(lse2, BK.BMQ), gluon_bwd._row_desc(delta2, BK.BMQ), dk, dv,
+                ent[0], ent[1], scale * gluon_bwd.LOG2E, scale, ne, nb, r, nh, nkv, rep, ni, lp, q.stride(0),
+                k.stride(0), q_layout=lay(BK.BMQ), kv_layout=lay(BK.WG_M), BMQ=BK.BMQ,
+                STAGES=gluon_bwd.kv_stages(d), ADD=add, **common)  # fmt: skip
+            dq_varlen_kernel[(nb * ne, nh)](
+                q, dout, k, v, dq, lse2, delta2, ent[0], ent[1], scale * gluon_bwd.LOG2E, scale, ne, nb, r, nh,
+                nkv, lp, q.stride(0), k.stride(0), q_layout=lay(BK.WG_M), kv_layout=lay(bn), BN=bn,
+                STAGES=gluon_bwd.DQ_STAGES, ADD=add, **common)  # fmt: skip
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ------------------------------------------------------------------------------ check / bench
+
+
+def _lengths(rng: torch.Generator, total: int, mean: float) -> list[int]:
+    from bench_varlen import document_lengths
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    lens = document_lengths(total, mean, 1.0, seed)
+    # empty and one-token documents inside the stream
+    lens[len(lens) // 2 : len(lens) // 2] = [0, 1]
+    return lens
+
+
+CHECK_BRANCHES = (
+    ([64, 128, 256], [1, 2, 4]),  # LongNet-like, r = 1 first (no fill)
+    ([96, 160], [2, 3]),  # r > 1 first (filled buffers), 160 % 3 != 0
+    ([64, 1024], [1, 5]),  # w > most documents, 1024 % 5 != 0
+    ([128], [1]),  # one branch: no lo buffer
+)
+
+
+def _case_errors(q, k, v, dout, offs, seg, dil, causal, got: dict) -> dict:
+    """Max abs error of each of ``got``'s out, lse, dq, dk, dv against the float64 reference run
+    on each document alone (lse: inf where their finite masks differ)."""
+    from dilated_attention.reference import dilated_attention_reference
+
+    err = dict.fromkeys(("out", "lse", "dq", "dk", "dv"), 0.0)
+    for a, b in zip(offs[:-1], offs[1:], strict=True):
+        if a == b:
+            continue
+        xs = [x[a:b][None].double().requires_grad_() for x in (q, k, v)]
+        ro, rl = dilated_attention_reference(*xs, seg, dil, causal=causal)
+        grads = torch.autograd.grad(ro, xs, dout[a:b][None].double())
+        ref = {"out": ro[0], "dq": grads[0][0], "dk": grads[1][0], "dv": grads[2][0]}
+        for name, want in ref.items():
+            err[name] = max(err[name], (got[name][a:b].double() - want).abs().max().item())
+        fin = torch.isfinite(rl[0])
+        if not torch.equal(fin, torch.isfinite(got["lse"][:, a:b])):
+            err["lse"] = float("inf")
+        elif fin.any():
+            err["lse"] = max(err["lse"], (got["lse"][:, a:b].double()[fin] - rl[0][fin]).abs().max().item())
+    return err
+
+
+def check(device, lines: list[str]) -> bool:
+    """The prototype's forward and backward against the float64 reference per document, judged
+    as tests/test_gluon_*.py judge the Gluon kernels: each error <= 2x the library's own
+    (``dilated_attention_varlen(impl="triton")``, the Triton varlen kernels, same inputs) + 1e-3."""
+    from dilated_attention import dilated_attention_varlen
+
+    ok = True
+    rng = torch.Generator().manual_seed(0)
+    names = ("out", "lse", "dq", "dk", "dv")
+    lines += ["## check against the float64 reference on each document alone", "",
+              "max abs errors, prototype (library Triton varlen); ok: each <= 2x the library's + 1e-3", "",
+              "| dtype | D | heads | branches | causal | docs | " + " | ".join(names) + " | ok |",
+              "|---|---|---|---|---|---|" + "---|" * (len(names) + 1)]  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float16):
+        for d, nh, nkv in ((128, 4, 2), (64, 6, 6)):
+            for seg, dil in CHECK_BRANCHES:
+                for causal in (False, True):
+                    lens = _lengths(rng, 1500, 300.0)
+                    offs = [0]
+                    for n in lens:
+                        offs.append(offs[-1] + n)
+                    total = offs[-1]
+                    q = torch.randn(total, nh, d, device=device, dtype=dtype)
+                    k = torch.randn(total, nkv, d, device=device, dtype=dtype)
+                    v = torch.randn_like(k)
+                    dout = torch.randn_like(q)
+                    try:
+                        out, lse = varlen_forward(q, k, v, offs, seg, dil, causal)
+                        dq, dk, dv = varlen_backward(dout, q, k, v, out, lse, offs, seg, dil, causal)
+                        torch.cuda.synchronize()
+                    except Exception as e:  # noqa: BLE001  (report the case, keep checking)
+                        ok = False
+                        lines.append(f"| {str(dtype)[6:]} | {d} | {nh}/{nkv} | {seg} / {dil} | {causal} | {len(lens)} | "
+                                     f"ERROR {type(e).__name__}: {str(e)[:200]} |")  # fmt: skip
+                        print(lines[-1], flush=True)
+                        continue
+                    mine = _case_errors(q, k, v, dout, offs, seg, dil, causal,
+                                        dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv))  # fmt: skip
+                    cu = torch.tensor(offs, dtype=torch.int32)
+                    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+                    lo, ll = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal,
+                                                      impl="triton", return_lse=True)  # fmt: skip
+                    lg = torch.autograd.grad(lo, xs, dout)
+                    lib = _case_errors(q, k, v, dout, offs, seg, dil, causal,
+                                       dict(out=lo, lse=ll, dq=lg[0], dk=lg[1], dv=lg[2]))  # fmt: skip
+                    good = all(mine[n] <= 2 * lib[n] + 1e-3 for n in names)
+                    ok &= good
+                    cells = " | ".join(f"{mine[n]:.1e} ({lib[n]:.1e})" for n in names)
+                    row = (f"| {str(dtype)[6:]} | {d} | {nh}/{nkv} | {seg} / {dil} | {causal} | {len(lens)} | "
+                           f"{cells} | {'yes' if good else '**NO**'} |")
+                    print(row, flush=True)
+                    lines.append(row)
+    lines.append("")
+    return ok
+
+
+def _bench_rows(device, causal, offs, lens, seg, dil, total, nh, d) -> list[str]:
+    import triton.testing
+
+    from dilated_attention import dilated_attention, dilated_attention_varlen, flags
+    from dilated_attention.flops import dilated_flops, dilated_flops_varlen
+
+    q = torch.randn(total, nh, d, device=device, dtype=torch.bfloat16)
+    k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    cu = torch.tensor(offs, dtype=torch.int32)
+    fl_v = dilated_flops_varlen(lens, lens, nh, d, seg, dil, causal)
+    fl_1 = dilated_flops(1, total, total, nh, d, seg, dil, causal)
+
+    def t(fn):
+        fn()
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+    def proto_fb():
+        out, lse = varlen_forward(q, k, v, offs, seg, dil, causal)
+        return varlen_backward(do, q, k, v, out, lse, offs, seg, dil, causal)
+
+    def lib(x):
+        return dilated_attention_varlen(*x, cu, cu, max(lens), max(lens), seg, dil, causal=causal, impl="triton")
+
+    def one(x):
+        return dilated_attention(x[0][None], x[1][None], x[2][None], seg, dil, causal=causal, impl="triton")
+
+    def triton_only(fn):
+        def call():
+            flags.set_gluon_forward(False)
+            flags.set_gluon_backward(False)
+            try:
+                return fn()
+            finally:
+                flags.set_gluon_forward(None)
+                flags.set_gluon_backward(None)
+
+        return call
+
+    def fb(call):
+        return lambda: torch.autograd.grad(call(xs), xs, do[None] if call is one else do)
+
+    calls = {
+        "prototype (Gluon, packed)": (lambda: varlen_forward(q, k, v, offs, seg, dil, causal), proto_fb, fl_v),
+        "library varlen (Triton)": (lambda: lib((q, k, v)), fb(lib), fl_v),
+        "one sequence, Gluon": (lambda: one((q, k, v)), fb(one), fl_1),
+        "one sequence, Triton": (triton_only(lambda: one((q, k, v))), triton_only(fb(one)), fl_1),
+    }
+    ms = {}
+    for name, (f, b, fl) in calls.items():
+        with torch.no_grad():
+            f_ms = t(f)
+        ms[name] = (f_ms, t(b), fl)
+    one_f, one_b = (ms["one sequence, Gluon"][i] for i in (0, 1))
+    rows = []
+    for name, (f_ms, b_ms, fl) in ms.items():
+        rf, rb = fl / f_ms / 1e9, 3.5 * fl / b_ms / 1e9
+        rows.append(f"| {causal} | {name} | {f_ms:.3f} | {b_ms:.3f} | {rf:.0f} / {rb:.0f} | "
+                    f"{(fl_1 / one_f / 1e9) / rf:.3f}x / {(3.5 * fl_1 / one_b / 1e9) / rb:.3f}x |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def bench(device, lines: list[str]) -> None:
+    from bench_varlen import document_lengths
+
+    seg, dil = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+    total, nh, d = 131072, 16, 128
+    lens = document_lengths(total, 8192.0, 1.0, 0)
+    offs = [0]
+    for n in lens:
+        offs.append(offs[-1] + n)
+    lines += [f"## forward and forward+backward: {total} tokens in {len(lens)} documents (lognormal mean 8192, sigma 1, seed 0; "
+              f"longest {max(lens)}), {nh} x {d}, bf16, w {seg}, r {dil}", "",
+              "| causal | call | fwd ms | fwd+bwd ms | useful TF/s fwd / fwd+bwd | time per useful FLOP over one "
+              "sequence (Gluon), fwd / fwd+bwd |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for causal in (False, True):
+        lines += _bench_rows(device, causal, offs, lens, seg, dil, total, nh, d)
+    lines.append("")
+
+
+def _resources(cubin: bytes) -> str:
+    """'REG / STACK / LOCAL' of a cubin (cuobjdump bundled with Triton)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    got = [re.search(rf"{key}:(\d+)", res) for key in ("REG", "STACK", "LOCAL")]
+    return " / ".join(m.group(1) if m else "?" for m in got)
+
+
+def compile_only(lines: list[str]) -> bool:
+    """Compile the variants for sm_90 without a GPU (Triton 3.6): shared memory and scratch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lines += [f"## sm_90 compile (CPU, triton {triton.__version__})", "",
+              "| variant | shared bytes | global scratch bytes / program | regs / stack / local |", "|---|---|---|---|"]  # fmt: skip
+    ok = F.BM == PROGRAM_ROWS
+    if not ok:
+        lines.append(f"PROGRAM_ROWS {PROGRAM_ROWS} != gluon_fwd_kernel.BM {F.BM}")
+    for dt, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
+        for d in (128, 64):
+            for causal, first, comp in ((False, True, False), (False, False, True), (True, True, True),
+                                        (True, False, True)):  # fmt: skip
+                name = f"{dt} D={d} causal={causal} first={first} comp={comp}"
+                sig = {n: f"*{dt}" for n in ("Q", "K", "V", "O", "LO")}
+                sig.update({"LSE": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32"})
+                sig.update({n: "i32" for n in ("TOTAL", "SNQ", "SNK", "R", "H", "HKV")})
+                consts = {"q_layout": gl.NVMMASharedLayout.get_default_for([1, F.WG_M, 1, d], gdt),
+                          "kv_layout": gl.NVMMASharedLayout.get_default_for([1, gluon_fwd.KV_BN, 1, d], gdt),
+                          "BN": gluon_fwd.KV_BN, "D": d, "STAGES": gluon_fwd.stages(d), "CAUSAL": causal,
+                          "FIRST": first, "COMP": comp, "STORE_LO": comp,
+                          "CONSUMER_REGS": gluon_fwd.CONSUMER_REGS, "LOADER_REGS": gluon_fwd.LOADER_REGS}  # fmt: skip
+                sig.update({n: "constexpr" for n in consts})
+                attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+                try:
+                    ck = triton.compile(GluonASTSource(gluon_fwd_varlen_kernel, sig, consts, attrs),
+                                        target=GPUTarget("cuda", 90, 32),
+                                        options={"num_warps": 4, "maxnreg": gluon_fwd.MAXNREG})  # fmt: skip
+                except Exception as e:  # noqa: BLE001
+                    ok = False
+                    lines.append(f"| {name} | compile FAILED: {type(e).__name__}: {str(e)[:300]} | | |")
+                    print(lines[-1], flush=True)
+                    continue
+                md = ck.metadata
+                if md.global_scratch_size != SCRATCH_PER_PROGRAM:
+                    ok = False
+                regs = _resources(ck.asm["cubin"])
+                ok &= regs.endswith("/ 0 / 0")  # no stack, no local memory (spills)
+                lines.append(f"| {name} | {md.shared} | {md.global_scratch_size} | {regs} |")
+                print(lines[-1], flush=True)
+    # the backward kernels
+    row_lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    for dt, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
+        for d in (128, 64):
+            for causal, add in ((False, True), (True, False), (True, True)):
+                lay = lambda rows: gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], gdt)  # noqa: E731, B023
+                regs = dict(CONSUMER_REGS=gluon_bwd.CONSUMER_REGS, LOADER_REGS=gluon_bwd.LOADER_REGS)
+                bn = gluon_bwd.dq_bn(d)
+                kv_sig = {n: f"*{dt}" for n in ("Q", "DO", "K", "V")}
+                kv_sig.update({"l_desc": f"tensordesc<fp32[{BK.BMQ}],{row_lay!r}>",
+                               "dl_desc": f"tensordesc<fp32[{BK.BMQ}],{row_lay!r}>", "DK": "*fp32",
+                               "DV": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32",
+                               "sm_scale": "fp32"})  # fmt: skip
+                kv_sig.update({n: "i32" for n in ("NE", "NNB", "R", "H", "HKV", "REP", "NI", "LP", "SNQ", "SNK")})
+                kv_c = {"q_layout": lay(BK.BMQ), "kv_layout": lay(BK.WG_M), "BMQ": BK.BMQ, "D": d,
+                        "STAGES": gluon_bwd.kv_stages(d), "CAUSAL": causal, "ADD": add, **regs}  # fmt: skip
+                q_sig = {n: f"*{dt}" for n in ("Q", "DO", "K", "V")}
+                q_sig.update({"DQ": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32",
+                              "qk_scale": "fp32", "sm_scale": "fp32"})  # fmt: skip
+                q_sig.update({n: "i32" for n in ("NE", "NMB", "R", "H", "HKV", "LP", "SNQ", "SNK")})
+                q_c = {"q_layout": lay(BK.WG_M), "kv_layout": lay(bn), "BN": bn, "D": d,
+                       "STAGES": gluon_bwd.DQ_STAGES, "CAUSAL": causal, "ADD": add, **regs}  # fmt: skip
+                for kname, kern, sig, consts in (("dkdv", dkdv_varlen_kernel, kv_sig, kv_c),
+                                                 ("dq", dq_varlen_kernel, q_sig, q_c)):  # fmt: skip
+                    name = f"{kname} {dt} D={d} causal={causal} add={add}"
+                    sig = {**sig, **{n: "constexpr" for n in consts}}
+                    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+                    try:
+                        ck = triton.compile(GluonASTSource(kern, sig, consts, attrs),
+                                            target=GPUTarget("cuda", 90, 32),
+                                            options={"num_warps": 4, "maxnreg": gluon_bwd.MAXNREG})  # fmt: skip
+                    except Exception as e:  # noqa: BLE001
+                        ok = False
+                        lines.append(f"| {name} | compile FAILED: {type(e).__name__}: {str(e)[:300]} | | |")
+                        print(lines[-1], flush=True)
+                        continue
+                    md = ck.metadata
+                    res = _resources(ck.asm["cubin"])
+                    ok &= res.endswith("/ 0 / 0") and md.global_scratch_size == 4 * 128
+                    lines.append(f"| {name} | {md.shared} | {md.global_scratch_size} | {res} |")
+                    print(lines[-1], flush=True)
+    lines.append("")
+    return ok
+
+
+def env_problem() -> str | None:
+    if _IMPORT_ERROR is not None:
+        return f"Gluon's Hopper module does not import: {_IMPORT_ERROR}"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return "needs an sm_90 GPU"
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="against the float64 reference (GPU)")
+    ap.add_argument("--bench", action="store_true", help="the issue's packed batch, forward (GPU)")
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 on the CPU")
+    ap.add_argument("--out", default=None, help="write the markdown report here")
+    args = ap.parse_args(argv)
+    if not (args.check or args.bench or args.compile_only):
+        ap.error("give --check, --bench and/or --compile-only")
+    lines = ["# Prototype: the Gluon kernels over packed documents (issue 22 item 2b)", "",
+             f"`{' '.join(sys.argv)}`", ""]  # fmt: skip
+    if _IMPORT_ERROR is not None:
+        print(f"Gluon is missing: {_IMPORT_ERROR}", file=sys.stderr)
+        return 2
+    rc = 0
+    if args.compile_only:
+        rc |= 0 if compile_only(lines) else 1
+    if args.check or args.bench:
+        why = env_problem()
+        if why is not None:
+            print(f"gluon_varlen.py: {why}", file=sys.stderr)
+            return 2
+        from dilated_attention.timing import results_header
+
+        lines[:1] = results_header("Prototype: the Gluon kernels over packed documents (issue 22 item 2b)",
+                                   torch.device("cuda"), "python3 " + " ".join(sys.argv))[:6]
+        lines.append("")
+        if args.check:
+            rc |= 0 if check(torch.device("cuda"), lines) else 1
+        if args.bench:
+            bench(torch.device("cuda"), lines)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
