@@ -323,6 +323,26 @@ def entries(offsets: list[int], w: int) -> tuple[list[int], list[int]]:
     return p0, ws
 
 
+def device_entries(cu: torch.Tensor, w: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`entries` from device offsets without reading them on the host (what the library
+    needs for offsets it must not sync on): int32 (first rows, rows) of NE_max = total // w +
+    documents slots (a bound on the entries known from shapes alone: ``total`` is the stream's
+    row count, q.shape[0]); slots past the last entry have 0 rows (their programs find L = 0 and
+    do nothing)."""
+    cu = cu.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    nseg = torch.div(lens + w - 1, w, rounding_mode="floor")  # segments per document
+    ends = nseg.cumsum(0)  # entry index past each document's last
+    ne_max = int(cu.numel() - 1) + total // w
+    e = torch.arange(ne_max, device=cu.device)
+    doc = torch.searchsorted(ends, e, right=True).clamp(max=max(lens.numel() - 1, 0))
+    s = e - (ends[doc] - nseg[doc])
+    p0 = cu[doc] + s * w
+    ws = torch.clamp(torch.minimum(torch.full_like(s, w), lens[doc] - s * w), min=0)
+    ws = torch.where(e < ends[-1] if ends.numel() else torch.zeros_like(e, dtype=torch.bool), ws, 0)
+    return p0.to(torch.int32), ws.to(torch.int32)
+
+
 def grid_for(offsets: list[int], w: int, r: int, nh: int) -> tuple[int, int, int]:
     """(query tiles of the longest block, entries, heads); (0, 0, 0) without an entry. The
     longest block is the first offset's (c = 0) of the longest segment: ceil(min(w, n) / r)."""
