@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from common import command_line, results_header, run_info  # noqa: E402
-from sweep import _DT, ROWS, Row, Timer, dflops, flops, measure, run_dense, tiny_row  # noqa: E402
+from sweep import _DT, ROWS, Row, Timer, dflops, flops, measure, rows_named, run_dense, tiny_row  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
@@ -294,10 +294,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", help="write the markdown here")
     args = p.parse_args(argv)
     names = [r.name for r in ROWS] if args.rows == "all" else args.rows.split(",")
-    unknown = set(names) - {r.name for r in ROWS}
-    if unknown:
-        sys.exit(f"unknown rows {sorted(unknown)}; known: {[r.name for r in ROWS]}")
-    rows = [r for r in ROWS if r.name in names]
+    try:
+        picked = rows_named(names)
+    except ValueError as e:
+        sys.exit(str(e))
+    rows = [r for r in ROWS if r in picked]
     if args.tiny:
         rows, dev = [tiny_row(r) for r in rows], torch.device("cpu")
         args.backends, args.impl = ["math"], "torch"

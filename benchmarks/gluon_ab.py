@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from common import command_line, median_ms, results_header, run_info  # noqa: E402
-from sweep import _DT, ROWS, flops  # noqa: E402
+from sweep import _DT, flops, rows_named  # noqa: E402
 
 from dilated_attention import dilated_attention, flags  # noqa: E402
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
@@ -153,11 +153,10 @@ def main(argv=None) -> int:
     )
     p.add_argument("--uneven", action="store_true", help="set UNEVEN_BLOCKS and TAIL_SEGMENTS")
     args = p.parse_args(argv)
-    known = {r.name: r for r in ROWS}
-    want = args.rows.split(",")
-    unknown = [w for w in want if w not in known]
-    if unknown:
-        p.error(f"unknown rows {unknown}; known: {sorted(known)}")
+    try:
+        want = rows_named(args.rows.split(","))
+    except ValueError as e:
+        p.error(str(e))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("gluon_ab.py needs an sm_90 GPU", file=sys.stderr)
         return 2
@@ -169,13 +168,13 @@ def main(argv=None) -> int:
     meta = run_info(torch.device("cuda"), command_line("python3"))
     t0 = time.perf_counter()
     results = []
-    for name in want:
+    for row in want:
         if time.perf_counter() - t0 > args.budget_s:
-            results.append({"row": name, "skipped": f"budget {args.budget_s:.0f} s"})
+            results.append({"row": row.name, "skipped": f"budget {args.budget_s:.0f} s"})
             continue
-        print(f"[{time.perf_counter() - t0:6.1f} s] {name}", flush=True)
+        print(f"[{time.perf_counter() - t0:6.1f} s] {row.name}", flush=True)
         torch.manual_seed(0)
-        results.append(run_row(known[name], args.iters))
+        results.append(run_row(row, args.iters))
         torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as f:

@@ -629,8 +629,9 @@ def check(device, lines: list[str]) -> bool:
 
 def _bench_rows(device, causal, offs, lens, seg, dil, total, nh, d) -> list[str]:
     import triton.testing
+    from bench_varlen import _without_gluon
 
-    from dilated_attention import dilated_attention, dilated_attention_varlen, flags
+    from dilated_attention import dilated_attention, dilated_attention_varlen
     from dilated_attention.flops import dilated_flops, dilated_flops_varlen
 
     q = torch.randn(total, nh, d, device=device, dtype=torch.bfloat16)
@@ -654,18 +655,6 @@ def _bench_rows(device, causal, offs, lens, seg, dil, total, nh, d) -> list[str]
     def one(x):
         return dilated_attention(x[0][None], x[1][None], x[2][None], seg, dil, causal=causal, impl="triton")
 
-    def triton_only(fn):
-        def call():
-            flags.set_gluon_forward(False)
-            flags.set_gluon_backward(False)
-            try:
-                return fn()
-            finally:
-                flags.set_gluon_forward(None)
-                flags.set_gluon_backward(None)
-
-        return call
-
     def fb(call):
         return lambda: torch.autograd.grad(call(xs), xs, do[None] if call is one else do)
 
@@ -673,7 +662,7 @@ def _bench_rows(device, causal, offs, lens, seg, dil, total, nh, d) -> list[str]
         "prototype (Gluon, packed)": (lambda: varlen_forward(q, k, v, offs, seg, dil, causal), proto_fb, fl_v),
         "library varlen (Triton)": (lambda: lib((q, k, v)), fb(lib), fl_v),
         "one sequence, Gluon": (lambda: one((q, k, v)), fb(one), fl_1),
-        "one sequence, Triton": (triton_only(lambda: one((q, k, v))), triton_only(fb(one)), fl_1),
+        "one sequence, Triton": (_without_gluon(lambda: one((q, k, v))), _without_gluon(fb(one)), fl_1),
     }
     ms = {}
     for name, (f, b, fl) in calls.items():

@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from common import command_line, median_ms, results_header, run_info  # noqa: E402
-from sweep import _DT, ROWS, eight_tensor_bytes  # noqa: E402
+from sweep import _DT, eight_tensor_bytes, rows_named  # noqa: E402
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
@@ -117,11 +117,10 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=300.0, help="start no row after this many seconds")
     args = p.parse_args(argv)
-    known = {r.name: r for r in ROWS}
-    want = args.rows.split(",")
-    unknown = [w for w in want if w not in known]
-    if unknown:
-        p.error(f"unknown rows {unknown}; known: {sorted(known)}")
+    try:
+        want = rows_named(args.rows.split(","))
+    except ValueError as e:
+        p.error(str(e))
     if args.rounds < 1 or args.iters < 1:
         p.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -130,16 +129,16 @@ def main(argv=None) -> int:
     meta = run_info(torch.device("cuda"), command_line("python3"))
     t0 = time.perf_counter()
     results = []
-    for name in want:
+    for row in want:
         if time.perf_counter() - t0 > args.budget_s:
-            results.append({"row": name, "skipped": f"skipped: budget {args.budget_s:.0f} s"})
+            results.append({"row": row.name, "skipped": f"skipped: budget {args.budget_s:.0f} s"})
             continue
-        print(f"[{time.perf_counter() - t0:6.1f} s] {name}", flush=True)
+        print(f"[{time.perf_counter() - t0:6.1f} s] {row.name}", flush=True)
         torch.manual_seed(0)
         try:
-            results.append(run_row(known[name], args.rounds, args.iters))
+            results.append(run_row(row, args.rounds, args.iters))
         except Exception as e:  # report the row, keep going
-            results.append({"row": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+            results.append({"row": row.name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
         torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as f:

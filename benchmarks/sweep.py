@@ -98,6 +98,16 @@ ROWS = [
     Row("1m-mqa-d64-causal", 1, 1048576, 16, 1, 64, "bf16", *_geo(8192, 5, (1, 2, 4, 8, 16)), True),
 ]
 HEADLINE = "headline"
+
+
+def rows_named(names) -> list[Row]:
+    """The rows of :data:`ROWS` called ``names``, in that order; ValueError naming the unknown
+    ones and the known ones (every script that takes ``--rows`` asks this)."""
+    known = {r.name: r for r in ROWS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; known: {sorted(known)}")
+    return [known[n] for n in names]
 DENSE_FWD_ONLY_N = 524288
 _DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -653,11 +663,11 @@ def main(argv=None):
         args.iters = 1 if args.tiny else 3
     rows = ROWS
     if args.rows:
-        want = args.rows.split(",")
-        unknown = set(want) - {r.name for r in ROWS}
-        if unknown:
-            sys.exit(f"unknown rows {sorted(unknown)}; known: {[r.name for r in ROWS]}")
-        rows = [r for r in ROWS if r.name in want]
+        try:
+            want = rows_named(args.rows.split(","))
+        except ValueError as e:
+            sys.exit(str(e))
+        rows = [r for r in ROWS if r in want]  # in priority order
     if args.plan:
         tot = 0.0
         for r in rows:

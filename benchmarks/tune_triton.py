@@ -94,12 +94,12 @@ def headline_shape(n: int) -> Shape:
 
 def row_shape(name: str) -> Shape:
     """The shape of benchmarks/sweep.py's row ``name``."""
-    from sweep import _DT, ROWS
+    from sweep import _DT, rows_named
 
-    rows = {r.name: r for r in ROWS}
-    if name not in rows:
-        raise SystemExit(f"--row: unknown row {name!r}; sweep.py has {sorted(rows)}")
-    r = rows[name]
+    try:
+        (r,) = rows_named([name])
+    except ValueError as e:
+        raise SystemExit(f"--row: {e}") from None
     return Shape(r.name, r.batch, r.seqlen, r.nheads, r.nheads_kv, r.headdim, _DT[r.dtype], tuple(r.seg),
                  tuple(r.dil), r.causal)
 

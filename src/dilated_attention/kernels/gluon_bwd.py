@@ -306,7 +306,7 @@ def _run_branches(dout, q, k, v, delta, lse, branches, causal, scale, store_firs
 
 
 def _segments(q, k, v, dout, lse, delta, dq, dk, dv, w: int, r: int, causal: bool, scale: float,
-              add: bool, kernels: tuple[str, ...] = ("dkdv", "dq")) -> None:  # fmt: skip
+              add: bool, kernels: tuple[str, ...] = KERNELS) -> None:  # fmt: skip
     """Branch (w, r) over the full segments of the views (lse, delta (B, H, N) views): its
     block-major rows, then its launches."""
     if q.is_cuda:
