@@ -398,7 +398,7 @@ def main(argv=None) -> int:
                          "(gluon_bwd.TAIL_SEGMENTS; on as shipped since 2026-11-29, kept for old commands)")  # fmt: skip
     ap.add_argument("--gluon-split-phases", action="store_true",
                     help="with --gluon: the Gluon backward runs every branch's dK/dV before its dQ "
-                         "(gluon_bwd.SPLIT_PHASES; off as shipped)")  # fmt: skip
+                         "(gluon_bwd.SPLIT_PHASES; on as shipped since 2026-11-29, kept for old commands)")  # fmt: skip
     ap.add_argument("--every", type=int, default=100, help="progress line every N examples (per worker)")
     ap.add_argument("--pool", type=int, default=None,
                     help="templates per worker: the compile pool (0: every case drawn freely; "
@@ -428,10 +428,15 @@ def main(argv=None) -> int:
     if pool is None:
         pool = (2 if args.gluon else 4) if args.impl == "triton" and args.device != "cpu" else 0
     nw = max(1, args.workers)
+    switches = ""
+    if args.gluon:  # the Gluon backward's switches as the workers will run them (flag or default)
+        from dilated_attention.kernels import gluon_bwd
+
+        tail = args.gluon_bwd_tail or gluon_bwd.TAIL_SEGMENTS
+        split = args.gluon_split_phases or gluon_bwd.SPLIT_PHASES
+        switches = f" gluon_bwd.TAIL_SEGMENTS {'on' if tail else 'off'} gluon_bwd.SPLIT_PHASES {'on' if split else 'off'}"
     print(f"fuzz ({kind}): impl={args.impl} device={args.device} generator seed={seed} "
-          f"workers={nw} pool={pool}" + (" gluon_bwd.TAIL_SEGMENTS on" if args.gluon_bwd_tail else "")
-          + (" gluon_bwd.SPLIT_PHASES on" if args.gluon_split_phases else ""),
-          flush=True)  # fmt: skip
+          f"workers={nw} pool={pool}" + switches, flush=True)  # fmt: skip
     t0 = time.monotonic()
     deadline = time.time() + 60 * args.minutes
     threads = args.threads if args.threads is not None else (1 if nw > 1 else 0)

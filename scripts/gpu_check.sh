@@ -123,8 +123,9 @@
 #                                       kernels) over the D 64 candidates, $TUNE_SECONDS (420) s of candidates
 #   bash scripts/gpu_check.sh varlen-proto issue 22 item 2b: benchmarks/gluon_varlen.py --check --bench (the Gluon kernels,
 #                                       forward and backward, over packed documents, one launch per branch, descriptors made on the
-#                                       device: a prototype compiled for sm_90 on the CPU only, 2026-11-29; a barrier or
-#                                       descriptor mistake hangs, hence its own timeout $PROTO_TIMEOUT 300 s)
+#                                       device; a barrier or descriptor mistake hangs, hence its own timeout $PROTO_TIMEOUT
+#                                       420 s). $PROTO_ARGS replaces "--check --bench": 16 check cases took 300 s (compiling)
+#                                       on an H200 2026-11-29; next: PROTO_ARGS="--check --dtypes float16 --bench --ceiling"
 #   bash scripts/gpu_check.sh ceiling   issue 24: benchmarks/block_ceiling.py --per-branch over $CEIL_ROWS (each row's
 #                                       blocks on dense SDPA: the most a segment-then-dilate kernel can reach, beside
 #                                       the library and dense SDPA on the whole row)
@@ -341,7 +342,7 @@ case "${1:-tests}" in
     grep -E "^\||best per kernel|rc=" "$OUT/tune_8br.txt" | tail -40
     ;;
   varlen-proto)
-    timeout "${PROTO_TIMEOUT:-300}" python3 benchmarks/gluon_varlen.py --check --bench --out "$OUT/gluon_varlen.md" > "$OUT/gluon_varlen.txt" 2>&1
+    timeout "${PROTO_TIMEOUT:-420}" python3 benchmarks/gluon_varlen.py ${PROTO_ARGS:---check --bench} --out "$OUT/gluon_varlen.md" > "$OUT/gluon_varlen.txt" 2>&1
     echo "gluon_varlen rc=$?" >> "$OUT/gluon_varlen.txt"
     grep -E "^\||rc=|Error" "$OUT/gluon_varlen.txt" | tail -30
     ;;

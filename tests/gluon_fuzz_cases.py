@@ -406,8 +406,9 @@ def gluon_switches(on: bool):
 
 @contextlib.contextmanager
 def counting_launches():
-    """``{"fwd": [(w, r, hs, he), ...], "bwd": [(w, r), ...]}``: the calls of
-    ``gluon_fwd.launch_branch`` and ``gluon_bwd.launch_branch`` that returned meanwhile (a launch
+    """``{"fwd": [(w, r, hs, he), ...], "bwd": [(w, r, kernel), ...]}``: the calls of
+    ``gluon_fwd.launch_branch`` and ``gluon_bwd.launch_branch`` (one entry per kernel it launched:
+    "dkdv", "dq") that returned meanwhile (a launch
     that raised makes the caller fall back to the Triton kernels: not counted)."""
     from dilated_attention.kernels import gluon_bwd, gluon_fwd
 
@@ -421,7 +422,8 @@ def counting_launches():
 
     def bwd(*a, **kw):
         res = real_bwd(*a, **kw)
-        seen["bwd"].append(tuple(a[9:11]))
+        kernels = kw.get("kernels", a[14] if len(a) > 14 else gluon_bwd.KERNELS)
+        seen["bwd"] += [(*a[9:11], kern) for kern in kernels]  # SPLIT_PHASES: one call per kernel
         return res
 
     gluon_fwd.launch_branch, gluon_bwd.launch_branch = fwd, bwd
@@ -435,6 +437,8 @@ def launch_problems(c: GluonCase, seen: dict) -> list[str]:
     """What :func:`counting_launches` saw wrong for case ``c``: the Gluon forward must launch
     every branch with heads (once per lo range), the Gluon backward each branch once where it
     takes the case (:func:`backward_runs_gluon`) and never where it does not."""
+    from dilated_attention.kernels import gluon_bwd
+
     bad = []
     want = branches_with_heads(c)
     if set(seen["fwd"]) != set(want):
@@ -443,9 +447,9 @@ def launch_problems(c: GluonCase, seen: dict) -> list[str]:
     want_bwd = sorted([(w, r) for w, r, _, _ in want] + [(c.n % w, r) for w, r, _, _ in want if c.n % w])
     if has_tail(c):  # batch > 1: each entry launched apart (gluon_fwd.TAIL_BATCHES)
         want_bwd = sorted(want_bwd * c.b)
-    want_bwd = want_bwd if backward_runs_gluon(c) else []
+    want_bwd = sorted((w, r, kern) for w, r in want_bwd for kern in gluon_bwd.KERNELS) if backward_runs_gluon(c) else []
     if sorted(seen["bwd"]) != want_bwd:
-        bad.append(f"the Gluon backward launched branches (w, r) {sorted(seen['bwd'])}, expected {want_bwd}")
+        bad.append(f"the Gluon backward launched (w, r, kernel) {sorted(seen['bwd'])}, expected {want_bwd}")
     return bad
 
 

@@ -319,7 +319,7 @@ def test_gluon_launch_check():
 
     c = G.GluonCase(b=1, n=96, h=4, hkv=2, d=64, seg=(32, 96), dil=(1, 3), causal=True, split=False, bf16=True,
                     seed=0)  # fmt: skip
-    full = {"fwd": [(32, 1, 0, 4), (96, 3, 0, 4), (32, 1, 0, 4)], "bwd": [(32, 1), (96, 3)]}  # lo ranges: twice
+    full = {"fwd": [(32, 1, 0, 4), (96, 3, 0, 4), (32, 1, 0, 4)], "bwd": [(w, r, kern) for w, r in ((32, 1), (96, 3)) for kern in ("dkdv", "dq")]}  # fwd: lo ranges twice
     assert G.launch_problems(c, full) == []
     assert G.launch_problems(c, {"fwd": [], "bwd": []})
     assert G.launch_problems(c, {"fwd": full["fwd"][:1], "bwd": full["bwd"]})  # a branch missing
@@ -330,7 +330,7 @@ def test_gluon_launch_check():
     assert G.launch_problems(split, {"fwd": [(32, 1, 0, 2), (96, 3, 2, 4)], "bwd": full["bwd"]})
     one = dataclasses.replace(c, seg=(96,), dil=(3,), split=True)  # one branch: all heads, the Gluon backward
     assert G.backward_runs_gluon(one)
-    assert G.launch_problems(one, {"fwd": [(96, 3, 0, 4)], "bwd": [(96, 3)]}) == []
+    assert G.launch_problems(one, {"fwd": [(96, 3, 0, 4)], "bwd": [(96, 3, "dkdv"), (96, 3, "dq")]}) == []
     # counting_launches counts the calls that returned, restores both functions
     real = gluon_fwd.launch_branch, gluon_bwd.launch_branch
     try:
@@ -438,6 +438,11 @@ def test_gluon_mode_counts_a_fallback_as_an_error(capsys, monkeypatch):
     assert "gluon_bwd.SPLIT_PHASES on" in capsys.readouterr().out and gluon_bwd.SPLIT_PHASES
     with pytest.raises(SystemExit):
         fuzz.main(["--gluon-split-phases"])
+    # no flag: the header states the defaults the workers run (here both switched off)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", False)
+    monkeypatch.setattr(gluon_bwd, "TAIL_SEGMENTS", False)
+    fuzz.main(["--gluon", "--examples", "1", "--pool", "1", "--seed", "7"])
+    assert "gluon_bwd.TAIL_SEGMENTS off gluon_bwd.SPLIT_PHASES off" in capsys.readouterr().out
 
 
 @needs_triton
@@ -511,3 +516,34 @@ def test_gluon_cases_draw_batch_two_tails_only_under_tail_batches(monkeypatch):
     assert not any(c.b == 2 and G.has_tail(c) for c in cs)
     tail = next(c for c in cs if G.has_tail(c))
     assert "TAIL_BATCHES" in G.case_problem(dataclasses.replace(tail, b=2))
+
+
+def test_gluon_launch_count_takes_split_phases_and_one_call_alike(monkeypatch):
+    """The backward's launches are counted per kernel: one launch_branch call with both kernels
+    (as shipped) and two calls with one kernel each (gluon_bwd.SPLIT_PHASES) are the same
+    launches; a kernel missing or run twice is a problem (the 2026-11-29 H200 split fuzz counted
+    calls and called every split case an error)."""
+    import gluon_fuzz_cases as G
+
+    from dilated_attention.kernels import gluon_bwd, gluon_fwd
+
+    c = G.GluonCase(b=1, n=20, h=6, hkv=1, d=128, seg=(4,), dil=(1,), causal=False, split=False, bf16=False,
+                    seed=1)  # fmt: skip
+    monkeypatch.setattr(G, "backward_runs_gluon", lambda case: True)
+    monkeypatch.setattr(gluon_fwd, "launch_branch", lambda *a, **kw: None)
+    monkeypatch.setattr(gluon_bwd, "launch_branch", lambda *a, **kw: None)
+    fwd_args = [(None,) * 6 + tuple(b) for b in G.branches_with_heads(c)]
+    bwd = (None,) * 9 + (4, 1, False, 1.0)
+    for calls in ([{}], [{"kernels": ("dkdv",)}, {"kernels": ("dq",)}]):
+        with G.counting_launches() as seen:
+            for a in fwd_args:
+                gluon_fwd.launch_branch(*a)
+            for kw in calls:
+                gluon_bwd.launch_branch(*bwd, add=False, **kw)
+        assert G.launch_problems(c, seen) == [], calls
+    with G.counting_launches() as seen:
+        for a in fwd_args:
+            gluon_fwd.launch_branch(*a)
+        for kw in ({"kernels": ("dkdv",)}, {"kernels": ("dkdv",)}):
+            gluon_bwd.launch_branch(*bwd, **kw)
+    assert [p.split(" (w")[0] for p in G.launch_problems(c, seen)] == ["the Gluon backward launched"]

@@ -518,11 +518,12 @@ def test_ab_benchmark_checks_rows_and_refuses_without_a_hopper_gpu():
 
 
 def test_varlen_prototype_host_math_against_the_reference():
-    """benchmarks/gluon_varlen.py (the Gluon forward over packed documents, a prototype not
-    yet run on a GPU): its (document, segment) entries, grid and the kernel's per-program index
+    """benchmarks/gluon_varlen.py (the Gluon kernels over packed documents, a prototype; exact on
+    an H200 2026-11-29): its (document, segment) entries, grid and the kernel's per-program index
     arithmetic (emulated in float64) give each document's reference out and lse, with empty,
     one-token and long documents, w % r != 0, r > 1 first, causal and not, GQA; the scratch
-    allocator is set for the launch only; without an sm_90 GPU --check exits 2."""
+    allocator is set for the launch only; the dense ceiling's block groups count the useful work;
+    without an sm_90 GPU --check exits 2."""
     import os
     import sys
 
@@ -587,5 +588,18 @@ def test_varlen_prototype_host_math_against_the_reference():
         with G._Scratch(torch.device("cpu")) as sc:
             assert _allocation._allocator.get() is sc and sc(640, 128, None).numel() == 640
         assert _allocation._allocator.get() is before
+    # the packed batch's dense ceiling (--bench --ceiling): its blocks, merged by length, are the
+    # library's useful work (4 D FLOPs a pair), documents apart; one document is one sequence
+    from dilated_attention.flops import dilated_flops, dilated_flops_varlen
+
+    for seg, dil in (([4, 8, 16], [1, 2, 4]), ([6, 10], [2, 3])):
+        groups = G.length_groups(lens, 4, seg, dil)
+        assert all(n > 0 and c > 0 for n, c in groups) and groups == sorted(groups, reverse=True)
+        for causal in (False, True):
+            pairs = sum(c * (n * n if not causal else n * (n + 1) // 2) for n, c in groups)
+            assert 4 * 8 * pairs == dilated_flops_varlen(lens, lens, 4, 8, seg, dil, causal)
+            one = sum(c * (n * n if not causal else n * (n + 1) // 2) for n, c in G.length_groups([61], 4, seg, dil))
+            assert 4 * 8 * one == dilated_flops(1, 61, 61, 4, 8, seg, dil, causal)
     if gluon_ready() is not None:
         assert G.main(["--check"]) == 2
+        assert G.main(["--bench", "--ceiling"]) == 2

@@ -56,11 +56,12 @@ TAIL_SEGMENTS = True
 # (1.50x the 8 tensors of a training call, measured on an H200 2026-11-29; 1.75x = 14 before the
 # one-at-a-time casts) -> 5 + 4 + 1 = 10 (measured 1.25x; 1.41x at GQA 32 / 8). The cost: each
 # branch's block-major lse / delta rows are built twice (two small gathers a branch). Its CUDA
-# test passed (same bits as one phase, lower peak; H200, 2026-11-29). Its time, one run per arm
-# in separate calls: +0.1..+8.9% and -2.1% on four rows, inside the spread of the same code
-# across calls (results/issue24_h200_2026-11-29_s26.md). Off until benchmarks/split_ab.py
-# (interleaved in one process) shows it costs nothing.
-SPLIT_PHASES = False
+# test passed (same bits as one phase, lower peak; H200, 2026-11-29). Its time, both arms
+# interleaved in one process (benchmarks/split_ab.py, 5 rounds, H200 2026-11-29): on / off
+# medians 1.004, 1.005, 1.000, 0.995 on the headline, headline-causal, GQA 32/8 causal and
+# N 100000 causal rows (results/split_ab_h200_2026-11-29.md): it costs nothing, so it is on.
+# False: one phase, all three accumulators alive (1.50x).
+SPLIT_PHASES = True
 KERNELS = ("dkdv", "dq")
 CONSUMER_REGS = gluon_fwd.CONSUMER_REGS
 LOADER_REGS = gluon_fwd.LOADER_REGS
@@ -108,8 +109,11 @@ def problem(q, k, v, causal: bool, branches, nh: int) -> str | None:
         return "the Gluon backward needs every branch over all heads (head_assignment='all')"
     bsz, n, _, d = q.shape
     f32_q, f32_kv = 4 * bsz * n * d * nh, 4 * bsz * n * d * 2 * k.shape[2]
-    # the float32 accumulators alive at once: all three, or per phase with SPLIT_PHASES
-    f32 = max(f32_q, f32_kv) if SPLIT_PHASES else f32_q + f32_kv
+    # all three float32 accumulators, with SPLIT_PHASES too (only two phases' worth are alive
+    # then): the split lowers the peak of the calls this admits and moves no call to Gluon (at
+    # max(dq, dk + dv), 16 x 128 calls of ~262K-524K tokens would move from the Triton backward's
+    # ~8x q to the Gluon backward's 10x: unmeasured)
+    f32 = f32_q + f32_kv
     if f32 > MAX_F32_BYTES:
         return f"the Gluon backward's float32 accumulators ({f32 / 2**30:.1f} GiB) pass MAX_F32_BYTES"
     key = (q.dtype, d, bool(causal))
