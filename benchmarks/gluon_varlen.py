@@ -748,6 +748,64 @@ def bench(device, lines: list[str], ceiling: bool = False) -> None:
                   "by design (short blocks: edge tiles and causal diagonals weigh more).", ""]  # fmt: skip
 
 
+def kernel_table(fn, iters: int = 3, top: int = 10) -> list[tuple[str, float, float]]:
+    """(kernel name, launches per call, device ms per call) of ``fn``'s CUDA kernels under
+    ``torch.profiler`` (after one warm call), the ``top`` longest first, then ("all", n, ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(ev.key, ev.count / iters, ev.device_time_total / 1e3 / iters) for ev in prof.key_averages()
+            if ev.device_time_total > 0]  # fmt: skip
+    rows.sort(key=lambda x: -x[2])
+    return rows[:top] + [("all", sum(r[1] for r in rows), sum(r[2] for r in rows))]
+
+
+def profile(device, lines: list[str]) -> None:
+    """Where the forward+backward time goes, per kernel, on the issue's packed batch: the
+    prototype, the library's varlen call (Triton) and one sequence on the Gluon kernels."""
+    from bench_varlen import document_lengths
+
+    from dilated_attention import dilated_attention, dilated_attention_varlen
+
+    seg, dil = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+    total, nh, d = 131072, 16, 128
+    lens = document_lengths(total, 8192.0, 1.0, 0)
+    offs = [0]
+    for n in lens:
+        offs.append(offs[-1] + n)
+    cu = torch.tensor(offs, dtype=torch.int32, device=device)
+    q = torch.randn(total, nh, d, device=device, dtype=torch.bfloat16)
+    k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    lines += ["## forward+backward per kernel (torch.profiler, device ms per call, 3 calls)", ""]
+    for causal in (False, True):
+
+        def proto():
+            out, lse = varlen_forward(q, k, v, offs, seg, dil, causal)  # noqa: B023
+            return varlen_backward(do, q, k, v, out, lse, offs, seg, dil, causal)  # noqa: B023
+
+        def lib():
+            o = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal,  # noqa: B023
+                                         impl="triton")  # fmt: skip
+            return torch.autograd.grad(o, xs, do)
+
+        def one():
+            o = dilated_attention(*(x[None] for x in xs), seg, dil, causal=causal, impl="triton")  # noqa: B023
+            return torch.autograd.grad(o, xs, do[None])
+
+        for name, fn in (("prototype", proto), ("library varlen (Triton)", lib), ("one sequence (Gluon)", one)):
+            lines += [f"### causal={causal}: {name}", "", "| kernel | launches | ms |", "|---|---|---|"]
+            for kname, cnt, ms in kernel_table(fn):
+                lines.append(f"| `{kname[:90]}` | {cnt:.0f} | {ms:.3f} |")
+            lines.append("")
+            print("\n".join(lines[-14:]), flush=True)
+
+
 def _resources(cubin: bytes) -> str:
     """'REG / STACK / LOCAL' of a cubin (cuobjdump bundled with Triton)."""
     import triton
@@ -873,6 +931,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="against the float64 reference (GPU)")
     ap.add_argument("--bench", action="store_true", help="the issue's packed batch, forward (GPU)")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 on the CPU")
+    ap.add_argument("--profile", action="store_true",
+                    help="the packed batch's forward+backward per kernel (torch.profiler): prototype, library, one sequence")  # fmt: skip
     ap.add_argument("--ceiling", action="store_true",
                     help="--bench: also the packed batch's and the one sequence's blocks on dense SDPA")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the markdown report here (rewritten after each check case)")
@@ -884,8 +944,8 @@ def main(argv=None) -> int:
         ap.error(f"--dtypes {args.dtypes!r}: {e}")
     if not dtypes or any(dt not in (torch.bfloat16, torch.float16) for dt in dtypes):
         ap.error(f"--dtypes {args.dtypes!r}: give bfloat16 and/or float16")
-    if not (args.check or args.bench or args.compile_only):
-        ap.error("give --check, --bench and/or --compile-only")
+    if not (args.check or args.bench or args.compile_only or args.profile):
+        ap.error("give --check, --bench, --profile and/or --compile-only")
     lines = ["# Prototype: the Gluon kernels over packed documents (issue 22 item 2b)", "",
              f"`{' '.join(sys.argv)}`", ""]  # fmt: skip
     if _IMPORT_ERROR is not None:
@@ -894,7 +954,7 @@ def main(argv=None) -> int:
     rc = 0
     if args.compile_only:
         rc |= 0 if compile_only(lines) else 1
-    if args.check or args.bench:
+    if args.check or args.bench or args.profile:
         why = env_problem()
         if why is not None:
             print(f"gluon_varlen.py: {why}", file=sys.stderr)
@@ -908,6 +968,9 @@ def main(argv=None) -> int:
             rc |= 0 if check(torch.device("cuda"), lines, dtypes, lambda: _write(args.out, lines)) else 1
         if args.bench:
             bench(torch.device("cuda"), lines, args.ceiling)
+            _write(args.out, lines)
+        if args.profile:
+            profile(torch.device("cuda"), lines)
     _write(args.out, lines)
     return rc
 

@@ -125,7 +125,7 @@
 #                                       forward and backward, over packed documents, one launch per branch, descriptors made on the
 #                                       device; a barrier or descriptor mistake hangs, hence its own timeout $PROTO_TIMEOUT
 #                                       420 s). $PROTO_ARGS replaces "--check --bench": 16 check cases took 300 s (compiling)
-#                                       on an H200 2026-11-29; next: PROTO_ARGS="--check --dtypes float16 --bench --ceiling"
+#                                       on an H200 2026-11-29; next: PROTO_ARGS="--check --dtypes float16 --bench --ceiling --profile"
 #   bash scripts/gpu_check.sh ceiling   issue 24: benchmarks/block_ceiling.py --per-branch over $CEIL_ROWS (each row's
 #                                       blocks on dense SDPA: the most a segment-then-dilate kernel can reach, beside
 #                                       the library and dense SDPA on the whole row)

@@ -602,4 +602,4 @@ def test_varlen_prototype_host_math_against_the_reference():
             assert 4 * 8 * one == dilated_flops(1, 61, 61, 4, 8, seg, dil, causal)
     if gluon_ready() is not None:
         assert G.main(["--check"]) == 2
-        assert G.main(["--bench", "--ceiling"]) == 2
+        assert G.main(["--bench", "--ceiling"]) == 2 and G.main(["--profile"]) == 2
