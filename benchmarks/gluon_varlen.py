@@ -74,10 +74,17 @@ try:
 except Exception as e:  # noqa: BLE001  (no Gluon / no Hopper module in this Triton)
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-from dilated_attention.kernels import gluon_bwd, gluon_fwd  # noqa: E402
+from dilated_attention.kernels import gluon_bwd, gluon_fwd, gluon_varlen  # noqa: E402
+from dilated_attention.kernels.gluon_varlen import PROGRAM_ROWS, _Scratch, entries  # noqa: E402
 
-SCRATCH_PER_PROGRAM = 640  # five 128-byte descriptors (checked against the compiled kernel)
-PROGRAM_ROWS = 128  # query rows a program covers: gluon_fwd_kernel.BM (two 64-row consumers)
+if _IMPORT_ERROR is None:
+    # the forward kernel is the library's (kernels/gluon_varlen_kernel.py, from this prototype)
+    from dilated_attention.kernels.gluon_varlen_kernel import (
+        _WGM,
+        SCRATCH_PER_PROGRAM,
+        gluon_fwd_varlen_kernel,
+    )
+
 
 if _IMPORT_ERROR is None:
     _WGM = gl.constexpr(F.WG_M)
@@ -321,38 +328,6 @@ if _IMPORT_ERROR is None:
 # ------------------------------------------------------------------------------ host
 
 
-def entries(offsets: list[int], w: int) -> tuple[list[int], list[int]]:
-    """(first row, rows) of every segment of branch w in every non-empty document: document i
-    (rows offsets[i]:offsets[i+1]) has segments of w rows from its first row, the last one
-    shorter where its length is no multiple of w."""
-    p0, ws = [], []
-    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
-        for s in range(a, b, w):
-            p0.append(s)
-            ws.append(min(w, b - s))
-    return p0, ws
-
-
-def device_entries(cu: torch.Tensor, w: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`entries` from device offsets without reading them on the host (what the library
-    needs for offsets it must not sync on): int32 (first rows, rows) of NE_max = total // w +
-    documents slots (a bound on the entries known from shapes alone: ``total`` is the stream's
-    row count, q.shape[0]); slots past the last entry have 0 rows (their programs find L = 0 and
-    do nothing)."""
-    cu = cu.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    nseg = torch.div(lens + w - 1, w, rounding_mode="floor")  # segments per document
-    ends = nseg.cumsum(0)  # entry index past each document's last
-    ne_max = int(cu.numel() - 1) + total // w
-    e = torch.arange(ne_max, device=cu.device)
-    doc = torch.searchsorted(ends, e, right=True).clamp(max=max(lens.numel() - 1, 0))
-    s = e - (ends[doc] - nseg[doc])
-    p0 = cu[doc] + s * w
-    ws = torch.clamp(torch.minimum(torch.full_like(s, w), lens[doc] - s * w), min=0)
-    ws = torch.where(e < ends[-1] if ends.numel() else torch.zeros_like(e, dtype=torch.bool), ws, 0)
-    return p0.to(torch.int32), ws.to(torch.int32)
-
-
 def grid_for(offsets: list[int], w: int, r: int, nh: int) -> tuple[int, int, int]:
     """(query tiles of the longest block, entries, heads); (0, 0, 0) without an entry. The
     longest block is the first offset's (c = 0) of the longest segment: ceil(min(w, n) / r)."""
@@ -364,70 +339,25 @@ def grid_for(offsets: list[int], w: int, r: int, nh: int) -> tuple[int, int, int
     return (-(-longest // PROGRAM_ROWS), n_ent, nh)
 
 
-class _Scratch:
-    """Triton's allocator for the descriptors' global scratch, set for one launch: the previous
-    allocator (the user's, or Triton's default) comes back after it."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def __call__(self, size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device=self.device)
-
-    def __enter__(self):
-        from triton.runtime import _allocation
-
-        self._token = _allocation._allocator.set(self)
-        return self
-
-    def __exit__(self, *exc):
-        from triton.runtime import _allocation
-
-        _allocation._allocator.reset(self._token)
-        return False
-
-
 def varlen_forward(q, k, v, offsets: list[int], seg, dil, causal: bool, scale: float | None = None):
     """out (total, H, D) and lse (H, total) float32 of dilated attention over the packed
-    documents ``offsets`` (host ints, queries and keys alike), every head in every branch.
-    Buffers and the FIRST / COMP / STORE_LO choices as the library's Gluon forward."""
+    documents ``offsets`` (host ints, queries and keys alike), every head in every branch: the
+    library's launch (``gluon_varlen.forward``: the entry table from device offsets, no host
+    read) without its gate (:func:`gluon_varlen.problem`)."""
     total, nh, d = q.shape
-    nkv = k.shape[1]
     for name, x in (("q", q), ("k", k), ("v", v)):  # the descriptors' strides: rows of heads x D
         if not x.is_contiguous():
             raise ValueError(f"varlen_forward: {name} must be contiguous (total, heads, D), got strides {x.stride()}")
-    if k.shape != v.shape or nh % nkv or offsets[-1] > total:
+    if k.shape != v.shape or nh % k.shape[1] or offsets[-1] > total:
         raise ValueError(f"varlen_forward: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"last offset {offsets[-1]}")
     scale = d**-0.5 if scale is None else scale
-    branches = list(zip(seg, dil, strict=True))
-    # branch 0 with r = 1 stores every row of every document; else the buffers start filled
-    covered = offsets[0] == 0 and offsets[-1] == total
-    fill = not (branches[0][1] == 1 and covered)
-    several = len(branches) > 1
-    out = torch.zeros_like(q) if fill else torch.empty_like(q)
-    lo = (torch.zeros_like(q) if fill else torch.empty_like(q)) if several else out
-    lse = torch.full((nh, total), float("-inf"), dtype=torch.float32, device=q.device) if fill else \
-        torch.empty((nh, total), dtype=torch.float32, device=q.device)
-    kern = gluon_fwd_varlen_kernel
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([1, F.WG_M, 1, d], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([1, gluon_fwd.KV_BN, 1, d], gdt)
-    last = len(branches) - 1
-    with _Scratch(q.device):
-        for bi, (w, r) in enumerate(branches):
-            p0, ws = entries(offsets, w)
-            if not p0:
-                continue
-            ent = torch.tensor([p0, ws], dtype=torch.int32).to(q.device, non_blocking=True)
-            grid = grid_for(offsets, w, r, nh)
-            kern[grid](q, k, v, out, lo, lse, ent[0], ent[1], scale * 1.4426950408889634, total,
-                       q.stride(0), k.stride(0), r, nh, nkv, q_layout=q_layout, kv_layout=kv_layout,
-                       BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d), CAUSAL=bool(causal),
-                       FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
-                       CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS,
-                       num_warps=4, maxnreg=gluon_fwd.MAXNREG)  # fmt: skip
-    return out, lse
+    branches = [(w, r, 0, nh) for w, r in zip(seg, dil, strict=True)]
+    covered = offsets[0] == 0 and offsets[-1] == total  # every row a document's: no fill (r = 1 first)
+    cu = torch.tensor(offsets, dtype=torch.int32).to(q.device, non_blocking=True)
+    longest = max([b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)] + [1])
+    out, lse = gluon_varlen.forward(q[None], k[None], v[None], cu, longest, branches, causal, scale, covered)
+    return out[0], lse[0]
 
 
 def emulate_forward(q, k, v, offsets: list[int], seg, dil, causal: bool, scale: float | None = None):

@@ -121,6 +121,9 @@
 #   bash scripts/gpu_check.sh tune-8br  issue 24: benchmarks/tune_triton.py --row $TUNE_ROW (8br-paper-d64-fp16-causal,
 #                                       the one sweep row under the floors: its short d64 causal blocks run the Triton
 #                                       kernels) over the D 64 candidates, $TUNE_SECONDS (420) s of candidates
+#   bash scripts/gpu_check.sh cuda-s27  the CUDA tests of tests/test_gluon_varlen.py (the library's Gluon varlen forward,
+#                                       its switch forced on) and tests/test_gluon_bwd.py (SPLIT_PHASES on): not run since
+#                                       they changed (2026-11-29); timeout $CUDA_TEST_TIMEOUT 420 s
 #   bash scripts/gpu_check.sh varlen-proto issue 22 item 2b: benchmarks/gluon_varlen.py --check --bench (the Gluon kernels,
 #                                       forward and backward, over packed documents, one launch per branch, descriptors made on the
 #                                       device; a barrier or descriptor mistake hangs, hence its own timeout $PROTO_TIMEOUT
@@ -340,6 +343,15 @@ case "${1:-tests}" in
       --max-seconds "${TUNE_SECONDS:-420}" --out "$OUT/tune_8br.md" > "$OUT/tune_8br.txt" 2>&1
     echo "tune_triton rc=$?" >> "$OUT/tune_8br.txt"
     grep -E "^\||best per kernel|rc=" "$OUT/tune_8br.txt" | tail -40
+    ;;
+  cuda-s27)
+    # the CUDA tests that the session of 2026-11-29 (twenty-seventh) could not run: the Gluon
+    # backward's with SPLIT_PHASES on (its launch counts now per kernel) and the library's Gluon
+    # varlen forward (tests/test_gluon_varlen.py: gluon_varlen.VARLEN_FORWARD forced on)
+    timeout "${CUDA_TEST_TIMEOUT:-420}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py tests/test_gluon_bwd.py \
+      -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -20
     ;;
   varlen-proto)
     timeout "${PROTO_TIMEOUT:-420}" python3 benchmarks/gluon_varlen.py ${PROTO_ARGS:---check --bench} --out "$OUT/gluon_varlen.md" > "$OUT/gluon_varlen.txt" 2>&1

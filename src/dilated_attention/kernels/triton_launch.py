@@ -33,7 +33,7 @@ import torch
 
 from .. import flags
 from ..geometry import max_block_length, query_segments
-from . import direct_launch, gluon_bwd, gluon_fwd, triton_import
+from . import direct_launch, gluon_bwd, gluon_fwd, gluon_varlen, triton_import
 from . import triton_kernels as kern
 from .constants import int32_table
 
@@ -1153,12 +1153,17 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     Where the Gluon forward applies (no ``kpm``, ``docs`` or ``config``, ``fold`` not True,
     the switch on and :func:`gluon_fwd.problem` None: Hopper, bf16/fp16, D 64/128, w // r >= 2,
     the speed rules; its module docstring) the branches run through it (:func:`_gluon_forward`,
-    no plan: ``plan_sink`` gets None). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
+    no plan: ``plan_sink`` gets None); packed documents likewise through the Gluon varlen
+    kernel where :func:`gluon_varlen.problem` is None (:func:`_gluon_varlen_forward`; its
+    switch ``gluon_varlen.VARLEN_FORWARD`` is off). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
     :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
     used (None for the per-call path), for a caller that passes it to :func:`backward`.
     """
-    if kpm is None and docs is None and config is None and fold is not True:
-        res = _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows)
+    if kpm is None and config is None and fold is not True:
+        if docs is None:
+            res = _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows)
+        else:
+            res = _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs)
         if res is not None:
             if plan_sink is not None:
                 plan_sink.append(None)  # the backward looks its plan up
@@ -1222,6 +1227,29 @@ def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
         gluon_fwd.note_failure(q, causal, e)
         return None
     return out, lse
+
+
+def _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs: Docs):
+    """:func:`forward` of packed documents through the Gluon varlen kernel (``gluon_varlen``),
+    or None where it does not apply (the Gluon forward's switch off, :func:`gluon_varlen.problem`)
+    or its first launch of a configuration failed (then a warning, and the Triton varlen kernels
+    run it). No host read of the offsets; the out and lse it returns are the Triton varlen
+    backward's inputs as the Triton forward's are."""
+    if not flags.gluon_forward_enabled():
+        return None
+    branches = branch_list(seg, dil, head_ranges)
+    ndocs = docs.cu_q.shape[0] - 1
+    if gluon_varlen.problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs) is not None:
+        return None
+    dev = direct_launch.tensor_device(q)
+    if direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs)
+    try:
+        return gluon_varlen.forward(q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, bool(docs.checked))
+    except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
+        gluon_varlen.note_failure(q, causal, e)
+        return None
 
 
 def gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges):

@@ -1,0 +1,217 @@
+"""The Gluon forward over packed documents on Hopper (issue 22 item 2b): when it runs, and its
+launch (the kernel: :mod:`.gluon_varlen_kernel`).
+
+``triton_launch.forward`` asks :func:`problem` for every packed (``docs``) call. Where it is None,
+:func:`forward` runs the branches, one launch per branch over every (document, segment) entry,
+instead of the Triton varlen kernels. The buffers and the FIRST / COMP / STORE_LO choices are
+those of the Triton forward, so the (hi, lo) merge is the same arithmetic, and the Triton varlen
+backward reads its out and lse as its own.
+
+The entry table comes from the device offsets (:func:`device_entries`: no host read). Its
+``total // w + documents`` slots bound the entries from shapes alone, and unused slots have 0
+rows. Their programs, and the programs past a short block's rows, return at once. Offsets the
+caller did not check on the host are clamped to the stream, so that no descriptor reaches past
+q, k, v, out or lse. Rows outside every document then keep the filled values (zeros, lse -inf),
+as on the Triton path.
+
+:data:`VARLEN_FORWARD` is off. Benchmarks/gluon_varlen.py's prototype of this kernel was exact
+on an H200 (2026-11-29: 24 of 32 check cases run, all within 2x the Triton varlen error) and ran
+the issue's packed batch (128K tokens, 22 documents, 16 x 128, LongNet branches) forward in
+7.79 ms (Triton varlen 9.75) not causal and 5.79 ms (6.34) causal
+(results/gluon_varlen_h200_2026-11-29.md). The library's path built from it has not run on a GPU.
+It turns on once its CUDA tests (tests/test_gluon_fwd.py, ``-k varlen``) pass there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import gluon_fwd, triton_import
+
+LOG2E = 1.4426950408889634
+# the switch (module attribute, as gluon_fwd's): False runs every packed call on the Triton
+# varlen kernels
+VARLEN_FORWARD = False
+PROGRAM_ROWS = 128  # gluon_varlen_kernel.PROGRAM_ROWS (tests/test_gluon_fwd.py checks they agree)
+
+_module = None
+_import_error: str | None = None
+
+
+def kernel_module():
+    """The kernel module, imported once; None when Gluon or its Hopper module is missing."""
+    global _module, _import_error
+    if _module is None and _import_error is None:
+        _module, _import_error = gluon_fwd.import_kernels("gluon_varlen_kernel")
+    return _module
+
+
+def entries(offsets: list[int], w: int) -> tuple[list[int], list[int]]:
+    """(first row, rows) of every segment of branch w in every non-empty document, from host
+    offsets: document i (rows offsets[i]:offsets[i+1]) has segments of w rows from its first
+    row, the last one shorter where its length is no multiple of w."""
+    p0, ws = [], []
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+        for s in range(a, b, w):
+            p0.append(s)
+            ws.append(min(w, b - s))
+    return p0, ws
+
+
+def device_entries(cu: torch.Tensor, w: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`entries` from device offsets ``cu`` (documents + 1) without reading them on the
+    host: int32 (first rows, rows) of ``total // w + documents`` slots (a bound on the entries
+    known from shapes alone; ``total`` is the stream's row count), slots past the last entry with
+    0 rows. The offsets are clamped to [0, total] and each document's length to >= 0, so every
+    entry lies inside the stream whatever the values (checked offsets are unchanged by it)."""
+    cu = cu.to(torch.int64).clamp(0, total)
+    lens = (cu[1:] - cu[:-1]).clamp(min=0)
+    nseg = torch.div(lens + w - 1, w, rounding_mode="floor")  # segments per document
+    ends = nseg.cumsum(0)  # entry index past each document's last
+    ne_max = int(cu.numel() - 1) + total // w
+    e = torch.arange(ne_max, device=cu.device)
+    doc = torch.searchsorted(ends, e, right=True).clamp(max=max(lens.numel() - 1, 0))
+    s = e - (ends[doc] - nseg[doc])
+    p0 = cu[doc] + s * w
+    ws = torch.clamp(torch.minimum(torch.full_like(s, w), lens[doc] - s * w), min=0)
+    ws = torch.minimum(ws, total - p0).clamp(min=0)  # clamped offsets: never past the stream
+    ws = torch.where(e < ends[-1] if ends.numel() else torch.zeros_like(e, dtype=torch.bool), ws, 0)
+    return p0.to(torch.int32), ws.to(torch.int32)
+
+
+def grid(max_len: int, ndocs: int, total: int, w: int, r: int, nh: int) -> tuple[int, int, int]:
+    """(query tiles of the longest possible block, entry slots, heads), from shapes and the
+    caller's bound ``max_len`` on a document's length: a block has at most ceil(min(w, max_len,
+    total) / r) rows."""
+    longest = -(-min(w, max_len, total) // r)
+    return (-(-longest // PROGRAM_ROWS), ndocs + total // w, nh)
+
+
+class _Scratch:
+    """Triton's allocator for the descriptors' global scratch, set for one launch: the previous
+    allocator (the user's, or Triton's default) comes back after it."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=self.device)
+
+    def __enter__(self):
+        from triton.runtime import _allocation
+
+        self._token = _allocation._allocator.set(self)
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime import _allocation
+
+        _allocation._allocator.reset(self._token)
+        return False
+
+
+def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, branches, same_offsets: bool,
+            max_len: int, ndocs: int) -> str | None:  # fmt: skip
+    """Why the Gluon varlen forward cannot run these validated packed inputs (q (1, total, H, D),
+    k, v (1, total, Hkv, D)) and branches ((w, r, head start, head stop), each with heads); None:
+    it can. ``same_offsets``: queries and keys share the offsets (``Docs.same_offsets``);
+    ``max_len``: the caller's bound on a document's length; ``ndocs``: the documents."""
+    if not VARLEN_FORWARD:
+        return "gluon_varlen.VARLEN_FORWARD is off"
+    if not same_offsets:
+        return "the Gluon varlen forward needs the same offsets for queries and keys"
+    nh = q.shape[2]
+    if any(hs != 0 or he != nh for _, _, hs, he in branches):
+        return "the Gluon varlen forward needs every branch over all heads (head_assignment='all')"
+    if not branches:
+        return "no branch has heads"
+    _, total, _, d = q.shape
+    if triton_import.INTERPRET:
+        return "Triton's interpreter (TRITON_INTERPRET=1) does not run Gluon kernels"
+    if q.device.type != "cuda":
+        return f"the Gluon varlen forward needs a CUDA tensor, got {q.device}"
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    cap = gluon_fwd._capability(index)
+    if cap != (9, 0):
+        return (
+            f"the Gluon varlen forward is for sm_90 (Hopper) only, this GPU is sm_{cap[0]}{cap[1]}"
+        )
+    if q.dtype not in gluon_fwd.DTYPES or d not in gluon_fwd.HEADDIMS:
+        return (
+            f"the Gluon varlen forward takes bf16 / fp16 and headdim 64 / 128, got {q.dtype}, {d}"
+        )
+    if k.shape[1] != total or total == 0:
+        return f"the Gluon varlen forward needs as many key rows as query rows > 0 ({total}, {k.shape[1]})"
+    if total * nh < gluon_fwd.MIN_ROWS:
+        return (f"total x heads = {total * nh} < gluon_fwd.MIN_ROWS = {gluon_fwd.MIN_ROWS}: the Triton "
+                f"kernels' direct launches cost less host time")  # fmt: skip
+    if d == 64 and max(min(w, max_len) // r for w, r, _, _ in branches) < gluon_fwd.D64_MIN_BLOCK:
+        return (f"headdim 64 and every branch's blocks shorter than gluon_fwd.D64_MIN_BLOCK = "
+                f"{gluon_fwd.D64_MIN_BLOCK} rows: the Triton kernels are faster there")  # fmt: skip
+    for w, r, _, _ in branches:
+        if w // r < 2:
+            return f"branch (w={w}, r={r}): the Gluon varlen forward needs w // r >= 2"
+        if max(grid(max_len, ndocs, total, w, r, nh)[1:]) > gluon_fwd.GRID_YZ_MAX:
+            return f"branch (w={w}, r={r}): {ndocs} documents + {total} // {w} entry slots: grid past CUDA's limits"
+    for name, x in (
+        ("q", q),
+        ("k", k),
+        ("v", v),
+    ):  # the descriptors: rows of heads x D, 16-byte aligned
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            return f"the Gluon varlen forward needs {name} contiguous and 16-byte aligned"
+    key = (q.dtype, d, bool(causal))
+    if key in _failed:
+        return f"the Gluon varlen forward failed here before: {_failed[key]}"
+    if kernel_module() is None:
+        return f"Gluon or its Hopper module is missing: {_import_error}"
+    return None
+
+
+# (dtype, headdim, causal) whose first launch failed: the reason (those calls run the Triton
+# varlen kernels from then on; a warning said so once)
+_failed: dict[tuple, str] = {}
+
+
+def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
+    """Record a failed launch (the caller then runs the Triton kernels) and warn once."""
+    gluon_fwd.record_failure(_failed, "varlen forward", "Triton varlen kernels", "gluon_varlen.VARLEN_FORWARD",
+                             q, causal, err)  # fmt: skip
+
+
+def forward(
+    q, k, v, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float, covered: bool
+):
+    """out (1, total, H, D) in q's dtype and lse (1, H, total) float32 of the branches ((w, r,
+    0, H) each) over the packed documents ``cu`` (int32 device offsets, queries and keys alike),
+    inputs as :func:`problem` accepts. ``covered``: the offsets were checked on the host (every
+    row is a document's): a first branch with r = 1 then stores every row and the buffers need no
+    fill. Launches only (no host read of ``cu``)."""
+    mod = kernel_module()
+    kern = mod.gluon_fwd_varlen_kernel
+    _, total, nh, d = q.shape
+    nkv = k.shape[2]
+    q3, k3, v3 = q[0], k[0], v[0]
+    fill = not (branches[0][1] == 1 and covered)
+    several = len(branches) > 1
+    out = torch.zeros_like(q3) if fill else torch.empty_like(q3)
+    lo = (torch.zeros_like(q3) if fill else torch.empty_like(q3)) if several else out
+    if fill:
+        lse = torch.full((nh, total), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty((nh, total), dtype=torch.float32, device=q.device)
+    q_layout = gluon_fwd._block_layout(mod.F.WG_M, d, q.dtype)
+    kv_layout = gluon_fwd._block_layout(gluon_fwd.KV_BN, d, q.dtype)
+    ndocs = cu.shape[0] - 1
+    last = len(branches) - 1
+    with _Scratch(q.device):
+        for bi, (w, r, _, _) in enumerate(branches):
+            p0, ws = device_entries(cu, w, total)
+            kern[grid(max_len, ndocs, total, w, r, nh)](
+                q3, k3, v3, out, lo, lse, p0, ws, scale * LOG2E, total, q3.stride(0), k3.stride(0), r, nh, nkv,
+                q_layout=q_layout, kv_layout=kv_layout, BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d),
+                CAUSAL=bool(causal), FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
+                CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS, num_warps=4,
+                maxnreg=gluon_fwd.MAXNREG,
+            )  # fmt: skip
+    return out[None], lse[None]

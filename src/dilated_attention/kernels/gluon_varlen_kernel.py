@@ -1,0 +1,116 @@
+"""The Gluon (Triton 3.6) forward kernel of one dilated branch over packed documents on Hopper
+(issue 22 item 2b). Imported only by :mod:`.gluon_varlen` (lazily, like :mod:`.gluon_fwd_kernel`,
+whose partitions it runs unchanged).
+
+:func:`gluon_fwd_varlen_kernel`: one program per (query tile of 128 rows, entry e, head h). An
+entry is one (document, segment) of the branch: its first row ``ENT_P0[e]`` in the packed stream
+and its length ``ENT_W[e]`` (w, or less for a document's last segment; 0 for an unused slot).
+Head h reads the block of rows ``p0 + c + R t`` (c = h % R, t < L = ceil((w_e - c) / R)). The
+program builds that block's TMA descriptors on the device (``tma.make_tensor_descriptor``):
+base at row p0 + c, shape [1, L, 1, D], row stride R x the stream's. The loader, the two
+consumer warpgroups and the (hi, lo) merge epilogue of ``gluon_fwd_kernel`` then run with block
+and column coordinates 0. TMA zero-fills rows past L and drops stores past it, exactly as the
+host descriptors do at a launch's L. So short last segments, documents shorter than w and
+w % R != 0 need no masks and no length classes. Programs past their block's rows return at once.
+
+The descriptors live in a global scratch of 640 bytes a program (five descriptors), which Triton
+asks of the allocator in ``triton.runtime._allocation._allocator`` at launch
+(:class:`.gluon_varlen._Scratch` sets it around each launch).
+
+Every int argument may arrive as a constexpr: Triton passes an int equal to 1 that way (r = 1,
+one kv head), so no method is called on one (``SNQ.to(gl.int64) * R``, not ``R.to(...)``).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from . import gluon_fwd_kernel as F
+
+PROGRAM_ROWS = F.BM  # query rows a program covers (two 64-row consumer warpgroups)
+SCRATCH_PER_PROGRAM = 640  # five 128-byte descriptors (checked against the compiled kernel)
+_WGM = gl.constexpr(F.WG_M)
+
+
+@gluon.jit
+def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL, SNQ, SNK, R, H, HKV,
+                            q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
+                            D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            FIRST: gl.constexpr, COMP: gl.constexpr, STORE_LO: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+    """One program per (query tile of 128 rows, entry e, head h): the block of head h in
+    entry e's segment (rows ENT_P0[e] + c + R t, c = h % R, t < L, the segment ENT_W[e]
+    rows long) through the library's partitions with descriptors made here (coordinates 0
+    but the row). q, out, lo: (TOTAL, H, D) rows of SNQ elements; k, v: (TOTAL, HKV, D) rows of
+    SNK; lse (H, TOTAL) float32."""
+    pid_m = gl.program_id(0)
+    e = gl.program_id(1)
+    h = gl.program_id(2)
+    c = h % R
+    hk = h // (H // HKV)
+    p0 = gl.load(ENT_P0 + e)
+    ws = gl.load(ENT_W + e)
+    L = gl.maximum((ws - c + R - 1) // R, 0)
+    q_row0 = pid_m * (2 * _WGM)
+    if q_row0 < L:
+        row = (p0 + c).to(gl.int64)
+        rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
+        rk = SNK.to(gl.int64) * R
+        q_desc = tma.make_tensor_descriptor(Q + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
+                                            [1, _WGM, 1, D], q_layout)  # fmt: skip
+        k_desc = tma.make_tensor_descriptor(K + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
+                                            [1, BN, 1, D], kv_layout)  # fmt: skip
+        v_desc = tma.make_tensor_descriptor(V + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
+                                            [1, BN, 1, D], kv_layout)  # fmt: skip
+        o_desc = tma.make_tensor_descriptor(O + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
+                                            [1, _WGM, 1, D], q_layout)  # fmt: skip
+        lo_desc = tma.make_tensor_descriptor(LO + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
+                                             [1, _WGM, 1, D], q_layout)  # fmt: skip
+        n_kv = gl.cdiv(L, BN)
+        if CAUSAL:
+            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
+            n_full = gl.minimum(q_row0 // BN, L // BN)
+        else:
+            n_tiles = n_kv
+            n_full = L // BN
+        lse_base = h.to(gl.int64) * TOTAL
+        pos0 = p0 + c
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
+        e_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        e_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(e_bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        # as gluon_fwd_kernel, with the block, column and lo coordinates 0 (the descriptors
+        # start at the block) and lse at pos0 + R t of row h
+        gl.warp_specialize(
+            [
+                (F._consumer_wg0, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
+                                   o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, 0, 0, 0,
+                                   q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL,
+                                   FIRST, COMP, STORE_LO)),
+                (F._consumer_wg1, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
+                                   o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, 0, 0, 0,
+                                   q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL,
+                                   FIRST, COMP, STORE_LO)),
+                (F._loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready,
+                             v_ready, k_empty, v_empty, q_row0, 0, 0, 0, n_tiles, BN, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )  # fmt: skip

@@ -1,0 +1,283 @@
+"""The Gluon forward over packed documents (kernels/gluon_varlen.py, gluon_varlen_kernel.py).
+
+CPU:
+- the gate (:func:`gluon_varlen.problem`) and the switch;
+- the entry table from device offsets (clamped into the stream whatever the offsets) and the grid;
+- the library's packed call with the kernel emulated in float64 (:class:`_EmulatedVarlenKernel`):
+  ``dilated_attention_varlen(impl="triton")`` forward and backward against the float64 reference
+  run on each document alone (the backward: the Triton varlen kernels on the emulated out and lse).
+
+CUDA (sm_90 with Triton's Gluon), the switch on:
+- the same calls against the reference, judged as tests/test_gluon_fwd.py judges the Gluon
+  forward: error <= 2x the Triton varlen path's + 1e-3;
+- the Gluon launches counted (a fall back to Triton is a failure);
+- forward bits repeatable.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from gluon_cases import needs_gluon
+from helpers import varlen_reference
+
+from dilated_attention import dilated_attention_varlen, flags
+from dilated_attention.kernels import gluon_fwd, gluon_varlen
+
+LOG2E = 1.4426950408889634
+
+
+@pytest.fixture
+def switch_on(monkeypatch):
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
+    monkeypatch.setattr(gluon_varlen, "_failed", {})
+    # small cases: below gluon_fwd.MIN_ROWS and D64_MIN_BLOCK, which keep small calls on the
+    # Triton kernels for speed; the kernel's exactness depends on neither
+    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+    monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
+    flags.set_gluon_forward(True)
+    yield
+    flags.set_gluon_forward(None)
+
+
+def _offsets(lens):
+    offs = [0]
+    for n in lens:
+        offs.append(offs[-1] + n)
+    return offs
+
+
+# --------------------------------------------------------------------------------- CPU
+
+
+def test_switch_off_and_what_the_gate_refuses(monkeypatch):
+    q = torch.zeros(1, 64, 4, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
+    br = [(16, 1, 0, 4), (32, 2, 0, 4)]
+    assert "VARLEN_FORWARD is off" in gluon_varlen.problem(q, k, k, True, br, True, 64, 3)
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
+    assert "same offsets" in gluon_varlen.problem(q, k, k, True, br, False, 64, 3)
+    assert "all heads" in gluon_varlen.problem(q, k, k, True, [(16, 1, 0, 2), (32, 2, 2, 4)], True, 64, 3)
+    why = gluon_varlen.problem(q, k, k, True, br, True, 64, 3)
+    assert "interpreter" in why or "CUDA tensor" in why
+
+
+def test_device_entries_equal_the_host_table_and_stay_in_the_stream():
+    for offs, w in (([0, 5, 5, 17, 18], 8), ([0, 0], 4), ([0, 300], 256), ([0, 7, 7, 8, 48, 61], 4), ([0], 4)):
+        p0, ws = gluon_varlen.entries(offs, w)
+        dp0, dws = gluon_varlen.device_entries(torch.tensor(offs, dtype=torch.int32), w, offs[-1])
+        assert dp0.dtype == dws.dtype == torch.int32 and dp0.numel() == len(offs) - 1 + offs[-1] // w
+        assert dp0[: len(p0)].tolist() == p0 and dws[: len(ws)].tolist() == ws and not dws[len(ws) :].any()
+    # offsets nobody checked (decreasing, past the stream, negative): every entry inside [0, total)
+    total = 40
+    for bad in ([0, 30, 10, 90], [-5, 20, 60], [0, 41], [3, 2, 1, 0]):
+        p0, ws = gluon_varlen.device_entries(torch.tensor(bad, dtype=torch.int32), 16, total)
+        assert (ws >= 0).all() and (p0 >= 0).all() and ((p0 + ws <= total) | (ws == 0)).all(), bad
+
+
+def test_grid_covers_every_block():
+    # a block has at most ceil(min(w, max_len) / r) rows; the grid's first axis covers them in
+    # tiles of PROGRAM_ROWS, the second has a slot per entry
+    for max_len, w, r in ((300, 256, 1), (300, 1024, 3), (5, 8, 2), (1000, 64, 7)):
+        offs = _offsets([max_len, max_len // 2, 1])
+        g = gluon_varlen.grid(max_len, 3, offs[-1], w, r, 4)
+        p0, ws = gluon_varlen.entries(offs, w)
+        assert g[1] >= len(p0) and g[2] == 4
+        assert g[0] * gluon_varlen.PROGRAM_ROWS >= max(-(-n // r) for n in ws)
+    if gluon_fwd.kernel_module() is not None and gluon_varlen.kernel_module() is not None:
+        assert gluon_varlen.kernel_module().PROGRAM_ROWS == gluon_varlen.PROGRAM_ROWS
+
+
+class _EmulatedVarlenKernel:
+    """``gluon_fwd_varlen_kernel`` in float64 on the CPU: per entry slot e and head h, the block
+    of rows ``p0[e] + c + r t`` (t < L = ceil((ws[e] - c) / r), c = h % r), dense attention in
+    it, merged into out / lo / lse as the kernel's epilogue does (FIRST stores, COMP reads and
+    STORE_LO writes the lo buffer: the (hi, lo) pair). Checks the host's tables and grid (every
+    block covered by the first axis, a slot per entry, rows inside the stream)."""
+
+    BM = 128
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.run(grid, *a, **kw)
+
+    def run(self, grid, q, k, v, out, lo, lse, p0, ws, qk_scale, total, snq, snk, r, nh, hkv, *, CAUSAL, FIRST,
+            COMP, STORE_LO, **_):  # fmt: skip
+        self.launches.append((r, tuple(grid), FIRST, COMP, STORE_LO))
+        assert grid[1] == p0.numel() == ws.numel() and grid[2] == nh and (snq, snk) == (q.stride(0), k.stride(0))
+        scale = qk_scale / LOG2E
+        for e in range(grid[1]):
+            a, n = int(p0[e]), int(ws[e])
+            for h in range(nh):
+                c = h % r
+                big_l = max(-(-(n - c) // r), 0)
+                if big_l == 0:
+                    continue
+                assert big_l <= grid[0] * self.BM, "the grid's first axis does not cover the block"
+                rows = a + c + r * torch.arange(big_l)
+                assert int(rows[-1]) < total
+                hk = h // (nh // hkv)
+                qb, kb, vb = q[rows, h].double(), k[rows, hk].double(), v[rows, hk].double()
+                sc = qb @ kb.T * scale
+                if CAUSAL:
+                    t = torch.arange(big_l)
+                    sc = sc.masked_fill(t[None, :] > t[:, None], float("-inf"))
+                lse_b, out_b = torch.logsumexp(sc, -1), torch.softmax(sc, -1) @ vb
+                if FIRST:
+                    new_out, new_lse = out_b, lse_b
+                else:
+                    lse_a, out_a = lse[h, rows].double(), out[rows, h].double()
+                    if COMP:
+                        out_a = out_a + lo[rows, h].double()
+                    mx = torch.maximum(lse_a, lse_b)
+                    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+                    wa, wb = torch.exp(lse_a - mx), torch.exp(lse_b - mx)
+                    tot = wa + wb
+                    new_lse = torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)), float("-inf"))
+                    new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / torch.where(tot > 0, tot, 1.0)[:, None]
+                hi = new_out.to(out.dtype)
+                out[rows, h] = hi
+                if COMP and STORE_LO:
+                    lo[rows, h] = (new_out - hi.double()).to(lo.dtype)
+                lse[h, rows] = new_lse.float()
+
+
+CASES = [  # lengths (empty and one-token documents, no multiple of any w), branches, heads
+    ([7, 0, 1, 40, 13], [4, 8, 16], [1, 2, 4], 4, 2),  # LongNet-like, r = 1 first: no fill
+    ([30, 0, 45, 2], [6, 10], [2, 3], 6, 3),  # r > 1 first (filled buffers), 10 % 3 != 0
+    ([3, 50, 9], [4, 64], [1, 5], 4, 4),  # w > every document, 64 % 5 != 0
+    ([33, 1, 17], [16], [1], 2, 1),  # one branch: no lo buffer; MQA
+]
+
+
+@pytest.mark.parametrize("lens,seg,dil,h,hkv", CASES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("checked", [False, True])
+def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil, h, hkv, causal, checked):
+    """``dilated_attention_varlen(impl="triton")`` with the Gluon varlen forward taken (its gate
+    opened, its kernel emulated) against the float64 reference per document, forward and
+    backward (the Triton varlen backward on the emulated out and lse); host-checked offsets
+    (``check_offsets``) make the buffers unfilled where a first r = 1 branch stores every row."""
+    from dilated_attention.kernels import direct_launch
+
+    emu = _EmulatedVarlenKernel()
+    mod = types.SimpleNamespace(gluon_fwd_varlen_kernel=emu, F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128)
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None)  # as on a Hopper GPU
+    monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: mod)
+    monkeypatch.setattr(gluon_fwd, "_block_layout", lambda *a: None)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
+    offs = _offsets(lens)
+    g = torch.Generator().manual_seed(sum(lens) + h)
+    q = torch.randn(offs[-1], h, 16, generator=g).to(torch.float16)
+    k = torch.randn(offs[-1], hkv, 16, generator=g).to(torch.float16)
+    v = torch.randn(offs[-1], hkv, 16, generator=g).to(torch.float16)
+    do = torch.randn(offs[-1], h, 16, generator=g).to(torch.float16)
+    cu = torch.tensor(offs, dtype=torch.int32)
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out, lse = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal, impl="triton",
+                                        return_lse=True, check_offsets=checked)  # fmt: skip
+    assert [x[0] for x in emu.launches] == dil, "the Gluon varlen forward did not run every branch"
+    first_fills = not (dil[0] == 1 and checked)
+    assert emu.launches[0][2] and all(not x[2] for x in emu.launches[1:])  # FIRST on branch 0 only
+    grads = torch.autograd.grad(out, xs, do)
+    r64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want_out, want_lse, want_g = varlen_reference(*r64, offs, offs, seg, dil, do.double(), causal=causal)
+    assert (out.double() - want_out).abs().max().item() < 2e-2
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse.double()[fin] - want_lse[fin]).abs().max().item() < 1e-4
+    for a, b in zip(grads, want_g, strict=True):
+        assert (a.double() - b).abs().max().item() < 5e-2 * (1 + b.abs().max().item())
+    assert first_fills or lse.isfinite().all()  # every row a document's: the first branch stored it
+
+
+def test_switch_off_runs_the_triton_varlen_kernels(monkeypatch):
+    called = []
+    monkeypatch.setattr(gluon_varlen, "forward", lambda *a, **kw: called.append(1))
+    lens = [9, 20]
+    offs = _offsets(lens)
+    q = torch.randn(offs[-1], 2, 16).to(torch.float16)
+    cu = torch.tensor(offs, dtype=torch.int32)
+    out = dilated_attention_varlen(q, q, q, cu, cu, 20, 20, [8, 16], [1, 2], impl="triton")
+    assert out.shape == q.shape and not called and not gluon_varlen.VARLEN_FORWARD
+
+
+def test_failed_launch_falls_back_with_a_warning(monkeypatch, switch_on):
+    from dilated_attention.kernels import direct_launch
+
+    def boom(*a, **kw):
+        raise RuntimeError("out of resources (test)")
+
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None)
+    monkeypatch.setattr(gluon_varlen, "forward", boom)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
+    offs = _offsets([9, 20])
+    q = torch.randn(offs[-1], 2, 16).to(torch.float16)
+    cu = torch.tensor(offs, dtype=torch.int32)
+    with pytest.warns(RuntimeWarning, match="Gluon varlen forward failed"):
+        out = dilated_attention_varlen(q, q, q, cu, cu, 20, 20, [8, 16], [1, 2], impl="triton")
+    want = dilated_attention_varlen(q, q, q, cu, cu, 20, 20, [8, 16], [1, 2], impl="reference")
+    assert (out.float() - want.float()).abs().max().item() < 2e-2
+    assert list(gluon_varlen._failed) == [(torch.float16, 16, False)]
+
+
+# --------------------------------------------------------------------------------- CUDA
+
+
+def _lognormal(total: int, mean: float, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(max(1, int(torch.empty(1).log_normal_(0.0, 1.0, generator=g).item() * mean)))
+    lens[-1] -= sum(lens) - total
+    lens[len(lens) // 2 : len(lens) // 2] = [0, 1]  # an empty and a one-token document
+    return lens
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,h,hkv", [(128, 4, 2), (64, 6, 6)])
+@pytest.mark.parametrize("seg,dil", [([64, 128, 256], [1, 2, 4]), ([96, 160], [2, 3]), ([64, 1024], [1, 5]),
+                                     ([128], [1])])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_varlen_forward_vs_reference(monkeypatch, switch_on, dtype, d, h, hkv, seg, dil, causal):
+    lens = _lognormal(1500, 300.0, seed=len(seg) * 7 + d + int(causal))
+    offs = _offsets(lens)
+    cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(sum(lens) + d)
+    q = torch.randn(offs[-1], h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(offs[-1], hkv, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(offs[-1], hkv, d, device="cuda", generator=g).to(dtype)
+    do = torch.randn(offs[-1], h, d, device="cuda", generator=g).to(dtype)
+    launches = []
+    real = gluon_varlen.forward
+    monkeypatch.setattr(gluon_varlen, "forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+
+    def call():
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, lse = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal,
+                                            impl="triton", return_lse=True)  # fmt: skip
+        return out, lse, torch.autograd.grad(out, xs, do)
+
+    got = call()
+    assert launches, f"the Gluon varlen forward did not run: {gluon_varlen._failed}"
+    again = call()
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
+    base = call()
+    r64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want_out, want_lse, want_g = varlen_reference(*r64, offs, offs, seg, dil, do.double(), causal=causal)
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(got[1]))
+    pairs = [("out", got[0], base[0], want_out), ("lse", got[1][fin], base[1][fin], want_lse[fin])]
+    pairs += [(f"d{n}", a, b, w) for n, a, b, w in zip("qkv", got[2], base[2], want_g, strict=True)]
+    for name, a, b, w in pairs:
+        ea, eb = (a.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
+        assert ea <= 2 * eb + 1e-3, f"{name}: Gluon varlen err {ea:.3g} > 2 x Triton err {eb:.3g} + 1e-3"
+    assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1]), "forward not bitwise repeatable"
