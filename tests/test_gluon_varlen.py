@@ -169,7 +169,9 @@ def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil
 
     emu = _EmulatedVarlenKernel()
     mod = types.SimpleNamespace(gluon_fwd_varlen_kernel=emu, F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128)
-    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None)  # as on a Hopper GPU
+    # as on a Hopper GPU, but the offsets must reach it as one tensor (int64 offsets passed
+    # for both: converted once, Docs.same_offsets)
+    monkeypatch.setattr(gluon_varlen, "problem", lambda q, k, v, c, br, same, *a: None if same else "not same")
     monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: mod)
     monkeypatch.setattr(gluon_fwd, "_block_layout", lambda *a: None)
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
@@ -179,7 +181,7 @@ def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil
     k = torch.randn(offs[-1], hkv, 16, generator=g).to(torch.float16)
     v = torch.randn(offs[-1], hkv, 16, generator=g).to(torch.float16)
     do = torch.randn(offs[-1], h, 16, generator=g).to(torch.float16)
-    cu = torch.tensor(offs, dtype=torch.int32)
+    cu = torch.tensor(offs, dtype=torch.int64 if checked else torch.int32)
     xs = [x.detach().requires_grad_() for x in (q, k, v)]
     out, lse = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal, impl="triton",
                                         return_lse=True, check_offsets=checked)  # fmt: skip
