@@ -123,7 +123,7 @@
 #                                       kernels) over the D 64 candidates, $TUNE_SECONDS (420) s of candidates
 #   bash scripts/gpu_check.sh cuda-s27  the CUDA tests of tests/test_gluon_varlen.py (the library's Gluon varlen forward,
 #                                       its switch forced on) and tests/test_gluon_bwd.py (SPLIT_PHASES on): not run since
-#                                       they changed (2026-11-29); timeout $CUDA_TEST_TIMEOUT 420 s
+#                                       they changed (2026-11-29); timeout $CUDA_TEST_TIMEOUT 540 s (44 varlen cases compile)
 #   bash scripts/gpu_check.sh varlen-proto issue 22 item 2b: benchmarks/gluon_varlen.py --check --bench (the Gluon kernels,
 #                                       forward and backward, over packed documents, one launch per branch, descriptors made on the
 #                                       device; a barrier or descriptor mistake hangs, hence its own timeout $PROTO_TIMEOUT
@@ -348,7 +348,7 @@ case "${1:-tests}" in
     # the CUDA tests that the session of 2026-11-29 (twenty-seventh) could not run: the Gluon
     # backward's with SPLIT_PHASES on (its launch counts now per kernel) and the library's Gluon
     # varlen forward (tests/test_gluon_varlen.py: gluon_varlen.VARLEN_FORWARD forced on)
-    timeout "${CUDA_TEST_TIMEOUT:-420}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py tests/test_gluon_bwd.py \
+    timeout "${CUDA_TEST_TIMEOUT:-540}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py tests/test_gluon_bwd.py \
       -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -20

@@ -229,17 +229,79 @@ def test_failed_launch_falls_back_with_a_warning(monkeypatch, switch_on):
     assert list(gluon_varlen._failed) == [(torch.float16, 16, False)]
 
 
+def test_gpu_check_helper_runs_on_the_cpu_with_the_emulated_kernel(monkeypatch, switch_on):
+    """The CUDA tests' helper end to end on the CPU (the kernel emulated, its gate following the
+    switch), so that a mistake in it does not first show on a GPU; and it fails when the Gluon
+    path does not run."""
+    from dilated_attention.kernels import direct_launch
+
+    emu = _EmulatedVarlenKernel()
+    mod = types.SimpleNamespace(gluon_fwd_varlen_kernel=emu, F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128)
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None if gluon_varlen.VARLEN_FORWARD else "off")
+    monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: mod)
+    monkeypatch.setattr(gluon_fwd, "_block_layout", lambda *a: None)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
+    _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8, 20], [1, 3], True, [9, 0, 1, 30], device="cpu")
+    assert emu.launches
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: "refused")
+    with pytest.raises(AssertionError, match="did not run"):
+        _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8], [1], False, [9, 5], device="cpu")
+
+
 # --------------------------------------------------------------------------------- CUDA
 
 
 def _lognormal(total: int, mean: float, seed: int) -> list[int]:
+    """Document lengths, ``total`` tokens in all: lognormal around ``mean``, with an empty and
+    a one-token document in the middle."""
     g = torch.Generator().manual_seed(seed)
     lens = []
-    while sum(lens) < total:
+    while sum(lens) < total - 1:
         lens.append(max(1, int(torch.empty(1).log_normal_(0.0, 1.0, generator=g).item() * mean)))
-    lens[-1] -= sum(lens) - total
-    lens[len(lens) // 2 : len(lens) // 2] = [0, 1]  # an empty and a one-token document
+    lens[-1] -= sum(lens) - (total - 1)
+    lens[len(lens) // 2 : len(lens) // 2] = [0, 1]
     return lens
+
+
+def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device: str = "cuda") -> None:
+    """The library's packed call with the Gluon varlen forward (the switch on) against the
+    float64 reference per document, forward and backward, each error <= 2x the Triton varlen
+    path's + 1e-3; the Gluon path ran; its forward bits repeatable. (``device`` "cpu": the CPU
+    smoke test of this helper, with the kernel emulated.)"""
+    offs = _offsets(lens)
+    cu = torch.tensor(offs, dtype=torch.int32, device=device)
+    g = torch.Generator(device=device).manual_seed(sum(lens) + d)
+    q = torch.randn(offs[-1], h, d, device=device, generator=g).to(dtype)
+    k = torch.randn(offs[-1], hkv, d, device=device, generator=g).to(dtype)
+    v = torch.randn(offs[-1], hkv, d, device=device, generator=g).to(dtype)
+    do = torch.randn(offs[-1], h, d, device=device, generator=g).to(dtype)
+    launches = []
+    real = gluon_varlen.forward
+    monkeypatch.setattr(gluon_varlen, "forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+
+    def call():
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, lse = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), list(seg), list(dil), causal=causal,
+                                            impl="triton", return_lse=True)  # fmt: skip
+        return out, lse, torch.autograd.grad(out, xs, do)
+
+    case = f"{dtype} D {d} heads {h}/{hkv} w {seg} r {dil} causal {causal} lengths {lens}"
+    got = call()
+    assert launches, f"the Gluon varlen forward did not run ({case}): {gluon_varlen._failed}"
+    again = call()
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
+    base = call()
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
+    r64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want_out, want_lse, want_g = varlen_reference(*r64, offs, offs, list(seg), list(dil), do.double(), causal=causal)
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(got[1])), case
+    pairs = [("out", got[0], base[0], want_out), ("lse", got[1][fin], base[1][fin], want_lse[fin])]
+    pairs += [(f"d{n}", a, b, w) for n, a, b, w in zip("qkv", got[2], base[2], want_g, strict=True)]
+    for name, a, b, w in pairs:
+        ea, eb = (a.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
+        assert ea <= 2 * eb + 1e-3, f"{name}: Gluon varlen err {ea:.3g} > 2 x Triton err {eb:.3g} + 1e-3 ({case})"
+    assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1]), f"forward not bitwise repeatable ({case})"
 
 
 @needs_gluon
@@ -251,35 +313,31 @@ def _lognormal(total: int, mean: float, seed: int) -> list[int]:
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_varlen_forward_vs_reference(monkeypatch, switch_on, dtype, d, h, hkv, seg, dil, causal):
     lens = _lognormal(1500, 300.0, seed=len(seg) * 7 + d + int(causal))
-    offs = _offsets(lens)
-    cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(sum(lens) + d)
-    q = torch.randn(offs[-1], h, d, device="cuda", generator=g).to(dtype)
-    k = torch.randn(offs[-1], hkv, d, device="cuda", generator=g).to(dtype)
-    v = torch.randn(offs[-1], hkv, d, device="cuda", generator=g).to(dtype)
-    do = torch.randn(offs[-1], h, d, device="cuda", generator=g).to(dtype)
-    launches = []
-    real = gluon_varlen.forward
-    monkeypatch.setattr(gluon_varlen, "forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens)
 
-    def call():
-        xs = [x.detach().requires_grad_() for x in (q, k, v)]
-        out, lse = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal,
-                                            impl="triton", return_lse=True)  # fmt: skip
-        return out, lse, torch.autograd.grad(out, xs, do)
 
-    got = call()
-    assert launches, f"the Gluon varlen forward did not run: {gluon_varlen._failed}"
-    again = call()
-    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
-    base = call()
-    r64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want_out, want_lse, want_g = varlen_reference(*r64, offs, offs, seg, dil, do.double(), causal=causal)
-    fin = torch.isfinite(want_lse)
-    assert torch.equal(fin, torch.isfinite(got[1]))
-    pairs = [("out", got[0], base[0], want_out), ("lse", got[1][fin], base[1][fin], want_lse[fin])]
-    pairs += [(f"d{n}", a, b, w) for n, a, b, w in zip("qkv", got[2], base[2], want_g, strict=True)]
-    for name, a, b, w in pairs:
-        ea, eb = (a.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
-        assert ea <= 2 * eb + 1e-3, f"{name}: Gluon varlen err {ea:.3g} > 2 x Triton err {eb:.3g} + 1e-3"
-    assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1]), "forward not bitwise repeatable"
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", range(12))
+def test_gluon_varlen_forward_random_cases(monkeypatch, switch_on, seed):
+    """Random packed configurations (seeded): dtype, headdim, heads (MQA, GQA, MHA, r > heads),
+    1-4 branches with w from 2 to 2048 (w % r != 0 often, w past every document sometimes), r
+    from 1 to 9 (r = 1 first or not), lengths lognormal around 50-800 tokens with empty and
+    one-token documents, 300-4000 tokens in all."""
+    import random
+
+    rng = random.Random(1000 + seed)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    d = rng.choice([64, 128])
+    hkv = rng.choice([1, 2, 4])
+    h = hkv * rng.choice([1, 2, 3])
+    seg, dil = [], []
+    for _ in range(rng.randint(1, 4)):
+        w = rng.choice([2, 3, 16, 64, 96, 100, 128, 257, 512, 1000, 2048])
+        r = rng.randint(1, min(9, w // 2))
+        seg.append(w)
+        dil.append(r)
+    if rng.random() < 0.5:
+        dil[0] = 1
+    lens = _lognormal(rng.randint(300, 4000), rng.choice([50.0, 200.0, 800.0]), seed=seed)
+    _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, rng.random() < 0.5, lens)
