@@ -395,7 +395,10 @@ def compile_only(lines: list[str], sass_dir: str | None) -> bool:
             lines.append(row)
             if sass_dir:
                 os.makedirs(sass_dir, exist_ok=True)
-                stem = os.path.join(sass_dir, f"gluon_fwd_{dtype_name}_d{d}_c{int(causal)}")
+                # one file per variant (a refactor's check: `diff -r` of two dumps, since the
+                # SASS carries no source lines)
+                stem = os.path.join(sass_dir, f"gluon_fwd_{dtype_name}_d{d}_c{int(causal)}_f{int(first)}"
+                                              f"_m{int(comp)}_k{int(classes)}")  # fmt: skip
                 for ext, text in (("sass", sass), ("ptx", ck.asm["ptx"]),
                                   ("ttgir", ck.asm["ttgir"])):  # fmt: skip
                     with open(f"{stem}.{ext}", "w") as f:

@@ -758,7 +758,24 @@ ONES_FWD = ("R", "HKV")  # int arguments that users' calls set to 1 (Triton then
 ONES_BWD = ("R", "HKV", "NE", "REP", "NI")
 
 
-def compile_only(lines: list[str]) -> bool:
+def _dump_sass(sass_dir: str | None, name: str, cubin: bytes) -> None:
+    """``name``.sass in ``sass_dir`` (cuobjdump -sass of the cubin), if given."""
+    if not sass_dir:
+        return
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    os.makedirs(sass_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    with open(os.path.join(sass_dir, re.sub(r"[^A-Za-z0-9=_.-]+", "_", name) + ".sass"), "w") as f:
+        f.write(sass)
+
+
+def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
     """Compile the variants for sm_90 without a GPU (Triton 3.6): shared memory and scratch."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -797,6 +814,7 @@ def compile_only(lines: list[str]) -> bool:
                         lines.append(f"| {vname} | compile FAILED: {type(e).__name__}: {str(e)[:300]} | | |")
                         print(lines[-1], flush=True)
                         continue
+                    _dump_sass(sass_dir, "fwd " + vname, ck.asm["cubin"])
                     md = ck.metadata
                     if md.global_scratch_size != SCRATCH_PER_PROGRAM:
                         ok = False
@@ -843,6 +861,7 @@ def compile_only(lines: list[str]) -> bool:
                             lines.append(f"| {vname} | compile FAILED: {type(e).__name__}: {str(e)[:300]} | | |")
                             print(lines[-1], flush=True)
                             continue
+                        _dump_sass(sass_dir, vname, ck.asm["cubin"])
                         md = ck.metadata
                         res = _resources(ck.asm["cubin"])
                         ok &= res.endswith("/ 0 / 0") and md.global_scratch_size == 4 * 128
@@ -870,6 +889,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ceiling", action="store_true",
                     help="--bench: also the packed batch's and the one sequence's blocks on dense SDPA")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the markdown report here (rewritten after each check case)")
+    ap.add_argument("--sass", default=None,
+                    help="with --compile-only: each variant's SASS in this folder (diff two dumps to check a refactor)")  # fmt: skip
     ap.add_argument("--dtypes", default="bfloat16,float16", help="--check: these dtypes (comma-separated)")
     args = ap.parse_args(argv)
     try:
@@ -887,7 +908,7 @@ def main(argv=None) -> int:
         return 2
     rc = 0
     if args.compile_only:
-        rc |= 0 if compile_only(lines) else 1
+        rc |= 0 if compile_only(lines, args.sass) else 1
     if args.check or args.bench or args.profile:
         why = env_problem()
         if why is not None:

@@ -348,6 +348,21 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, qk_scale, N, 
     lse_base = (b.to(gl.int64) * H + h) * N
     pos0 = seg * W + c
 
+    _program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, pos0, q_blk, lo_blk, q_col, kv_col,
+             q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO,
+             CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+
+
+@gluon.jit
+def _program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, pos0, q_blk, lo_blk, q_col, kv_col,
+             q_row0, n_tiles, n_full, L, R, qk_scale, BN: gl.constexpr, D: gl.constexpr,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
+             STORE_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+    """One program's work once its block is known: the shared buffers and barriers, then the
+    loader and the two consumer warpgroups over the descriptors' block ``q_blk`` / ``lo_blk``,
+    columns ``q_col`` / ``kv_col``, from query row ``q_row0`` (:func:`gluon_fwd_kernel`; the
+    packed-documents kernel, ``gluon_varlen_kernel``, passes device-made descriptors that start
+    at its block, with those coordinates 0)."""
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape,

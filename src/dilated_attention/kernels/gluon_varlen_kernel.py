@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from . import gluon_fwd_kernel as F
 
@@ -76,41 +76,8 @@ def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL,
             n_tiles = n_kv
             n_full = L // BN
         lse_base = h.to(gl.int64) * TOTAL
-        pos0 = p0 + c
-        dtype: gl.constexpr = Q.dtype.element_ty
-        q_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
-        e_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        e_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(q_bars.index(i), count=1)
-            mbarrier.init(e_bars.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-        # as gluon_fwd_kernel, with the block, column and lo coordinates 0 (the descriptors
-        # start at the block) and lse at pos0 + R t of row h
-        gl.warp_specialize(
-            [
-                (F._consumer_wg0, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
-                                   o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, 0, 0, 0,
-                                   q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL,
-                                   FIRST, COMP, STORE_LO)),
-                (F._consumer_wg1, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
-                                   o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, 0, 0, 0,
-                                   q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL,
-                                   FIRST, COMP, STORE_LO)),
-                (F._loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready,
-                             v_ready, k_empty, v_empty, q_row0, 0, 0, 0, n_tiles, BN, STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOADER_REGS],
-        )  # fmt: skip
+        # the library's program body with the block, column and lo coordinates 0 (the
+        # descriptors start at the block) and lse at pos0 + R t of row h
+        F._program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, p0 + c, 0, 0, 0, 0, q_row0, n_tiles,
+                   n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO, CONSUMER_REGS,
+                   LOADER_REGS)  # fmt: skip
