@@ -65,7 +65,7 @@ if HERE not in sys.path:
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import tma
 
     from dilated_attention.kernels import gluon_bwd_kernel as BK
     from dilated_attention.kernels import gluon_fwd_kernel as F
@@ -84,91 +84,6 @@ if _IMPORT_ERROR is None:
         SCRATCH_PER_PROGRAM,
         gluon_fwd_varlen_kernel,
     )
-
-
-if _IMPORT_ERROR is None:
-    _WGM = gl.constexpr(F.WG_M)
-
-    @gluon.jit
-    def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL, SNQ, SNK, R, H, HKV,
-                                q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
-                                D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                FIRST: gl.constexpr, COMP: gl.constexpr, STORE_LO: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
-        """One program per (query tile of 128 rows, entry e, head h): the block of head h in
-        entry e's segment (rows ENT_P0[e] + c + R t, c = h % R, t < L, the segment ENT_W[e]
-        rows long) through the library's partitions with descriptors made here (coordinates 0
-        but the row). q, out, lo: (TOTAL, H, D) rows of SNQ elements; k, v: (TOTAL, HKV, D) rows of
-        SNK; lse (H, TOTAL) float32."""
-        pid_m = gl.program_id(0)
-        e = gl.program_id(1)
-        h = gl.program_id(2)
-        c = h % R
-        hk = h // (H // HKV)
-        p0 = gl.load(ENT_P0 + e)
-        ws = gl.load(ENT_W + e)
-        L = gl.maximum((ws - c + R - 1) // R, 0)
-        q_row0 = pid_m * (2 * _WGM)
-        if q_row0 < L:
-            row = (p0 + c).to(gl.int64)
-            rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
-            rk = SNK.to(gl.int64) * R
-            q_desc = tma.make_tensor_descriptor(Q + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
-                                                [1, _WGM, 1, D], q_layout)  # fmt: skip
-            k_desc = tma.make_tensor_descriptor(K + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
-                                                [1, BN, 1, D], kv_layout)  # fmt: skip
-            v_desc = tma.make_tensor_descriptor(V + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
-                                                [1, BN, 1, D], kv_layout)  # fmt: skip
-            o_desc = tma.make_tensor_descriptor(O + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
-                                                [1, _WGM, 1, D], q_layout)  # fmt: skip
-            lo_desc = tma.make_tensor_descriptor(LO + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
-                                                 [1, _WGM, 1, D], q_layout)  # fmt: skip
-            n_kv = gl.cdiv(L, BN)
-            if CAUSAL:
-                n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-                n_full = gl.minimum(q_row0 // BN, L // BN)
-            else:
-                n_tiles = n_kv
-                n_full = L // BN
-            lse_base = h.to(gl.int64) * TOTAL
-            pos0 = p0 + c
-            dtype: gl.constexpr = Q.dtype.element_ty
-            q_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
-            k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
-            v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
-            e_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
-            q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            e_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(q_bars.index(i), count=1)
-                mbarrier.init(e_bars.index(i), count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(k_ready.index(i), count=1)
-                mbarrier.init(v_ready.index(i), count=1)
-                mbarrier.init(k_empty.index(i), count=2)
-                mbarrier.init(v_empty.index(i), count=2)
-            # as gluon_fwd_kernel, with the block, column and lo coordinates 0 (the descriptors
-            # start at the block) and lse at pos0 + R t of row h
-            gl.warp_specialize(
-                [
-                    (F._consumer_wg0, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
-                                       o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, 0, 0, 0,
-                                       q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL,
-                                       FIRST, COMP, STORE_LO)),
-                    (F._consumer_wg1, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
-                                       o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, 0, 0, 0,
-                                       q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL,
-                                       FIRST, COMP, STORE_LO)),
-                    (F._loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready,
-                                 v_ready, k_empty, v_empty, q_row0, 0, 0, 0, n_tiles, BN, STAGES)),
-                ],
-                [4, 1],
-                [CONSUMER_REGS, LOADER_REGS],
-            )  # fmt: skip
 
 
 if _IMPORT_ERROR is None:
@@ -218,42 +133,11 @@ if _IMPORT_ERROR is None:
                 m_first = n_lo * 0
                 n_qt = n_qt_all
                 n_diag = n_qt * 0
-            dtype: gl.constexpr = Q.dtype.element_ty
-            k_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], kv_layout)
-            v_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], kv_layout)
-            q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BMQ, 1, D], q_layout)
-            do_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BMQ, 1, D], q_layout)
-            l_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
-            dl_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
-            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(kv_bar, count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(q_ready.index(i), count=1)
-                mbarrier.init(do_ready.index(i), count=1)
-                mbarrier.init(q_empty.index(i), count=2)
-                mbarrier.init(do_empty.index(i), count=2)
-            gl.warp_specialize(
-                [
-                    (BK._kv_consumer_wg0, (k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready,
-                                           do_ready, q_empty, do_empty, DK, DV, p0, n_lo, c, g, nhl, m_first,
-                                           n_qt, n_diag, L, 1, R, HKV, qk_scale, sm_scale, BMQ, D, STAGES,
-                                           ADD)),
-                    (BK._kv_consumer_wg1, (k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready,
-                                           do_ready, q_empty, do_empty, DK, DV, p0, n_lo, c, g, nhl, m_first,
-                                           n_qt, n_diag, L, 1, R, HKV, qk_scale, sm_scale, BMQ, D, STAGES,
-                                           ADD)),
-                    (BK._kv_loader, (q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs, q_bufs,
-                                     do_bufs, l_bufs, dl_bufs, kv_bar, q_ready, do_ready, q_empty, do_empty,
-                                     0, n_lo, 0, 0, h_start, nhl, m_first, n_qt, 0, e, H, R, NE, LP, BMQ,
-                                     STAGES)),
-                ],
-                [4, 1],
-                [CONSUMER_REGS, LOADER_REGS],
-            )  # fmt: skip
+            # the library's program body: dK / dV stored at rows p0 + c + R t (blk = p0, W = 1); the
+            # loader at block 0, residue 0 of descriptors that start at the block, column = query head
+            BK._dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, p0, 0, n_lo, 0, c, 0, g,
+                             h_start, nhl, m_first, n_qt, n_diag, 0, e, L, 1, R, H, HKV, NE, LP, qk_scale,
+                             sm_scale, BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
 
     @gluon.jit
     def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_scale, NE, NMB, R, H, HKV,
@@ -293,36 +177,11 @@ if _IMPORT_ERROR is None:
             else:
                 n_tiles = n_kv
                 n_full = n_kv
-            dtype: gl.constexpr = Q.dtype.element_ty
-            q_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
-            do_bufs = gl.allocate_shared_memory(dtype, [2, 1, _WGM, 1, D], q_layout)
-            k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
-            v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, 1, D], kv_layout)
-            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(q_bar, count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(k_ready.index(i), count=1)
-                mbarrier.init(v_ready.index(i), count=1)
-                mbarrier.init(k_empty.index(i), count=2)
-                mbarrier.init(v_empty.index(i), count=2)
-            gl.warp_specialize(
-                [
-                    (BK._q_consumer_wg0, (q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                                          v_empty, DQ, LSE2, DELTA, lrow, p0, q_row0, c, h, n_tiles, n_full,
-                                          L, 1, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD)),
-                    (BK._q_consumer_wg1, (q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                                          v_empty, DQ, LSE2, DELTA, lrow, p0, q_row0, c, h, n_tiles, n_full,
-                                          L, 1, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD)),
-                    (BK._q_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar,
-                                    k_ready, v_ready, k_empty, v_empty, 0, q_row0, 0, 0, n_tiles, BN, STAGES)),
-                ],
-                [4, 1],
-                [CONSUMER_REGS, LOADER_REGS],
-            )  # fmt: skip
+            # the library's program body: dQ rows p0 + c + R t (blk = p0, W = 1), the loader at block
+            # 0 and columns 0 of descriptors that start at the block
+            BK._dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, p0, 0, q_row0, 0, 0, c, h, n_tiles,
+                           n_full, L, 1, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD, CONSUMER_REGS,
+                           LOADER_REGS)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ host

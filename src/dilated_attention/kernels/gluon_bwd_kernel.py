@@ -238,6 +238,20 @@ def dkdv_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, qk_sca
         n_qt = n_qt_all
         n_diag = n_qt * 0
 
+    _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk, blk, n_lo, kv_col, c, c, g,
+                  h_start, nhl, m_first, n_qt, n_diag, b, s, L, W, R, H, HKV, NSEG, LP, qk_scale, sm_scale, BMQ,
+                  D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+
+@gluon.jit
+def _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk, ld_blk, n_lo, kv_col, c,
+                  ld_c, g, h_start, nhl, m_first, n_qt, n_diag, b, s, L, W, R, H, HKV, NSEG, LP, qk_scale,
+                  sm_scale, BMQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ADD: gl.constexpr,
+                  CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+    """One dK/dV program once its key tile is known: the shared buffers and barriers, then the
+    loader and the two consumer warpgroups (:func:`dkdv_kernel`). ``blk`` / ``c``: the block
+    and residue of the dK / dV rows the consumers store; ``ld_blk`` / ``ld_c``: those the loader
+    addresses in the descriptors. They are the same here; the packed-documents prototype
+    (benchmarks/gluon_varlen.py) passes descriptors that start at its block, with 0 for the loader."""
     dtype: gl.constexpr = q_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -274,7 +288,7 @@ def dkdv_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, qk_sca
                                 sm_scale, BMQ, D, STAGES, ADD)),
             (_kv_loader, (q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs,
                           q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready, do_ready,
-                          q_empty, do_empty, blk, n_lo, kv_col, c, h_start, nhl, m_first,
+                          q_empty, do_empty, ld_blk, n_lo, kv_col, ld_c, h_start, nhl, m_first,
                           n_qt, b, s, H, R, NSEG, LP, BMQ, STAGES)),
         ],
         [4, 1],
@@ -432,6 +446,19 @@ def dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, qk_scale, sm_sca
         n_tiles = n_kv
         n_full = n_kv
 
+    _dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, blk, blk, q_row0, q_col, kv_col, c, h,
+                n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD, CONSUMER_REGS,
+                LOADER_REGS)  # fmt: skip
+
+@gluon.jit
+def _dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, blk, ld_blk, q_row0, q_col, kv_col, c,
+                h, n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                LOADER_REGS: gl.constexpr):  # fmt: skip
+    """One dQ program once its query tile is known: the shared buffers and barriers, then the
+    loader and the two consumer warpgroups (:func:`dq_kernel`). ``blk``: the block of the dQ
+    rows the consumers store; ``ld_blk``: the block the loader addresses (the same here; 0 in
+    the packed-documents prototype, whose descriptors start at its block)."""
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape,
@@ -463,7 +490,7 @@ def dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, qk_scale, sm_sca
                                n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN, D,
                                STAGES, ADD)),
             (_q_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
-                         q_bar, k_ready, v_ready, k_empty, v_empty, blk, q_row0, q_col,
+                         q_bar, k_ready, v_ready, k_empty, v_empty, ld_blk, q_row0, q_col,
                          kv_col, n_tiles, BN, STAGES)),
         ],
         [4, 1],
