@@ -15,7 +15,7 @@ q, k, v, out or lse. Rows outside every document then keep the filled values (ze
 as on the Triton path.
 
 :data:`VARLEN_FORWARD` is off. Benchmarks/gluon_varlen.py's prototype of this kernel was exact
-on an H200 (2026-11-29: 24 of 32 check cases run, all within 2x the Triton varlen error) and ran
+on an H200 (2026-11-29: 20 of 32 check cases run: all 16 bf16 ones and the 4 fp16 ones without r = 1, all within 2x the Triton varlen error) and ran
 the issue's packed batch (128K tokens, 22 documents, 16 x 128, LongNet branches) forward in
 7.79 ms (Triton varlen 9.75) not causal and 5.79 ms (6.34) causal
 (results/gluon_varlen_h200_2026-11-29.md). The library's path built from it has not run on a GPU.
