@@ -89,6 +89,7 @@ def test_grid_covers_every_block():
         p0, ws = gluon_varlen.entries(offs, w)
         assert g[1] >= len(p0) and g[2] == 4
         assert g[0] * gluon_varlen.PROGRAM_ROWS >= max(-(-n // r) for n in ws)
+    assert gluon_varlen.grid(0, 2, 5, 8, 1, 4)[0] == 0  # no row in any document: forward() launches nothing
     if gluon_fwd.kernel_module() is not None and gluon_varlen.kernel_module() is not None:
         assert gluon_varlen.kernel_module().PROGRAM_ROWS == gluon_varlen.PROGRAM_ROWS
 

@@ -206,8 +206,11 @@ def forward(
     last = len(branches) - 1
     with _Scratch(q.device):
         for bi, (w, r, _, _) in enumerate(branches):
+            g = grid(max_len, ndocs, total, w, r, nh)
+            if 0 in g:  # max_len 0 (no document has a row): nothing to launch, the fills stand
+                continue
             p0, ws = device_entries(cu, w, total)
-            kern[grid(max_len, ndocs, total, w, r, nh)](
+            kern[g](
                 q3, k3, v3, out, lo, lse, p0, ws, scale * LOG2E, total, q3.stride(0), k3.stride(0), r, nh, nkv,
                 q_layout=q_layout, kv_layout=kv_layout, BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d),
                 CAUSAL=bool(causal), FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
