@@ -157,9 +157,9 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
     return None
 
 
-def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -> str | None:
-    """The checks the Gluon kernels (forward and backward) share: device, dtype, headdim,
-    lengths, branch geometry, grid limits and the TMA views of q, k, v; None: they pass."""
+def device_problem(q: torch.Tensor) -> str | None:
+    """The checks every Gluon kernel (one sequence, packed documents) makes of q: not under the
+    interpreter, a CUDA tensor on an sm_90 GPU, bf16 / fp16, headdim 64 / 128; None: they pass."""
     if triton_import.INTERPRET:
         return "Triton's interpreter (TRITON_INTERPRET=1) does not run Gluon kernels"
     if q.device.type != "cuda":
@@ -167,11 +167,21 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -
     cap = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if cap != (9, 0):
         return f"the Gluon forward is for sm_90 (Hopper) only, this GPU is sm_{cap[0]}{cap[1]}"
-    bsz, n, nh, d = q.shape
     if q.dtype not in DTYPES:
         return f"the Gluon forward takes bf16 or fp16, got {q.dtype}"
-    if d not in HEADDIMS:
-        return f"the Gluon forward takes headdim 64 or 128, got {d}"
+    if q.shape[-1] not in HEADDIMS:
+        return f"the Gluon forward takes headdim 64 or 128, got {q.shape[-1]}"
+    return None
+
+
+def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches) -> str | None:
+    """The checks the Gluon kernels (forward and backward) share: device, dtype, headdim
+    (:func:`device_problem`), lengths, branch geometry, grid limits and the TMA views of q, k, v;
+    None: they pass."""
+    why = device_problem(q)
+    if why is not None:
+        return why
+    bsz, n, nh, d = q.shape
     if k.shape[1] != n or n == 0:
         return f"the Gluon forward needs seqlen_q == seqlen_k > 0 (got {n} and {k.shape[1]})"
     if not branches:

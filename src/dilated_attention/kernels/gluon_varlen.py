@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gluon_fwd, triton_import
+from . import gluon_fwd
 
 LOG2E = 1.4426950408889634
 # the switch (module attribute, as gluon_fwd's): False runs every packed call on the Triton
@@ -125,21 +125,10 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
         return "the Gluon varlen forward needs every branch over all heads (head_assignment='all')"
     if not branches:
         return "no branch has heads"
+    why = gluon_fwd.device_problem(q)
+    if why is not None:
+        return why
     _, total, _, d = q.shape
-    if triton_import.INTERPRET:
-        return "Triton's interpreter (TRITON_INTERPRET=1) does not run Gluon kernels"
-    if q.device.type != "cuda":
-        return f"the Gluon varlen forward needs a CUDA tensor, got {q.device}"
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    cap = gluon_fwd._capability(index)
-    if cap != (9, 0):
-        return (
-            f"the Gluon varlen forward is for sm_90 (Hopper) only, this GPU is sm_{cap[0]}{cap[1]}"
-        )
-    if q.dtype not in gluon_fwd.DTYPES or d not in gluon_fwd.HEADDIMS:
-        return (
-            f"the Gluon varlen forward takes bf16 / fp16 and headdim 64 / 128, got {q.dtype}, {d}"
-        )
     if k.shape[1] != total or total == 0:
         return f"the Gluon varlen forward needs as many key rows as query rows > 0 ({total}, {k.shape[1]})"
     if total * nh < gluon_fwd.MIN_ROWS:
