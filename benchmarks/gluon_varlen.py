@@ -637,11 +637,36 @@ def _dump_sass(sass_dir: str | None, name: str, cubin: bytes) -> None:
         f.write(sass)
 
 
-def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
-    """Compile the variants for sm_90 without a GPU (Triton 3.6): shared memory and scratch."""
+def _compile_variant(kern, sig: dict, consts: dict, attrs: dict, ones: tuple, name: str, prefix: str,
+                     maxnreg: int, scratch: int, sass_dir: str | None, lines: list[str]) -> bool:
+    """Compile ``kern`` for sm_90 with the int arguments ``ones`` passed as constexpr 1 (as
+    Triton passes an int equal to 1: r = 1, MQA, one entry); a table row in ``lines``; True when
+    it compiled with ``scratch`` bytes of global scratch a program and no stack or local memory
+    (spills). Its SASS goes to ``sass_dir`` (as ``prefix`` + the variant's name)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    sg, cs = {**sig, **{n: "constexpr" for n in ones}}, {**consts, **dict.fromkeys(ones, 1)}
+    vname = name + (" (" + ", ".join(n + "=1" for n in ones) + ")" if ones else "")
+    try:
+        ck = triton.compile(GluonASTSource(kern, sg, cs, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": maxnreg})  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"| {vname} | compile FAILED: {type(e).__name__}: {str(e)[:300]} | | |")
+        print(lines[-1], flush=True)
+        return False
+    _dump_sass(sass_dir, prefix + vname, ck.asm["cubin"])
+    md = ck.metadata
+    res = _resources(ck.asm["cubin"])
+    lines.append(f"| {vname} | {md.shared} | {md.global_scratch_size} | {res} |")
+    print(lines[-1], flush=True)
+    return res.endswith("/ 0 / 0") and md.global_scratch_size == scratch
+
+
+def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
+    """Compile the variants for sm_90 without a GPU (Triton 3.6): shared memory and scratch."""
+    import triton
 
     lines += [f"## sm_90 compile (CPU, triton {triton.__version__})", "",
               "| variant | shared bytes | global scratch bytes / program | regs / stack / local |", "|---|---|---|---|"]  # fmt: skip
@@ -664,26 +689,8 @@ def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
                 sig.update({n: "constexpr" for n in consts})
                 attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
                 for ones in ((), ONES_FWD) if dt == "bf16" else ((),):
-                    # Triton passes an int argument equal to 1 as a constexpr (r = 1, MQA, one entry)
-                    sg, cs = {**sig, **{n: "constexpr" for n in ones}}, {**consts, **dict.fromkeys(ones, 1)}
-                    vname = name + (" (" + ", ".join(n + "=1" for n in ones) + ")" if ones else "")
-                    try:
-                        ck = triton.compile(GluonASTSource(gluon_fwd_varlen_kernel, sg, cs, attrs),
-                                            target=GPUTarget("cuda", 90, 32),
-                                            options={"num_warps": 4, "maxnreg": gluon_fwd.MAXNREG})  # fmt: skip
-                    except Exception as e:  # noqa: BLE001
-                        ok = False
-                        lines.append(f"| {vname} | compile FAILED: {type(e).__name__}: {str(e)[:300]} | | |")
-                        print(lines[-1], flush=True)
-                        continue
-                    _dump_sass(sass_dir, "fwd " + vname, ck.asm["cubin"])
-                    md = ck.metadata
-                    if md.global_scratch_size != SCRATCH_PER_PROGRAM:
-                        ok = False
-                    regs = _resources(ck.asm["cubin"])
-                    ok &= regs.endswith("/ 0 / 0")  # no stack, no local memory (spills)
-                    lines.append(f"| {vname} | {md.shared} | {md.global_scratch_size} | {regs} |")
-                    print(lines[-1], flush=True)
+                    ok &= _compile_variant(gluon_fwd_varlen_kernel, sig, consts, attrs, ones, name, "fwd ",
+                                           gluon_fwd.MAXNREG, SCRATCH_PER_PROGRAM, sass_dir, lines)  # fmt: skip
     # the backward kernels
     row_lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for dt, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
@@ -712,23 +719,8 @@ def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
                     sig = {**sig, **{n: "constexpr" for n in consts}}
                     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
                     for ones in ((), tuple(n for n in ONES_BWD if n in sig)) if dt == "bf16" else ((),):
-                        sg, cs = {**sig, **{n: "constexpr" for n in ones}}, {**consts, **dict.fromkeys(ones, 1)}
-                        vname = name + (" (" + ", ".join(n + "=1" for n in ones) + ")" if ones else "")
-                        try:
-                            ck = triton.compile(GluonASTSource(kern, sg, cs, attrs),
-                                                target=GPUTarget("cuda", 90, 32),
-                                                options={"num_warps": 4, "maxnreg": gluon_bwd.MAXNREG})  # fmt: skip
-                        except Exception as e:  # noqa: BLE001
-                            ok = False
-                            lines.append(f"| {vname} | compile FAILED: {type(e).__name__}: {str(e)[:300]} | | |")
-                            print(lines[-1], flush=True)
-                            continue
-                        _dump_sass(sass_dir, vname, ck.asm["cubin"])
-                        md = ck.metadata
-                        res = _resources(ck.asm["cubin"])
-                        ok &= res.endswith("/ 0 / 0") and md.global_scratch_size == 4 * 128
-                        lines.append(f"| {vname} | {md.shared} | {md.global_scratch_size} | {res} |")
-                        print(lines[-1], flush=True)
+                        ok &= _compile_variant(kern, sig, consts, attrs, ones, name, "", gluon_bwd.MAXNREG,
+                                               4 * 128, sass_dir, lines)  # fmt: skip
     lines.append("")
     return ok
 
