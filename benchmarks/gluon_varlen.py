@@ -215,7 +215,8 @@ def varlen_forward(q, k, v, offsets: list[int], seg, dil, causal: bool, scale: f
     covered = offsets[0] == 0 and offsets[-1] == total  # every row a document's: no fill (r = 1 first)
     cu = torch.tensor(offsets, dtype=torch.int32).to(q.device, non_blocking=True)
     longest = max([b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)] + [1])
-    out, lse = gluon_varlen.forward(q[None], k[None], v[None], cu, longest, branches, causal, scale, covered)
+    fill = not (dil[0] == 1 and covered)  # as triton_launch._first_branch_writes_all (all heads)
+    out, lse = gluon_varlen.forward(q[None], k[None], v[None], cu, longest, branches, causal, scale, fill)
     return out[0], lse[0]
 
 

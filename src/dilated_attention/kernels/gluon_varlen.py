@@ -169,19 +169,18 @@ def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
 
 
 def forward(
-    q, k, v, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float, covered: bool
+    q, k, v, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float, fill: bool
 ):
     """out (1, total, H, D) in q's dtype and lse (1, H, total) float32 of the branches ((w, r,
     0, H) each) over the packed documents ``cu`` (int32 device offsets, queries and keys alike),
-    inputs as :func:`problem` accepts. ``covered``: the offsets were checked on the host (every
-    row is a document's): a first branch with r = 1 then stores every row and the buffers need no
-    fill. Launches only (no host read of ``cu``)."""
+    inputs as :func:`problem` accepts. ``fill``: the buffers start as zeros (lse -inf), False
+    where the first branch stores every row (``triton_launch._first_branch_writes_all``: r = 1
+    first over offsets checked on the host). Launches only (no host read of ``cu``)."""
     mod = kernel_module()
     kern = mod.gluon_fwd_varlen_kernel
     _, total, nh, d = q.shape
     nkv = k.shape[2]
     q3, k3, v3 = q[0], k[0], v[0]
-    fill = not (branches[0][1] == 1 and covered)
     several = len(branches) > 1
     out = torch.zeros_like(q3) if fill else torch.empty_like(q3)
     lo = (torch.zeros_like(q3) if fill else torch.empty_like(q3)) if several else out

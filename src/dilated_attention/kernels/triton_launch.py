@@ -1246,7 +1246,8 @@ def _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs: D
         with torch.cuda.device(dev):
             return _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs)
     try:
-        return gluon_varlen.forward(q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, bool(docs.checked))
+        fill = not _first_branch_writes_all(branches, 0, q.shape[2], bool(docs.checked), 0)
+        return gluon_varlen.forward(q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, fill)
     except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
         gluon_varlen.note_failure(q, causal, e)
         return None
