@@ -124,6 +124,10 @@
 #   bash scripts/gpu_check.sh cuda-s27  the CUDA tests of tests/test_gluon_varlen.py (the library's Gluon varlen forward,
 #                                       its switch forced on) and tests/test_gluon_bwd.py (SPLIT_PHASES on): not run since
 #                                       they changed (2026-11-29); timeout $CUDA_TEST_TIMEOUT 540 s (44 varlen cases compile)
+#   bash scripts/gpu_check.sh s28      benchmarks/varlen_switch_ab.py (gluon_varlen.VARLEN_FORWARD on / off over six packed
+#                                       batches; its column "Gluon launches" shows which the gates send to Gluon), timeout
+#                                       $AB_TIMEOUT 300 (440 s with a cold cache on an H200), then the CUDA tests of
+#                                       tests/test_gluon_bwd.py minus the node ids in runs/passed_bwd.txt ($CUDA_TEST_TIMEOUT 220)
 #   bash scripts/gpu_check.sh varlen-proto issue 22 item 2b: benchmarks/gluon_varlen.py --check --bench (the Gluon kernels,
 #                                       forward and backward, over packed documents, one launch per branch, descriptors made on the
 #                                       device; a barrier or descriptor mistake hangs, hence its own timeout $PROTO_TIMEOUT
@@ -352,6 +356,23 @@ case "${1:-tests}" in
       -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -20
+    ;;
+  s28)
+    # the session of 2026-11-29 (twenty-eighth): gluon_varlen.VARLEN_FORWARD on / off over six packed
+    # batches (benchmarks/varlen_switch_ab.py), then the CUDA tests of tests/test_gluon_bwd.py that
+    # cuda-s27 did not reach in its 540 s (those it passed: runs/passed_bwd.txt, deselected)
+    timeout "${AB_TIMEOUT:-300}" python3 benchmarks/varlen_switch_ab.py ${SWITCH_AB_ARGS:-} --out "$OUT/varlen_switch_ab.md" \
+      > "$OUT/varlen_switch_ab.txt" 2>&1
+    echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab.txt"
+    timeout "${CUDA_TEST_TIMEOUT:-220}" python3 -c '
+import os, sys, pytest
+f = "runs/passed_bwd.txt"  # node ids to skip, one per line (absent: every CUDA test of the file)
+done = [x.strip() for x in open(f) if x.strip()] if os.path.exists(f) else []
+sys.exit(pytest.main(["-v", "-m", "cuda", "tests/test_gluon_bwd.py", "-n", "4", "-p", "no:cacheprovider", "-rfE",
+                      *["--deselect=" + x for x in done]]))' > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    grep -E "^\|" "$OUT/varlen_switch_ab.md"; grep -E "rc=" "$OUT/varlen_switch_ab.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|deselected|rc=" "$OUT/cuda_tests.txt" | tail -12
     ;;
   varlen-proto)
     timeout "${PROTO_TIMEOUT:-420}" python3 benchmarks/gluon_varlen.py ${PROTO_ARGS:---check --bench} --out "$OUT/gluon_varlen.md" > "$OUT/gluon_varlen.txt" 2>&1

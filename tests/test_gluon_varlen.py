@@ -40,6 +40,10 @@ def switch_on(monkeypatch):
     # Triton kernels for speed; the kernel's exactness depends on neither
     monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
     monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
+    # and the speed gates of the packed call (head dim 64, short documents: the Triton varlen
+    # forward is faster there)
+    monkeypatch.setattr(gluon_varlen, "HEADDIMS", (64, 128))
+    monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC", 0)
     flags.set_gluon_forward(True)
     yield
     flags.set_gluon_forward(None)
@@ -59,12 +63,36 @@ def test_switch_off_and_what_the_gate_refuses(monkeypatch):
     q = torch.zeros(1, 64, 4, 64, dtype=torch.bfloat16)
     k = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
     br = [(16, 1, 0, 4), (32, 2, 0, 4)]
+    assert gluon_varlen.VARLEN_FORWARD  # on by default since 2026-11-29
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
     assert "VARLEN_FORWARD is off" in gluon_varlen.problem(q, k, k, True, br, True, 64, 3)
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
     assert "same offsets" in gluon_varlen.problem(q, k, k, True, br, False, 64, 3)
     assert "all heads" in gluon_varlen.problem(q, k, k, True, [(16, 1, 0, 2), (32, 2, 2, 4)], True, 64, 3)
     why = gluon_varlen.problem(q, k, k, True, br, True, 64, 3)
     assert "interpreter" in why or "CUDA tensor" in why
+
+
+def test_the_speed_gates_keep_head_dim_64_and_short_documents_on_triton(monkeypatch):
+    # past the device checks (here on the CPU: as if on a Hopper GPU), the gates that
+    # results/varlen_switch_ab_h200_2026-11-29.md set: head dim 64 and a mean document under
+    # MIN_MEAN_DOC rows run the Triton varlen forward; head dim 128 with long documents the Gluon one
+    monkeypatch.setattr(gluon_fwd, "device_problem", lambda q: None)
+    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+    monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: object())
+    br = [(2048, 1, 0, 4), (4096, 2, 0, 4)]
+    n = 4 * gluon_varlen.MIN_MEAN_DOC
+
+    def why(d, ndocs):
+        q = torch.zeros(1, n, 4, d, dtype=torch.bfloat16)
+        return gluon_varlen.problem(q, q, q, False, br, True, n, ndocs)
+
+    assert "HEADDIMS" in why(64, 1)
+    assert why(128, 4) is None  # a mean of exactly MIN_MEAN_DOC rows
+    assert "MIN_MEAN_DOC" in why(128, 5) and str(5) in why(128, 5)
+    monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC", 0)
+    monkeypatch.setattr(gluon_varlen, "HEADDIMS", (64, 128))
+    assert why(128, 5) is None and why(64, 1) is None
 
 
 def test_device_entries_equal_the_host_table_and_stay_in_the_stream():
@@ -201,6 +229,7 @@ def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil
 
 
 def test_switch_off_runs_the_triton_varlen_kernels(monkeypatch):
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
     called = []
     monkeypatch.setattr(gluon_varlen, "forward", lambda *a, **kw: called.append(1))
     lens = [9, 20]

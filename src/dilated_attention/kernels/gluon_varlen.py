@@ -14,12 +14,14 @@ caller did not check on the host are clamped to the stream, so that no descripto
 q, k, v, out or lse. Rows outside every document then keep the filled values (zeros, lse -inf),
 as on the Triton path.
 
-:data:`VARLEN_FORWARD` is off. Benchmarks/gluon_varlen.py's prototype of this kernel was exact
-on an H200 (2026-11-29: 20 of 32 check cases run: all 16 bf16 ones and the 4 fp16 ones without r = 1, all within 2x the Triton varlen error) and ran
-the issue's packed batch (128K tokens, 22 documents, 16 x 128, LongNet branches) forward in
-7.79 ms (Triton varlen 9.75) not causal and 5.79 ms (6.34) causal
-(results/gluon_varlen_h200_2026-11-29.md). The library's path built from it has not run on a GPU.
-It turns on once its CUDA tests (tests/test_gluon_fwd.py, ``-k varlen``) pass there.
+:data:`VARLEN_FORWARD` is on (2026-11-29, twenty-eighth session, on an H200): its CUDA tests
+(tests/test_gluon_varlen.py: 44 configurations, forward and backward against the float64 reference
+per document) passed, and results/varlen_switch_ab_h200_2026-11-29.md timed the public packed call
+with it on and off, interleaved, over six packed batches. Where it won, the forward took
+0.87-0.97x the Triton varlen forward's time (fwd+bwd 0.94-1.02x): head dim 128 and documents of
+4K tokens or more on average. Where it lost, :func:`problem` keeps the call on the Triton varlen
+kernels: :data:`HEADDIMS` (head dim 64: 1.31x / 1.78x, not causal / causal) and
+:data:`MIN_MEAN_DOC` (documents of 512 tokens on average: 1.46x / 1.41x).
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from . import gluon_fwd
 LOG2E = 1.4426950408889634
 # the switch (module attribute, as gluon_fwd's): False runs every packed call on the Triton
 # varlen kernels
-VARLEN_FORWARD = False
+VARLEN_FORWARD = True
+# the head dims it runs (64: the Triton varlen forward was faster on the one batch measured)
+HEADDIMS = (128,)
+# total rows // documents below this: the Triton varlen forward (faster at a mean of 512 tokens;
+# the Gluon one faster at 4096 and more; between them unmeasured)
+MIN_MEAN_DOC = 4096
 PROGRAM_ROWS = 128  # gluon_varlen_kernel.PROGRAM_ROWS (tests/test_gluon_fwd.py checks they agree)
 
 _module = None
@@ -134,6 +141,12 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
     if total * nh < gluon_fwd.MIN_ROWS:
         return (f"total x heads = {total * nh} < gluon_fwd.MIN_ROWS = {gluon_fwd.MIN_ROWS}: the Triton "
                 f"kernels' direct launches cost less host time")  # fmt: skip
+    if d not in HEADDIMS:
+        return (f"head dim {d} not in gluon_varlen.HEADDIMS = {HEADDIMS}: the Triton varlen forward is "
+                f"faster there")  # fmt: skip
+    if total < MIN_MEAN_DOC * ndocs:
+        return (f"{ndocs} documents in {total} rows: a mean under gluon_varlen.MIN_MEAN_DOC = {MIN_MEAN_DOC} "
+                f"rows, where the Triton varlen forward is faster")  # fmt: skip
     if d == 64 and max(min(w, max_len) // r for w, r, _, _ in branches) < gluon_fwd.D64_MIN_BLOCK:
         return (f"headdim 64 and every branch's blocks shorter than gluon_fwd.D64_MIN_BLOCK = "
                 f"{gluon_fwd.D64_MIN_BLOCK} rows: the Triton kernels are faster there")  # fmt: skip

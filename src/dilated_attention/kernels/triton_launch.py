@@ -1155,7 +1155,8 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     the speed rules; its module docstring) the branches run through it (:func:`_gluon_forward`,
     no plan: ``plan_sink`` gets None); packed documents likewise through the Gluon varlen
     kernel where :func:`gluon_varlen.problem` is None (:func:`_gluon_varlen_forward`; its
-    switch ``gluon_varlen.VARLEN_FORWARD`` is off). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
+    switch ``gluon_varlen.VARLEN_FORWARD``, on; head dim 128, documents of
+    ``gluon_varlen.MIN_MEAN_DOC`` rows on average). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
     :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
     used (None for the per-call path), for a caller that passes it to :func:`backward`.
     """

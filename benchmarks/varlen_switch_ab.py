@@ -1,0 +1,136 @@
+"""A/B of ``gluon_varlen.VARLEN_FORWARD`` (issue 22 item 2b): packed documents through the public
+``dilated_attention_varlen(impl="triton")`` with the Gluon varlen forward on and off, over
+several packed batches (document-length mixes, head dims, GQA, dtypes, causal or not).
+
+Both arms run in one process, interleaved over ``--rounds`` rounds (on, off, on, off, ...), so
+their ratio compares them under the same clocks. Forward (no grad) and forward+backward medians
+(``triton.testing.do_bench``); the backward is the Triton varlen backward in both arms, so the
+fwd+bwd ratio shows what the forward's change is worth in a training step. ``max|on-off|``: the
+largest difference of the two arms' outputs (both exact to the reference in the tests: a sanity
+column, not the exactness test, which is tests/test_gluon_varlen.py).
+
+    PYTHONPATH=src python3 benchmarks/varlen_switch_ab.py --out results.md     # Hopper GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+
+import torch
+
+from dilated_attention import dilated_attention_varlen
+from dilated_attention.kernels import gluon_varlen
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_varlen import _offsets, document_lengths  # noqa: E402
+from common import results_header  # noqa: E402
+
+LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
+# name: (total tokens, mean length, sigma, heads, kv heads, headdim, dtype, segments, dilations)
+CASES = {
+    "issue-128k-16x128": (131072, 8192, 1.0, 16, 16, 128, torch.bfloat16, *LONGNET),
+    "short-docs-64k-mean512": (65536, 512, 1.0, 16, 16, 128, torch.bfloat16, [512, 1024, 2048], [1, 2, 4]),
+    "d64-64k-mean4096": (65536, 4096, 1.0, 16, 16, 64, torch.bfloat16, [2048, 4096, 8192], [1, 2, 4]),
+    "gqa32x8-64k-mean4096": (65536, 4096, 1.0, 32, 8, 128, torch.bfloat16, [2048, 4096, 8192], [1, 2, 4]),
+    "fp16-64k-mean8192": (65536, 8192, 1.0, 16, 16, 128, torch.float16, *LONGNET),
+    "few-long-256k-mean64k": (262144, 65536, 0.5, 8, 8, 128, torch.bfloat16, *LONGNET),
+}
+
+
+def _bench(fn, rep: int) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def run_case(name: str, causal: bool, rounds: int, rep: int) -> dict:
+    total, mean, sigma, h, hkv, d, dt, seg, dil = CASES[name]
+    lens = document_lengths(total, mean, sigma, 0)
+    cu = _offsets(lens, "cpu")
+    longest = max(lens)
+    torch.manual_seed(0)
+    q, do = (torch.randn(total, h, d, device="cuda", dtype=dt) for _ in range(2))
+    k, v = (torch.randn(total, hkv, d, device="cuda", dtype=dt) for _ in range(2))
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def call(a, b, c):
+        return dilated_attention_varlen(a, b, c, cu, cu, longest, longest, seg, dil, causal=causal, impl="triton")
+
+    def fwd():
+        with torch.no_grad():
+            return call(*xs)
+
+    def fb():
+        return torch.autograd.grad(call(*xs), xs, do)
+
+    def arm(on: bool, what):
+        gluon_varlen.VARLEN_FORWARD = on
+        try:
+            return what()
+        finally:
+            gluon_varlen.VARLEN_FORWARD = False
+
+    calls = []  # the on arm's launches of the Gluon varlen forward (0: the gate sent it to Triton)
+    real = gluon_varlen.forward
+    gluon_varlen.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        outs = {on: arm(on, fwd).float() for on in (True, False)}
+    finally:
+        gluon_varlen.forward = real
+    times = {(on, k): [] for on in (True, False) for k in ("fwd", "fb")}
+    for _ in range(rounds):
+        for on in (True, False):
+            times[(on, "fwd")].append(arm(on, lambda: _bench(fwd, rep)))
+            times[(on, "fb")].append(arm(on, lambda: _bench(fb, rep)))
+    med = {key: statistics.median(v) for key, v in times.items()}
+    return dict(name=name, causal=causal, docs=len(lens), longest=longest, gluon=len(calls),
+                diff=(outs[True] - outs[False]).abs().max().item(),
+                on_fwd=med[(True, "fwd")], off_fwd=med[(False, "fwd")],
+                on_fb=med[(True, "fb")], off_fb=med[(False, "fb")])  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lines = [
+        *results_header("gluon_varlen.VARLEN_FORWARD on / off: packed documents through dilated_attention_varlen(impl='triton')",
+                        device="cuda", command=f"python3 benchmarks/varlen_switch_ab.py {shlex.join(sys.argv[1:])}"),
+        "",
+        f"Interleaved, {args.rounds} rounds, medians (ms). on / off < 1: the Gluon varlen forward is faster.",
+        "",
+        "| case | causal | docs | longest | Gluon launches (on) | fwd on | fwd off | on/off | fwd+bwd on | fwd+bwd off | on/off | max abs on-off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def flush():
+        text = "\n".join(lines) + "\n"
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+
+    for name in args.cases.split(","):
+        for causal in (False, True):
+            try:
+                r = run_case(name, causal, args.rounds, args.rep)
+                lines.append(
+                    f"| {name} | {causal} | {r['docs']} | {r['longest']} | {r['gluon']} | {r['on_fwd']:.3f} | {r['off_fwd']:.3f} | "
+                    f"{r['on_fwd'] / r['off_fwd']:.3f} | {r['on_fb']:.3f} | {r['off_fb']:.3f} | "
+                    f"{r['on_fb'] / r['off_fb']:.3f} | {r['diff']:.2e} |")  # fmt: skip
+            except Exception as e:  # noqa: BLE001  (a case that cannot run says why; the others run)
+                lines.append(f"| {name} | {causal} | error: {type(e).__name__}: {str(e).splitlines()[0][:150]} |")
+            print(lines[-1], flush=True)
+            flush()
+            torch.cuda.empty_cache()
+    flush()
+
+
+if __name__ == "__main__":
+    main()
