@@ -35,7 +35,9 @@ issue's packed batch (128K tokens, lognormal mean 8K, 16 x 128, bf16, LongNet br
 and forward+backward: this prototype, the library's varlen call (Triton kernels), and one
 sequence of 128K tokens (Gluon, and Triton) per useful FLOP; ``--ceiling`` adds both calls'
 blocks on dense SDPA (:func:`ceiling_ms`). Exit 2 without an sm_90 GPU (the compile mode needs
-only Triton 3.6). Not in src/: nothing here is wired into the library.
+only Triton 3.6). The kernels and launches now live in the library (``kernels/gluon_varlen.py``, forward on
+by default since 2026-11-29, backward behind ``gluon_varlen.VARLEN_BACKWARD``); this script calls them
+without their gates.
 
 Measured (H200, torch 2.11, triton 3.6, 2026-11-29: results/gluon_varlen_h200_2026-11-29.md):
 exact (16 bf16 check cases and the 4 fp16 ones without r = 1, each within 2x the library's
@@ -63,9 +65,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 try:
-    from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import tma
 
     from dilated_attention.kernels import gluon_bwd_kernel as BK
     from dilated_attention.kernels import gluon_fwd_kernel as F
@@ -75,113 +75,16 @@ except Exception as e:  # noqa: BLE001  (no Gluon / no Hopper module in this Tri
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 from dilated_attention.kernels import gluon_bwd, gluon_fwd, gluon_varlen  # noqa: E402
-from dilated_attention.kernels.gluon_varlen import PROGRAM_ROWS, _Scratch, entries  # noqa: E402
+from dilated_attention.kernels.gluon_varlen import PROGRAM_ROWS, entries  # noqa: E402
 
 if _IMPORT_ERROR is None:
-    # the forward kernel is the library's (kernels/gluon_varlen_kernel.py, from this prototype)
+    # the kernels are the library's (kernels/gluon_varlen_kernel.py, from this prototype)
     from dilated_attention.kernels.gluon_varlen_kernel import (
-        _WGM,
         SCRATCH_PER_PROGRAM,
+        dkdv_varlen_kernel,
+        dq_varlen_kernel,
         gluon_fwd_varlen_kernel,
     )
-
-
-if _IMPORT_ERROR is None:
-
-    @gluon.jit
-    def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, qk_scale, sm_scale, NE, NNB,
-                           R, H, HKV, REP, NI, LP, SNQ, SNK, q_layout: gl.constexpr, kv_layout: gl.constexpr,
-                           BMQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                           ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           LOADER_REGS: gl.constexpr):  # fmt: skip
-        """``gluon_bwd_kernel.dkdv_kernel`` over entries: one program per (key tile of 128 rows,
-        entry e) x (kv head g, residue slot i0); its K / V descriptors start at the block's first
-        row (head g), its q / dO descriptors at that row over all heads (the loader's column is
-        the query head: c passed as 0); dK / dV rows p0 + c + R t (blk = p0, W = 1); lse / delta
-        rows block-major [H, NE, LP] (b = 0, s = e, NSEG = NE)."""
-        pid0 = gl.program_id(0)
-        pid_x = gl.program_id(1)
-        pid_n = pid0 % NNB
-        e = pid0 // NNB
-        g = pid_x // NI
-        i0 = pid_x % NI
-        h_start = g * REP + i0
-        c = h_start % R
-        nhl = ((g + 1) * REP - h_start + R - 1) // R
-        p0 = gl.load(ENT_P0 + e)
-        ws = gl.load(ENT_W + e)
-        L = gl.maximum((ws - c + R - 1) // R, 0)
-        n_lo = pid_n * (2 * _WGM)
-        if n_lo < L:
-            row = (p0 + c).to(gl.int64)
-            rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
-            rk = SNK.to(gl.int64) * R
-            q_desc = tma.make_tensor_descriptor(Q + row * SNQ, [1, L, H, D], [rq * L, rq, D, 1], [1, BMQ, 1, D],
-                                                q_layout)  # fmt: skip
-            do_desc = tma.make_tensor_descriptor(DO + row * SNQ, [1, L, H, D], [rq * L, rq, D, 1], [1, BMQ, 1, D],
-                                                 q_layout)  # fmt: skip
-            k_desc = tma.make_tensor_descriptor(K + row * SNK + g * D, [1, L, 1, D], [rk * L, rk, D, 1],
-                                                [1, _WGM, 1, D], kv_layout)  # fmt: skip
-            v_desc = tma.make_tensor_descriptor(V + row * SNK + g * D, [1, L, 1, D], [rk * L, rk, D, 1],
-                                                [1, _WGM, 1, D], kv_layout)  # fmt: skip
-            n_qt_all = gl.cdiv(L, BMQ)
-            if CAUSAL:
-                m_first = n_lo
-                n_qt = n_qt_all - n_lo // BMQ
-                n_diag = gl.minimum(n_qt, (2 * _WGM) // BMQ)
-            else:
-                m_first = n_lo * 0
-                n_qt = n_qt_all
-                n_diag = n_qt * 0
-            # the library's program body: dK / dV stored at rows p0 + c + R t (blk = p0, W = 1); the
-            # loader at block 0, residue 0 of descriptors that start at the block, column = query head
-            BK._dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, p0, 0, n_lo, 0, c, 0, g,
-                             h_start, nhl, m_first, n_qt, n_diag, 0, e, L, 1, R, H, HKV, NE, LP, qk_scale,
-                             sm_scale, BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
-
-    @gluon.jit
-    def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_scale, NE, NMB, R, H, HKV,
-                         LP, SNQ, SNK, q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
-                         D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
-        """``gluon_bwd_kernel.dq_kernel`` over entries: one program per (query tile of 128 rows,
-        entry e) x head h; descriptors at the block's first row; dQ rows p0 + c + R t (blk = p0,
-        W = 1); lse / delta rows block-major [H, NE, LP]."""
-        pid0 = gl.program_id(0)
-        h = gl.program_id(1)
-        pid_m = pid0 % NMB
-        e = pid0 // NMB
-        c = h % R
-        hk = h // (H // HKV)
-        p0 = gl.load(ENT_P0 + e)
-        ws = gl.load(ENT_W + e)
-        L = gl.maximum((ws - c + R - 1) // R, 0)
-        q_row0 = pid_m * (2 * _WGM)
-        if q_row0 < L:
-            row = (p0 + c).to(gl.int64)
-            rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
-            rk = SNK.to(gl.int64) * R
-            q_desc = tma.make_tensor_descriptor(Q + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
-                                                [1, _WGM, 1, D], q_layout)  # fmt: skip
-            do_desc = tma.make_tensor_descriptor(DO + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
-                                                 [1, _WGM, 1, D], q_layout)  # fmt: skip
-            k_desc = tma.make_tensor_descriptor(K + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
-                                                [1, BN, 1, D], kv_layout)  # fmt: skip
-            v_desc = tma.make_tensor_descriptor(V + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
-                                                [1, BN, 1, D], kv_layout)  # fmt: skip
-            lrow = (h.to(gl.int64) * NE + e) * LP
-            n_kv = gl.cdiv(L, BN)
-            if CAUSAL:
-                n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-                n_full = gl.minimum(q_row0 // BN, n_tiles)
-            else:
-                n_tiles = n_kv
-                n_full = n_kv
-            # the library's program body: dQ rows p0 + c + R t (blk = p0, W = 1), the loader at block
-            # 0 and columns 0 of descriptors that start at the block
-            BK._dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, p0, 0, q_row0, 0, 0, c, h, n_tiles,
-                           n_full, L, 1, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD, CONSUMER_REGS,
-                           LOADER_REGS)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ host
@@ -255,80 +158,36 @@ def emulate_forward(q, k, v, offsets: list[int], seg, dil, causal: bool, scale: 
 
 def varlen_rows(x: torch.Tensor, offsets: list[int], w: int, r: int, pad_value: float,
                 mult: float = 1.0) -> torch.Tensor:
-    """(H, total) float -> block-major float32 [H, NE, LP] over branch w's entries (the library's
-    ``gluon_bwd.prep_rows`` with entries for segments): ``y[h, e, t] = mult * x[h, p0_e + c +
-    r t]`` for t < L(e, c) = ceil((w_e - c) / r), c = h % r; -inf -> +inf; other rows
-    ``pad_value``; LP = the longest block rounded up to ``gluon_bwd.LPAD``."""
-    nh = x.shape[0]
+    """(H, total) float -> block-major float32 [H, NE, LP] over branch w's entries from host
+    offsets: the library's ``gluon_varlen.prep_rows`` (``y[h, e, t] = mult * x[h, p0_e + c + r
+    t]`` for t < L(e, c) = ceil((w_e - c) / r), c = h % r; -inf -> +inf; other rows
+    ``pad_value``; LP = the longest block rounded up to ``gluon_bwd.LPAD``)."""
     p0, ws = entries(offsets, w)
-    ne = len(p0)
-    big = max(-(-n // r) for n in ws) if ws else 0
-    lp = max(-(-big // gluon_bwd.LPAD) * gluon_bwd.LPAD, gluon_bwd.LPAD)
-    out = torch.full((nh, ne, lp), pad_value, dtype=torch.float32, device=x.device)
-    if ne == 0:
-        return out
-    p0_t = torch.tensor(p0, device=x.device).view(1, ne, 1)
-    ws_t = torch.tensor(ws, device=x.device).view(1, ne, 1)
-    c = (torch.arange(nh, device=x.device) % r).view(nh, 1, 1)
-    t = torch.arange(big, device=x.device).view(1, 1, big)
-    n_rows = torch.clamp(torch.div(ws_t - c + r - 1, r, rounding_mode="floor"), min=0)
-    valid = t < n_rows
-    idx = torch.where(valid, p0_t + c + r * t, 0).view(nh, ne * big)
-    y = x.float().gather(-1, idx).view(nh, ne, big) * mult
-    y = torch.where(y == float("-inf"), torch.full_like(y, float("inf")), y)
-    out[..., :big] = torch.where(valid, y, torch.full_like(y, pad_value))
-    return out
+    longest = max([b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)] + [0])
+    lp = gluon_varlen.rows_pad(longest, offsets[-1], w, r)
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=x.device)  # noqa: E731
+    return gluon_varlen.prep_rows(x, as_t(p0), as_t(ws), r, lp, pad_value, mult)
 
 
 def varlen_backward(dout, q, k, v, out, lse, offsets: list[int], seg, dil, causal: bool,
                     scale: float | None = None):
     """dq, dk, dv (the inputs' dtypes) over the packed documents, from the FINAL out and lse
-    (:func:`varlen_forward`): the library's Gluon backward (float32 accumulators, a first
-    branch with r = 1 over covered rows stores instead of adding) with entries for segments."""
-    total, nh, d = q.shape
-    nkv = k.shape[1]
-    rep = nh // nkv
-    scale = d**-0.5 if scale is None else scale
+    (:func:`varlen_forward`): the library's launch (``gluon_varlen.backward``: float32
+    accumulators, a first branch with r = 1 over covered rows stores instead of adding; entry
+    tables and block-major rows made on the device) without its gate."""
     from dilated_attention.kernels import triton_launch
 
-    dout = dout.contiguous()
-    # (H, total): the library's delta kernel (the first GPU runs, 2026-11-29, computed it unfused,
-    # through two float32 copies of out and dO: ~1 ms of extra memory traffic at 128K x 16 x 128)
-    delta = triton_launch._delta(out[None], dout[None])[0]
+    total, nh, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    delta = triton_launch._delta(out[None], dout[None])
     covered = offsets[0] == 0 and offsets[-1] == total
     store_first = dil[0] == 1 and covered
-    alloc = torch.empty if store_first else torch.zeros
-    dq = alloc(q.shape, dtype=torch.float32, device=q.device)
-    dk = alloc(k.shape, dtype=torch.float32, device=q.device)
-    dv = alloc(v.shape, dtype=torch.float32, device=q.device)
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-    bn = gluon_bwd.dq_bn(d)
-    lay = lambda rows: gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], gdt)  # noqa: E731
-    common = dict(D=d, CAUSAL=bool(causal), CONSUMER_REGS=gluon_bwd.CONSUMER_REGS,
-                  LOADER_REGS=gluon_bwd.LOADER_REGS, num_warps=4, maxnreg=gluon_bwd.MAXNREG)  # fmt: skip
-    with _Scratch(q.device):
-        for bi, (w, r) in enumerate(zip(seg, dil, strict=True)):
-            p0, ws = entries(offsets, w)
-            if not p0:
-                continue
-            add = bi > 0 or not store_first
-            ne = len(p0)
-            ent = torch.tensor([p0, ws], dtype=torch.int32).to(q.device, non_blocking=True)
-            lse2 = varlen_rows(lse, offsets, w, r, float("inf"), gluon_bwd.LOG2E)
-            delta2 = varlen_rows(delta, offsets, w, r, 0.0)
-            lp = lse2.shape[-1]
-            nb = -(-max(-(-n // r) for n in ws) // PROGRAM_ROWS)
-            ni = min(rep, r)
-            dkdv_varlen_kernel[(nb * ne, nkv * ni)](
-                q, dout, k, v, gluon_bwd._row_desc(lse2, BK.BMQ), gluon_bwd._row_desc(delta2, BK.BMQ), dk, dv,
-                ent[0], ent[1], scale * gluon_bwd.LOG2E, scale, ne, nb, r, nh, nkv, rep, ni, lp, q.stride(0),
-                k.stride(0), q_layout=lay(BK.BMQ), kv_layout=lay(BK.WG_M), BMQ=BK.BMQ,
-                STAGES=gluon_bwd.kv_stages(d), ADD=add, **common)  # fmt: skip
-            dq_varlen_kernel[(nb * ne, nh)](
-                q, dout, k, v, dq, lse2, delta2, ent[0], ent[1], scale * gluon_bwd.LOG2E, scale, ne, nb, r, nh,
-                nkv, lp, q.stride(0), k.stride(0), q_layout=lay(BK.WG_M), kv_layout=lay(bn), BN=bn,
-                STAGES=gluon_bwd.DQ_STAGES, ADD=add, **common)  # fmt: skip
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    branches = [(w, r, 0, nh) for w, r in zip(seg, dil, strict=True)]
+    cu = torch.tensor(offsets, dtype=torch.int32).to(q.device, non_blocking=True)
+    longest = max([b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)] + [1])
+    dq, dk, dv = gluon_varlen.backward(dout[None], q[None], k[None], v[None], delta, lse[None], cu, longest,
+                                       branches, causal, scale, store_first)  # fmt: skip
+    return dq[0], dk[0], dv[0]
 
 
 # ------------------------------------------------------------------------------ check / bench

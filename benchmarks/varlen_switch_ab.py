@@ -1,11 +1,13 @@
-"""A/B of ``gluon_varlen.VARLEN_FORWARD`` (issue 22 item 2b): packed documents through the public
-``dilated_attention_varlen(impl="triton")`` with the Gluon varlen forward on and off, over
-several packed batches (document-length mixes, head dims, GQA, dtypes, causal or not).
+"""A/B of ``gluon_varlen.VARLEN_FORWARD`` or ``VARLEN_BACKWARD`` (issue 22 item 2b): packed documents
+through the public ``dilated_attention_varlen(impl="triton")`` with the Gluon varlen kernels on and
+off, over several packed batches (document-length mixes, head dims, GQA, dtypes, causal or not).
+``--switch forward`` (the default) flips the forward's switch (the backward's as shipped in both
+arms); ``--switch backward`` flips the backward's (the forward's as shipped); ``both`` flips both.
 
 Both arms run in one process, interleaved over ``--rounds`` rounds (on, off, on, off, ...), so
 their ratio compares them under the same clocks. Forward (no grad) and forward+backward medians
-(``triton.testing.do_bench``); the backward is the Triton varlen backward in both arms, so the
-fwd+bwd ratio shows what the forward's change is worth in a training step. ``max|on-off|``: the
+(``triton.testing.do_bench``). With ``--switch forward`` the backward is the same in both arms, so
+the fwd+bwd ratio shows what the forward's change is worth in a training step. ``max|on-off|``: the
 largest difference of the two arms' outputs (both exact to the reference in the tests: a sanity
 column, not the exactness test, which is tests/test_gluon_varlen.py).
 
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_varlen import _offsets, document_lengths  # noqa: E402
 from common import results_header  # noqa: E402
 
+DEVICE = "cuda"  # tests/test_gluon_varlen.py runs a tiny case on the CPU (interpreter)
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
 # name: (total tokens, mean length, sigma, heads, kv heads, headdim, dtype, segments, dilations)
 CASES = {
@@ -47,14 +50,14 @@ def _bench(fn, rep: int) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
-def run_case(name: str, causal: bool, rounds: int, rep: int) -> dict:
+def run_case(name: str, causal: bool, rounds: int, rep: int, switch: str = "forward") -> dict:
     total, mean, sigma, h, hkv, d, dt, seg, dil = CASES[name]
     lens = document_lengths(total, mean, sigma, 0)
     cu = _offsets(lens, "cpu")
     longest = max(lens)
     torch.manual_seed(0)
-    q, do = (torch.randn(total, h, d, device="cuda", dtype=dt) for _ in range(2))
-    k, v = (torch.randn(total, hkv, d, device="cuda", dtype=dt) for _ in range(2))
+    q, do = (torch.randn(total, h, d, device=DEVICE, dtype=dt) for _ in range(2))
+    k, v = (torch.randn(total, hkv, d, device=DEVICE, dtype=dt) for _ in range(2))
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
 
     def call(a, b, c):
@@ -67,28 +70,40 @@ def run_case(name: str, causal: bool, rounds: int, rep: int) -> dict:
     def fb():
         return torch.autograd.grad(call(*xs), xs, do)
 
+    names = {"forward": ["VARLEN_FORWARD"], "backward": ["VARLEN_BACKWARD"],
+             "both": ["VARLEN_FORWARD", "VARLEN_BACKWARD"]}[switch]  # fmt: skip
+    shipped = {n: getattr(gluon_varlen, n) for n in names}
+
     def arm(on: bool, what):
-        gluon_varlen.VARLEN_FORWARD = on
+        for n in names:
+            setattr(gluon_varlen, n, on)
         try:
             return what()
         finally:
-            gluon_varlen.VARLEN_FORWARD = False
+            for n, val in shipped.items():
+                setattr(gluon_varlen, n, val)
 
-    calls = []  # the on arm's launches of the Gluon varlen forward (0: the gate sent it to Triton)
-    real = gluon_varlen.forward
-    gluon_varlen.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    # the on arm's calls of the Gluon varlen forward and backward (0: the gate sent it to Triton)
+    calls = {"forward": [], "backward": []}
+    real = {n: getattr(gluon_varlen, n) for n in calls}
+    for n in calls:
+        setattr(gluon_varlen, n, lambda *a, _n=n, **kw: calls[_n].append(1) or real[_n](*a, **kw))
     try:
-        outs = {on: arm(on, fwd).float() for on in (True, False)}
+        outs = {True: arm(True, fb)}
+        counted = {n: len(c) for n, c in calls.items()}  # the on arm's only
+        outs[False] = arm(False, fb)
     finally:
-        gluon_varlen.forward = real
+        for n in calls:
+            setattr(gluon_varlen, n, real[n])
     times = {(on, k): [] for on in (True, False) for k in ("fwd", "fb")}
     for _ in range(rounds):
         for on in (True, False):
             times[(on, "fwd")].append(arm(on, lambda: _bench(fwd, rep)))
             times[(on, "fb")].append(arm(on, lambda: _bench(fb, rep)))
     med = {key: statistics.median(v) for key, v in times.items()}
-    return dict(name=name, causal=causal, docs=len(lens), longest=longest, gluon=len(calls),
-                diff=(outs[True] - outs[False]).abs().max().item(),
+    return dict(name=name, causal=causal, docs=len(lens), longest=longest,
+                gluon=f"{counted['forward']} / {counted['backward']}",
+                diff=max((a.float() - b.float()).abs().max().item() for a, b in zip(outs[True], outs[False], strict=True)),
                 on_fwd=med[(True, "fwd")], off_fwd=med[(False, "fwd")],
                 on_fb=med[(True, "fb")], off_fb=med[(False, "fb")])  # fmt: skip
 
@@ -98,15 +113,19 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    ap.add_argument("--switch", choices=["forward", "backward", "both"], default="forward")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lines = [
-        *results_header("gluon_varlen.VARLEN_FORWARD on / off: packed documents through dilated_attention_varlen(impl='triton')",
+        *results_header(f"gluon_varlen switch {args.switch!r} on / off: packed documents through "
+                        "dilated_attention_varlen(impl='triton')",
                         device="cuda", command=f"python3 benchmarks/varlen_switch_ab.py {shlex.join(sys.argv[1:])}"),
         "",
-        f"Interleaved, {args.rounds} rounds, medians (ms). on / off < 1: the Gluon varlen forward is faster.",
+        f"Interleaved, {args.rounds} rounds, medians (ms). on / off < 1: the Gluon varlen kernels are faster. "
+        "Gluon calls: the on arm's calls of gluon_varlen.forward / backward in one training step. "
+        "max abs on-off: over dq, dk, dv.",
         "",
-        "| case | causal | docs | longest | Gluon launches (on) | fwd on | fwd off | on/off | fwd+bwd on | fwd+bwd off | on/off | max abs on-off |",
+        "| case | causal | docs | longest | Gluon calls fwd / bwd (on) | fwd on | fwd off | on/off | fwd+bwd on | fwd+bwd off | on/off | max abs on-off |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -119,7 +138,7 @@ def main() -> None:
     for name in args.cases.split(","):
         for causal in (False, True):
             try:
-                r = run_case(name, causal, args.rounds, args.rep)
+                r = run_case(name, causal, args.rounds, args.rep, args.switch)
                 lines.append(
                     f"| {name} | {causal} | {r['docs']} | {r['longest']} | {r['gluon']} | {r['on_fwd']:.3f} | {r['off_fwd']:.3f} | "
                     f"{r['on_fwd'] / r['off_fwd']:.3f} | {r['on_fb']:.3f} | {r['off_fb']:.3f} | "

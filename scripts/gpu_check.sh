@@ -124,6 +124,10 @@
 #   bash scripts/gpu_check.sh cuda-s27  the CUDA tests of tests/test_gluon_varlen.py (the library's Gluon varlen forward,
 #                                       its switch forced on) and tests/test_gluon_bwd.py (SPLIT_PHASES on): not run since
 #                                       they changed (2026-11-29); timeout $CUDA_TEST_TIMEOUT 540 s (44 varlen cases compile)
+#   bash scripts/gpu_check.sh varlen-bwd issue 22 item 2b: the CUDA tests of tests/test_gluon_varlen.py (the Gluon varlen
+#                                       forward and backward, both switches forced on; $CUDA_TEST_TIMEOUT 360 s) then
+#                                       benchmarks/varlen_switch_ab.py --switch backward ($AB_TIMEOUT 200 s; $SWITCH_AB_ARGS,
+#                                       e.g. "--cases issue-128k-16x128,gqa32x8-64k-mean4096 --rounds 3")
 #   bash scripts/gpu_check.sh s28      benchmarks/varlen_switch_ab.py (gluon_varlen.VARLEN_FORWARD on / off over six packed
 #                                       batches; its column "Gluon launches" shows which the gates send to Gluon), timeout
 #                                       $AB_TIMEOUT 300 (440 s with a cold cache on an H200), then the CUDA tests of
@@ -356,6 +360,19 @@ case "${1:-tests}" in
       -n 4 -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -20
+    ;;
+  varlen-bwd)
+    # issue 22 item 2b, the Gluon varlen backward (gluon_varlen.VARLEN_BACKWARD, off until this passes): the CUDA tests
+    # of tests/test_gluon_varlen.py (both switches on: 44 configurations, forward and backward against the float64
+    # reference per document, Gluon calls counted, bits repeatable), then benchmarks/varlen_switch_ab.py --switch backward
+    timeout "${CUDA_TEST_TIMEOUT:-360}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -n 4 -p no:cacheprovider \
+      -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${AB_TIMEOUT:-200}" python3 benchmarks/varlen_switch_ab.py --switch backward ${SWITCH_AB_ARGS:-} \
+      --out "$OUT/varlen_switch_ab_bwd.md" > "$OUT/varlen_switch_ab_bwd.txt" 2>&1
+    echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_bwd.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -E "^\|" "$OUT/varlen_switch_ab_bwd.md"; grep -E "rc=" "$OUT/varlen_switch_ab_bwd.txt"
     ;;
   s28)
     # the session of 2026-11-29 (twenty-eighth): gluon_varlen.VARLEN_FORWARD on / off over six packed

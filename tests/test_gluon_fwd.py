@@ -580,7 +580,9 @@ def test_varlen_prototype_host_math_against_the_reference():
         from triton.runtime import _allocation
 
         before = _allocation._allocator.get()
-        with G._Scratch(torch.device("cpu")) as sc:
+        from dilated_attention.kernels.gluon_varlen import _Scratch
+
+        with _Scratch(torch.device("cpu")) as sc:
             assert _allocation._allocator.get() is sc and sc(640, 128, None).numel() == 640
         assert _allocation._allocator.get() is before
     # the packed batch's dense ceiling (--bench --ceiling): its blocks, merged by length, are the

@@ -1,13 +1,18 @@
-"""The Gluon forward over packed documents (kernels/gluon_varlen.py, gluon_varlen_kernel.py).
+"""The Gluon kernels over packed documents (kernels/gluon_varlen.py, gluon_varlen_kernel.py):
+the forward (on by default) and the backward (``gluon_varlen.VARLEN_BACKWARD``, off until these
+CUDA tests pass).
 
 CPU:
-- the gate (:func:`gluon_varlen.problem`) and the switch;
+- the gates (:func:`gluon_varlen.problem`, :func:`gluon_varlen.backward_problem`) and the switches;
+- the backward's kernels emulated in float64 (:class:`_EmulatedVarlenBwd`) under the public
+  packed call, gradients against the float64 reference per document; its block-major rows
+  kernel (interpreted) against the torch form; a failed launch falls back with a warning;
 - the entry table from device offsets (clamped into the stream whatever the offsets) and the grid;
 - the library's packed call with the kernel emulated in float64 (:class:`_EmulatedVarlenKernel`):
   ``dilated_attention_varlen(impl="triton")`` forward and backward against the float64 reference
   run on each document alone (the backward: the Triton varlen kernels on the emulated out and lse).
 
-CUDA (sm_90 with Triton's Gluon), the switch on:
+CUDA (sm_90 with Triton's Gluon), both switches on (forward and backward):
 - the same calls against the reference, judged as tests/test_gluon_fwd.py judges the Gluon
   forward: error <= 2x the Triton varlen path's + 1e-3;
 - the Gluon launches counted (a fall back to Triton is a failure);
@@ -35,7 +40,9 @@ LOG2E = 1.4426950408889634
 @pytest.fixture
 def switch_on(monkeypatch):
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
+    monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", True)
     monkeypatch.setattr(gluon_varlen, "_failed", {})
+    monkeypatch.setattr(gluon_varlen, "_bwd_failed", {})
     # small cases: below gluon_fwd.MIN_ROWS and D64_MIN_BLOCK, which keep small calls on the
     # Triton kernels for speed; the kernel's exactness depends on neither
     monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
@@ -45,8 +52,10 @@ def switch_on(monkeypatch):
     monkeypatch.setattr(gluon_varlen, "HEADDIMS", (64, 128))
     monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC", 0)
     flags.set_gluon_forward(True)
+    flags.set_gluon_backward(True)
     yield
     flags.set_gluon_forward(None)
+    flags.set_gluon_backward(None)
 
 
 def _offsets(lens):
@@ -228,6 +237,252 @@ def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil
     assert first_fills or lse.isfinite().all()  # every row a document's: the first branch stored it
 
 
+class _Launcher:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.fn(grid, *a, **kw)
+
+
+class _EmulatedVarlenBwd:
+    """``dkdv_varlen_kernel`` and ``dq_varlen_kernel`` in float64 on the CPU at the granularity
+    of a program: the grid decode of the kernels (entry, key / query tile of 128 rows, kv head
+    and residue slot / query head), the block of rows ``p0 + c + R t`` from the entry table, the
+    block-major lse / delta rows [H, NE, LP], the stores (ADD False) or adds into the float32
+    accumulators. Checks the grids against the tables."""
+
+    BLK = 128
+
+    def __init__(self):
+        self.launches = []
+        self.dkdv_varlen_kernel = _Launcher(self._dkdv)
+        self.dq_varlen_kernel = _Launcher(self._dq)
+        self.BK = types.SimpleNamespace(BMQ=64, WG_M=64)
+
+    @staticmethod
+    def _grads(qb, dob, kb, vb, l2, dl2, qk_scale, causal, q_rows, k_rows):
+        p = torch.exp2(qb @ kb.T * qk_scale - l2[:, None])
+        if causal:
+            p = p.masked_fill(k_rows[None, :] > q_rows[:, None], 0.0)
+        return p, p * (dob @ vb.T - dl2[:, None])
+
+    def _block(self, p0, ws, e, c, r):
+        n = max(-(-(int(ws[e]) - c) // r), 0)
+        return int(p0[e]) + c + r * torch.arange(n), n
+
+    def _dkdv(self, grid, q, do, k, v, l_desc, dl_desc, dk, dv, p0, ws, qk_scale, sm_scale, ne, nnb, r, nh, hkv,
+              rep, ni, lp, snq, snk, *, CAUSAL, ADD, **_):  # fmt: skip
+        self.launches.append(("dkdv", r, ADD))
+        assert grid == (nnb * ne, hkv * ni) and ne == p0.numel() == ws.numel() and (snq, snk) == (q.stride(0), k.stride(0))
+        lf, df = l_desc.base.reshape(-1).double(), dl_desc.base.reshape(-1).double()
+        assert l_desc.base.shape == (nh, ne, lp)
+        for pid0 in range(grid[0]):
+            pid_n, e = pid0 % nnb, pid0 // nnb
+            for pid_x in range(grid[1]):
+                g, i0 = pid_x // ni, pid_x % ni
+                h_start = g * rep + i0
+                c = h_start % r
+                nhl = ((g + 1) * rep - h_start + r - 1) // r
+                rows, n = self._block(p0, ws, e, c, r)
+                assert n <= nnb * self.BLK and n <= lp, "the grid or the rows do not cover the block"
+                kr = torch.arange(pid_n * self.BLK, min((pid_n + 1) * self.BLK, n))
+                if kr.numel() == 0:
+                    continue
+                kb, vb = k[rows[kr], g].double(), v[rows[kr], g].double()
+                gk, gv = torch.zeros_like(kb), torch.zeros_like(vb)
+                for j in range(max(nhl, 0)):
+                    h = h_start + j * r
+                    qb, dob = q[rows, h].double(), do[rows, h].double()
+                    lrow = (h * ne + e) * lp
+                    pr, ds = self._grads(qb, dob, kb, vb, lf[lrow : lrow + n], df[lrow : lrow + n], qk_scale, CAUSAL,
+                                         torch.arange(n), kr)  # fmt: skip
+                    gv += pr.T @ dob
+                    gk += ds.T @ qb
+                for acc, gr in ((dk, gk * sm_scale), (dv, gv)):
+                    if ADD:
+                        acc[rows[kr], g] += gr.float()
+                    else:
+                        acc[rows[kr], g] = gr.float()
+
+    def _dq(self, grid, q, do, k, v, dq, lse2, delta2, p0, ws, qk_scale, sm_scale, ne, nmb, r, nh, hkv, lp, snq,
+            snk, *, CAUSAL, ADD, **_):  # fmt: skip
+        self.launches.append(("dq", r, ADD))
+        assert grid == (nmb * ne, nh) and lse2.shape == delta2.shape == (nh, ne, lp)
+        lf, df = lse2.reshape(-1).double(), delta2.reshape(-1).double()
+        for pid0 in range(grid[0]):
+            pid_m, e = pid0 % nmb, pid0 // nmb
+            for h in range(nh):
+                c, hk = h % r, h // (nh // hkv)
+                rows, n = self._block(p0, ws, e, c, r)
+                assert n <= nmb * self.BLK and n <= lp
+                qr = torch.arange(pid_m * self.BLK, min((pid_m + 1) * self.BLK, n))
+                if qr.numel() == 0:
+                    continue
+                kb, vb = k[rows, hk].double(), v[rows, hk].double()
+                lrow = (h * ne + e) * lp
+                _, ds = self._grads(q[rows[qr], h].double(), do[rows[qr], h].double(), kb, vb, lf[lrow + qr],
+                                    df[lrow + qr], qk_scale, CAUSAL, qr, torch.arange(n))  # fmt: skip
+                gq = (ds @ kb * sm_scale).float()
+                if ADD:
+                    dq[rows[qr], h] += gq
+                else:
+                    dq[rows[qr], h] = gq
+
+
+def _emulate_backward(monkeypatch):
+    """The Gluon varlen backward taken on the CPU: its gate opened where the switch is on (same
+    offsets only), its kernels emulated (:class:`_EmulatedVarlenBwd`); the forward stays on the
+    Triton varlen kernels (interpreted)."""
+    from dilated_attention.kernels import direct_launch
+
+    emu = _EmulatedVarlenBwd()
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
+    monkeypatch.setattr(gluon_varlen, "backward_problem",
+                        lambda q, k, v, c, br, same, *a: None if same and gluon_varlen.VARLEN_BACKWARD else "off")
+    monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: emu)
+    monkeypatch.setattr(gluon_fwd, "_block_layout", lambda *a: None)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
+    return emu
+
+
+@pytest.mark.parametrize("lens,seg,dil,h,hkv", CASES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
+def test_packed_backward_with_emulated_kernels(monkeypatch, switch_on, lens, seg, dil, h, hkv, causal, checked, split):
+    """``dilated_attention_varlen(impl="triton")`` with the Gluon varlen backward taken (its
+    kernels emulated in float64, the block-major rows by ``gluon_varlen.prep_rows``): gradients
+    against the float64 reference per document. A first r = 1 branch over host-checked offsets
+    (CPU offsets always are) stores (ADD False) into unfilled accumulators; every other launch
+    adds (r > 1 first: zeroed accumulators)."""
+    from dilated_attention.kernels import gluon_bwd
+
+    emu = _emulate_backward(monkeypatch)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
+    offs = _offsets(lens)
+    g = torch.Generator().manual_seed(sum(lens) + 3 * h)
+    q = torch.randn(offs[-1], h, 16, generator=g).to(torch.float16)
+    k = torch.randn(offs[-1], hkv, 16, generator=g).to(torch.float16)
+    v = torch.randn(offs[-1], hkv, 16, generator=g).to(torch.float16)
+    do = torch.randn(offs[-1], h, 16, generator=g).to(torch.float16)
+    cu = torch.tensor(offs, dtype=torch.int64 if checked else torch.int32)
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal, impl="triton",
+                                   check_offsets=checked)  # fmt: skip
+    grads = torch.autograd.grad(out, xs, do)
+    stores = dil[0] == 1  # offsets on the CPU are always checked (varlen.py), ``check_offsets`` or not
+    assert sorted({x[:2] for x in emu.launches}) == sorted({(kn, r) for kn in ("dkdv", "dq") for r in dil})
+    # the first branch's two launches store (r = 1 over offsets checked on the host), all others add
+    stored = [x for x in emu.launches if not x[2]]
+    assert sorted(stored) == ([("dkdv", 1, False), ("dq", 1, False)] if stores else [])
+    assert len(emu.launches) == 2 * len(dil)
+    r64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    _, _, want_g = varlen_reference(*r64, offs, offs, seg, dil, do.double(), causal=causal)
+    for name, a, b in zip("qkv", grads, want_g, strict=True):
+        assert a.dtype == torch.float16
+        assert (a.double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item()), f"d{name}"
+
+
+@pytest.mark.parametrize("r,lens,w", [(1, [7, 0, 1, 40, 13], 16), (3, [30, 0, 45, 2], 10), (5, [3, 50, 9], 64)])
+def test_block_rows_kernel_equals_prep_rows(r, lens, w):
+    """``triton_kernels.gluon_varlen_rows_kernel`` (interpreted here) gives
+    :func:`gluon_varlen.prep_rows`'s values bit for bit, over the device entry table (unused
+    slots all padding), with -inf lse rows (no key) sent to +inf."""
+    offs = _offsets(lens)
+    total, nh = offs[-1], 4
+    g = torch.Generator().manual_seed(r)
+    lse = torch.randn(nh, total, generator=g)
+    lse[1, 3] = float("-inf")
+    delta = torch.randn(nh, total, generator=g)
+    p0, ws = gluon_varlen.device_entries(torch.tensor(offs, dtype=torch.int32), w, total)
+    lp = gluon_varlen.rows_pad(max(lens), total, w, r)
+    lse2, delta2 = gluon_varlen.block_rows(lse, delta, p0, ws, r, lp)
+    assert torch.equal(lse2, gluon_varlen.prep_rows(lse, p0, ws, r, lp, float("inf"), LOG2E))
+    assert torch.equal(delta2, gluon_varlen.prep_rows(delta, p0, ws, r, lp, 0.0))
+    hp0, hws = gluon_varlen.entries(offs, w)
+    for h in range(nh):
+        c = h % r
+        for e, (a, n) in enumerate(zip(hp0, hws, strict=True)):
+            rows = [a + c + r * t for t in range(max(-(-(n - c) // r), 0))]
+            want = lse[h, rows] * LOG2E
+            want[want == float("-inf")] = float("inf")
+            assert torch.equal(lse2[h, e, : len(rows)], want) and (lse2[h, e, len(rows) :] == float("inf")).all()
+    assert (lse2[:, len(hp0) :] == float("inf")).all() and (delta2[:, len(hp0) :] == 0).all()
+
+
+def test_backward_gate(monkeypatch):
+    """The backward's own switch, its float32 budget (accumulators + the largest branch's rows)
+    and its failures recorded apart from the forward's; a failed launch warns and the Triton
+    varlen backward runs the call."""
+    from dilated_attention.kernels import gluon_bwd
+
+    q = torch.zeros(1, 8192, 4, 128, dtype=torch.bfloat16)
+    br = [(2048, 1, 0, 4), (4096, 2, 0, 4)]
+    monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", False)
+    assert "VARLEN_BACKWARD is off" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2)
+    monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(gluon_fwd, "device_problem", lambda q: None)
+    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+    monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: object())
+    monkeypatch.setattr(gluon_varlen, "_bwd_failed", {})
+    assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
+    # dq + dk + dv in float32, and the larger branch's rows: (2048, 1), 2 documents + 4 slots of 2048 rows
+    need = 4 * 8192 * 128 * 12 + gluon_varlen.rows_bytes(8192, 2, 8192, 2048, 1, 4)
+    assert need == 4 * 8192 * 128 * 12 + 2 * 4 * 4 * (2 + 4) * 2048
+    assert gluon_varlen.rows_bytes(8192, 2, 8192, 4096, 2, 4) < gluon_varlen.rows_bytes(8192, 2, 8192, 2048, 1, 4)
+    monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", need - 1)
+    assert "MAX_F32_BYTES" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2)
+    monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", need)
+    assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
+    gluon_varlen._bwd_failed[(torch.bfloat16, 128, True)] = "boom"
+    assert "failed here before" in gluon_varlen.backward_problem(q, q, q, True, br, True, 8192, 2)
+    assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
+
+
+def test_failed_backward_launch_falls_back_with_a_warning(monkeypatch, switch_on):
+    def boom(*a, **kw):
+        raise RuntimeError("out of resources (test)")
+
+    _emulate_backward(monkeypatch)
+    monkeypatch.setattr(gluon_varlen, "backward", boom)
+    offs = _offsets([9, 20])
+    q = torch.randn(offs[-1], 2, 16).to(torch.float16)
+    cu = torch.tensor(offs, dtype=torch.int32)
+    xs = [q.clone().requires_grad_() for _ in range(3)]
+    out = dilated_attention_varlen(*xs, cu, cu, 20, 20, [8, 16], [1, 2], impl="triton")
+    with pytest.warns(RuntimeWarning, match="Gluon varlen backward failed"):
+        got = torch.autograd.grad(out, xs, torch.ones_like(out))
+    r64 = [q.detach().double().requires_grad_() for _ in range(3)]
+    _, _, want = varlen_reference(*r64, offs, offs, [8, 16], [1, 2], torch.ones_like(out).double())
+    for a, b in zip(got, want, strict=True):
+        assert (a.double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item())
+    assert list(gluon_varlen._bwd_failed) == [(torch.float16, 16, False)] and not gluon_varlen._failed
+
+
+def test_switch_ab_benchmark_runs_both_arms_and_counts_the_on_arm(monkeypatch, switch_on):
+    """benchmarks/varlen_switch_ab.py on a tiny case on the CPU (the backward's kernels emulated,
+    timing replaced by one call): both arms run, the Gluon calls counted are the on arm's, the
+    switches come back as they were."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import varlen_switch_ab as ab
+
+    _emulate_backward(monkeypatch)
+    monkeypatch.setattr(ab, "DEVICE", "cpu")
+    monkeypatch.setattr(ab, "_bench", lambda fn, rep: (fn(), 1.0)[1])
+    monkeypatch.setitem(ab.CASES, "tiny", (96, 30, 0.5, 2, 1, 16, torch.float16, [16, 32], [1, 2]))
+    before = (gluon_varlen.VARLEN_FORWARD, gluon_varlen.VARLEN_BACKWARD)
+    r = ab.run_case("tiny", True, 1, 1, "backward")
+    assert r["gluon"] == "0 / 1" and r["diff"] < 2e-2 and r["on_fb"] == r["off_fb"] == 1.0
+    assert (gluon_varlen.VARLEN_FORWARD, gluon_varlen.VARLEN_BACKWARD) == before
+    assert gluon_varlen.forward.__module__ == gluon_varlen.__name__  # the spies removed
+
+
 def test_switch_off_runs_the_triton_varlen_kernels(monkeypatch):
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
     called = []
@@ -266,13 +521,20 @@ def test_gpu_check_helper_runs_on_the_cpu_with_the_emulated_kernel(monkeypatch, 
     from dilated_attention.kernels import direct_launch
 
     emu = _EmulatedVarlenKernel()
-    mod = types.SimpleNamespace(gluon_fwd_varlen_kernel=emu, F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128)
+    bwd = _EmulatedVarlenBwd()
+    mod = types.SimpleNamespace(gluon_fwd_varlen_kernel=emu, F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128,
+                                dkdv_varlen_kernel=bwd.dkdv_varlen_kernel, dq_varlen_kernel=bwd.dq_varlen_kernel,
+                                BK=bwd.BK)  # fmt: skip
     monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None if gluon_varlen.VARLEN_FORWARD else "off")
+    monkeypatch.setattr(gluon_varlen, "backward_problem", lambda *a: None if gluon_varlen.VARLEN_BACKWARD else "off")
     monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: mod)
     monkeypatch.setattr(gluon_fwd, "_block_layout", lambda *a: None)
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
     _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8, 20], [1, 3], True, [9, 0, 1, 30], device="cpu")
-    assert emu.launches
+    assert emu.launches and bwd.launches
+    monkeypatch.setattr(gluon_varlen, "backward_problem", lambda *a: "refused")
+    with pytest.raises(AssertionError, match="backward did not run"):
+        _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8], [1], False, [9, 5], device="cpu")
     monkeypatch.setattr(gluon_varlen, "problem", lambda *a: "refused")
     with pytest.raises(AssertionError, match="did not run"):
         _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8], [1], False, [9, 5], device="cpu")
@@ -294,9 +556,10 @@ def _lognormal(total: int, mean: float, seed: int) -> list[int]:
 
 
 def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device: str = "cuda") -> None:
-    """The library's packed call with the Gluon varlen forward (the switch on) against the
-    float64 reference per document, forward and backward, each error <= 2x the Triton varlen
-    path's + 1e-3; the Gluon path ran; its forward bits repeatable. (``device`` "cpu": the CPU
+    """The library's packed call with the Gluon varlen forward (the switch on) and, where
+    ``gluon_varlen.VARLEN_BACKWARD`` is on, its backward, against the float64 reference per
+    document, forward and backward, each error <= 2x the Triton varlen path's (both switches
+    off) + 1e-3; the Gluon paths ran; their bits repeatable. (``device`` "cpu": the CPU
     smoke test of this helper, with the kernel emulated.)"""
     offs = _offsets(lens)
     cu = torch.tensor(offs, dtype=torch.int32, device=device)
@@ -305,9 +568,11 @@ def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device:
     k = torch.randn(offs[-1], hkv, d, device=device, generator=g).to(dtype)
     v = torch.randn(offs[-1], hkv, d, device=device, generator=g).to(dtype)
     do = torch.randn(offs[-1], h, d, device=device, generator=g).to(dtype)
-    launches = []
-    real = gluon_varlen.forward
+    launches, bwd_launches = [], []
+    real, real_bwd = gluon_varlen.forward, gluon_varlen.backward
     monkeypatch.setattr(gluon_varlen, "forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gluon_varlen, "backward", lambda *a, **kw: bwd_launches.append(1) or real_bwd(*a, **kw))
+    bwd_on = gluon_varlen.VARLEN_BACKWARD
 
     def call():
         xs = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -318,10 +583,13 @@ def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device:
     case = f"{dtype} D {d} heads {h}/{hkv} w {seg} r {dil} causal {causal} lengths {lens}"
     got = call()
     assert launches, f"the Gluon varlen forward did not run ({case}): {gluon_varlen._failed}"
+    assert bool(bwd_launches) == bwd_on, f"the Gluon varlen backward did not run ({case}): {gluon_varlen._bwd_failed}"
     again = call()
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
+    monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", False)
     base = call()
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
+    monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", bwd_on)
     r64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     want_out, want_lse, want_g = varlen_reference(*r64, offs, offs, list(seg), list(dil), do.double(), causal=causal)
     fin = torch.isfinite(want_lse)
@@ -332,6 +600,8 @@ def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device:
         ea, eb = (a.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
         assert ea <= 2 * eb + 1e-3, f"{name}: Gluon varlen err {ea:.3g} > 2 x Triton err {eb:.3g} + 1e-3 ({case})"
     assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1]), f"forward not bitwise repeatable ({case})"
+    for a, b in zip(got[2], again[2], strict=True):  # no atomics in either backward
+        assert torch.equal(a, b), f"backward not bitwise repeatable ({case})"
 
 
 @needs_gluon

@@ -264,17 +264,26 @@ def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
     # results (its blocks are whole segments, and so is its short last segment's): no fill, and
     # it stores, not adds
     store_first = branches[0][1] == 1
-    alloc = torch.empty if store_first else torch.zeros
     args = (dout, q, k, v, delta, lse, branches, causal, scale, store_first)
+    return accumulate(q, k, v, store_first, lambda dq, dk, dv, kernels: _run_branches(*args, dq, dk, dv, kernels))
+
+
+def accumulate(q, k, v, store_first: bool, run):
+    """dq, dk, dv (q's, k's and v's shapes and dtypes) from ``run(dq, dk, dv, kernels)``, which
+    launches ``kernels`` ("dkdv", "dq") into float32 accumulators (None where not launched):
+    zeros, or empty where ``store_first``. With :data:`SPLIT_PHASES` the dK/dV phase first, its
+    accumulators cast and freed before the dQ phase's is allocated; else one phase. Shared by
+    :func:`backward` and the packed documents' (``gluon_varlen.backward``)."""
+    alloc = torch.empty if store_first else torch.zeros
     if not SPLIT_PHASES:
         accs = [alloc(x.shape, dtype=torch.float32, device=q.device) for x in (q, k, v)]
-        _run_branches(*args, *accs, KERNELS)
+        run(*accs, KERNELS)
         return _cast_each(accs, (q.dtype, k.dtype, v.dtype))
     accs = [alloc(x.shape, dtype=torch.float32, device=q.device) for x in (k, v)]
-    _run_branches(*args, None, *accs, ("dkdv",))
+    run(None, *accs, ("dkdv",))
     dk, dv = _cast_each(accs, (k.dtype, v.dtype))
     accs = [alloc(q.shape, dtype=torch.float32, device=q.device)]
-    _run_branches(*args, accs[0], None, None, ("dq",))
+    run(accs[0], None, None, ("dq",))
     (dq,) = _cast_each(accs, (q.dtype,))
     return dq, dk, dv
 

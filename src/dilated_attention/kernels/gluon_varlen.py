@@ -125,11 +125,25 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
     ``max_len``: the caller's bound on a document's length; ``ndocs``: the documents."""
     if not VARLEN_FORWARD:
         return "gluon_varlen.VARLEN_FORWARD is off"
+    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs)
+    if why is not None:
+        return why
+    key = (q.dtype, q.shape[3], bool(causal))
+    if key in _failed:
+        return f"the Gluon varlen forward failed here before: {_failed[key]}"
+    if kernel_module() is None:
+        return f"Gluon or its Hopper module is missing: {_import_error}"
+    return None
+
+
+def _inputs_problem(q, k, v, branches, same_offsets: bool, max_len: int, ndocs: int) -> str | None:
+    """The conditions the Gluon varlen forward and backward share (:func:`problem`): inputs,
+    branches, device and the speed gates."""
     if not same_offsets:
-        return "the Gluon varlen forward needs the same offsets for queries and keys"
+        return "the Gluon varlen kernels need the same offsets for queries and keys"
     nh = q.shape[2]
     if any(hs != 0 or he != nh for _, _, hs, he in branches):
-        return "the Gluon varlen forward needs every branch over all heads (head_assignment='all')"
+        return "the Gluon varlen kernels need every branch over all heads (head_assignment='all')"
     if not branches:
         return "no branch has heads"
     why = gluon_fwd.device_problem(q)
@@ -137,7 +151,7 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
         return why
     _, total, _, d = q.shape
     if k.shape[1] != total or total == 0:
-        return f"the Gluon varlen forward needs as many key rows as query rows > 0 ({total}, {k.shape[1]})"
+        return f"the Gluon varlen kernels need as many key rows as query rows > 0 ({total}, {k.shape[1]})"
     if total * nh < gluon_fwd.MIN_ROWS:
         return (f"total x heads = {total * nh} < gluon_fwd.MIN_ROWS = {gluon_fwd.MIN_ROWS}: the Triton "
                 f"kernels' direct launches cost less host time")  # fmt: skip
@@ -146,13 +160,13 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
                 f"faster there")  # fmt: skip
     if total < MIN_MEAN_DOC * ndocs:
         return (f"{ndocs} documents in {total} rows: a mean under gluon_varlen.MIN_MEAN_DOC = {MIN_MEAN_DOC} "
-                f"rows, where the Triton varlen forward is faster")  # fmt: skip
+                f"rows, where the Triton varlen kernels are faster")  # fmt: skip
     if d == 64 and max(min(w, max_len) // r for w, r, _, _ in branches) < gluon_fwd.D64_MIN_BLOCK:
         return (f"headdim 64 and every branch's blocks shorter than gluon_fwd.D64_MIN_BLOCK = "
                 f"{gluon_fwd.D64_MIN_BLOCK} rows: the Triton kernels are faster there")  # fmt: skip
     for w, r, _, _ in branches:
         if w // r < 2:
-            return f"branch (w={w}, r={r}): the Gluon varlen forward needs w // r >= 2"
+            return f"branch (w={w}, r={r}): the Gluon varlen kernels need w // r >= 2"
         if max(grid(max_len, ndocs, total, w, r, nh)[1:]) > gluon_fwd.GRID_YZ_MAX:
             return f"branch (w={w}, r={r}): {ndocs} documents + {total} // {w} entry slots: grid past CUDA's limits"
     for name, x in (
@@ -161,12 +175,7 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
         ("v", v),
     ):  # the descriptors: rows of heads x D, 16-byte aligned
         if not x.is_contiguous() or x.data_ptr() % 16:
-            return f"the Gluon varlen forward needs {name} contiguous and 16-byte aligned"
-    key = (q.dtype, d, bool(causal))
-    if key in _failed:
-        return f"the Gluon varlen forward failed here before: {_failed[key]}"
-    if kernel_module() is None:
-        return f"Gluon or its Hopper module is missing: {_import_error}"
+            return f"the Gluon varlen kernels need {name} contiguous and 16-byte aligned"
     return None
 
 
@@ -219,3 +228,151 @@ def forward(
                 maxnreg=gluon_fwd.MAXNREG,
             )  # fmt: skip
     return out[None], lse[None]
+
+
+# ---------------------------------------------------------------------------------- backward
+# the switch of the Gluon varlen backward (module attribute): False runs every packed backward
+# on the Triton varlen kernels. Off until its CUDA tests (tests/test_gluon_varlen.py, backward
+# cases) pass on a Hopper GPU; written 2026-11-29 from benchmarks/gluon_varlen.py's prototype,
+# whose kernels (now :mod:`.gluon_varlen_kernel`'s) were exact on an H200 and took 13.4 / 8.9 ms
+# of dK/dV against the Triton varlen kernel's 23.2 / 13.6 on the issue's packed batch (not causal /
+# causal; results/gluon_varlen_h200_2026-11-29_s28.md)
+VARLEN_BACKWARD = False
+_bwd_failed: dict[tuple, str] = {}  # (dtype, headdim, causal) -> why its first launch failed
+
+
+def backward_problem(q, k, v, causal: bool, branches, same_offsets: bool, max_len: int, ndocs: int) -> str | None:
+    """Why the Gluon varlen backward cannot run these packed inputs (as :func:`problem`); None:
+    it can. Beyond the forward's conditions: its float32 accumulators (dq, dk, dv) and the
+    largest branch's block-major lse / delta rows within ``gluon_bwd.MAX_F32_BYTES``."""
+    from . import gluon_bwd
+
+    if not VARLEN_BACKWARD:
+        return "gluon_varlen.VARLEN_BACKWARD is off"
+    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs)
+    if why is not None:
+        return why
+    _, total, nh, d = q.shape
+    f32 = 4 * total * d * (nh + 2 * k.shape[2]) + max(rows_bytes(max_len, ndocs, total, w, r, nh)
+                                                     for w, r, _, _ in branches)  # fmt: skip
+    if f32 > gluon_bwd.MAX_F32_BYTES:
+        return f"the Gluon varlen backward's float32 buffers ({f32 / 2**30:.1f} GiB) pass gluon_bwd.MAX_F32_BYTES"
+    key = (q.dtype, d, bool(causal))
+    if key in _bwd_failed:
+        return f"the Gluon varlen backward failed here before: {_bwd_failed[key]}"
+    if kernel_module() is None:
+        return f"Gluon or its Hopper module is missing: {_import_error}"
+    return None
+
+
+def note_backward_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
+    """Record a failed backward launch (the caller then runs the Triton kernels) and warn once."""
+    gluon_fwd.record_failure(_bwd_failed, "varlen backward", "Triton varlen kernels",
+                             "gluon_varlen.VARLEN_BACKWARD", q, causal, err)  # fmt: skip
+
+
+def rows_pad(max_len: int, total: int, w: int, r: int) -> int:
+    """LP: the longest possible block of branch (w, r), ceil(min(w, max_len, total) / r) rows,
+    rounded up to ``gluon_bwd.LPAD`` (at least one tile)."""
+    from . import gluon_bwd
+
+    longest = -(-min(w, max_len, total) // r)
+    return max(-(-longest // gluon_bwd.LPAD), 1) * gluon_bwd.LPAD
+
+
+def rows_bytes(max_len: int, ndocs: int, total: int, w: int, r: int, nh: int) -> int:
+    """Bytes of branch (w, r)'s block-major lse and delta rows (:func:`block_rows`)."""
+    return 2 * 4 * nh * (ndocs + total // w) * rows_pad(max_len, total, w, r)
+
+
+def prep_rows(x: torch.Tensor, p0: torch.Tensor, ws: torch.Tensor, r: int, lp: int, pad_value: float,
+              mult: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """(H, total) float -> block-major float32 [H, NE, LP] over the entry slots (p0, ws) of a
+    branch with dilation r: ``y[h, e, t] = mult * x[h, p0[e] + c + r t]`` for t < L = ceil((ws[e]
+    - c) / r), c = h % r; -inf -> +inf; other rows ``pad_value``. The torch form (the CPU tests;
+    :func:`block_rows` launches ``triton_kernels.gluon_varlen_rows_kernel``, the same values)."""
+    nh = x.shape[0]
+    ne = p0.numel()
+    c = (torch.arange(nh, device=x.device) % r).view(nh, 1, 1)
+    t = torch.arange(lp, device=x.device).view(1, 1, lp)
+    n_rows = torch.clamp(torch.div(ws.long().view(1, ne, 1) - c + r - 1, r, rounding_mode="floor"), min=0)
+    valid = t < n_rows
+    idx = torch.where(valid, p0.long().view(1, ne, 1) + c + r * t, 0).view(nh, ne * lp)
+    y = x.float().gather(-1, idx).view(nh, ne, lp) * mult
+    y = torch.where(y == float("-inf"), torch.full_like(y, float("inf")), y)
+    return torch.where(valid, y, torch.full_like(y, pad_value))
+
+
+def block_rows(lse: torch.Tensor, delta: torch.Tensor, p0: torch.Tensor, ws: torch.Tensor, r: int, lp: int):
+    """(lse2, delta2): :func:`prep_rows` of ``lse`` (mult LOG2E, pad +inf) and ``delta`` (pad 0),
+    (H, total) float32 contiguous, in one launch of ``triton_kernels.gluon_varlen_rows_kernel``."""
+    from . import gluon_bwd, triton_kernels
+
+    nh, total = lse.shape
+    ne = p0.numel()
+    lse2 = torch.empty((nh, ne, lp), dtype=torch.float32, device=lse.device)
+    delta2 = torch.empty_like(lse2)
+    if lse2.numel():
+        triton_kernels.gluon_varlen_rows_kernel[(lp // gluon_bwd.LPAD, ne, nh)](
+            lse, delta, lse2, delta2, p0, ws, total, r, ne, lp, LOG2E, BLOCK=gluon_bwd.LPAD)
+    return lse2, delta2
+
+
+def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float,
+             store_first: bool):  # fmt: skip
+    """dq, dk, dv (the inputs' dtypes) of the branches ((w, r, 0, H) each) over the packed
+    documents ``cu`` (int32 device offsets), given the FINAL lse (1, H, total) float32 and
+    delta = rowsum(dO * out) (1, H, total) float32; inputs as :func:`backward_problem`
+    accepts. ``store_first``: the first branch stores every row of the three results
+    (``triton_launch._bwd_writes_all``): they are allocated empty and it stores, not adds.
+    The float32 accumulators and their phases are ``gluon_bwd.accumulate``'s. Launches only (no
+    host read of ``cu``)."""
+    from . import gluon_bwd
+
+    mod = kernel_module()
+    bk = mod.BK
+    if not dout.is_contiguous():  # the kernels read dO with q's row stride
+        dout = dout.contiguous()
+    _, total, nh, d = q.shape
+    nkv = k.shape[2]
+    rep = nh // nkv
+    ndocs = cu.shape[0] - 1
+    q3, k3, v3, do3 = q[0], k[0], v[0], dout[0]
+    lse_h, delta_h = lse[0].contiguous(), delta[0].contiguous()
+    bn = gluon_bwd.dq_bn(d)
+    lay = lambda rows: gluon_fwd._block_layout(rows, d, q.dtype)  # noqa: E731
+    common = dict(D=d, CAUSAL=bool(causal), CONSUMER_REGS=gluon_bwd.CONSUMER_REGS,
+                  LOADER_REGS=gluon_bwd.LOADER_REGS, num_warps=4, maxnreg=gluon_bwd.MAXNREG)  # fmt: skip
+    # each branch's entry table once, for both phases (int32 pairs: small)
+    tables = [None if 0 in grid(max_len, ndocs, total, w, r, nh) else device_entries(cu, w, total)
+              for w, r, _, _ in branches]  # fmt: skip
+
+    def run(dq, dk, dv, kernels):
+        with _Scratch(q.device):
+            for bi, ((w, r, _, _), tab) in enumerate(zip(branches, tables, strict=True)):
+                if tab is None:  # no row in any document
+                    continue
+                p0, ws = tab
+                add = bi > 0 or not store_first
+                nb, ne, _ = grid(max_len, ndocs, total, w, r, nh)
+                lp = rows_pad(max_len, total, w, r)
+                if q.is_cuda:
+                    lse2, delta2 = block_rows(lse_h, delta_h, p0, ws, r, lp)
+                else:  # the CPU tests' emulated kernels
+                    lse2 = prep_rows(lse_h, p0, ws, r, lp, float("inf"), LOG2E)
+                    delta2 = prep_rows(delta_h, p0, ws, r, lp, 0.0)
+                if "dkdv" in kernels:
+                    ni = min(rep, r)
+                    mod.dkdv_varlen_kernel[(nb * ne, nkv * ni)](
+                        q3, do3, k3, v3, gluon_bwd._row_desc(lse2, bk.BMQ), gluon_bwd._row_desc(delta2, bk.BMQ),
+                        dk[0], dv[0], p0, ws, scale * LOG2E, scale, ne, nb, r, nh, nkv, rep, ni, lp, q3.stride(0),
+                        k3.stride(0), q_layout=lay(bk.BMQ), kv_layout=lay(bk.WG_M), BMQ=bk.BMQ,
+                        STAGES=gluon_bwd.kv_stages(d), ADD=add, **common)  # fmt: skip
+                if "dq" in kernels:
+                    mod.dq_varlen_kernel[(nb * ne, nh)](
+                        q3, do3, k3, v3, dq[0], lse2, delta2, p0, ws, scale * LOG2E, scale, ne, nb, r, nh, nkv, lp,
+                        q3.stride(0), k3.stride(0), q_layout=lay(bk.WG_M), kv_layout=lay(bn), BN=bn,
+                        STAGES=gluon_bwd.DQ_STAGES, ADD=add, **common)  # fmt: skip
+
+    return gluon_bwd.accumulate(q, k, v, store_first, run)
+

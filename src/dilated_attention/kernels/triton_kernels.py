@@ -558,6 +558,34 @@ def gluon_bwd_rows_kernel(LSE, DELTA, LSE2, DELTA2, slb, slh, sln, sdb, sdh, sdn
     tl.store(DELTA2 + dst, dl)
 
 
+@triton.jit
+def gluon_varlen_rows_kernel(LSE, DELTA, LSE2, DELTA2, ENT_P0, ENT_W, TOTAL, R, NE, LP, MULT,
+                             BLOCK: tl.constexpr):
+    # the Gluon varlen backward's block-major rows of branch (w, R) over packed documents
+    # (kernels/gluon_varlen.py, block_rows): LSE2[h, e, t] = MULT * LSE[h, ENT_P0[e] + h % R + R*t]
+    # with -inf -> +inf, DELTA2 the same with MULT 1, for t < L = ceil((ENT_W[e] - h % R) / R);
+    # rows t >= L (up to LP, a multiple of BLOCK; every row of an unused slot) +inf and 0. LSE,
+    # DELTA (H, TOTAL) float32 contiguous; LSE2, DELTA2 (H, NE, LP) float32 contiguous. Grid
+    # (LP / BLOCK, NE, H).
+    pid_t = tl.program_id(0)
+    e = tl.program_id(1)
+    h = tl.program_id(2)
+    c = h % R
+    p0 = tl.load(ENT_P0 + e).to(tl.int64)
+    ws = tl.load(ENT_W + e)
+    n_rows = tl.maximum((ws - c + R - 1) // R, 0)
+    t = pid_t * BLOCK + tl.arange(0, BLOCK)
+    valid = t < n_rows
+    src = h.to(tl.int64) * TOTAL + p0 + c + R * t.to(tl.int64)
+    x = tl.load(LSE + src, mask=valid, other=float("-inf")) * MULT
+    x = tl.where(x == float("-inf"), float("inf"), x)
+    dl = tl.load(DELTA + src, mask=valid, other=0.0)
+    dl = tl.where(dl == float("-inf"), float("inf"), dl)
+    dst = (h.to(tl.int64) * NE + e) * LP + t
+    tl.store(LSE2 + dst, x)
+    tl.store(DELTA2 + dst, dl)
+
+
 @triton.jit(do_not_specialize=["NDOCS"])
 def dilated_bwd_dkdv_kernel(
     Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO, CU_Q, CU_K, NDOCS,

@@ -1281,6 +1281,36 @@ def gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_r
         return None
 
 
+def _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, docs: Docs):
+    """:func:`backward` of packed documents through the Gluon varlen kernels (``gluon_varlen``),
+    or None where they do not apply (the backward switch or ``gluon_varlen.VARLEN_BACKWARD``
+    off, a mask, dO of another dtype, :func:`gluon_varlen.backward_problem`), their float32
+    accumulators did not fit (this call only), or their first launch of a configuration failed
+    (then a warning): the Triton varlen backward runs it. No host read of the offsets."""
+    if kpm is not None or not flags.gluon_backward_enabled() or dout.dtype != q.dtype:
+        return None
+    branches = branch_list(seg, dil, head_ranges)
+    ndocs = docs.cu_q.shape[0] - 1
+    if gluon_varlen.backward_problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs) is not None:
+        return None
+    dev = direct_launch.tensor_device(q)
+    if direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+        with torch.cuda.device(dev):
+            return _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, docs)
+    try:
+        # same offsets for queries and keys (the gate): qoff 0, so dq and dk/dv alike
+        store_first = all(_bwd_writes_all(branches, q.shape[2], bool(docs.checked), 0))
+        delta = _delta(_broadcast_view(out), _broadcast_view(dout))
+        return gluon_varlen.backward(dout, q, k, v, delta, lse, docs.cu_q, docs.max_q, branches, causal, scale,
+                                     store_first)  # fmt: skip
+    except torch.cuda.OutOfMemoryError:
+        gluon_bwd.note_out_of_memory(q)
+        return None
+    except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
+        gluon_varlen.note_backward_failure(q, causal, e)
+        return None
+
+
 def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,
              docs: Docs | None = None, lo_rows: int | None = None, plan: TrainPlan | None = None):
     """dq, dk, dv (input dtypes) of the branches given, with the FINAL out and lse (which may
@@ -1297,10 +1327,15 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     query row and head) and the lo buffers of one phase, each 1/LO_CHUNKS of a result at long N.
 
     Where the Gluon backward applies (no ``config``, ``docs`` or ``kpm``, the switch on:
-    :func:`gluon_backward`) it runs instead.
+    :func:`gluon_backward`) it runs instead; packed documents likewise through the Gluon varlen
+    kernels where :func:`gluon_varlen.backward_problem` is None (:func:`_gluon_varlen_backward`;
+    its switch ``gluon_varlen.VARLEN_BACKWARD`` is off until its CUDA tests pass).
     """
-    if config is None and docs is None:
-        res = gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges)
+    if config is None:
+        if docs is None:
+            res = gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges)
+        else:
+            res = _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, docs)
         if res is not None:
             return res
     if USE_PLANS:
