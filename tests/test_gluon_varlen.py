@@ -117,6 +117,20 @@ def test_device_entries_equal_the_host_table_and_stay_in_the_stream():
         assert (ws >= 0).all() and (p0 >= 0).all() and ((p0 + ws <= total) | (ws == 0)).all(), bad
 
 
+def test_device_entries_of_all_branches_at_once_equal_each_branch_alone():
+    # one table for every branch of a call (gluon_varlen.device_entries_all): the values of
+    # device_entries per branch, rows 16-byte aligned, checked and unchecked offsets alike
+    for offs in ([0, 5, 5, 17, 18], [0, 300], [0, 7, 7, 8, 48, 61], [0], [0, 30, 10, 90], [-5, 20, 60], [3, 2, 1, 0]):
+        total = max(offs[-1], 40) if offs[-1] < 0 or offs != sorted(offs) else offs[-1]
+        cu = torch.tensor(offs, dtype=torch.int32)
+        widths = [4, 8, 256, 3]
+        for w, (p0, ws) in zip(widths, gluon_varlen.device_entries_all(cu, widths, total), strict=True):
+            want_p0, want_ws = gluon_varlen.device_entries(cu, w, total)
+            assert p0.dtype == ws.dtype == torch.int32 and p0.is_contiguous() and p0.data_ptr() % 16 == 0
+            assert torch.equal(ws, want_ws), (offs, w)
+            assert torch.equal(p0, want_p0), (offs, w)
+
+
 def test_grid_covers_every_block():
     # a block has at most ceil(min(w, max_len) / r) rows; the grid's first axis covers them in
     # tiles of PROGRAM_ROWS, the second has a slot per entry
