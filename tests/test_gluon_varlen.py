@@ -655,3 +655,39 @@ def test_gluon_varlen_forward_random_cases(monkeypatch, switch_on, seed):
         dil[0] = 1
     lens = _lognormal(rng.randint(300, 4000), rng.choice([50.0, 200.0, 800.0]), seed=seed)
     _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, rng.random() < 0.5, lens)
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("host_offsets", [False, True])
+def test_gluon_varlen_training_call_does_not_synchronise(monkeypatch, switch_on, host_offsets):
+    """A packed training call through the Gluon varlen forward and backward (entry tables,
+    rows kernel, device-made descriptors, accumulators and casts) makes no host
+    synchronisation, with the offsets on the device (never read) or on the host (checked there,
+    copied without a sync); both Gluon paths ran."""
+    lens = _lognormal(3000, 400.0, seed=5)
+    offs = _offsets(lens)
+    cu = torch.tensor(offs, dtype=torch.int32, device="cpu" if host_offsets else "cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    xs = [torch.randn(offs[-1], h, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+          for h in (4, 2, 2)]  # fmt: skip
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(gluon_varlen, name)
+        monkeypatch.setattr(gluon_varlen, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+
+    def step():
+        out = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), [256, 512, 1024], [1, 2, 4],
+                                       causal=True, impl="triton")  # fmt: skip
+        torch.autograd.grad(out, xs, torch.ones_like(out))
+
+    step()  # first call: compilation and one-time probes may synchronise
+    torch.cuda.synchronize()
+    calls.clear()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert calls == ["forward", "backward"], f"the Gluon varlen paths did not both run: {calls}"
