@@ -112,7 +112,7 @@ def test_device_entries_equal_the_host_table_and_stay_in_the_stream():
         assert dp0[: len(p0)].tolist() == p0 and dws[: len(ws)].tolist() == ws and not dws[len(ws) :].any()
     # offsets nobody checked (decreasing, past the stream, negative): every entry inside [0, total)
     total = 40
-    for bad in ([0, 30, 10, 90], [-5, 20, 60], [0, 41], [3, 2, 1, 0]):
+    for bad in ([0, 30, 10, 90], [-5, 20, 60], [0, 41], [3, 2, 1, 0], [7], [50]):  # [7]: no document
         p0, ws = gluon_varlen.device_entries(torch.tensor(bad, dtype=torch.int32), 16, total)
         assert (ws >= 0).all() and (p0 >= 0).all() and ((p0 + ws <= total) | (ws == 0)).all(), bad
 
@@ -289,6 +289,7 @@ class _EmulatedVarlenBwd:
               rep, ni, lp, snq, snk, *, CAUSAL, ADD, **_):  # fmt: skip
         self.launches.append(("dkdv", r, ADD))
         assert grid == (nnb * ne, hkv * ni) and ne == p0.numel() == ws.numel() and (snq, snk) == (q.stride(0), k.stride(0))
+        assert lp % self.BLK == 0 and lp >= nnb * self.BLK  # the kernels load whole 128-row tiles of rows
         lf, df = l_desc.base.reshape(-1).double(), dl_desc.base.reshape(-1).double()
         assert l_desc.base.shape == (nh, ne, lp)
         for pid0 in range(grid[0]):
@@ -323,6 +324,7 @@ class _EmulatedVarlenBwd:
             snk, *, CAUSAL, ADD, **_):  # fmt: skip
         self.launches.append(("dq", r, ADD))
         assert grid == (nmb * ne, nh) and lse2.shape == delta2.shape == (nh, ne, lp)
+        assert lp % self.BLK == 0 and lp >= nmb * self.BLK
         lf, df = lse2.reshape(-1).double(), delta2.reshape(-1).double()
         for pid0 in range(grid[0]):
             pid_m, e = pid0 % nmb, pid0 // nmb
@@ -360,7 +362,13 @@ def _emulate_backward(monkeypatch):
     return emu
 
 
-@pytest.mark.parametrize("lens,seg,dil,h,hkv", CASES)
+BWD_CASES = CASES + [
+    ([20, 0, 37, 5], [8, 16], [2, 4], 8, 2),  # 4 query heads per kv head, r = 2 and 4: several heads a residue
+    ([26, 31], [6, 12], [2, 3], 6, 2),  # 3 query heads per kv head: r = 2 does not divide the group
+]
+
+
+@pytest.mark.parametrize("lens,seg,dil,h,hkv", BWD_CASES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
@@ -396,6 +404,36 @@ def test_packed_backward_with_emulated_kernels(monkeypatch, switch_on, lens, seg
     for name, a, b in zip("qkv", grads, want_g, strict=True):
         assert a.dtype == torch.float16
         assert (a.double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item()), f"d{name}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_unchecked_offsets_add_into_zeros_and_leave_rows_past_the_documents_zero(monkeypatch, switch_on, causal):
+    """Offsets nobody checked (``offsets_checked=False``, the route of device offsets) that stop
+    short of the stream: the first r = 1 branch adds into zeroed accumulators (no launch
+    stores), and the rows past the last document get zero gradients."""
+    from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
+
+    emu = _emulate_backward(monkeypatch)
+    lens, seg, dil, h, hkv = [7, 0, 1, 40, 13], [4, 8, 16], [1, 2, 4], 4, 2
+    offs = _offsets(lens)
+    total = offs[-1] + 9  # 9 rows of no document
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(total, h, 16, generator=g).to(torch.float16)
+    k, v = (torch.randn(total, hkv, 16, generator=g).to(torch.float16) for _ in range(2))
+    do = torch.randn(total, h, 16, generator=g).to(torch.float16)
+    cu = torch.tensor(offs, dtype=torch.int32)
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = dilated_attention_triton_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal, scale=0.25,
+                                          head_assignment="all", offsets_checked=False)[0]  # fmt: skip
+    grads = torch.autograd.grad(out, xs, do)
+    assert len(emu.launches) == 2 * len(dil) and all(x[2] for x in emu.launches), "a launch stored"
+    n = offs[-1]
+    for a in grads:
+        assert (a[n:] == 0).all(), "rows past the last document have gradients"
+    r64 = [x[:n].detach().double().requires_grad_() for x in (q, k, v)]
+    _, _, want = varlen_reference(*r64, offs, offs, seg, dil, do[:n].double(), causal=causal, softmax_scale=0.25)
+    for a, b in zip(grads, want, strict=True):
+        assert (a[:n].double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item())
 
 
 @pytest.mark.parametrize("r,lens,w", [(1, [7, 0, 1, 40, 13], 16), (3, [30, 0, 45, 2], 10), (5, [3, 50, 9], 64)])
@@ -449,6 +487,10 @@ def test_backward_gate(monkeypatch):
     assert "MAX_F32_BYTES" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2)
     monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", need)
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
+    # the forward's speed gates hold for the backward too
+    q64 = torch.zeros(1, 8192, 4, 64, dtype=torch.bfloat16)
+    assert "HEADDIMS" in gluon_varlen.backward_problem(q64, q64, q64, False, br, True, 8192, 2)
+    assert "MIN_MEAN_DOC" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 3)
     gluon_varlen._bwd_failed[(torch.bfloat16, 128, True)] = "boom"
     assert "failed here before" in gluon_varlen.backward_problem(q, q, q, True, br, True, 8192, 2)
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None

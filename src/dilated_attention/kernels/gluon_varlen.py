@@ -26,6 +26,8 @@ kernels: :data:`HEADDIMS` (head dim 64: 1.31x / 1.78x, not causal / causal) and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import gluon_fwd
@@ -71,32 +73,30 @@ def device_entries(cu: torch.Tensor, w: int, total: int) -> tuple[torch.Tensor, 
     known from shapes alone; ``total`` is the stream's row count), slots past the last entry with
     0 rows. The offsets are clamped to [0, total] and each document's length to >= 0, so every
     entry lies inside the stream whatever the values (checked offsets are unchanged by it)."""
-    cu = cu.to(torch.int64).clamp(0, total)
-    lens = (cu[1:] - cu[:-1]).clamp(min=0)
-    nseg = torch.div(lens + w - 1, w, rounding_mode="floor")  # segments per document
-    ends = nseg.cumsum(0)  # entry index past each document's last
-    ne_max = int(cu.numel() - 1) + total // w
-    e = torch.arange(ne_max, device=cu.device)
-    doc = torch.searchsorted(ends, e, right=True).clamp(max=max(lens.numel() - 1, 0))
-    s = e - (ends[doc] - nseg[doc])
-    p0 = cu[doc] + s * w
-    ws = torch.clamp(torch.minimum(torch.full_like(s, w), lens[doc] - s * w), min=0)
-    ws = torch.minimum(ws, total - p0).clamp(min=0)  # clamped offsets: never past the stream
-    ws = torch.where(e < ends[-1] if ends.numel() else torch.zeros_like(e, dtype=torch.bool), ws, 0)
-    return p0.to(torch.int32), ws.to(torch.int32)
+    return device_entries_all(cu, [w], total)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _widths(widths: tuple, device: torch.device) -> torch.Tensor:
+    """The segment lengths as an int32 device tensor, built once per (widths, device) outside any
+    CUDA-graph pool (``constants.int32_table``): no host-to-device copy on later calls, which a
+    graph capture would refuse."""
+    from .constants import int32_table
+
+    return int32_table([list(widths)], device)
 
 
 def device_entries_all(cu: torch.Tensor, widths, total: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`device_entries` of every segment length in ``widths`` at once (one set of ~30
-    small device ops per call instead of one per branch: host time, issue 23): the same values,
-    each branch's (first rows, rows) a contiguous 16-byte aligned row of one [branches, slots]
-    table, cut to its own ``total // w + documents`` slots."""
+    small device ops per call, not one per branch: host time, issue 23): each branch's (first
+    rows, rows) a contiguous 16-byte aligned row of one [branches, slots] table, cut to its own
+    ``total // w + documents`` slots."""
     cu = cu.to(torch.int64).clamp(0, total)
     ndocs = int(cu.numel() - 1)
     lens = (cu[1:] - cu[:-1]).clamp(min=0)  # (docs,)
     slots = [ndocs + total // w for w in widths]
     width = max(-(-max(slots) // 4) * 4, 4)  # rows 16-byte aligned (int32): the kernels' pointer specialisation
-    w = torch.tensor(list(widths), dtype=torch.int64).to(cu.device, non_blocking=True).view(-1, 1)
+    w = _widths(tuple(widths), cu.device).view(-1, 1).to(torch.int64)
     nseg = torch.div(lens.view(1, -1) + w - 1, w, rounding_mode="floor")  # (branches, docs)
     ends = nseg.cumsum(1)
     e = torch.arange(width, device=cu.device).view(1, -1).expand(len(slots), width).contiguous()
@@ -359,8 +359,8 @@ def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches
 
     mod = kernel_module()
     bk = mod.BK
-    if not dout.is_contiguous():  # the kernels read dO with q's row stride
-        dout = dout.contiguous()
+    if not dout.is_contiguous() or dout.data_ptr() % 16:  # the kernels read dO with q's row stride, by TMA
+        dout = dout.clone(memory_format=torch.contiguous_format)
     _, total, nh, d = q.shape
     nkv = k.shape[2]
     rep = nh // nkv
@@ -401,6 +401,7 @@ def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches
                         q3, do3, k3, v3, dq[0], lse2, delta2, p0, ws, scale * LOG2E, scale, ne, nb, r, nh, nkv, lp,
                         q3.stride(0), k3.stride(0), q_layout=lay(bk.WG_M), kv_layout=lay(bn), BN=bn,
                         STAGES=gluon_bwd.DQ_STAGES, ADD=add, **common)  # fmt: skip
+                del lse2, delta2  # one branch's rows alive at a time (the gate's budget counts one)
 
     return gluon_bwd.accumulate(q, k, v, store_first, run)
 
