@@ -570,6 +570,25 @@ def test_failed_launch_falls_back_with_a_warning(monkeypatch, switch_on):
     assert list(gluon_varlen._failed) == [(torch.float16, 16, False)]
 
 
+def test_out_of_memory_in_the_forward_propagates_and_records_no_failure(monkeypatch, switch_on):
+    """Out of memory in the Gluon varlen forward is the caller's, as on the Triton path (which
+    needs as much): it propagates, and the configuration is not marked as failed."""
+    from dilated_attention.kernels import direct_launch
+
+    def oom(*a, **kw):
+        raise torch.cuda.OutOfMemoryError("out of memory (test)")
+
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None)
+    monkeypatch.setattr(gluon_varlen, "forward", oom)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
+    offs = _offsets([9, 20])
+    q = torch.randn(offs[-1], 2, 16).to(torch.float16)
+    cu = torch.tensor(offs, dtype=torch.int32)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        dilated_attention_varlen(q, q, q, cu, cu, 20, 20, [8, 16], [1, 2], impl="triton")
+    assert not gluon_varlen._failed
+
+
 def test_gpu_check_helper_runs_on_the_cpu_with_the_emulated_kernel(monkeypatch, switch_on):
     """The CUDA tests' helper end to end on the CPU (the kernel emulated, its gate following the
     switch), so that a mistake in it does not first show on a GPU; and it fails when the Gluon

@@ -1242,15 +1242,30 @@ def _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs: D
     ndocs = docs.cu_q.shape[0] - 1
     if gluon_varlen.problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs) is not None:
         return None
+    fill = not _first_branch_writes_all(branches, 0, q.shape[2], bool(docs.checked), 0)
+    return _gluon_attempt(q, causal, gluon_varlen.note_failure, None, lambda: gluon_varlen.forward(
+        q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, fill))  # fmt: skip
+
+
+def _gluon_attempt(q, causal: bool, note_failure, note_oom, run):
+    """``run()`` on q's device (the device guard, direct_launch.py), or None where it failed: a
+    compile / resource failure is recorded by ``note_failure`` (a warning once; that
+    configuration runs the Triton kernels from then on); out of memory gives None for this call
+    only where ``note_oom`` takes it (the Gluon backwards' float32 accumulators: the Triton
+    backward needs less), else it propagates as the Triton path's would."""
     dev = direct_launch.tensor_device(q)
-    if direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
+    if direct_launch.current_device() != dev:
         with torch.cuda.device(dev):
-            return _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs)
+            return _gluon_attempt(q, causal, note_failure, note_oom, run)
     try:
-        fill = not _first_branch_writes_all(branches, 0, q.shape[2], bool(docs.checked), 0)
-        return gluon_varlen.forward(q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, fill)
+        return run()
+    except torch.cuda.OutOfMemoryError:
+        if note_oom is None:
+            raise
+        note_oom(q)
+        return None
     except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
-        gluon_varlen.note_failure(q, causal, e)
+        note_failure(q, causal, e)
         return None
 
 
@@ -1265,20 +1280,12 @@ def gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_r
     branches = branch_list(seg, dil, head_ranges)
     if gluon_bwd.problem(q, k, v, causal, branches, q.shape[2]) is not None:
         return None
-    dev = direct_launch.tensor_device(q)
-    if direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
-        with torch.cuda.device(dev):
-            return gluon_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale,
-                                  head_ranges)  # fmt: skip
-    try:
+
+    def run():
         delta = _delta(_broadcast_view(out), _broadcast_view(dout))
         return gluon_bwd.backward(dout, q, k, v, delta, lse, branches, causal, scale)
-    except torch.cuda.OutOfMemoryError:
-        gluon_bwd.note_out_of_memory(q)
-        return None
-    except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
-        gluon_bwd.note_failure(q, causal, e)
-        return None
+
+    return _gluon_attempt(q, causal, gluon_bwd.note_failure, gluon_bwd.note_out_of_memory, run)
 
 
 def _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, docs: Docs):
@@ -1293,22 +1300,15 @@ def _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale
     ndocs = docs.cu_q.shape[0] - 1
     if gluon_varlen.backward_problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs) is not None:
         return None
-    dev = direct_launch.tensor_device(q)
-    if direct_launch.current_device() != dev:  # the device guard (direct_launch.py)
-        with torch.cuda.device(dev):
-            return _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, docs)
-    try:
-        # same offsets for queries and keys (the gate): qoff 0, so dq and dk/dv alike
-        store_first = all(_bwd_writes_all(branches, q.shape[2], bool(docs.checked), 0))
+    # same offsets for queries and keys (the gate): qoff 0, so dq and dk/dv alike
+    store_first = all(_bwd_writes_all(branches, q.shape[2], bool(docs.checked), 0))
+
+    def run():
         delta = _delta(_broadcast_view(out), _broadcast_view(dout))
         return gluon_varlen.backward(dout, q, k, v, delta, lse, docs.cu_q, docs.max_q, branches, causal, scale,
                                      store_first)  # fmt: skip
-    except torch.cuda.OutOfMemoryError:
-        gluon_bwd.note_out_of_memory(q)
-        return None
-    except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
-        gluon_varlen.note_backward_failure(q, causal, e)
-        return None
+
+    return _gluon_attempt(q, causal, gluon_varlen.note_backward_failure, gluon_bwd.note_out_of_memory, run)
 
 
 def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges, *, config=None,
