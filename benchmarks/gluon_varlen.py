@@ -380,15 +380,20 @@ def ceiling_ms(groups, d: int, dtype, causal: bool, device, iters: int = 5,
     return f, b
 
 
-def bench(device, lines: list[str], ceiling: bool = False) -> None:
+def issue_batch():
+    """The issue's packed batch: (w, r, total, heads, D, lengths, offsets): 128K tokens in
+    lognormal documents (mean 8192, sigma 1, seed 0), 16 x 128, LongNet branches."""
     from bench_varlen import document_lengths
 
-    seg, dil = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
-    total, nh, d = 131072, 16, 128
-    lens = document_lengths(total, 8192.0, 1.0, 0)
+    lens = document_lengths(131072, 8192.0, 1.0, 0)
     offs = [0]
     for n in lens:
         offs.append(offs[-1] + n)
+    return [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], 131072, 16, 128, lens, offs
+
+
+def bench(device, lines: list[str], ceiling: bool = False) -> None:
+    seg, dil, total, nh, d, lens, offs = issue_batch()
     lines += [f"## forward and forward+backward: {total} tokens in {len(lens)} documents (lognormal mean 8192, sigma 1, seed 0; "
               f"longest {max(lens)}), {nh} x {d}, bf16, w {seg}, r {dil}", "",
               "| causal | call | fwd ms | fwd+bwd ms | useful TF/s fwd / fwd+bwd | time per useful FLOP over one "
@@ -424,16 +429,9 @@ def kernel_table(fn, iters: int = 3, top: int = 10) -> list[tuple[str, float, fl
 def profile(device, lines: list[str]) -> None:
     """Where the forward+backward time goes, per kernel, on the issue's packed batch: the
     prototype, the library's varlen call (Triton) and one sequence on the Gluon kernels."""
-    from bench_varlen import document_lengths
-
     from dilated_attention import dilated_attention, dilated_attention_varlen
 
-    seg, dil = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
-    total, nh, d = 131072, 16, 128
-    lens = document_lengths(total, 8192.0, 1.0, 0)
-    offs = [0]
-    for n in lens:
-        offs.append(offs[-1] + n)
+    seg, dil, total, nh, d, lens, offs = issue_batch()
     cu = torch.tensor(offs, dtype=torch.int32, device=device)
     q = torch.randn(total, nh, d, device=device, dtype=torch.bfloat16)
     k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
