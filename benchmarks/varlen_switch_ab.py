@@ -3,6 +3,9 @@ through the public ``dilated_attention_varlen(impl="triton")`` with the Gluon va
 off, over several packed batches (document-length mixes, head dims, GQA, dtypes, causal or not).
 ``--switch forward`` (the default) flips the forward's switch (the backward's as shipped in both
 arms); ``--switch backward`` flips the backward's (the forward's as shipped); ``both`` flips both.
+``--min-mean-doc``, ``--min-mean-doc-backward`` and ``--headdims`` replace the gates
+(``gluon_varlen.MIN_MEAN_DOC``, ``MIN_MEAN_DOC_BACKWARD``, ``HEADDIMS``)
+for the run, to time batches the shipped gates keep on the Triton kernels (where is the crossover?).
 
 Both arms run in one process, interleaved over ``--rounds`` rounds (on, off, on, off, ...), so
 their ratio compares them under the same clocks. Forward (no grad) and forward+backward medians
@@ -41,6 +44,9 @@ CASES = {
     "gqa32x8-64k-mean4096": (65536, 4096, 1.0, 32, 8, 128, torch.bfloat16, [2048, 4096, 8192], [1, 2, 4]),
     "fp16-64k-mean8192": (65536, 8192, 1.0, 16, 16, 128, torch.float16, *LONGNET),
     "few-long-256k-mean64k": (262144, 65536, 0.5, 8, 8, 128, torch.bfloat16, *LONGNET),
+    # between the 512-token mix (Gluon slower) and the 4096 ones (faster): where MIN_MEAN_DOC belongs
+    "mean1024-64k": (65536, 1024, 1.0, 16, 16, 128, torch.bfloat16, [1024, 2048, 4096], [1, 2, 4]),
+    "mean2048-64k": (65536, 2048, 1.0, 16, 16, 128, torch.bfloat16, [2048, 4096, 8192], [1, 2, 4]),
 }
 
 
@@ -114,8 +120,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     ap.add_argument("--switch", choices=["forward", "backward", "both"], default="forward")
+    ap.add_argument("--min-mean-doc", type=int, default=None, help="replaces gluon_varlen.MIN_MEAN_DOC")
+    ap.add_argument("--min-mean-doc-backward", type=int, default=None,
+                    help="replaces gluon_varlen.MIN_MEAN_DOC_BACKWARD")
+    ap.add_argument("--headdims", default=None, help="replaces gluon_varlen.HEADDIMS, e.g. 64,128")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.min_mean_doc is not None:
+        gluon_varlen.MIN_MEAN_DOC = args.min_mean_doc
+    if args.min_mean_doc_backward is not None:
+        gluon_varlen.MIN_MEAN_DOC_BACKWARD = args.min_mean_doc_backward
+    if args.headdims is not None:
+        gluon_varlen.HEADDIMS = tuple(int(x) for x in args.headdims.split(","))
+    gates = (f"gates: MIN_MEAN_DOC {gluon_varlen.MIN_MEAN_DOC}, MIN_MEAN_DOC_BACKWARD "
+             f"{gluon_varlen.MIN_MEAN_DOC_BACKWARD}, HEADDIMS {gluon_varlen.HEADDIMS}")
     lines = [
         *results_header(f"gluon_varlen switch {args.switch!r} on / off: packed documents through "
                         "dilated_attention_varlen(impl='triton')",
@@ -123,7 +141,7 @@ def main() -> None:
         "",
         f"Interleaved, {args.rounds} rounds, medians (ms). on / off < 1: the Gluon varlen kernels are faster. "
         "Gluon calls: the on arm's calls of gluon_varlen.forward / backward in one training step. "
-        "max abs on-off: over dq, dk, dv.",
+        f"max abs on-off: over dq, dk, dv. {gates}.",
         "",
         "| case | causal | docs | longest | Gluon calls fwd / bwd (on) | fwd on | fwd off | on/off | fwd+bwd on | fwd+bwd off | on/off | max abs on-off |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -128,6 +128,9 @@
 #                                       forward and backward, both switches forced on; $CUDA_TEST_TIMEOUT 360 s) then
 #                                       benchmarks/varlen_switch_ab.py --switch backward ($AB_TIMEOUT 200 s; $SWITCH_AB_ARGS,
 #                                       e.g. "--cases issue-128k-16x128,gqa32x8-64k-mean4096 --rounds 3")
+#   bash scripts/gpu_check.sh profile-varlen  benchmarks/profile_varlen.py --configs default, not causal then causal
+#   bash scripts/gpu_check.sh s29      bench_varlen.py, then varlen_switch_ab.py --switch both --min-mean-doc 0 over four batches
+#                                       with a mean document of 512-4096 rows (where MIN_MEAN_DOC belongs)
 #   bash scripts/gpu_check.sh s28      benchmarks/varlen_switch_ab.py (gluon_varlen.VARLEN_FORWARD on / off over six packed
 #                                       batches; its column "Gluon launches" shows which the gates send to Gluon), timeout
 #                                       $AB_TIMEOUT 300 (440 s with a cold cache on an H200), then the CUDA tests of
@@ -373,6 +376,29 @@ case "${1:-tests}" in
     echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_bwd.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\|" "$OUT/varlen_switch_ab_bwd.md"; grep -E "rc=" "$OUT/varlen_switch_ab_bwd.txt"
+    ;;
+  s29)
+    # the session of 2026-11-29 (twenty-ninth), both Gluon varlen switches on by default: bench_varlen.py (issue 22 item 2b,
+    # $VARLEN_TIMEOUT 260), then benchmarks/varlen_switch_ab.py --switch both with the mean-document gate lifted
+    # ($SWITCH_AB_ARGS; $AB_TIMEOUT 220): where between 512 and 4096 rows the gate gluon_varlen.MIN_MEAN_DOC belongs
+    timeout "${VARLEN_TIMEOUT:-260}" python3 benchmarks/bench_varlen.py --out "$OUT/varlen.md" > "$OUT/varlen.txt" 2>&1
+    echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
+    timeout "${AB_TIMEOUT:-220}" python3 benchmarks/varlen_switch_ab.py --switch both --min-mean-doc 0 \
+      ${SWITCH_AB_ARGS:---cases mean1024-64k,mean2048-64k,gqa32x8-64k-mean4096,short-docs-64k-mean512 --rounds 2} \
+      --out "$OUT/varlen_switch_ab_both.md" > "$OUT/varlen_switch_ab_both.txt" 2>&1
+    echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_both.txt"
+    grep -E "^\|" "$OUT/varlen.md" | head -20; grep -E "^- causal|rc=" "$OUT/varlen.txt" "$OUT/varlen.md"
+    grep -E "^\|" "$OUT/varlen_switch_ab_both.md"; grep -E "rc=" "$OUT/varlen_switch_ab_both.txt"
+    ;;
+  profile-varlen)
+    # issue 22 item 2b: where the packed step (both Gluon varlen switches on) loses to one sequence, per launch,
+    # not causal and causal (benchmarks/profile_varlen.py --configs default; $PROFILE_TIMEOUT 170 s each)
+    for c in no yes; do
+      timeout "${PROFILE_TIMEOUT:-170}" python3 benchmarks/profile_varlen.py --configs default --causal $c \
+        --out "$OUT/profile_varlen_causal_$c.md" > "$OUT/profile_varlen_causal_$c.txt" 2>&1
+      echo "profile_varlen rc=$?" >> "$OUT/profile_varlen_causal_$c.txt"
+      grep -E "^- total|^\| default|rc=" "$OUT/profile_varlen_causal_$c.txt" | head -12
+    done
     ;;
   s28)
     # the session of 2026-11-29 (twenty-eighth): gluon_varlen.VARLEN_FORWARD on / off over six packed

@@ -177,3 +177,16 @@ def test_one_sequence_on_the_triton_kernels_turns_both_gluon_switches_off(monkey
     with pytest.raises(RuntimeError):
         bench_varlen._without_gluon(boom)()
     assert flags.gluon_forward_enabled() and flags.gluon_backward_enabled()
+
+
+def test_varlen_tiles_counts_a_hand_worked_case():
+    """benchmarks/varlen_tiles.py: one document of 300 rows, w 256, r 2, two heads, tiles of 128:
+    segments of 256 and 44 rows, blocks of 128 / 128 and 22 / 22 rows (c = 0, 1), one tile each."""
+    import varlen_tiles
+
+    assert varlen_tiles.tiles([300], 256, 2, 2, False, 128) == (4, 4, 2 * 128**2 + 2 * 22**2)
+    assert varlen_tiles.tiles([300], 256, 2, 2, True, 128) == (4, 4, 2 * 128 * 129 / 2 + 2 * 22 * 23 / 2)
+    # a block of 300 rows (w past the document, r 1): 3 tiles, 9 pairs, 6 causal
+    assert varlen_tiles.tiles([300], 512, 1, 1, False, 128)[:2] == (3, 9)
+    assert varlen_tiles.tiles([300], 512, 1, 1, True, 128)[:2] == (3, 6)
+    assert varlen_tiles.tiles([0, 300], 512, 1, 1, True, 128)[:2] == (3, 6)  # an empty document: nothing

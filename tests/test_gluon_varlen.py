@@ -1,6 +1,6 @@
 """The Gluon kernels over packed documents (kernels/gluon_varlen.py, gluon_varlen_kernel.py):
-the forward (on by default) and the backward (``gluon_varlen.VARLEN_BACKWARD``, off until these
-CUDA tests pass).
+the forward and the backward (``gluon_varlen.VARLEN_FORWARD`` / ``VARLEN_BACKWARD``, both on by
+default: the backward since these CUDA tests passed on an H200, 2026-11-29).
 
 CPU:
 - the gates (:func:`gluon_varlen.problem`, :func:`gluon_varlen.backward_problem`) and the switches;
@@ -51,6 +51,7 @@ def switch_on(monkeypatch):
     # forward is faster there)
     monkeypatch.setattr(gluon_varlen, "HEADDIMS", (64, 128))
     monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC", 0)
+    monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC_BACKWARD", 0)
     flags.set_gluon_forward(True)
     flags.set_gluon_backward(True)
     yield
@@ -487,10 +488,17 @@ def test_backward_gate(monkeypatch):
     assert "MAX_F32_BYTES" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2)
     monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", need)
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
-    # the forward's speed gates hold for the backward too
+    # the forward's head-dim gate holds for the backward too; its mean-document gate is its own
+    # (MIN_MEAN_DOC_BACKWARD, lower: 3 documents in 8192 rows keep the forward on Triton, not the backward)
+    monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", 2**40)  # more documents, more rows
     q64 = torch.zeros(1, 8192, 4, 64, dtype=torch.bfloat16)
     assert "HEADDIMS" in gluon_varlen.backward_problem(q64, q64, q64, False, br, True, 8192, 2)
-    assert "MIN_MEAN_DOC" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 3)
+    assert "MIN_MEAN_DOC " in gluon_varlen.problem(q, q, q, False, br, True, 8192, 3)
+    assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 3) is None
+    monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC_BACKWARD", 1024)
+    assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 8) is None  # a mean of exactly 1024
+    why = gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 9)
+    assert "MIN_MEAN_DOC_BACKWARD = 1024" in why and "9 documents" in why
     gluon_varlen._bwd_failed[(torch.bfloat16, 128, True)] = "boom"
     assert "failed here before" in gluon_varlen.backward_problem(q, q, q, True, br, True, 8192, 2)
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
@@ -607,6 +615,12 @@ def test_gpu_check_helper_runs_on_the_cpu_with_the_emulated_kernel(monkeypatch, 
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
     _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8, 20], [1, 3], True, [9, 0, 1, 30], device="cpu")
     assert emu.launches and bwd.launches
+    # the Triton forward's lse into the Gluon backward (their gates differ: MIN_MEAN_DOC_BACKWARD)
+    n, nb = len(emu.launches), len(bwd.launches)
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
+    _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8, 20], [1, 3], False, [9, 0, 1, 30], device="cpu")
+    assert len(emu.launches) == n and len(bwd.launches) > nb
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
     monkeypatch.setattr(gluon_varlen, "backward_problem", lambda *a: "refused")
     with pytest.raises(AssertionError, match="backward did not run"):
         _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8], [1], False, [9, 5], device="cpu")
@@ -631,8 +645,8 @@ def _lognormal(total: int, mean: float, seed: int) -> list[int]:
 
 
 def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device: str = "cuda") -> None:
-    """The library's packed call with the Gluon varlen forward (the switch on) and, where
-    ``gluon_varlen.VARLEN_BACKWARD`` is on, its backward, against the float64 reference per
+    """The library's packed call with the Gluon varlen forward and backward where their switches
+    (``gluon_varlen.VARLEN_FORWARD``, ``VARLEN_BACKWARD``) are on, against the float64 reference per
     document, forward and backward, each error <= 2x the Triton varlen path's (both switches
     off) + 1e-3; the Gluon paths ran; their bits repeatable. (``device`` "cpu": the CPU
     smoke test of this helper, with the kernel emulated.)"""
@@ -647,7 +661,7 @@ def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device:
     real, real_bwd = gluon_varlen.forward, gluon_varlen.backward
     monkeypatch.setattr(gluon_varlen, "forward", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     monkeypatch.setattr(gluon_varlen, "backward", lambda *a, **kw: bwd_launches.append(1) or real_bwd(*a, **kw))
-    bwd_on = gluon_varlen.VARLEN_BACKWARD
+    fwd_on, bwd_on = gluon_varlen.VARLEN_FORWARD, gluon_varlen.VARLEN_BACKWARD
 
     def call():
         xs = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -657,13 +671,13 @@ def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device:
 
     case = f"{dtype} D {d} heads {h}/{hkv} w {seg} r {dil} causal {causal} lengths {lens}"
     got = call()
-    assert launches, f"the Gluon varlen forward did not run ({case}): {gluon_varlen._failed}"
+    assert bool(launches) == fwd_on, f"the Gluon varlen forward did not run ({case}): {gluon_varlen._failed}"
     assert bool(bwd_launches) == bwd_on, f"the Gluon varlen backward did not run ({case}): {gluon_varlen._bwd_failed}"
     again = call()
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
     monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", False)
     base = call()
-    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", fwd_on)
     monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", bwd_on)
     r64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     want_out, want_lse, want_g = varlen_reference(*r64, offs, offs, list(seg), list(dil), do.double(), causal=causal)
@@ -689,6 +703,18 @@ def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device:
 def test_gluon_varlen_forward_vs_reference(monkeypatch, switch_on, dtype, d, h, hkv, seg, dil, causal):
     lens = _lognormal(1500, 300.0, seed=len(seg) * 7 + d + int(causal))
     _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens)
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("seg,dil", [([64, 128, 256], [1, 2, 4]), ([96, 160], [2, 3])])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_varlen_backward_after_the_triton_forward(monkeypatch, switch_on, seg, dil, causal):
+    """The backward's gate is its own (MIN_MEAN_DOC_BACKWARD < MIN_MEAN_DOC): a call whose forward
+    ran the Triton varlen kernels (its lse) and whose backward runs the Gluon ones."""
+    monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
+    lens = _lognormal(1500, 300.0, seed=len(seg) + int(causal))
+    _check_on_gpu(monkeypatch, torch.bfloat16, 128, 4, 2, seg, dil, causal, lens)
 
 
 @needs_gluon

@@ -22,6 +22,20 @@ with it on and off, interleaved, over six packed batches. Where it won, the forw
 4K tokens or more on average. Where it lost, :func:`problem` keeps the call on the Triton varlen
 kernels: :data:`HEADDIMS` (head dim 64: 1.31x / 1.78x, not causal / causal) and
 :data:`MIN_MEAN_DOC` (documents of 512 tokens on average: 1.46x / 1.41x).
+
+:data:`VARLEN_BACKWARD` is on (2026-11-29, twenty-ninth session, on an H200): 50 CUDA tests passed
+(both switches forced on, and a Triton forward into the Gluon backward), and the public packed
+call's fwd+bwd took 0.77x / 0.87x the time with it on the issue's batch (not causal / causal),
+0.82x in fp16 (results/varlen_switch_ab_bwd_h200_2026-11-29_s29.md). Its mean-document gate is its
+own, :data:`MIN_MEAN_DOC_BACKWARD` = 1024 rows (with the forward on Triton: 0.89x / 0.98x at a mean
+of 1024 rows, 0.87x / 0.90x at 2048, 1.00x / 1.05x at 512;
+results/varlen_switch_ab_bwd_gate_h200_2026-11-29_s29.md).
+
+Where the packed step still loses to one sequence (results/profile_varlen_h200_2026-11-29_s29_*.md):
+per tile pair the packed kernels are slower than the one-sequence ones (the w = 2048 branch's
+forward, causal: 2852 vs 2224 us over 0.95x the tile pairs), which points at each program's fixed
+cost; each makes its own five (forward) or four (backward) TMA descriptors. Not yet measured
+apart (NOTES_triton.md, 2026-11-29, twenty-ninth session).
 """
 
 from __future__ import annotations
@@ -41,6 +55,11 @@ HEADDIMS = (128,)
 # total rows // documents below this: the Triton varlen forward (faster at a mean of 512 tokens;
 # the Gluon one faster at 4096 and more; between them unmeasured)
 MIN_MEAN_DOC = 4096
+# the backward's own mean-document gate (its kernels win at shorter documents than the forward's:
+# with the forward on Triton, fwd+bwd 0.89x / 0.98x not causal / causal at a mean of 1024 rows,
+# 1.00x / 1.05x at 512: results/varlen_switch_ab_bwd_gate_h200_2026-11-29_s29.md; both switches on
+# at 1024: 0.90x / 1.02x, the forward alone 1.08x / 1.17x: varlen_switch_ab_both_h200_2026-11-29_s29.md)
+MIN_MEAN_DOC_BACKWARD = 1024
 PROGRAM_ROWS = 128  # gluon_varlen_kernel.PROGRAM_ROWS (tests/test_gluon_fwd.py checks they agree)
 
 _module = None
@@ -152,7 +171,7 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
     ``max_len``: the caller's bound on a document's length; ``ndocs``: the documents."""
     if not VARLEN_FORWARD:
         return "gluon_varlen.VARLEN_FORWARD is off"
-    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs)
+    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs, MIN_MEAN_DOC, "MIN_MEAN_DOC")
     if why is not None:
         return why
     key = (q.dtype, q.shape[3], bool(causal))
@@ -163,9 +182,11 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
     return None
 
 
-def _inputs_problem(q, k, v, branches, same_offsets: bool, max_len: int, ndocs: int) -> str | None:
+def _inputs_problem(q, k, v, branches, same_offsets: bool, max_len: int, ndocs: int, min_mean: int,
+                    gate: str) -> str | None:
     """The conditions the Gluon varlen forward and backward share (:func:`problem`): inputs,
-    branches, device and the speed gates."""
+    branches, device and the speed gates (``min_mean``: this direction's mean-document gate, whose
+    name ``gate`` the message gives)."""
     if not same_offsets:
         return "the Gluon varlen kernels need the same offsets for queries and keys"
     nh = q.shape[2]
@@ -185,8 +206,8 @@ def _inputs_problem(q, k, v, branches, same_offsets: bool, max_len: int, ndocs: 
     if d not in HEADDIMS:
         return (f"head dim {d} not in gluon_varlen.HEADDIMS = {HEADDIMS}: the Triton varlen forward is "
                 f"faster there")  # fmt: skip
-    if total < MIN_MEAN_DOC * ndocs:
-        return (f"{ndocs} documents in {total} rows: a mean under gluon_varlen.MIN_MEAN_DOC = {MIN_MEAN_DOC} "
+    if total < min_mean * ndocs:
+        return (f"{ndocs} documents in {total} rows: a mean under gluon_varlen.{gate} = {min_mean} "
                 f"rows, where the Triton varlen kernels are faster")  # fmt: skip
     if d == 64 and max(min(w, max_len) // r for w, r, _, _ in branches) < gluon_fwd.D64_MIN_BLOCK:
         return (f"headdim 64 and every branch's blocks shorter than gluon_fwd.D64_MIN_BLOCK = "
@@ -260,12 +281,11 @@ def forward(
 
 # ---------------------------------------------------------------------------------- backward
 # the switch of the Gluon varlen backward (module attribute): False runs every packed backward
-# on the Triton varlen kernels. Off until its CUDA tests (tests/test_gluon_varlen.py, backward
-# cases) pass on a Hopper GPU; written 2026-11-29 from benchmarks/gluon_varlen.py's prototype,
-# whose kernels (now :mod:`.gluon_varlen_kernel`'s) were exact on an H200 and took 13.4 / 8.9 ms
-# of dK/dV against the Triton varlen kernel's 23.2 / 13.6 on the issue's packed batch (not causal /
-# causal; results/gluon_varlen_h200_2026-11-29_s28.md)
-VARLEN_BACKWARD = False
+# on the Triton varlen kernels. On since 2026-11-29 (twenty-ninth session, an H200): its 46 CUDA
+# tests (tests/test_gluon_varlen.py, both switches forced on) passed, and the public packed call's
+# fwd+bwd took 0.77x / 0.87x the time with it on the issue's batch (not causal / causal), 0.82x in
+# fp16 (results/varlen_switch_ab_bwd_h200_2026-11-29_s29.md). Same gates as the forward.
+VARLEN_BACKWARD = True
 _bwd_failed: dict[tuple, str] = {}  # (dtype, headdim, causal) -> why its first launch failed
 
 
@@ -277,7 +297,8 @@ def backward_problem(q, k, v, causal: bool, branches, same_offsets: bool, max_le
 
     if not VARLEN_BACKWARD:
         return "gluon_varlen.VARLEN_BACKWARD is off"
-    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs)
+    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs, MIN_MEAN_DOC_BACKWARD,
+                          "MIN_MEAN_DOC_BACKWARD")
     if why is not None:
         return why
     _, total, nh, d = q.shape

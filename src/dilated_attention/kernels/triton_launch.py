@@ -1329,7 +1329,7 @@ def backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, head_ranges,
     Where the Gluon backward applies (no ``config``, ``docs`` or ``kpm``, the switch on:
     :func:`gluon_backward`) it runs instead; packed documents likewise through the Gluon varlen
     kernels where :func:`gluon_varlen.backward_problem` is None (:func:`_gluon_varlen_backward`;
-    its switch ``gluon_varlen.VARLEN_BACKWARD`` is off until its CUDA tests pass).
+    its switch ``gluon_varlen.VARLEN_BACKWARD``, on by default).
     """
     if config is None:
         if docs is None:
