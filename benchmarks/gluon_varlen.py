@@ -537,21 +537,18 @@ def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
                                         (True, False, True)):  # fmt: skip
                 name = f"{dt} D={d} causal={causal} first={first} comp={comp}"
                 sig = {n: f"*{dt}" for n in ("Q", "K", "V", "O", "LO")}
-                sig.update({"LSE": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "ENT_M": "*i32", "qk_scale": "fp32"})
+                sig.update({"LSE": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32"})
                 sig.update({n: "i32" for n in ("TOTAL", "SNQ", "SNK", "R", "H", "HKV")})
                 consts = {"q_layout": gl.NVMMASharedLayout.get_default_for([1, F.WG_M, 1, d], gdt),
                           "kv_layout": gl.NVMMASharedLayout.get_default_for([1, gluon_fwd.KV_BN, 1, d], gdt),
                           "BN": gluon_fwd.KV_BN, "D": d, "STAGES": gluon_fwd.stages(d), "CAUSAL": causal,
                           "FIRST": first, "COMP": comp, "STORE_LO": comp,
                           "CONSUMER_REGS": gluon_fwd.CONSUMER_REGS, "LOADER_REGS": gluon_fwd.LOADER_REGS}  # fmt: skip
-                attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-                for flat in (False, True) if dt == "bf16" else (False,):  # the flat grid (gluon_varlen.FLAT_GRID)
-                    cs = {**consts, "FLAT": flat}
-                    sg = {**sig, **{n: "constexpr" for n in cs}}
-                    for ones in ((), ONES_FWD) if dt == "bf16" and not flat else ((),):
-                        ok &= _compile_variant(gluon_fwd_varlen_kernel, sg, cs, attrs, ones,
-                                               name + (" flat" if flat else ""), "fwd ", gluon_fwd.MAXNREG,
-                                               SCRATCH_PER_PROGRAM, sass_dir, lines)  # fmt: skip
+                sig.update({n: "constexpr" for n in consts})
+                attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+                for ones in ((), ONES_FWD) if dt == "bf16" else ((),):
+                    ok &= _compile_variant(gluon_fwd_varlen_kernel, sig, consts, attrs, ones, name, "fwd ",
+                                           gluon_fwd.MAXNREG, SCRATCH_PER_PROGRAM, sass_dir, lines)  # fmt: skip
     # the backward kernels
     row_lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for dt, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):

@@ -2,9 +2,7 @@
 through the public ``dilated_attention_varlen(impl="triton")`` with the Gluon varlen kernels on and
 off, over several packed batches (document-length mixes, head dims, GQA, dtypes, causal or not).
 ``--switch forward`` (the default) flips the forward's switch (the backward's as shipped in both
-arms); ``--switch backward`` flips the backward's (the forward's as shipped); ``both`` flips both;
-``flat`` flips ``gluon_varlen.FLAT_GRID`` (the Gluon varlen forward's grid; both arms run it, so
-give ``--min-mean-doc 0`` for batches the forward's gate keeps on Triton).
+arms); ``--switch backward`` flips the backward's (the forward's as shipped); ``both`` flips both.
 ``--min-mean-doc``, ``--min-mean-doc-backward`` and ``--headdims`` replace the gates
 (``gluon_varlen.MIN_MEAN_DOC``, ``MIN_MEAN_DOC_BACKWARD``, ``HEADDIMS``)
 for the run, to time batches the shipped gates keep on the Triton kernels (where is the crossover?).
@@ -79,7 +77,7 @@ def run_case(name: str, causal: bool, rounds: int, rep: int, switch: str = "forw
         return torch.autograd.grad(call(*xs), xs, do)
 
     names = {"forward": ["VARLEN_FORWARD"], "backward": ["VARLEN_BACKWARD"],
-             "both": ["VARLEN_FORWARD", "VARLEN_BACKWARD"], "flat": ["FLAT_GRID"]}[switch]  # fmt: skip
+             "both": ["VARLEN_FORWARD", "VARLEN_BACKWARD"]}[switch]  # fmt: skip
     shipped = {n: getattr(gluon_varlen, n) for n in names}
 
     def arm(on: bool, what):
@@ -121,8 +119,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
-    ap.add_argument("--switch", choices=["forward", "backward", "both", "flat"], default="forward",
-                    help="flat: gluon_varlen.FLAT_GRID (the Gluon varlen forward's grid) on / off")
+    ap.add_argument("--switch", choices=["forward", "backward", "both"], default="forward")
     ap.add_argument("--min-mean-doc", type=int, default=None, help="replaces gluon_varlen.MIN_MEAN_DOC")
     ap.add_argument("--min-mean-doc-backward", type=int, default=None,
                     help="replaces gluon_varlen.MIN_MEAN_DOC_BACKWARD")

@@ -129,8 +129,6 @@
 #                                       benchmarks/varlen_switch_ab.py --switch backward ($AB_TIMEOUT 200 s; $SWITCH_AB_ARGS,
 #                                       e.g. "--cases issue-128k-16x128,gqa32x8-64k-mean4096 --rounds 3")
 #   bash scripts/gpu_check.sh profile-varlen  benchmarks/profile_varlen.py --configs default, not causal then causal
-#   bash scripts/gpu_check.sh flat      gluon_varlen.FLAT_GRID: the random packed CUDA tests (on and off), then
-#                                       varlen_switch_ab.py --switch flat --min-mean-doc 0
 #   bash scripts/gpu_check.sh s29      bench_varlen.py, then varlen_switch_ab.py --switch both --min-mean-doc 0 over four batches
 #                                       with a mean document of 512-4096 rows (where MIN_MEAN_DOC belongs)
 #   bash scripts/gpu_check.sh s28      benchmarks/varlen_switch_ab.py (gluon_varlen.VARLEN_FORWARD on / off over six packed
@@ -378,20 +376,6 @@ case "${1:-tests}" in
     echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_bwd.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\|" "$OUT/varlen_switch_ab_bwd.md"; grep -E "rc=" "$OUT/varlen_switch_ab_bwd.txt"
-    ;;
-  flat)
-    # gluon_varlen.FLAT_GRID (the Gluon varlen forward on a flat grid, off by default): its CUDA tests (the random packed cases
-    # with it on and off; $CUDA_TEST_TIMEOUT 200), then varlen_switch_ab.py --switch flat with the forward's gate lifted
-    # ($SWITCH_AB_ARGS; $AB_TIMEOUT 150)
-    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -k random_cases -n 4 \
-      -p no:cacheprovider -rfE > "$OUT/cuda_tests.txt" 2>&1
-    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
-    timeout "${AB_TIMEOUT:-150}" python3 benchmarks/varlen_switch_ab.py --switch flat --min-mean-doc 0 \
-      ${SWITCH_AB_ARGS:---cases short-docs-64k-mean512,issue-128k-16x128 --rounds 2} \
-      --out "$OUT/varlen_switch_ab_flat.md" > "$OUT/varlen_switch_ab_flat.txt" 2>&1
-    echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_flat.txt"
-    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
-    grep -E "^\|" "$OUT/varlen_switch_ab_flat.md"; grep -E "rc=|Error" "$OUT/varlen_switch_ab_flat.txt" | tail -3
     ;;
   s29)
     # the session of 2026-11-29 (twenty-ninth), both Gluon varlen switches on by default: bench_varlen.py (issue 22 item 2b,

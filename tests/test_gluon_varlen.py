@@ -21,7 +21,6 @@ CUDA (sm_90 with Triton's Gluon), both switches on (forward and backward):
 
 from __future__ import annotations
 
-import random
 import types
 
 import pytest
@@ -162,26 +161,13 @@ class _EmulatedVarlenKernel:
     def __getitem__(self, grid):
         return lambda *a, **kw: self.run(grid, *a, **kw)
 
-    def run(self, grid, q, k, v, out, lo, lse, p0, ws, ent_m, qk_scale, total, snq, snk, r, nh, hkv, *, CAUSAL,
-            FIRST, COMP, STORE_LO, FLAT=False, **_):  # fmt: skip
+    def run(self, grid, q, k, v, out, lo, lse, p0, ws, qk_scale, total, snq, snk, r, nh, hkv, *, CAUSAL, FIRST,
+            COMP, STORE_LO, **_):  # fmt: skip
         self.launches.append((r, tuple(grid), FIRST, COMP, STORE_LO))
-        assert grid[2] == nh and (snq, snk) == (q.stride(0), k.stride(0))
-        if FLAT:  # one program per (table row, head): each entry's query tiles exactly once
-            assert grid[1] == 1 and grid[0] == p0.numel() == ws.numel() == ent_m.numel()
-            tiles: dict[tuple[int, int], list[int]] = {}
-            for i in range(grid[0]):
-                if int(ws[i]) > 0:
-                    tiles.setdefault((int(p0[i]), int(ws[i])), []).append(int(ent_m[i]))
-            for (a, n), ms in tiles.items():
-                need = list(range(-(-(-(-n // r)) // self.BM)))  # residue 0's tiles
-                assert sorted(ms) == sorted(need * (len(ms) // len(need))), f"entry ({a}, {n}): tiles {ms}"
-            ents = list(tiles)
-            self.flat_programs = getattr(self, "flat_programs", 0) + grid[0]
-        else:
-            assert grid[1] == p0.numel() == ws.numel()
-            ents = [(int(p0[e]), int(ws[e])) for e in range(grid[1])]
+        assert grid[1] == p0.numel() == ws.numel() and grid[2] == nh and (snq, snk) == (q.stride(0), k.stride(0))
         scale = qk_scale / LOG2E
-        for a, n in ents:
+        for e in range(grid[1]):
+            a, n = int(p0[e]), int(ws[e])
             for h in range(nh):
                 c = h % r
                 big_l = max(-(-(n - c) // r), 0)
@@ -226,16 +212,14 @@ CASES = [  # lengths (empty and one-token documents, no multiple of any w), bran
 
 @pytest.mark.parametrize("lens,seg,dil,h,hkv", CASES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("checked,flat", [(False, False), (True, False), (False, True)])
-def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil, h, hkv, causal, checked, flat):
+@pytest.mark.parametrize("checked", [False, True])
+def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil, h, hkv, causal, checked):
     """``dilated_attention_varlen(impl="triton")`` with the Gluon varlen forward taken (its gate
     opened, its kernel emulated) against the float64 reference per document, forward and
     backward (the Triton varlen backward on the emulated out and lse); host-checked offsets
-    (``check_offsets``) make the buffers unfilled where a first r = 1 branch stores every row;
-    ``flat``: the flat grid (``gluon_varlen.FLAT_GRID``)."""
+    (``check_offsets``) make the buffers unfilled where a first r = 1 branch stores every row."""
     from dilated_attention.kernels import direct_launch
 
-    monkeypatch.setattr(gluon_varlen, "FLAT_GRID", flat)
     emu = _EmulatedVarlenKernel()
     mod = types.SimpleNamespace(gluon_fwd_varlen_kernel=emu, F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128)
     # as on a Hopper GPU, but the offsets must reach it as one tensor (int64 offsets passed
@@ -266,33 +250,6 @@ def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil
     for a, b in zip(grads, want_g, strict=True):
         assert (a.double() - b).abs().max().item() < 5e-2 * (1 + b.abs().max().item())
     assert first_fills or lse.isfinite().all()  # every row a document's: the first branch stored it
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_flat_programs_cover_every_query_tile_once(seed):
-    """:func:`gluon_varlen.flat_programs` from device offsets against the host's entries: per
-    branch, every (entry, query tile of its residue-0 block) exactly once, entries' tiles
-    consecutive, the rest of the table 0 rows; its row count within the bound from shapes,
-    which is at most the slot grid's. Offsets the caller did not check (decreasing, past the
-    stream) stay inside the stream."""
-    rng = random.Random(seed)
-    lens = [rng.choice([0, 1, rng.randint(2, 700)]) for _ in range(rng.randint(1, 9))]
-    offs = _offsets(lens)
-    total = max(offs[-1], 1)
-    seg = sorted(rng.sample([16, 64, 128, 256, 300, 1024], rng.randint(1, 3)))
-    dil = [rng.choice([1, 2, 3, 5, 9]) for _ in seg]
-    tabs = gluon_varlen.flat_programs(torch.tensor(offs, dtype=torch.int32), seg, dil, max(lens), total)
-    for (w, r), (p0, ws, tile) in zip(zip(seg, dil), tabs, strict=True):
-        hp0, hws = gluon_varlen.entries(offs, w)
-        want = [(a, n, t) for a, n in zip(hp0, hws) for t in range(-(-n // (128 * r)))]
-        got = [(int(a), int(n), int(t)) for a, n, t in zip(p0, ws, tile) if int(n) > 0]
-        assert got == want, (w, r, lens)
-        assert (ws[len(got):] == 0).all() and p0.numel() == gluon_varlen.flat_rows(max(lens), len(lens), total, w, r)
-        g0, g1, _ = gluon_varlen.grid(max(lens), len(lens), total, w, r, 1)
-        assert len(got) <= p0.numel() <= g0 * g1
-    bad = torch.tensor([0, 50, 20, 10**6], dtype=torch.int32)  # decreasing, past the stream
-    for p0, ws, tile in gluon_varlen.flat_programs(bad, [16, 64], [1, 4], 60, 60):
-        assert ((p0 + ws) <= 60).all() and (ws >= 0).all() and (tile >= 0).all()
 
 
 class _Launcher:
@@ -762,14 +719,14 @@ def test_gluon_varlen_backward_after_the_triton_forward(monkeypatch, switch_on, 
 
 @needs_gluon
 @pytest.mark.cuda
-@pytest.mark.parametrize("seed,flat", [(s, False) for s in range(12)] + [(s, True) for s in range(0, 12, 2)])
-def test_gluon_varlen_forward_random_cases(monkeypatch, switch_on, seed, flat):
+@pytest.mark.parametrize("seed", range(12))
+def test_gluon_varlen_forward_random_cases(monkeypatch, switch_on, seed):
     """Random packed configurations (seeded): dtype, headdim, heads (MQA, GQA, MHA, r > heads),
     1-4 branches with w from 2 to 2048 (w % r != 0 often, w past every document sometimes), r
     from 1 to 9 (r = 1 first or not), lengths lognormal around 50-800 tokens with empty and
-    one-token documents, 300-4000 tokens in all. ``flat``: the forward on the flat grid
-    (``gluon_varlen.FLAT_GRID``)."""
-    monkeypatch.setattr(gluon_varlen, "FLAT_GRID", flat)
+    one-token documents, 300-4000 tokens in all."""
+    import random
+
     rng = random.Random(1000 + seed)
     dtype = rng.choice([torch.bfloat16, torch.float16])
     d = rng.choice([64, 128])

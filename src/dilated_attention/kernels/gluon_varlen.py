@@ -60,11 +60,6 @@ MIN_MEAN_DOC = 4096
 # 1.00x / 1.05x at 512: results/varlen_switch_ab_bwd_gate_h200_2026-11-29_s29.md; both switches on
 # at 1024: 0.90x / 1.02x, the forward alone 1.08x / 1.17x: varlen_switch_ab_both_h200_2026-11-29_s29.md)
 MIN_MEAN_DOC_BACKWARD = 1024
-# the forward's grid (module attribute): True launches one program per query tile that some block
-# has (:func:`flat_programs`' tables), False one per (entry slot, tile of the longest possible
-# block), most of them empty when documents are short (2026-11-29: about 58K programs launched for
-# 33K with rows on the issue's batch). Off until timed on a GPU.
-FLAT_GRID = False
 PROGRAM_ROWS = 128  # gluon_varlen_kernel.PROGRAM_ROWS (tests/test_gluon_fwd.py checks they agree)
 
 _module = None
@@ -115,14 +110,6 @@ def device_entries_all(cu: torch.Tensor, widths, total: int) -> list[tuple[torch
     small device ops per call, not one per branch: host time, issue 23): each branch's (first
     rows, rows) a contiguous 16-byte aligned row of one [branches, slots] table, cut to its own
     ``total // w + documents`` slots."""
-    p0, ws, slots = entry_tables(cu, widths, total)
-    return [(p0[i, :n], ws[i, :n]) for i, n in enumerate(slots)]
-
-
-def entry_tables(cu: torch.Tensor, widths, total: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """(first rows, rows, slots): :func:`device_entries_all`'s two [branches, width] int32 tables
-    uncut, and each branch's slot count (``total // w + documents``; slots past a branch's
-    entries have 0 rows)."""
     cu = cu.to(torch.int64).clamp(0, total)
     ndocs = int(cu.numel() - 1)
     lens = (cu[1:] - cu[:-1]).clamp(min=0)  # (docs,)
@@ -135,43 +122,14 @@ def entry_tables(cu: torch.Tensor, widths, total: int) -> tuple[torch.Tensor, to
     doc = torch.searchsorted(ends, e, right=True).clamp(max=max(ndocs - 1, 0))
     if ndocs == 0:  # no document: every slot unused
         zero = torch.zeros(len(slots), width, dtype=torch.int32, device=cu.device)
-        return zero, zero, slots
+        return [(zero[i, :n], zero[i, :n]) for i, n in enumerate(slots)]
     s = e - (ends.gather(1, doc) - nseg.gather(1, doc))
     p0 = cu[doc] + s * w
     ws = torch.clamp(torch.minimum(w.expand_as(s), lens[doc] - s * w), min=0)
     ws = torch.minimum(ws, total - p0).clamp(min=0)  # clamped offsets: never past the stream
     ws = torch.where(e < ends[:, -1:], ws, 0)
-    return p0.to(torch.int32), ws.to(torch.int32), slots
-
-
-def flat_rows(max_len: int, ndocs: int, total: int, w: int, r: int) -> int:
-    """Rows of :func:`flat_programs`' table for branch (w, r), from shapes: a bound on the query
-    tiles of its blocks of residue 0 (the longest), sum over entries of ceil(rows / (128 r)) <=
-    total / (128 r) + entries, and never more than the slot grid's programs (:func:`grid`)."""
-    g0, g1, _ = grid(max_len, ndocs, total, w, r, 1)
-    return min(-(-total // (PROGRAM_ROWS * r)) + g1, g0 * g1)
-
-
-def flat_programs(cu: torch.Tensor, widths, rs, max_len: int, total: int) -> list[tuple[torch.Tensor, ...]]:
-    """Per branch (w, r): the tables of the flat grid (``FLAT_GRID``), one row per program: its
-    entry's first row and rows (as :func:`device_entries`) and its query tile, programs
-    ``[0, flat_rows)``, an entry's tiles consecutive; rows past the last tile are all 0 (0 rows:
-    the program returns at once). Device ops only (no host read), all branches at once."""
-    p0, ws, slots = entry_tables(cu, widths, total)
-    ndocs = int(cu.numel() - 1)
-    nb, width = ws.shape
-    rows = [flat_rows(max_len, ndocs, total, w, r) for w, r in zip(widths, rs, strict=True)]
-    span = _widths(tuple(PROGRAM_ROWS * r for r in rs), cu.device).view(-1, 1).to(torch.int64)
-    tiles = torch.div(ws.to(torch.int64) + span - 1, span, rounding_mode="floor")  # (branches, slots)
-    incl = tiles.cumsum(1)
-    n = max(-(-max(rows) // 4) * 4, 4)  # rows 16-byte aligned, as the entry tables'
-    pid = torch.arange(n, device=cu.device).view(1, -1).expand(nb, n).contiguous()
-    e = torch.searchsorted(incl, pid, right=True).clamp(max=width - 1)
-    valid = pid < incl[:, -1:]
-    tile = torch.where(valid, pid - (incl.gather(1, e) - tiles.gather(1, e)), 0).to(torch.int32)
-    fp0 = torch.where(valid, p0.gather(1, e), 0)
-    fws = torch.where(valid, ws.gather(1, e), 0)
-    return [(fp0[i, :k], fws[i, :k], tile[i, :k]) for i, k in enumerate(rows)]
+    p0, ws = p0.to(torch.int32), ws.to(torch.int32)
+    return [(p0[i, :n], ws[i, :n]) for i, n in enumerate(slots)]
 
 
 def grid(max_len: int, ndocs: int, total: int, w: int, r: int, nh: int) -> tuple[int, int, int]:
@@ -304,25 +262,18 @@ def forward(
     kv_layout = gluon_fwd._block_layout(gluon_fwd.KV_BN, d, q.dtype)
     ndocs = cu.shape[0] - 1
     last = len(branches) - 1
-    widths = [w for w, _, _, _ in branches]
-    flat = FLAT_GRID
-    if flat:
-        tables = flat_programs(cu, widths, [r for _, r, _, _ in branches], max_len, total)
-    else:
-        tables = [(p0, ws, p0) for p0, ws in device_entries_all(cu, widths, total)]  # (ENT_M unread)
+    tables = device_entries_all(cu, [w for w, _, _, _ in branches], total)
     with _Scratch(q.device):
         for bi, (w, r, _, _) in enumerate(branches):
             g = grid(max_len, ndocs, total, w, r, nh)
             if 0 in g:  # max_len 0 (no document has a row): nothing to launch, the fills stand
                 continue
-            p0, ws, tile = tables[bi]
-            if flat:
-                g = (p0.numel(), 1, nh)
+            p0, ws = tables[bi]
             kern[g](
-                q3, k3, v3, out, lo, lse, p0, ws, tile, scale * LOG2E, total, q3.stride(0), k3.stride(0), r, nh,
-                nkv, q_layout=q_layout, kv_layout=kv_layout, BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d),
+                q3, k3, v3, out, lo, lse, p0, ws, scale * LOG2E, total, q3.stride(0), k3.stride(0), r, nh, nkv,
+                q_layout=q_layout, kv_layout=kv_layout, BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d),
                 CAUSAL=bool(causal), FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
-                CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS, FLAT=flat, num_warps=4,
+                CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS, num_warps=4,
                 maxnreg=gluon_fwd.MAXNREG,
             )  # fmt: skip
     return out[None], lse[None]

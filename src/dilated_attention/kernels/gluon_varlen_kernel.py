@@ -14,11 +14,6 @@ and column coordinates 0. TMA zero-fills rows past L and drops stores past it, e
 host descriptors do at a launch's L. So short last segments, documents shorter than w and
 w % R != 0 need no masks and no length classes. Programs past their block's rows return at once.
 
-With ``FLAT`` the grid is one program per (query tile that some block has, head) instead: the
-tables are per program (:func:`.gluon_varlen.flat_programs`), about ceil(total / (128 R)) + entries
-rows where the slot grid launches slots x the longest block's tiles (mostly empty programs when
-documents are short).
-
 The descriptors live in a global scratch of 640 bytes a program (five descriptors), which Triton
 asks of the allocator in ``triton.runtime._allocation._allocator`` at launch
 (:class:`.gluon_varlen._Scratch` sets it around each launch).
@@ -47,25 +42,18 @@ _WGM = gl.constexpr(F.WG_M)
 
 
 @gluon.jit
-def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, ENT_M, qk_scale, TOTAL, SNQ, SNK, R, H, HKV,
+def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL, SNQ, SNK, R, H, HKV,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
                             D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             FIRST: gl.constexpr, COMP: gl.constexpr, STORE_LO: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                            FLAT: gl.constexpr = False):  # fmt: skip
+                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
     """One program per (query tile of 128 rows, entry e, head h): the block of head h in
     entry e's segment (rows ENT_P0[e] + c + R t, c = h % R, t < L, the segment ENT_W[e]
     rows long) through the library's partitions with descriptors made here (coordinates 0
     but the row). q, out, lo: (TOTAL, H, D) rows of SNQ elements; k, v: (TOTAL, HKV, D) rows of
-    SNK; lse (H, TOTAL) float32. With FLAT, one program per (table row, head): the tables
-    ENT_P0 / ENT_W / ENT_M hold each program's entry (first row, rows) and query tile
-    (``gluon_varlen.flat_programs``), so that no program is launched for a tile no block has."""
-    if FLAT:
-        e = gl.program_id(0)
-        pid_m = gl.load(ENT_M + e)
-    else:
-        pid_m = gl.program_id(0)
-        e = gl.program_id(1)
+    SNK; lse (H, TOTAL) float32."""
+    pid_m = gl.program_id(0)
+    e = gl.program_id(1)
     h = gl.program_id(2)
     c = h % R
     hk = h // (H // HKV)
