@@ -524,7 +524,7 @@ def test_failed_backward_launch_falls_back_with_a_warning(monkeypatch, switch_on
     assert list(gluon_varlen._bwd_failed) == [(torch.float16, 16, False)] and not gluon_varlen._failed
 
 
-def test_switch_ab_benchmark_runs_both_arms_and_counts_the_on_arm(monkeypatch, switch_on):
+def test_switch_ab_benchmark_runs_both_arms_and_counts_the_on_arm(monkeypatch, switch_on, tmp_path):
     """benchmarks/varlen_switch_ab.py on a tiny case on the CPU (the backward's kernels emulated,
     timing replaced by one call): both arms run, the Gluon calls counted are the on arm's, the
     switches come back as they were."""
@@ -545,6 +545,14 @@ def test_switch_ab_benchmark_runs_both_arms_and_counts_the_on_arm(monkeypatch, s
     assert r["gluon"] == "0 / 1" and r["diff"] < 2e-2 and r["on_fb"] == r["off_fb"] == 1.0
     assert (gluon_varlen.VARLEN_FORWARD, gluon_varlen.VARLEN_BACKWARD) == before
     assert gluon_varlen.forward.__module__ == gluon_varlen.__name__  # the spies removed
+    # the whole script: its table, one row per (case, causal), the per-round range, gates restored
+    monkeypatch.setattr(ab, "results_header", lambda *a, **kw: ["# header"])
+    monkeypatch.setattr(sys, "argv", ["varlen_switch_ab.py", "--cases", "tiny", "--rounds", "2", "--switch", "both",
+                                      "--min-mean-doc", "0", "--out", str(tmp_path / "ab.md")])  # fmt: skip
+    monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC", gluon_varlen.MIN_MEAN_DOC)  # main sets it: restored after
+    ab.main()
+    rows = [x for x in (tmp_path / "ab.md").read_text().splitlines() if x.startswith("| tiny |")]
+    assert len(rows) == 2 and all(x.count("|") == 14 and "| 1.000-1.000 |" in x for x in rows), rows
 
 
 def test_switch_off_runs_the_triton_varlen_kernels(monkeypatch):
