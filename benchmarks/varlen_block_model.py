@@ -40,36 +40,54 @@ def block_work(rows: int, bm: int, bn: int, causal: bool) -> tuple[int, int]:
     return useful, computed
 
 
+def block_sizes(lengths, w: int, r: int, heads: int):
+    """The rows of every head's block of branch (w, r): each document's segments of w rows from
+    its first row (the last one shorter), head h's block ceil((segment - h % r) / r) rows."""
+    for n in lengths:
+        for s in range(-(-n // w)):
+            seg = min(w, n - s * w)
+            for h in range(heads):
+                yield max(0, -(-(seg - h % r) // r))
+
+
 def stream_work(lengths, branches, heads: int, bm: int, bn: int, causal: bool) -> list[tuple[int, int]]:
     """Per branch: (useful, computed) summed over documents, segments and heads."""
     out = []
     for w, r in branches:
         u = c = 0
-        for n in lengths:
-            for s in range(-(-n // w)):
-                seg = min(w, n - s * w)
-                for h in range(heads):
-                    du, dc = block_work(max(0, -(-(seg - h % r) // r)), bm, bn, causal)
-                    u, c = u + du, c + dc
+        for rows in block_sizes(lengths, w, r, heads):
+            du, dc = block_work(rows, bm, bn, causal)
+            u, c = u + du, c + dc
         out.append((u, c))
     return out
 
 
-def report(lengths, branches, heads: int, blocks: dict[str, tuple[int, int]], causal: bool) -> str:
+def stream_programs(lengths, branches, heads: int, bm: int) -> list[int]:
+    """Per branch: the query tiles of bm rows over every head's block, i.e. the programs with rows
+    of a forward kernel launched per (query tile, block): each pays the kernel's fixed cost once
+    (its setup, and in the Gluon varlen kernels the TMA descriptors it makes)."""
+    return [sum(-(-rows // bm) for rows in block_sizes(lengths, w, r, heads)) for w, r in branches]
+
+
+def report(lengths, branches, heads: int, tiles: dict[str, tuple[int, int]], causal: bool) -> str:
     total = sum(lengths)
     lines = [f"{len(lengths)} documents, {total} tokens, {heads} heads, branches {branches}, "
              f"causal={causal}", "",
              "| kernel | BM x BN | computed / useful, packed | one sequence | packed / one "
-             "| per branch | useful pairs, packed / one |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for name, (bm, bn) in blocks.items():
+             "| per branch | useful pairs, packed / one | computed, packed / one | per branch "
+             "| query tiles (programs) per branch, packed / one |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, (bm, bn) in tiles.items():
         p = stream_work(lengths, branches, heads, bm, bn, causal)
         o = stream_work([total], branches, heads, bm, bn, causal)
         up, cp = sum(x[0] for x in p), sum(x[1] for x in p)
         uo, co = sum(x[0] for x in o), sum(x[1] for x in o)
         per = " ".join(f"{(c / u) / (c1 / u1):.2f}" for (u, c), (u1, c1) in zip(p, o, strict=True))
+        per_c = " ".join(f"{c / c1:.3f}" for (_, c), (_, c1) in zip(p, o, strict=True))
+        progs = " ".join(f"{a} / {b}" for a, b in zip(stream_programs(lengths, branches, heads, bm),
+                                                      stream_programs([total], branches, heads, bm), strict=True))  # fmt: skip
         lines.append(f"| {name} | {bm} x {bn} | {cp / up:.3f} | {co / uo:.3f} | "
-                     f"{(cp / up) / (co / uo):.3f} | {per} | {up / uo:.3f} |")
+                     f"{(cp / up) / (co / uo):.3f} | {per} | {up / uo:.3f} | {cp / co:.3f} | {per_c} | {progs} |")
     return "\n".join(lines) + "\n"
 
 

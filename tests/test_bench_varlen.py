@@ -179,14 +179,20 @@ def test_one_sequence_on_the_triton_kernels_turns_both_gluon_switches_off(monkey
     assert flags.gluon_forward_enabled() and flags.gluon_backward_enabled()
 
 
-def test_varlen_tiles_counts_a_hand_worked_case():
-    """benchmarks/varlen_tiles.py: one document of 300 rows, w 256, r 2, two heads, tiles of 128:
-    segments of 256 and 44 rows, blocks of 128 / 128 and 22 / 22 rows (c = 0, 1), one tile each."""
-    import varlen_tiles
+def test_block_model_counts_programs_in_a_hand_worked_case():
+    """varlen_block_model.stream_programs / stream_work: one document of 300 rows, w 256, r 2, two
+    heads, tiles of 128: segments of 256 and 44 rows, blocks of 128 / 128 and 22 / 22 rows
+    (c = 0, 1), one tile each."""
+    import varlen_block_model as bm
 
-    assert varlen_tiles.tiles([300], 256, 2, 2, False, 128) == (4, 4, 2 * 128**2 + 2 * 22**2)
-    assert varlen_tiles.tiles([300], 256, 2, 2, True, 128) == (4, 4, 2 * 128 * 129 / 2 + 2 * 22 * 23 / 2)
+    t = 128 * 128
+    assert bm.stream_programs([300], [(256, 2)], 2, 128) == [4]
+    assert bm.stream_work([300], [(256, 2)], 2, 128, 128, False) == [(2 * 128**2 + 2 * 22**2, 4 * t)]
+    assert bm.stream_work([300], [(256, 2)], 2, 128, 128, True) == [(2 * 128 * 129 // 2 + 2 * 22 * 23 // 2, 4 * t)]
     # a block of 300 rows (w past the document, r 1): 3 tiles, 9 pairs, 6 causal
-    assert varlen_tiles.tiles([300], 512, 1, 1, False, 128)[:2] == (3, 9)
-    assert varlen_tiles.tiles([300], 512, 1, 1, True, 128)[:2] == (3, 6)
-    assert varlen_tiles.tiles([0, 300], 512, 1, 1, True, 128)[:2] == (3, 6)  # an empty document: nothing
+    assert bm.stream_programs([300], [(512, 1)], 1, 128) == [3]
+    assert bm.stream_work([300], [(512, 1)], 1, 128, 128, False)[0][1] == 9 * t
+    assert bm.stream_work([300], [(512, 1)], 1, 128, 128, True)[0][1] == 6 * t
+    assert bm.stream_programs([0, 300], [(512, 1)], 1, 128) == [3]  # an empty document: nothing
+    assert bm.stream_work([0, 300], [(512, 1)], 1, 128, 128, True)[0][1] == 6 * t
+    assert "| 4 / 4 |" in bm.report([300], [(256, 2)], 2, {"fwd": (128, 128)}, False)
