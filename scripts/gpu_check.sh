@@ -365,8 +365,8 @@ case "${1:-tests}" in
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -20
     ;;
   varlen-bwd)
-    # issue 22 item 2b, the Gluon varlen backward (gluon_varlen.VARLEN_BACKWARD, off until this passes): the CUDA tests
-    # of tests/test_gluon_varlen.py (both switches on: 44 configurations and the no-sync test, forward and backward against the float64
+    # issue 22 item 2b, the Gluon varlen backward (gluon_varlen.VARLEN_BACKWARD, on since these passed on an H200, 2026-11-29): the CUDA tests
+    # of tests/test_gluon_varlen.py (50 since 2026-11-29: both switches on over 44 configurations, a Triton forward into the Gluon backward, the no-sync test; forward and backward against the float64
     # reference per document, Gluon calls counted, bits repeatable), then benchmarks/varlen_switch_ab.py --switch backward
     timeout "${CUDA_TEST_TIMEOUT:-360}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -n 4 -p no:cacheprovider \
       -rfE > "$OUT/cuda_tests.txt" 2>&1
