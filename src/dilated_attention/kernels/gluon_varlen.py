@@ -34,8 +34,10 @@ results/varlen_switch_ab_bwd_gate_h200_2026-11-29_s29.md).
 Where the packed step still loses to one sequence (results/profile_varlen_h200_2026-11-29_s29_*.md):
 per tile pair the packed kernels are slower than the one-sequence ones (the w = 2048 branch's
 forward, causal: 2852 vs 2224 us over 0.95x the tile pairs), which points at each program's fixed
-cost; each makes its own five (forward) or four (backward) TMA descriptors. Not yet measured
-apart (NOTES_triton.md, 2026-11-29, twenty-ninth session).
+cost (about 5 us a program in the forward). Of it, the TMA descriptors each program makes, five in
+the forward and four in each backward kernel, cost 0.66 us apiece
+(results/tma_desc_cost_h200_2026-11-29.md; what to do about it: NOTES_triton.md, 2026-11-29,
+twenty-ninth session).
 """
 
 from __future__ import annotations
@@ -284,7 +286,8 @@ def forward(
 # on the Triton varlen kernels. On since 2026-11-29 (twenty-ninth session, an H200): its 46 CUDA
 # tests (tests/test_gluon_varlen.py, both switches forced on) passed, and the public packed call's
 # fwd+bwd took 0.77x / 0.87x the time with it on the issue's batch (not causal / causal), 0.82x in
-# fp16 (results/varlen_switch_ab_bwd_h200_2026-11-29_s29.md). Same gates as the forward.
+# fp16 (results/varlen_switch_ab_bwd_h200_2026-11-29_s29.md). The forward's gates but for the mean
+# document: MIN_MEAN_DOC_BACKWARD.
 VARLEN_BACKWARD = True
 _bwd_failed: dict[tuple, str] = {}  # (dtype, headdim, causal) -> why its first launch failed
 
