@@ -81,8 +81,11 @@ if _IMPORT_ERROR is None:
     # the kernels are the library's (kernels/gluon_varlen_kernel.py, from this prototype)
     from dilated_attention.kernels.gluon_varlen_kernel import (
         SCRATCH_PER_PROGRAM,
+        dkdv_varlen_hd_kernel,
         dkdv_varlen_kernel,
+        dq_varlen_hd_kernel,
         dq_varlen_kernel,
+        gluon_fwd_varlen_hd_kernel,
         gluon_fwd_varlen_kernel,
     )
 
@@ -579,7 +582,56 @@ def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
                     for ones in ((), tuple(n for n in ONES_BWD if n in sig)) if dt == "bf16" else ((),):
                         ok &= _compile_variant(kern, sig, consts, attrs, ones, name, "", gluon_bwd.MAXNREG,
                                                4 * 128, sass_dir, lines)  # fmt: skip
+    ok &= _compile_host_descriptor_kernels(lines, sass_dir)
     lines.append("")
+    return ok
+
+
+def _compile_host_descriptor_kernels(lines: list[str], sass_dir: str | None) -> bool:
+    """The ``*_hd_kernel``s (descriptors made on the host over the whole stream): no global
+    scratch, no spills."""
+    row_lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    ok = True
+    for dt, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
+        for d in (128, 64):
+            lay = lambda rows: gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], gdt)  # noqa: E731, B023
+            desc = lambda rows: f"tensordesc<{dt}[1,{rows},1,{d}],{lay(rows)!r}>"  # noqa: E731, B023
+            for causal, first, comp in ((False, True, False), (False, False, True), (True, False, True)):
+                sig = {"q_desc": desc(F.WG_M), "k_desc": desc(gluon_fwd.KV_BN), "v_desc": desc(gluon_fwd.KV_BN),
+                       "o_desc": desc(F.WG_M), "lo_desc": desc(F.WG_M), "O": f"*{dt}", "LO": f"*{dt}",
+                       "LSE": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32"}  # fmt: skip
+                sig.update({n: "i32" for n in ("TOTAL", "SNQ", "R", "H", "HKV")})
+                consts = {"BN": gluon_fwd.KV_BN, "D": d, "STAGES": gluon_fwd.stages(d), "CAUSAL": causal,
+                          "FIRST": first, "COMP": comp, "STORE_LO": comp, "CONSUMER_REGS": gluon_fwd.CONSUMER_REGS,
+                          "LOADER_REGS": gluon_fwd.LOADER_REGS}  # fmt: skip
+                sig.update({n: "constexpr" for n in consts})
+                attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8, 9)}
+                for ones in ((), ONES_FWD) if (dt, d) == ("bf16", 128) else ((),):
+                    ok &= _compile_variant(gluon_fwd_varlen_hd_kernel, sig, consts, attrs, ones,
+                                           f"{dt} D={d} causal={causal} first={first} comp={comp}", "fwd_hd ",
+                                           gluon_fwd.MAXNREG, 0, sass_dir, lines)  # fmt: skip
+            bn = gluon_bwd.dq_bn(d)
+            regs = dict(CONSUMER_REGS=gluon_bwd.CONSUMER_REGS, LOADER_REGS=gluon_bwd.LOADER_REGS)
+            for causal, add in ((False, True), (True, False)):
+                kv_sig = {"q_desc": desc(BK.BMQ), "do_desc": desc(BK.BMQ), "k_desc": desc(BK.WG_M),
+                          "v_desc": desc(BK.WG_M), "l_desc": f"tensordesc<fp32[{BK.BMQ}],{row_lay!r}>",
+                          "dl_desc": f"tensordesc<fp32[{BK.BMQ}],{row_lay!r}>", "DK": "*fp32", "DV": "*fp32",
+                          "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
+                kv_sig.update({n: "i32" for n in ("NE", "NNB", "R", "H", "HKV", "REP", "NI", "LP")})
+                kv_c = {"BMQ": BK.BMQ, "D": d, "STAGES": gluon_bwd.kv_stages(d), "CAUSAL": causal, "ADD": add,
+                        **regs}  # fmt: skip
+                q_sig = {"q_desc": desc(BK.WG_M), "do_desc": desc(BK.WG_M), "k_desc": desc(bn), "v_desc": desc(bn),
+                         "DQ": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32",
+                         "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
+                q_sig.update({n: "i32" for n in ("NE", "NMB", "R", "H", "HKV", "LP")})
+                q_c = {"BN": bn, "D": d, "STAGES": gluon_bwd.DQ_STAGES, "CAUSAL": causal, "ADD": add, **regs}
+                for kname, kern, sig, consts, div in (("dkdv_hd", dkdv_varlen_hd_kernel, kv_sig, kv_c, (6, 7, 8, 9)),
+                                                      ("dq_hd", dq_varlen_hd_kernel, q_sig, q_c, (4, 5, 6, 7, 8))):  # fmt: skip
+                    sig = {**sig, **{n: "constexpr" for n in consts}}
+                    attrs = {(i,): [["tt.divisibility", 16]] for i in div}
+                    for ones in ((), tuple(n for n in ONES_BWD if n in sig)) if (dt, d) == ("bf16", 128) else ((),):
+                        ok &= _compile_variant(kern, sig, consts, attrs, ones, f"{kname} {dt} D={d} causal={causal} add={add}",
+                                               "", gluon_bwd.MAXNREG, 0, sass_dir, lines)  # fmt: skip
     return ok
 
 

@@ -2,9 +2,12 @@
 through the public ``dilated_attention_varlen(impl="triton")`` with the Gluon varlen kernels on and
 off, over several packed batches (document-length mixes, head dims, GQA, dtypes, causal or not).
 ``--switch forward`` (the default) flips the forward's switch (the backward's as shipped in both
-arms); ``--switch backward`` flips the backward's (the forward's as shipped); ``both`` flips both.
+arms); ``--switch backward`` flips the backward's (the forward's as shipped); ``both`` flips both;
+``host-desc`` flips ``gluon_varlen.HOST_DESCRIPTORS`` (the Gluon varlen kernels in both arms, their
+descriptors made on the host over the whole stream, or by every program on the device).
 ``--min-mean-doc``, ``--min-mean-doc-backward`` and ``--headdims`` replace the gates
-(``gluon_varlen.MIN_MEAN_DOC``, ``MIN_MEAN_DOC_BACKWARD``, ``HEADDIMS``)
+(``gluon_varlen.MIN_MEAN_DOC``, ``MIN_MEAN_DOC_BACKWARD``, ``HEADDIMS``, ``HEADDIMS_BACKWARD`` and their
+``DEVICE_DESC_`` twins alike)
 for the run, to time batches the shipped gates keep on the Triton kernels (where is the crossover?).
 
 Both arms run in one process, interleaved over ``--rounds`` rounds (on, off, on, off, ...), so
@@ -44,9 +47,11 @@ CASES = {
     "gqa32x8-64k-mean4096": (65536, 4096, 1.0, 32, 8, 128, torch.bfloat16, [2048, 4096, 8192], [1, 2, 4]),
     "fp16-64k-mean8192": (65536, 8192, 1.0, 16, 16, 128, torch.float16, *LONGNET),
     "few-long-256k-mean64k": (262144, 65536, 0.5, 8, 8, 128, torch.bfloat16, *LONGNET),
-    # between the 512-token mix (Gluon slower) and the 4096 ones (faster): where MIN_MEAN_DOC belongs
+    # between the 512-token mix and the 4096 ones: where MIN_MEAN_DOC belongs
     "mean1024-64k": (65536, 1024, 1.0, 16, 16, 128, torch.bfloat16, [1024, 2048, 4096], [1, 2, 4]),
     "mean2048-64k": (65536, 2048, 1.0, 16, 16, 128, torch.bfloat16, [2048, 4096, 8192], [1, 2, 4]),
+    # below the 512-token mix: where the gates belong once no program makes descriptors (2026-11-29, s30)
+    "mean256-64k": (65536, 256, 1.0, 16, 16, 128, torch.bfloat16, [256, 512, 1024], [1, 2, 4]),
 }
 
 
@@ -77,7 +82,7 @@ def run_case(name: str, causal: bool, rounds: int, rep: int, switch: str = "forw
         return torch.autograd.grad(call(*xs), xs, do)
 
     names = {"forward": ["VARLEN_FORWARD"], "backward": ["VARLEN_BACKWARD"],
-             "both": ["VARLEN_FORWARD", "VARLEN_BACKWARD"]}[switch]  # fmt: skip
+             "both": ["VARLEN_FORWARD", "VARLEN_BACKWARD"], "host-desc": ["HOST_DESCRIPTORS"]}[switch]  # fmt: skip
     shipped = {n: getattr(gluon_varlen, n) for n in names}
 
     def arm(on: bool, what):
@@ -121,7 +126,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
-    ap.add_argument("--switch", choices=["forward", "backward", "both"], default="forward")
+    ap.add_argument("--switch", choices=["forward", "backward", "both", "host-desc"], default="forward")
     ap.add_argument("--min-mean-doc", type=int, default=None, help="replaces gluon_varlen.MIN_MEAN_DOC")
     ap.add_argument("--min-mean-doc-backward", type=int, default=None,
                     help="replaces gluon_varlen.MIN_MEAN_DOC_BACKWARD")
@@ -129,13 +134,17 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.min_mean_doc is not None:
-        gluon_varlen.MIN_MEAN_DOC = args.min_mean_doc
+        gluon_varlen.MIN_MEAN_DOC = gluon_varlen.DEVICE_DESC_MIN_MEAN_DOC = args.min_mean_doc
     if args.min_mean_doc_backward is not None:
-        gluon_varlen.MIN_MEAN_DOC_BACKWARD = args.min_mean_doc_backward
+        gluon_varlen.MIN_MEAN_DOC_BACKWARD = gluon_varlen.DEVICE_DESC_MIN_MEAN_DOC_BACKWARD = args.min_mean_doc_backward
     if args.headdims is not None:
-        gluon_varlen.HEADDIMS = tuple(int(x) for x in args.headdims.split(","))
-    gates = (f"gates: MIN_MEAN_DOC {gluon_varlen.MIN_MEAN_DOC}, MIN_MEAN_DOC_BACKWARD "
-             f"{gluon_varlen.MIN_MEAN_DOC_BACKWARD}, HEADDIMS {gluon_varlen.HEADDIMS}")
+        dims = tuple(int(x) for x in args.headdims.split(","))
+        gluon_varlen.HEADDIMS = gluon_varlen.HEADDIMS_BACKWARD = gluon_varlen.DEVICE_DESC_HEADDIMS_BACKWARD = dims
+    gates = (f"gates: MIN_MEAN_DOC {gluon_varlen.MIN_MEAN_DOC} (device descriptors "
+             f"{gluon_varlen.DEVICE_DESC_MIN_MEAN_DOC}), MIN_MEAN_DOC_BACKWARD {gluon_varlen.MIN_MEAN_DOC_BACKWARD} "
+             f"({gluon_varlen.DEVICE_DESC_MIN_MEAN_DOC_BACKWARD}), HEADDIMS {gluon_varlen.HEADDIMS}, HEADDIMS_BACKWARD "
+             f"{gluon_varlen.HEADDIMS_BACKWARD} ({gluon_varlen.DEVICE_DESC_HEADDIMS_BACKWARD}), HOST_DESCRIPTORS "
+             f"{gluon_varlen.HOST_DESCRIPTORS}")
     lines = [
         *results_header(f"gluon_varlen switch {args.switch!r} on / off: packed documents through "
                         "dilated_attention_varlen(impl='triton')",

@@ -129,6 +129,11 @@
 #                                       benchmarks/varlen_switch_ab.py --switch backward ($AB_TIMEOUT 200 s; $SWITCH_AB_ARGS,
 #                                       e.g. "--cases issue-128k-16x128,gqa32x8-64k-mean4096 --rounds 3")
 #   bash scripts/gpu_check.sh profile-varlen  benchmarks/profile_varlen.py --configs default, not causal then causal
+#   bash scripts/gpu_check.sh s30      issue 22 item 2b, the host-descriptor varlen kernels (gluon_varlen.HOST_DESCRIPTORS): the
+#                                       CUDA tests of tests/test_gluon_varlen.py ($CUDA_TEST_TIMEOUT 330 s), then
+#                                       varlen_switch_ab.py --switch host-desc ($AB_TIMEOUT 200 s; $SWITCH_AB_ARGS)
+#   bash scripts/gpu_check.sh s30-gates the same CUDA tests, then varlen_switch_ab.py --switch backward and forward with both
+#                                       mean-document gates lifted, on 256- and 512-token mixes
 #   bash scripts/gpu_check.sh s29      bench_varlen.py, then varlen_switch_ab.py --switch both --min-mean-doc 0 over four batches
 #                                       with a mean document of 512-4096 rows (where MIN_MEAN_DOC belongs)
 #   bash scripts/gpu_check.sh s28      benchmarks/varlen_switch_ab.py (gluon_varlen.VARLEN_FORWARD on / off over six packed
@@ -376,6 +381,36 @@ case "${1:-tests}" in
     echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_bwd.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\|" "$OUT/varlen_switch_ab_bwd.md"; grep -E "rc=" "$OUT/varlen_switch_ab_bwd.txt"
+    ;;
+  s30)
+    # the session of 2026-11-29 (thirtieth): the Gluon varlen kernels over host descriptors (no descriptor made per program):
+    # their CUDA tests (both switches on; the random cases' totals send some branches to the device-descriptor kernels), then
+    # their A/B against the device-made descriptors, the mean-document gates lifted
+    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -n 4 -p no:cacheprovider \
+      -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${AB_TIMEOUT:-200}" python3 benchmarks/varlen_switch_ab.py --switch host-desc --min-mean-doc 0 \
+      --min-mean-doc-backward 0 ${SWITCH_AB_ARGS:---cases issue-128k-16x128,short-docs-64k-mean512 --rounds 2} \
+      --out "$OUT/varlen_switch_ab_hd.md" > "$OUT/varlen_switch_ab_hd.txt" 2>&1
+    echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_hd.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -E "^\|" "$OUT/varlen_switch_ab_hd.md"; grep -E "rc=" "$OUT/varlen_switch_ab_hd.txt"
+    ;;
+  s30-gates)
+    # thirtieth session, second part: the CUDA tests of tests/test_gluon_varlen.py again ($CUDA_TEST_TIMEOUT 330 s), then the
+    # mean-document gates over host descriptors: the backward's switch with MIN_MEAN_DOC_BACKWARD lifted, the forward's with
+    # MIN_MEAN_DOC lifted, on 256- and 512-token mixes ($AB_TIMEOUT 120 s each)
+    timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -n 4 -p no:cacheprovider \
+      -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    for sw in backward forward; do
+      timeout "${AB_TIMEOUT:-120}" python3 benchmarks/varlen_switch_ab.py --switch $sw --min-mean-doc-backward 0 \
+        --min-mean-doc 0 --cases short-docs-64k-mean512,mean256-64k --rounds 2 \
+        --out "$OUT/varlen_switch_ab_$sw.md" > "$OUT/varlen_switch_ab_$sw.txt" 2>&1
+      echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_$sw.txt"
+    done
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    for sw in backward forward; do grep -E "^\|" "$OUT/varlen_switch_ab_$sw.md"; grep -E "rc=" "$OUT/varlen_switch_ab_$sw.txt"; done
     ;;
   s29)
     # the session of 2026-11-29 (twenty-ninth), both Gluon varlen switches on by default: bench_varlen.py (issue 22 item 2b,

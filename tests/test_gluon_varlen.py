@@ -49,9 +49,10 @@ def switch_on(monkeypatch):
     monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
     # and the speed gates of the packed call (head dim 64, short documents: the Triton varlen
     # forward is faster there)
-    monkeypatch.setattr(gluon_varlen, "HEADDIMS", (64, 128))
-    monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC", 0)
-    monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC_BACKWARD", 0)
+    for name in ("HEADDIMS", "HEADDIMS_BACKWARD", "DEVICE_DESC_HEADDIMS_BACKWARD"):
+        monkeypatch.setattr(gluon_varlen, name, (64, 128))
+    for name in ("MIN_MEAN_DOC", "MIN_MEAN_DOC_BACKWARD", "DEVICE_DESC_MIN_MEAN_DOC", "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD"):
+        monkeypatch.setattr(gluon_varlen, name, 0)
     flags.set_gluon_forward(True)
     flags.set_gluon_backward(True)
     yield
@@ -83,24 +84,33 @@ def test_switch_off_and_what_the_gate_refuses(monkeypatch):
     assert "interpreter" in why or "CUDA tensor" in why
 
 
-def test_the_speed_gates_keep_head_dim_64_and_short_documents_on_triton(monkeypatch):
-    # past the device checks (here on the CPU: as if on a Hopper GPU), the gates that
-    # results/varlen_switch_ab_h200_2026-11-29.md set: head dim 64 and a mean document under
-    # MIN_MEAN_DOC rows run the Triton varlen forward; head dim 128 with long documents the Gluon one
+@pytest.mark.parametrize("host", [True, False], ids=["host-desc", "device-desc"])
+def test_the_speed_gates_keep_head_dim_64_and_short_documents_on_triton(monkeypatch, host):
+    # past the device checks (here on the CPU: as if on a Hopper GPU), the forward's gates: head
+    # dim 64 and a mean document under MIN_MEAN_DOC rows (every branch over host descriptors: r
+    # divides the stream's rows) or DEVICE_DESC_MIN_MEAN_DOC (some branch's descriptors made per
+    # program: r = 2 and an odd stream) run the Triton varlen forward; head dim 128 with long
+    # documents the Gluon one
     monkeypatch.setattr(gluon_fwd, "device_problem", lambda q: None)
     monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
     monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: object())
     br = [(2048, 1, 0, 4), (4096, 2, 0, 4)]
-    n = 4 * gluon_varlen.MIN_MEAN_DOC
+    gate = "MIN_MEAN_DOC" if host else "DEVICE_DESC_MIN_MEAN_DOC"
+    assert gluon_varlen.MIN_MEAN_DOC < gluon_varlen.DEVICE_DESC_MIN_MEAN_DOC
+    mean = getattr(gluon_varlen, gate)
+    n = 4 * mean + (0 if host else 1)
 
-    def why(d, ndocs):
+    def why(d, ndocs, covered=True):
         q = torch.zeros(1, n, 4, d, dtype=torch.bfloat16)
-        return gluon_varlen.problem(q, q, q, False, br, True, n, ndocs)
+        return gluon_varlen.problem(q, q, q, False, br, True, n, ndocs, covered=covered)
 
+    # offsets not checked on the host (rows past the last document may hold anything): the device
+    # descriptors, and so their gate, whatever the rows
+    assert "DEVICE_DESC_MIN_MEAN_DOC" in why(128, 5, covered=False)
     assert "HEADDIMS" in why(64, 1)
-    assert why(128, 4) is None  # a mean of exactly MIN_MEAN_DOC rows
-    assert "MIN_MEAN_DOC" in why(128, 5) and str(5) in why(128, 5)
-    monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC", 0)
+    assert why(128, 4) is None  # a mean of MIN_MEAN_DOC rows (and one row more without host descriptors)
+    assert f"gluon_varlen.{gate} = {mean}" in why(128, 5) and "5 documents" in why(128, 5)
+    monkeypatch.setattr(gluon_varlen, gate, 0)
     monkeypatch.setattr(gluon_varlen, "HEADDIMS", (64, 128))
     assert why(128, 5) is None and why(64, 1) is None
 
@@ -157,9 +167,55 @@ class _EmulatedVarlenKernel:
 
     def __init__(self):
         self.launches = []
+        self.hd = _Launcher(self.run_hd)  # gluon_fwd_varlen_hd_kernel
 
     def __getitem__(self, grid):
         return lambda *a, **kw: self.run(grid, *a, **kw)
+
+    def module(self, **more):
+        """A stand-in for the kernel module with this forward (both kernels)."""
+        return types.SimpleNamespace(gluon_fwd_varlen_kernel=self, gluon_fwd_varlen_hd_kernel=self.hd,
+                                     F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128, **more)  # fmt: skip
+
+    def run_hd(self, grid, q_desc, k_desc, v_desc, o_desc, lo_desc, out, lo, lse, p0, ws, qk_scale, total, snq, r, nh,
+               hkv, *, BN, CAUSAL, FIRST, COMP, STORE_LO, **_):  # fmt: skip
+        """``gluon_fwd_varlen_hd_kernel`` program by program over its host descriptors, read as TMA
+        reads them (:func:`_view_rows`: rows past the block are the stream's, zeros past the view):
+        query tile rows q_row0 + [0, 128) and key tiles up to the kernel's n_tiles, keys t >= L
+        (and above the diagonal) masked, rows t >= L not stored."""
+        self.launches.append((r, tuple(grid), FIRST, COMP, STORE_LO, "hd"))
+        d = q_desc.shape[3]
+        assert total % r == 0 and snq == out.stride(0) and grid[1] == p0.numel() == ws.numel() and grid[2] == nh
+        for desc, x, heads, rows in ((q_desc, None, nh, 64), (k_desc, None, hkv, BN), (v_desc, None, hkv, BN),
+                                     (o_desc, out, nh, 64), (lo_desc, lo if COMP else out, nh, 64)):  # fmt: skip
+            assert list(desc.shape) == [1, total // r, r * heads, d] and list(desc.block_shape) == [1, rows, 1, d]
+            assert x is None or desc.base.data_ptr() == x.data_ptr()
+        scale = qk_scale / LOG2E
+        for e in range(grid[1]):
+            a, n = int(p0[e]), int(ws[e])
+            for h in range(nh):
+                c, hk = h % r, h // (nh // hkv)
+                big_l = max(-(-(n - c) // r), 0)
+                assert big_l <= grid[0] * self.BM, "the grid's first axis does not cover the block"
+                pos0 = a + c
+                b, a0 = pos0 % r, pos0 // r
+                for pid_m in range(grid[0]):
+                    q_row0 = pid_m * self.BM
+                    if q_row0 >= big_l:
+                        continue
+                    n_kv = -(-big_l // BN)
+                    n_tiles = min(n_kv, -(-(q_row0 + self.BM) // BN)) if CAUSAL else n_kv
+                    tq = torch.arange(q_row0, q_row0 + self.BM)
+                    tk = torch.arange(n_tiles * BN)
+                    qb = _view_rows(q_desc, a0 + tq, b * nh + h)
+                    kb, vb = (_view_rows(x, a0 + tk, b * hkv + hk) for x in (k_desc, v_desc))
+                    sc = (qb @ kb.T * scale).masked_fill(tk[None, :] >= big_l, float("-inf"))
+                    if CAUSAL:
+                        sc = sc.masked_fill(tk[None, :] > tq[:, None], float("-inf"))
+                    valid = tq < big_l
+                    sc = sc[valid]
+                    self._merge(out, lo, lse, pos0 + r * tq[valid], h, torch.logsumexp(sc, -1),
+                                torch.softmax(sc, -1) @ vb, FIRST, COMP, STORE_LO)  # fmt: skip
 
     def run(self, grid, q, k, v, out, lo, lse, p0, ws, qk_scale, total, snq, snk, r, nh, hkv, *, CAUSAL, FIRST,
             COMP, STORE_LO, **_):  # fmt: skip
@@ -182,24 +238,39 @@ class _EmulatedVarlenKernel:
                 if CAUSAL:
                     t = torch.arange(big_l)
                     sc = sc.masked_fill(t[None, :] > t[:, None], float("-inf"))
-                lse_b, out_b = torch.logsumexp(sc, -1), torch.softmax(sc, -1) @ vb
-                if FIRST:
-                    new_out, new_lse = out_b, lse_b
-                else:
-                    lse_a, out_a = lse[h, rows].double(), out[rows, h].double()
-                    if COMP:
-                        out_a = out_a + lo[rows, h].double()
-                    mx = torch.maximum(lse_a, lse_b)
-                    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
-                    wa, wb = torch.exp(lse_a - mx), torch.exp(lse_b - mx)
-                    tot = wa + wb
-                    new_lse = torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)), float("-inf"))
-                    new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / torch.where(tot > 0, tot, 1.0)[:, None]
-                hi = new_out.to(out.dtype)
-                out[rows, h] = hi
-                if COMP and STORE_LO:
-                    lo[rows, h] = (new_out - hi.double()).to(lo.dtype)
-                lse[h, rows] = new_lse.float()
+                self._merge(out, lo, lse, rows, h, torch.logsumexp(sc, -1), torch.softmax(sc, -1) @ vb, FIRST,
+                            COMP, STORE_LO)  # fmt: skip
+
+    @staticmethod
+    def _merge(out, lo, lse, rows, h, lse_b, out_b, FIRST, COMP, STORE_LO):
+        # the kernel's epilogue: the branch's (out, lse) of rows ``rows``, head h, into the result
+        if FIRST:
+            new_out, new_lse = out_b, lse_b
+        else:
+            lse_a, out_a = lse[h, rows].double(), out[rows, h].double()
+            if COMP:
+                out_a = out_a + lo[rows, h].double()
+            mx = torch.maximum(lse_a, lse_b)
+            mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+            wa, wb = torch.exp(lse_a - mx), torch.exp(lse_b - mx)
+            tot = wa + wb
+            new_lse = torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)), float("-inf"))
+            new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / torch.where(tot > 0, tot, 1.0)[:, None]
+        hi = new_out.to(out.dtype)
+        out[rows, h] = hi
+        if COMP and STORE_LO:
+            lo[rows, h] = (new_out - hi.double()).to(lo.dtype)
+        lse[h, rows] = new_lse.float()
+
+
+def _view_rows(desc, t: torch.Tensor, col: int) -> torch.Tensor:
+    """Rows ``t`` of column ``col`` of a host descriptor's 4-D view [1, T, C, D] in float64, as TMA
+    reads them: the base tensor through the descriptor's shape and strides, zeros at t >= T."""
+    view = torch.as_strided(desc.base, list(desc.shape), list(desc.strides), desc.base.storage_offset())
+    got = torch.zeros(t.numel(), desc.shape[3], dtype=torch.float64)
+    inside = (t >= 0) & (t < desc.shape[1])
+    got[inside] = view[0, t[inside], col].double()
+    return got
 
 
 CASES = [  # lengths (empty and one-token documents, no multiple of any w), branches, heads
@@ -207,26 +278,30 @@ CASES = [  # lengths (empty and one-token documents, no multiple of any w), bran
     ([30, 0, 45, 2], [6, 10], [2, 3], 6, 3),  # r > 1 first (filled buffers), 10 % 3 != 0
     ([3, 50, 9], [4, 64], [1, 5], 4, 4),  # w > every document, 64 % 5 != 0
     ([33, 1, 17], [16], [1], 2, 1),  # one branch: no lo buffer; MQA
+    ([30, 0, 45, 3], [6, 10], [2, 3], 6, 3),  # 78 rows: r = 2 and 3 both over host descriptors
 ]
 
 
 @pytest.mark.parametrize("lens,seg,dil,h,hkv", CASES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("checked", [False, True])
-def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil, h, hkv, causal, checked):
+@pytest.mark.parametrize("host", [True, False], ids=["host-desc", "device-desc"])
+def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil, h, hkv, causal, checked, host):
     """``dilated_attention_varlen(impl="triton")`` with the Gluon varlen forward taken (its gate
     opened, its kernel emulated) against the float64 reference per document, forward and
     backward (the Triton varlen backward on the emulated out and lse); host-checked offsets
-    (``check_offsets``) make the buffers unfilled where a first r = 1 branch stores every row."""
+    (``check_offsets``) make the buffers unfilled where a first r = 1 branch stores every row.
+    ``host``: the branches whose r divides the stream's rows launch the host-descriptor kernel
+    (emulated through its descriptors' views), the others the device-descriptor one."""
     from dilated_attention.kernels import direct_launch
 
     emu = _EmulatedVarlenKernel()
-    mod = types.SimpleNamespace(gluon_fwd_varlen_kernel=emu, F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128)
+    mod = emu.module()
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS", host)
     # as on a Hopper GPU, but the offsets must reach it as one tensor (int64 offsets passed
     # for both: converted once, Docs.same_offsets)
-    monkeypatch.setattr(gluon_varlen, "problem", lambda q, k, v, c, br, same, *a: None if same else "not same")
+    monkeypatch.setattr(gluon_varlen, "problem", lambda q, k, v, c, br, same, *a, **kw: None if same else "not same")
     monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: mod)
-    monkeypatch.setattr(gluon_fwd, "_block_layout", lambda *a: None)
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
     offs = _offsets(lens)
     g = torch.Generator().manual_seed(sum(lens) + h)
@@ -239,6 +314,7 @@ def test_packed_call_with_emulated_kernel(monkeypatch, switch_on, lens, seg, dil
     out, lse = dilated_attention_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal, impl="triton",
                                         return_lse=True, check_offsets=checked)  # fmt: skip
     assert [x[0] for x in emu.launches] == dil, "the Gluon varlen forward did not run every branch"
+    assert [x[-1] == "hd" for x in emu.launches] == [host and offs[-1] % r == 0 for r in dil]
     first_fills = not (dil[0] == 1 and checked)
     assert emu.launches[0][2] and all(not x[2] for x in emu.launches[1:])  # FIRST on branch 0 only
     grads = torch.autograd.grad(out, xs, do)
@@ -271,8 +347,11 @@ class _EmulatedVarlenBwd:
 
     def __init__(self):
         self.launches = []
+        self.hd_launches = []  # those of the launches over host descriptors
         self.dkdv_varlen_kernel = _Launcher(self._dkdv)
         self.dq_varlen_kernel = _Launcher(self._dq)
+        self.dkdv_varlen_hd_kernel = _Launcher(self._dkdv_hd)
+        self.dq_varlen_hd_kernel = _Launcher(self._dq_hd)
         self.BK = types.SimpleNamespace(BMQ=64, WG_M=64)
 
     @staticmethod
@@ -321,6 +400,89 @@ class _EmulatedVarlenBwd:
                     else:
                         acc[rows[kr], g] = gr.float()
 
+    def _dkdv_hd(self, grid, q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, dk, dv, p0, ws, qk_scale, sm_scale,
+                 ne, nnb, r, nh, hkv, rep, ni, lp, *, BMQ, CAUSAL, ADD, **_):  # fmt: skip
+        """``dkdv_varlen_hd_kernel`` program by program through its descriptors' views
+        (:func:`_view_rows`): the key tile n_lo + [0, 128), the query tiles of 64 rows the kernel
+        streams (from n_lo on when causal), their lse / delta rows block-major (+inf / 0 past
+        the block: those queries add nothing), dK / dV rows t < L stored."""
+        self.launches.append(("dkdv", r, ADD))
+        self.hd_launches.append(("dkdv", r))
+        d = q_desc.shape[3]
+        assert grid == (nnb * ne, hkv * ni) and ne == p0.numel() == ws.numel() and lp % self.BLK == 0
+        for desc, heads, rows in ((q_desc, nh, BMQ), (do_desc, nh, BMQ), (k_desc, hkv, 64), (v_desc, hkv, 64)):
+            assert list(desc.shape)[1:] == [q_desc.shape[1], r * heads, d] and list(desc.block_shape) == [1, rows, 1, d]
+        lf, df = l_desc.base.reshape(-1).double(), dl_desc.base.reshape(-1).double()
+        for pid0 in range(grid[0]):
+            pid_n, e = pid0 % nnb, pid0 // nnb
+            for pid_x in range(grid[1]):
+                g, i0 = pid_x // ni, pid_x % ni
+                h_start = g * rep + i0
+                c = h_start % r
+                nhl = ((g + 1) * rep - h_start + r - 1) // r
+                big_l = max(-(-(int(ws[e]) - c) // r), 0)
+                n_lo = pid_n * self.BLK
+                if n_lo >= big_l:
+                    continue
+                pos0 = int(p0[e]) + c
+                b, a0 = pos0 % r, pos0 // r
+                tk = torch.arange(n_lo, n_lo + self.BLK)
+                kb, vb = (_view_rows(x, a0 + tk, b * hkv + g) for x in (k_desc, v_desc))
+                tq = torch.arange(n_lo if CAUSAL else 0, -(-big_l // BMQ) * BMQ)
+                gk, gv = torch.zeros_like(kb), torch.zeros_like(vb)
+                for j in range(max(nhl, 0)):
+                    h = h_start + j * r
+                    qb, dob = (_view_rows(x, a0 + tq, b * nh + h) for x in (q_desc, do_desc))
+                    lrow = (h * ne + e) * lp
+                    pr, ds = self._grads(qb, dob, kb, vb, lf[lrow + tq], df[lrow + tq], qk_scale, CAUSAL, tq, tk)
+                    gv += pr.T @ dob
+                    gk += ds.T @ qb
+                keep = tk < big_l
+                rows = pos0 + r * tk[keep]
+                for acc, gr in ((dk, gk[keep] * sm_scale), (dv, gv[keep])):
+                    if ADD:
+                        acc[rows, g] += gr.float()
+                    else:
+                        acc[rows, g] = gr.float()
+
+    def _dq_hd(self, grid, q_desc, do_desc, k_desc, v_desc, dq, lse2, delta2, p0, ws, qk_scale, sm_scale, ne, nmb,
+               r, nh, hkv, lp, *, BN, CAUSAL, ADD, **_):  # fmt: skip
+        """``dq_varlen_hd_kernel`` program by program through its descriptors' views: the query
+        tile q_row0 + [0, 128), the key tiles of BN rows up to the kernel's n_tiles, keys t >= L
+        (and above the diagonal) masked, dQ rows t < L stored."""
+        self.launches.append(("dq", r, ADD))
+        self.hd_launches.append(("dq", r))
+        assert grid == (nmb * ne, nh) and lse2.shape == delta2.shape == (nh, ne, lp)
+        lf, df = lse2.reshape(-1).double(), delta2.reshape(-1).double()
+        for pid0 in range(grid[0]):
+            pid_m, e = pid0 % nmb, pid0 // nmb
+            for h in range(nh):
+                c, hk = h % r, h // (nh // hkv)
+                big_l = max(-(-(int(ws[e]) - c) // r), 0)
+                q_row0 = pid_m * self.BLK
+                if q_row0 >= big_l:
+                    continue
+                pos0 = int(p0[e]) + c
+                b, a0 = pos0 % r, pos0 // r
+                n_kv = -(-big_l // BN)
+                n_tiles = min(n_kv, -(-(q_row0 + self.BLK) // BN)) if CAUSAL else n_kv
+                tq = torch.arange(q_row0, q_row0 + self.BLK)
+                tk = torch.arange(n_tiles * BN)
+                qb, dob = (_view_rows(x, a0 + tq, b * nh + h) for x in (q_desc, do_desc))
+                kb, vb = (_view_rows(x, a0 + tk, b * hkv + hk) for x in (k_desc, v_desc))
+                lrow = (h * ne + e) * lp
+                p = torch.exp2(qb @ kb.T * qk_scale - lf[lrow + tq][:, None]).masked_fill(tk[None, :] >= big_l, 0.0)
+                if CAUSAL:
+                    p = p.masked_fill(tk[None, :] > tq[:, None], 0.0)
+                ds = p * (dob @ vb.T - df[lrow + tq][:, None])
+                keep = tq < big_l
+                gq = (ds[keep] @ kb * sm_scale).float()
+                rows = pos0 + r * tq[keep]
+                if ADD:
+                    dq[rows, h] += gq
+                else:
+                    dq[rows, h] = gq
+
     def _dq(self, grid, q, do, k, v, dq, lse2, delta2, p0, ws, qk_scale, sm_scale, ne, nmb, r, nh, hkv, lp, snq,
             snk, *, CAUSAL, ADD, **_):  # fmt: skip
         self.launches.append(("dq", r, ADD))
@@ -356,9 +518,8 @@ def _emulate_backward(monkeypatch):
     emu = _EmulatedVarlenBwd()
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
     monkeypatch.setattr(gluon_varlen, "backward_problem",
-                        lambda q, k, v, c, br, same, *a: None if same and gluon_varlen.VARLEN_BACKWARD else "off")
+                        lambda q, k, v, c, br, same, *a, **kw: None if same and gluon_varlen.VARLEN_BACKWARD else "off")
     monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: emu)
-    monkeypatch.setattr(gluon_fwd, "_block_layout", lambda *a: None)
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
     return emu
 
@@ -366,6 +527,7 @@ def _emulate_backward(monkeypatch):
 BWD_CASES = CASES + [
     ([20, 0, 37, 5], [8, 16], [2, 4], 8, 2),  # 4 query heads per kv head, r = 2 and 4: several heads a residue
     ([26, 31], [6, 12], [2, 3], 6, 2),  # 3 query heads per kv head: r = 2 does not divide the group
+    ([20, 0, 37, 7], [8, 16], [2, 4], 8, 2),  # 64 rows: r = 2 and 4 over host descriptors
 ]
 
 
@@ -373,16 +535,20 @@ BWD_CASES = CASES + [
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
-def test_packed_backward_with_emulated_kernels(monkeypatch, switch_on, lens, seg, dil, h, hkv, causal, checked, split):
+@pytest.mark.parametrize("host", [True, False], ids=["host-desc", "device-desc"])
+def test_packed_backward_with_emulated_kernels(monkeypatch, switch_on, lens, seg, dil, h, hkv, causal, checked, split,
+                                               host):  # fmt: skip
     """``dilated_attention_varlen(impl="triton")`` with the Gluon varlen backward taken (its
     kernels emulated in float64, the block-major rows by ``gluon_varlen.prep_rows``): gradients
     against the float64 reference per document. A first r = 1 branch over host-checked offsets
     (CPU offsets always are) stores (ADD False) into unfilled accumulators; every other launch
-    adds (r > 1 first: zeroed accumulators)."""
+    adds (r > 1 first: zeroed accumulators). ``host``: the branches whose r divides the stream's
+    rows launch the host-descriptor kernels (emulated through their descriptors' views)."""
     from dilated_attention.kernels import gluon_bwd
 
     emu = _emulate_backward(monkeypatch)
     monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS", host)
     offs = _offsets(lens)
     g = torch.Generator().manual_seed(sum(lens) + 3 * h)
     q = torch.randn(offs[-1], h, 16, generator=g).to(torch.float16)
@@ -400,6 +566,7 @@ def test_packed_backward_with_emulated_kernels(monkeypatch, switch_on, lens, seg
     stored = [x for x in emu.launches if not x[2]]
     assert sorted(stored) == ([("dkdv", 1, False), ("dq", 1, False)] if stores else [])
     assert len(emu.launches) == 2 * len(dil)
+    assert sorted(emu.hd_launches) == sorted((kn, r) for kn in ("dkdv", "dq") for r in dil if host and offs[-1] % r == 0)
     r64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     _, _, want_g = varlen_reference(*r64, offs, offs, seg, dil, do.double(), causal=causal)
     for name, a, b in zip("qkv", grads, want_g, strict=True):
@@ -411,7 +578,9 @@ def test_packed_backward_with_emulated_kernels(monkeypatch, switch_on, lens, seg
 def test_unchecked_offsets_add_into_zeros_and_leave_rows_past_the_documents_zero(monkeypatch, switch_on, causal):
     """Offsets nobody checked (``offsets_checked=False``, the route of device offsets) that stop
     short of the stream: the first r = 1 branch adds into zeroed accumulators (no launch
-    stores), and the rows past the last document get zero gradients."""
+    stores), and the rows past the last document get zero gradients. Those rows hold NaN and
+    -inf here, which no document may see: such calls never take the host-descriptor kernels
+    (which read past a block's end; emulated so, they would spread the NaN)."""
     from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
 
     emu = _emulate_backward(monkeypatch)
@@ -422,12 +591,15 @@ def test_unchecked_offsets_add_into_zeros_and_leave_rows_past_the_documents_zero
     q = torch.randn(total, h, 16, generator=g).to(torch.float16)
     k, v = (torch.randn(total, hkv, 16, generator=g).to(torch.float16) for _ in range(2))
     do = torch.randn(total, h, 16, generator=g).to(torch.float16)
+    for x, bad in ((q, float("nan")), (k, float("-inf")), (v, float("nan")), (do, float("inf"))):
+        x[offs[-1] :] = bad
     cu = torch.tensor(offs, dtype=torch.int32)
     xs = [x.detach().requires_grad_() for x in (q, k, v)]
     out = dilated_attention_triton_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal, scale=0.25,
                                           head_assignment="all", offsets_checked=False)[0]  # fmt: skip
     grads = torch.autograd.grad(out, xs, do)
     assert len(emu.launches) == 2 * len(dil) and all(x[2] for x in emu.launches), "a launch stored"
+    assert not emu.hd_launches
     n = offs[-1]
     for a in grads:
         assert (a[n:] == 0).all(), "rows past the last document have gradients"
@@ -468,10 +640,15 @@ def test_backward_gate(monkeypatch):
     """The backward's own switch, its float32 budget (accumulators + the largest branch's rows)
     and its failures recorded apart from the forward's; a failed launch warns and the Triton
     varlen backward runs the call."""
+    import functools
+
     from dilated_attention.kernels import gluon_bwd
 
     q = torch.zeros(1, 8192, 4, 128, dtype=torch.bfloat16)
     br = [(2048, 1, 0, 4), (4096, 2, 0, 4)]
+    # every row in a document (offsets checked on the host): the host-descriptor gates where r divides the rows
+    monkeypatch.setattr(gluon_varlen, "backward_problem", functools.partial(gluon_varlen.backward_problem, covered=True))
+    monkeypatch.setattr(gluon_varlen, "problem", functools.partial(gluon_varlen.problem, covered=True))
     monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", False)
     assert "VARLEN_BACKWARD is off" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2)
     monkeypatch.setattr(gluon_varlen, "VARLEN_BACKWARD", True)
@@ -488,17 +665,32 @@ def test_backward_gate(monkeypatch):
     assert "MAX_F32_BYTES" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2)
     monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", need)
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
-    # the forward's head-dim gate holds for the backward too; its mean-document gate is its own
-    # (MIN_MEAN_DOC_BACKWARD, lower: 3 documents in 8192 rows keep the forward on Triton, not the backward)
+    # the backward's gates are its own: head dim 64 runs it over host descriptors (HEADDIMS_BACKWARD),
+    # not over device ones (DEVICE_DESC_HEADDIMS_BACKWARD), nor the forward (HEADDIMS); its
+    # mean-document gate is lower (9 documents in 8192 rows keep the forward on Triton, not the backward)
     monkeypatch.setattr(gluon_bwd, "MAX_F32_BYTES", 2**40)  # more documents, more rows
     q64 = torch.zeros(1, 8192, 4, 64, dtype=torch.bfloat16)
-    assert "HEADDIMS" in gluon_varlen.backward_problem(q64, q64, q64, False, br, True, 8192, 2)
-    assert "MIN_MEAN_DOC " in gluon_varlen.problem(q, q, q, False, br, True, 8192, 3)
-    assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 3) is None
+    assert gluon_varlen.backward_problem(q64, q64, q64, False, br, True, 8192, 2) is None
+    assert "HEADDIMS " in gluon_varlen.problem(q64, q64, q64, False, br, True, 8192, 2)
+    q64_odd = torch.zeros(1, 8191, 4, 64, dtype=torch.bfloat16)  # r = 2 does not divide 8191 rows
+    why = gluon_varlen.backward_problem(q64_odd, q64_odd, q64_odd, False, br, True, 8191, 2)
+    assert "DEVICE_DESC_HEADDIMS_BACKWARD" in why
+    assert "MIN_MEAN_DOC " in gluon_varlen.problem(q, q, q, False, br, True, 8192, 9)
+    assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 9) is None
+    assert gluon_varlen.MIN_MEAN_DOC_BACKWARD < gluon_varlen.DEVICE_DESC_MIN_MEAN_DOC_BACKWARD
     monkeypatch.setattr(gluon_varlen, "MIN_MEAN_DOC_BACKWARD", 1024)
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 8) is None  # a mean of exactly 1024
     why = gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 9)
     assert "MIN_MEAN_DOC_BACKWARD = 1024" in why and "9 documents" in why
+    q_odd = torch.zeros(1, 8191, 4, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(gluon_varlen, "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD", 2048)
+    why = gluon_varlen.backward_problem(q_odd, q_odd, q_odd, False, br, True, 8191, 4)
+    assert "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD = 2048" in why and "4 documents" in why
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS", False)  # the switch off: the device gates everywhere
+    assert "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 5)
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS", True)
+    why = gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 5, covered=False)  # unchecked offsets
+    assert "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD" in why
     gluon_varlen._bwd_failed[(torch.bfloat16, 128, True)] = "boom"
     assert "failed here before" in gluon_varlen.backward_problem(q, q, q, True, br, True, 8192, 2)
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
@@ -573,7 +765,7 @@ def test_failed_launch_falls_back_with_a_warning(monkeypatch, switch_on):
     def boom(*a, **kw):
         raise RuntimeError("out of resources (test)")
 
-    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None)
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a, **kw: None)
     monkeypatch.setattr(gluon_varlen, "forward", boom)
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
     offs = _offsets([9, 20])
@@ -594,7 +786,7 @@ def test_out_of_memory_in_the_forward_propagates_and_records_no_failure(monkeypa
     def oom(*a, **kw):
         raise torch.cuda.OutOfMemoryError("out of memory (test)")
 
-    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None)
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a, **kw: None)
     monkeypatch.setattr(gluon_varlen, "forward", oom)
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
     offs = _offsets([9, 20])
@@ -613,13 +805,12 @@ def test_gpu_check_helper_runs_on_the_cpu_with_the_emulated_kernel(monkeypatch, 
 
     emu = _EmulatedVarlenKernel()
     bwd = _EmulatedVarlenBwd()
-    mod = types.SimpleNamespace(gluon_fwd_varlen_kernel=emu, F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128,
-                                dkdv_varlen_kernel=bwd.dkdv_varlen_kernel, dq_varlen_kernel=bwd.dq_varlen_kernel,
-                                BK=bwd.BK)  # fmt: skip
-    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: None if gluon_varlen.VARLEN_FORWARD else "off")
-    monkeypatch.setattr(gluon_varlen, "backward_problem", lambda *a: None if gluon_varlen.VARLEN_BACKWARD else "off")
+    mod = emu.module(dkdv_varlen_kernel=bwd.dkdv_varlen_kernel, dq_varlen_kernel=bwd.dq_varlen_kernel,
+                     dkdv_varlen_hd_kernel=bwd.dkdv_varlen_hd_kernel, dq_varlen_hd_kernel=bwd.dq_varlen_hd_kernel,
+                     BK=bwd.BK)  # fmt: skip
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a, **kw: None if gluon_varlen.VARLEN_FORWARD else "off")
+    monkeypatch.setattr(gluon_varlen, "backward_problem", lambda *a, **kw: None if gluon_varlen.VARLEN_BACKWARD else "off")
     monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: mod)
-    monkeypatch.setattr(gluon_fwd, "_block_layout", lambda *a: None)
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
     _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8, 20], [1, 3], True, [9, 0, 1, 30], device="cpu")
     assert emu.launches and bwd.launches
@@ -629,10 +820,10 @@ def test_gpu_check_helper_runs_on_the_cpu_with_the_emulated_kernel(monkeypatch, 
     _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8, 20], [1, 3], False, [9, 0, 1, 30], device="cpu")
     assert len(emu.launches) == n and len(bwd.launches) > nb
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", True)
-    monkeypatch.setattr(gluon_varlen, "backward_problem", lambda *a: "refused")
+    monkeypatch.setattr(gluon_varlen, "backward_problem", lambda *a, **kw: "refused")
     with pytest.raises(AssertionError, match="backward did not run"):
         _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8], [1], False, [9, 5], device="cpu")
-    monkeypatch.setattr(gluon_varlen, "problem", lambda *a: "refused")
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a, **kw: "refused")
     with pytest.raises(AssertionError, match="did not run"):
         _check_on_gpu(monkeypatch, torch.float16, 16, 4, 2, [8], [1], False, [9, 5], device="cpu")
 
@@ -786,3 +977,37 @@ def test_gluon_varlen_training_call_does_not_synchronise(monkeypatch, switch_on,
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert calls == ["forward", "backward"], f"the Gluon varlen paths did not both run: {calls}"
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_varlen_rows_past_the_documents_stay_out(monkeypatch, switch_on, causal):
+    """Device offsets (not checked) that stop short of the stream, whose rows past the last document
+    hold NaN and inf: the Gluon varlen kernels run (on device-made descriptors, which end at each
+    block: ``gluon_varlen.host_descriptors``), the documents' results and gradients match the
+    float64 reference, and the rows past them read as out 0 and zero gradients."""
+    lens = _lognormal(1500, 300.0, seed=3)
+    offs = _offsets(lens)
+    n, total = offs[-1], offs[-1] + 300
+    g = torch.Generator(device="cuda").manual_seed(3)
+    xs = [torch.randn(total, h, 128, device="cuda", generator=g).to(torch.bfloat16) for h in (4, 2, 2, 4)]
+    for x, bad in zip(xs, (float("nan"), float("-inf"), float("nan"), float("inf")), strict=True):
+        x[n:] = bad
+    q, k, v, do = xs
+    cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
+    seg, dil = [64, 128, 256], [1, 2, 4]
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(gluon_varlen, name)
+        monkeypatch.setattr(gluon_varlen, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    ins = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = dilated_attention_varlen(*ins, cu, cu, max(lens), max(lens), seg, dil, causal=causal, impl="triton")
+    grads = torch.autograd.grad(out, ins, do)
+    assert calls == ["forward", "backward"], calls
+    assert (out[n:] == 0).all() and all((gr[n:] == 0).all() for gr in grads)
+    r64 = [x[:n].detach().double().requires_grad_() for x in (q, k, v)]
+    want_out, _, want_g = varlen_reference(*r64, offs, offs, seg, dil, do[:n].double(), causal=causal)
+    assert (out[:n].double() - want_out).abs().max().item() < 2e-2
+    for name, a, b in zip("qkv", grads, want_g, strict=True):
+        assert (a[:n].double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item()), f"d{name}"

@@ -28,7 +28,9 @@ consumer warpgroups of 64 query rows): S = Q K^T and dP = dO V^T, P, dS, dQ += d
 dQ *= scale. Causal: key tiles up to the program's last row, those from its first row on masked.
 
 Rows t >= L of a partial tile are zero-filled by TMA and padded in lse (+inf) and delta (0), so
-they add exactly zero: only the causal diagonal needs a mask. Measured as a prototype
+they add exactly zero: only the causal diagonal needs a mask. (The packed-documents kernels over
+host descriptors, ``gluon_varlen_kernel``, read real rows past a block's end: queries there still
+get P = 0 from the +inf lse, keys there are masked in dQ's last tile, ``n_full`` = L // BN.) Measured as a prototype
 (benchmarks/gluon_dilated_bwd.py, results/gluon_bwd_h200_2026-11-28.md): 1.29-1.54x the Triton
 backward per branch on an H200, bitwise repeatable.
 """
@@ -56,16 +58,17 @@ _WGM = gl.constexpr(WG_M)
 @gluon.jit
 def _kv_loader(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs, q_bufs,
                do_bufs, l_bufs, dl_bufs, kv_bar, q_ready, do_ready, q_empty, do_empty,
-               blk, n_lo, kv_col, c, h_start, nhl, m_first, n_qt, b, s, H, R, NSEG, LP,
+               blk, n_lo, kv_col, c, h_start, nhl, m_first, n_qt, b, s, H, R, NSEG, LP, row_off,
                BMQ: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    # the stationary K and V halves (one per consumer) on one barrier
+    # the stationary K and V halves (one per consumer) on one barrier; the block's row t is the
+    # descriptors' row row_off + t (0 but in the packed kernels over host descriptors)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for i in gl.static_range(2):
         tma.async_copy_global_to_shared(
-            k_desc, [blk, n_lo + i * _WGM, kv_col, 0], kv_bar, k_bufs.index(i)
+            k_desc, [blk, row_off + n_lo + i * _WGM, kv_col, 0], kv_bar, k_bufs.index(i)
         )
         tma.async_copy_global_to_shared(
-            v_desc, [blk, n_lo + i * _WGM, kv_col, 0], kv_bar, v_bufs.index(i)
+            v_desc, [blk, row_off + n_lo + i * _WGM, kv_col, 0], kv_bar, v_bufs.index(i)
         )
     cnt = 0
     for hi in range(nhl):
@@ -81,7 +84,7 @@ def _kv_loader(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs,
             mbarrier.expect(q_ready.index(st),
                             q_desc.block_type.nbytes + l_desc.block_type.nbytes)  # fmt: skip
             tma.async_copy_global_to_shared(
-                q_desc, [blk, m, q_col, 0], q_ready.index(st), q_bufs.index(st)
+                q_desc, [blk, row_off + m, q_col, 0], q_ready.index(st), q_bufs.index(st)
             )
             tma.async_copy_global_to_shared(
                 l_desc, [lrow + m], q_ready.index(st), l_bufs.index(st)
@@ -90,7 +93,7 @@ def _kv_loader(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs,
             mbarrier.expect(do_ready.index(st),
                             do_desc.block_type.nbytes + dl_desc.block_type.nbytes)  # fmt: skip
             tma.async_copy_global_to_shared(
-                do_desc, [blk, m, q_col, 0], do_ready.index(st), do_bufs.index(st)
+                do_desc, [blk, row_off + m, q_col, 0], do_ready.index(st), do_bufs.index(st)
             )
             tma.async_copy_global_to_shared(
                 dl_desc, [lrow + m], do_ready.index(st), dl_bufs.index(st)
@@ -239,19 +242,21 @@ def dkdv_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, qk_sca
         n_diag = n_qt * 0
 
     _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk, blk, n_lo, kv_col, c, c, g,
-                  h_start, nhl, m_first, n_qt, n_diag, b, s, L, W, R, H, HKV, NSEG, LP, qk_scale, sm_scale, BMQ,
-                  D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+                  h_start, nhl, m_first, n_qt, n_diag, b, s, L, W, R, H, HKV, NSEG, LP, qk_scale, sm_scale, 0,
+                  BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
 
 @gluon.jit
 def _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk, ld_blk, n_lo, kv_col, c,
                   ld_c, g, h_start, nhl, m_first, n_qt, n_diag, b, s, L, W, R, H, HKV, NSEG, LP, qk_scale,
-                  sm_scale, BMQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ADD: gl.constexpr,
-                  CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+                  sm_scale, row_off, BMQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                  ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
     """One dK/dV program once its key tile is known: the shared buffers and barriers, then the
     loader and the two consumer warpgroups (:func:`dkdv_kernel`). ``blk`` / ``c``: the block
     and residue of the dK / dV rows the consumers store; ``ld_blk`` / ``ld_c``: those the loader
-    addresses in the descriptors. They are the same here; the packed-documents prototype
-    (benchmarks/gluon_varlen.py) passes descriptors that start at its block, with 0 for the loader."""
+    addresses in the descriptors (the block's row t at the descriptors' row ``row_off + t``). They
+    are the same here; the packed-documents kernels (``gluon_varlen_kernel``) pass descriptors that
+    start at their block (0 for the loader) or host descriptors over the whole stream (``ld_c``:
+    the block's residue, ``row_off``: its first row there)."""
     dtype: gl.constexpr = q_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -289,7 +294,7 @@ def _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk,
             (_kv_loader, (q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, k_bufs, v_bufs,
                           q_bufs, do_bufs, l_bufs, dl_bufs, kv_bar, q_ready, do_ready,
                           q_empty, do_empty, ld_blk, n_lo, kv_col, ld_c, h_start, nhl, m_first,
-                          n_qt, b, s, H, R, NSEG, LP, BMQ, STAGES)),
+                          n_qt, b, s, H, R, NSEG, LP, row_off, BMQ, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
@@ -299,16 +304,16 @@ def _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk,
 
 @gluon.jit
 def _q_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar,
-              k_ready, v_ready, k_empty, v_empty, blk, q_row0, q_col, kv_col, n_tiles,
+              k_ready, v_ready, k_empty, v_empty, blk, q_row0, q_col, kv_col, n_tiles, row_off,
               BN: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     # the stationary Q and dO halves (one per consumer) on one barrier
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for i in gl.static_range(2):
         tma.async_copy_global_to_shared(
-            q_desc, [blk, q_row0 + i * _WGM, q_col, 0], q_bar, q_bufs.index(i)
+            q_desc, [blk, row_off + q_row0 + i * _WGM, q_col, 0], q_bar, q_bufs.index(i)
         )
         tma.async_copy_global_to_shared(
-            do_desc, [blk, q_row0 + i * _WGM, q_col, 0], q_bar, do_bufs.index(i)
+            do_desc, [blk, row_off + q_row0 + i * _WGM, q_col, 0], q_bar, do_bufs.index(i)
         )
     for j in range(n_tiles):
         st = j % STAGES
@@ -316,18 +321,18 @@ def _q_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, 
         mbarrier.wait(k_empty.index(st), ph ^ 1)
         mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            k_desc, [blk, j * BN, kv_col, 0], k_ready.index(st), k_bufs.index(st)
+            k_desc, [blk, row_off + j * BN, kv_col, 0], k_ready.index(st), k_bufs.index(st)
         )
         mbarrier.wait(v_empty.index(st), ph ^ 1)
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            v_desc, [blk, j * BN, kv_col, 0], v_ready.index(st), v_bufs.index(st)
+            v_desc, [blk, row_off + j * BN, kv_col, 0], v_ready.index(st), v_bufs.index(st)
         )
 
 @gluon.jit
 def _q_step(j, row0, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-            dq, lse2, dlt, s_zero, qk_scale, BN: gl.constexpr, D: gl.constexpr,
-            STAGES: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
+            dq, lse2, dlt, s_zero, qk_scale, L, BN: gl.constexpr, D: gl.constexpr,
+            STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
             o_layout: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = q_tile.dtype
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
@@ -344,9 +349,15 @@ def _q_step(j, row0, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty,
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:
-        rows = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
         cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+        if CAUSAL:
+            # keys above the diagonal (and so keys t >= L of every query row t < L)
+            rows = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, s_layout))
+            p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+        else:
+            # keys t >= L, read past a block's end by host descriptors (the packed kernels': the
+            # other kernels have no masked tile when not causal, TMA zero-fills their keys t >= L)
+            p = gl.where(gl.expand_dims(cols < L, 0), p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     mbarrier.arrive(v_empty.index(st))
     ds = p * (dp - gl.expand_dims(dlt, 1))
@@ -360,7 +371,7 @@ def _q_step(j, row0, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty,
 def _q_consumer(wg: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready,
                 k_empty, v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full,
                 L, W, R, H, qk_scale, sm_scale, BN: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
+                STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
     )
@@ -379,11 +390,11 @@ def _q_consumer(wg: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_read
     mbarrier.wait(q_bar, 0)
     for j in range(n_full):
         dq = _q_step(j, row0, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty,
-                     v_empty, dq, lse2, dlt, s_zero, qk_scale, BN, D, STAGES, False,
+                     v_empty, dq, lse2, dlt, s_zero, qk_scale, L, BN, D, STAGES, False, CAUSAL,
                      s_layout, o_layout)  # fmt: skip
     for j in range(n_full, n_tiles):
         dq = _q_step(j, row0, q_tile, do_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty,
-                     v_empty, dq, lse2, dlt, s_zero, qk_scale, BN, D, STAGES, True,
+                     v_empty, dq, lse2, dlt, s_zero, qk_scale, L, BN, D, STAGES, True, CAUSAL,
                      s_layout, o_layout)  # fmt: skip
     dq = dq * sm_scale
     t = row0 + gl.arange(0, _WGM, layout=gl.SliceLayout(1, o_layout))
@@ -399,19 +410,19 @@ def _q_consumer(wg: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_read
 def _q_consumer_wg0(q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
                     v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full, L, W,
                     R, H, qk_scale, sm_scale, BN: gl.constexpr, D: gl.constexpr,
-                    STAGES: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
+                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
     _q_consumer(0, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
                 v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full, L, W, R,
-                H, qk_scale, sm_scale, BN, D, STAGES, ADD)  # fmt: skip
+                H, qk_scale, sm_scale, BN, D, STAGES, CAUSAL, ADD)  # fmt: skip
 
 @gluon.jit
 def _q_consumer_wg1(q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
                     v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full, L, W,
                     R, H, qk_scale, sm_scale, BN: gl.constexpr, D: gl.constexpr,
-                    STAGES: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
+                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr):  # fmt: skip
     _q_consumer(1, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
                 v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h, n_tiles, n_full, L, W, R,
-                H, qk_scale, sm_scale, BN, D, STAGES, ADD)  # fmt: skip
+                H, qk_scale, sm_scale, BN, D, STAGES, CAUSAL, ADD)  # fmt: skip
 
 @gluon.jit
 def dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, qk_scale, sm_scale, L, W,
@@ -447,18 +458,21 @@ def dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, qk_scale, sm_sca
         n_full = n_kv
 
     _dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, blk, blk, q_row0, q_col, kv_col, c, h,
-                n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD, CONSUMER_REGS,
+                n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, 0, BN, D, STAGES, CAUSAL, ADD, CONSUMER_REGS,
                 LOADER_REGS)  # fmt: skip
 
 @gluon.jit
 def _dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, blk, ld_blk, q_row0, q_col, kv_col, c,
-                h, n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                h, n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, row_off, BN: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 LOADER_REGS: gl.constexpr):  # fmt: skip
     """One dQ program once its query tile is known: the shared buffers and barriers, then the
     loader and the two consumer warpgroups (:func:`dq_kernel`). ``blk``: the block of the dQ
-    rows the consumers store; ``ld_blk``: the block the loader addresses (the same here; 0 in
-    the packed-documents prototype, whose descriptors start at its block)."""
+    rows the consumers store; ``ld_blk``: the block the loader addresses, the block's row t at the
+    descriptors' row ``row_off + t`` (the same block and 0 here; the packed-documents kernels pass
+    0 and 0 for descriptors that start at their block, or 0 and the block's first row for host
+    descriptors over the whole stream). Tiles from ``n_full`` on are masked: ``CAUSAL``, the keys
+    above the diagonal; else keys t >= L."""
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape,
@@ -484,14 +498,14 @@ def _dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, blk, ld_
             (_q_consumer_wg0, (q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready,
                                k_empty, v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h,
                                n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN, D,
-                               STAGES, ADD)),
+                               STAGES, CAUSAL, ADD)),
             (_q_consumer_wg1, (q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready,
                                k_empty, v_empty, DQ, LSE2, DELTA, lrow, blk, q_row0, c, h,
                                n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, BN, D,
-                               STAGES, ADD)),
+                               STAGES, CAUSAL, ADD)),
             (_q_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                          q_bar, k_ready, v_ready, k_empty, v_empty, ld_blk, q_row0, q_col,
-                         kv_col, n_tiles, BN, STAGES)),
+                         kv_col, n_tiles, row_off, BN, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],

@@ -58,14 +58,15 @@ _LN2 = gl.constexpr(LN2)
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
-            k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles,
+            k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles, row_off,
             BN: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     # one warp: Q of both consumers, then K_j / V_j into the ring (K first: the consumers
-    # need K_j before V_{j-1})
+    # need K_j before V_{j-1}); the block's rows start at row ``row_off`` of the descriptors
+    # (0 but in the packed kernel over host descriptors, gluon_varlen_kernel)
     for i in gl.static_range(2):
         mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            q_desc, [q_blk, q_row0 + i * _WGM, q_col, 0], q_bars.index(i), q_bufs.index(i)
+            q_desc, [q_blk, row_off + q_row0 + i * _WGM, q_col, 0], q_bars.index(i), q_bufs.index(i)
         )
     for j in range(n_tiles):
         st = j % STAGES
@@ -75,12 +76,12 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_r
         mbarrier.wait(k_empty.index(st), ph ^ 1)
         mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            k_desc, [q_blk, j * BN, kv_col, 0], k_ready.index(st), k_bufs.index(st)
+            k_desc, [q_blk, row_off + j * BN, kv_col, 0], k_ready.index(st), k_bufs.index(st)
         )
         mbarrier.wait(v_empty.index(st), ph ^ 1)
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            v_desc, [q_blk, j * BN, kv_col, 0], v_ready.index(st), v_bufs.index(st)
+            v_desc, [q_blk, row_off + j * BN, kv_col, 0], v_ready.index(st), v_bufs.index(st)
         )
 
 
@@ -162,14 +163,18 @@ def _tile_step(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, p_
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, o_desc, lo_desc, q4, e4, e_bar, LSE, lse_base, pos0, row0, o_blk,
-              lo_blk, col, L, R, D: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
-              STORE_LO: gl.constexpr, s_layout: gl.constexpr,
-              o_layout: gl.constexpr):  # fmt: skip
+              lo_blk, col, L, R, row_off, o_ptr, lo_ptr, SNO, D: gl.constexpr, FIRST: gl.constexpr,
+              COMP: gl.constexpr, STORE_LO: gl.constexpr, TAIL_PTR: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
     # this branch's (out, lse) of 64 query rows merged into the result by LSE weights (the
     # Triton forward's epilogue, triton_kernels.dilated_fwd_kernel): FIRST stores without
     # reading; COMP adds the lo residue buffer (compensated hi + lo pair); STORE_LO writes it.
     # The result's tile (and lo's) comes and goes by TMA through this warpgroup's Q buffer (its
     # last reader, the QK^T of the last tile, has completed) and its staging buffer e4.
+    # TAIL_PTR (the packed kernel over host descriptors, whose box does not end at the block):
+    # a tile with rows t >= L is stored by masked pointer stores instead (o_ptr / lo_ptr: the
+    # head's column of row 0, rows of SNO elements at pos0 + R t), so that no row of another
+    # block is written.
     dtype: gl.constexpr = o_desc.dtype
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     tile_o = q4.reshape([_WGM, D])
@@ -179,9 +184,9 @@ def _epilogue(acc, m_i, l_i, o_desc, lo_desc, q4, e4, e_bar, LSE, lse_base, pos0
             mbarrier.expect(e_bar, 2 * o_desc.block_type.nbytes)
         else:
             mbarrier.expect(e_bar, o_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(o_desc, [o_blk, row0, col, 0], e_bar, q4)
+        tma.async_copy_global_to_shared(o_desc, [o_blk, row_off + row0, col, 0], e_bar, q4)
         if COMP:
-            tma.async_copy_global_to_shared(lo_desc, [lo_blk, row0, col, 0], e_bar, e4)
+            tma.async_copy_global_to_shared(lo_desc, [lo_blk, row_off + row0, col, 0], e_bar, e4)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     # lse (natural log): m is in log2 units of the scaled scores
     lse_b = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
@@ -210,26 +215,47 @@ def _epilogue(acc, m_i, l_i, o_desc, lo_desc, q4, e4, e_bar, LSE, lse_base, pos0
             tot_safe, 1
         )
     hi = new_out.to(dtype)
-    tile_o.store(hi)
-    if COMP:
-        if STORE_LO:
-            tile_e.store((new_out - hi.to(gl.float32)).to(dtype))
-    fence_async_shared()
-    # rows t >= L fall outside the TMA box: not written
-    tma.async_copy_shared_to_global(o_desc, [o_blk, row0, col, 0], q4)
-    if COMP:
-        if STORE_LO:
-            tma.async_copy_shared_to_global(lo_desc, [lo_blk, row0, col, 0], e4)
+    if TAIL_PTR:
+        if row0 + _WGM <= L:
+            _store_tile(hi, new_out, o_desc, lo_desc, tile_o, tile_e, q4, e4, o_blk, lo_blk, row_off + row0,
+                        col, COMP, STORE_LO)  # fmt: skip
+        else:
+            d_idx = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            off = gl.expand_dims((pos0 + rows * R).to(gl.int64) * SNO, 1) + gl.expand_dims(d_idx, 0)
+            keep = gl.expand_dims(valid, 1) & gl.expand_dims(d_idx < D, 0)
+            gl.store(o_ptr + off, hi, mask=keep)
+            if COMP:
+                if STORE_LO:
+                    gl.store(lo_ptr + off, (new_out - hi.to(gl.float32)).to(dtype), mask=keep)
+    else:
+        # rows t >= L fall outside the TMA box: not written
+        _store_tile(hi, new_out, o_desc, lo_desc, tile_o, tile_e, q4, e4, o_blk, lo_blk, row_off + row0, col,
+                    COMP, STORE_LO)  # fmt: skip
     gl.store(lptrs, new_lse, mask=valid)
     tma.store_wait(0)
 
 
 @gluon.jit
+def _store_tile(hi, new_out, o_desc, lo_desc, tile_o, tile_e, q4, e4, o_blk, lo_blk, trow, col,
+                COMP: gl.constexpr, STORE_LO: gl.constexpr):  # fmt: skip
+    # the result's tile (and lo's) through shared memory to TMA stores at descriptor row trow
+    tile_o.store(hi)
+    if COMP:
+        if STORE_LO:
+            tile_e.store((new_out - hi.to(gl.float32)).to(hi.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [o_blk, trow, col, 0], q4)
+    if COMP:
+        if STORE_LO:
+            tma.async_copy_shared_to_global(lo_desc, [lo_blk, trow, col, 0], e4)
+
+
+@gluon.jit
 def _consumer(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty,
               v_empty, o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, o_blk, lo_blk, col,
-              q_row0, n_tiles, n_full, L, R, qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
-              STORE_LO: gl.constexpr):  # fmt: skip
+              q_row0, n_tiles, n_full, L, R, qk_scale, row_off, o_ptr, lo_ptr, SNO, BN: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
+              COMP: gl.constexpr, STORE_LO: gl.constexpr, TAIL_PTR: gl.constexpr):  # fmt: skip
     # one warpgroup (4 warps), 64 query rows: rows q_row0 + wg*64 + [0, 64) of the block
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
@@ -280,30 +306,32 @@ def _consumer(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready
     acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
     mbarrier.arrive(v_empty.index(sp))
     _epilogue(acc, m_i, l_i, o_desc, lo_desc, q4, e_bufs.index(wg), e_bars.index(wg), LSE,
-              lse_base, pos0, row0, o_blk, lo_blk, col, L, R, D, FIRST, COMP, STORE_LO, s_layout,
-              o_layout)  # fmt: skip
+              lse_base, pos0, row0, o_blk, lo_blk, col, L, R, row_off, o_ptr, lo_ptr, SNO, D, FIRST, COMP,
+              STORE_LO, TAIL_PTR, s_layout, o_layout)  # fmt: skip
 
 
 @gluon.jit
 def _consumer_wg0(q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty, o_desc,
                   lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, o_blk, lo_blk, col, q_row0,
-                  n_tiles, n_full, L, R, qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
-                  STORE_LO: gl.constexpr):  # fmt: skip
+                  n_tiles, n_full, L, R, qk_scale, row_off, o_ptr, lo_ptr, SNO, BN: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
+                  COMP: gl.constexpr, STORE_LO: gl.constexpr, TAIL_PTR: gl.constexpr):  # fmt: skip
     _consumer(0, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty, o_desc,
               lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, o_blk, lo_blk, col, q_row0, n_tiles,
-              n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO)  # fmt: skip
+              n_full, L, R, qk_scale, row_off, o_ptr, lo_ptr, SNO, BN, D, STAGES, CAUSAL, FIRST, COMP,
+              STORE_LO, TAIL_PTR)  # fmt: skip
 
 
 @gluon.jit
 def _consumer_wg1(q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty, o_desc,
                   lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, o_blk, lo_blk, col, q_row0,
-                  n_tiles, n_full, L, R, qk_scale, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
-                  STORE_LO: gl.constexpr):  # fmt: skip
+                  n_tiles, n_full, L, R, qk_scale, row_off, o_ptr, lo_ptr, SNO, BN: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
+                  COMP: gl.constexpr, STORE_LO: gl.constexpr, TAIL_PTR: gl.constexpr):  # fmt: skip
     _consumer(1, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty, o_desc,
               lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, o_blk, lo_blk, col, q_row0, n_tiles,
-              n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO)  # fmt: skip
+              n_full, L, R, qk_scale, row_off, o_ptr, lo_ptr, SNO, BN, D, STAGES, CAUSAL, FIRST, COMP,
+              STORE_LO, TAIL_PTR)  # fmt: skip
 
 
 @gluon.jit
@@ -349,20 +377,24 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, qk_scale, N, 
     pos0 = seg * W + c
 
     _program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, pos0, q_blk, lo_blk, q_col, kv_col,
-             q_row0, n_tiles, n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO,
-             CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+             q_row0, n_tiles, n_full, L, R, qk_scale, 0, LSE, LSE, 0, BN, D, STAGES, CAUSAL, FIRST, COMP,
+             STORE_LO, False, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
 
 
 @gluon.jit
 def _program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, pos0, q_blk, lo_blk, q_col, kv_col,
-             q_row0, n_tiles, n_full, L, R, qk_scale, BN: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
-             STORE_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+             q_row0, n_tiles, n_full, L, R, qk_scale, row_off, o_ptr, lo_ptr, SNO, BN: gl.constexpr,
+             D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr,
+             COMP: gl.constexpr, STORE_LO: gl.constexpr, TAIL_PTR: gl.constexpr,
+             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
     """One program's work once its block is known: the shared buffers and barriers, then the
     loader and the two consumer warpgroups over the descriptors' block ``q_blk`` / ``lo_blk``,
-    columns ``q_col`` / ``kv_col``, from query row ``q_row0`` (:func:`gluon_fwd_kernel`; the
-    packed-documents kernel, ``gluon_varlen_kernel``, passes device-made descriptors that start
-    at its block, with those coordinates 0)."""
+    columns ``q_col`` / ``kv_col``, from query row ``q_row0`` (:func:`gluon_fwd_kernel`). The
+    block's row t is the descriptors' row ``row_off + t``. The packed-documents kernels
+    (``gluon_varlen_kernel``) pass either device-made descriptors that start at their block (those
+    coordinates 0) or host descriptors over the whole stream (``row_off``, the column of the
+    block's residue, and ``TAIL_PTR``: a tile past the block's end stored through ``o_ptr`` /
+    ``lo_ptr``, rows of ``SNO`` elements; see :func:`_epilogue`)."""
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape,
@@ -394,15 +426,17 @@ def _program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, pos0, q_blk
         [
             (_consumer_wg0, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
                              o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, q_blk,
-                             lo_blk, q_col, q_row0, n_tiles, n_full, L, R, qk_scale, BN, D,
-                             STAGES, CAUSAL, FIRST, COMP, STORE_LO)),
+                             lo_blk, q_col, q_row0, n_tiles, n_full, L, R, qk_scale, row_off,
+                             o_ptr, lo_ptr, SNO, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO,
+                             TAIL_PTR)),
             (_consumer_wg1, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_empty, v_empty,
                              o_desc, lo_desc, e_bufs, e_bars, LSE, lse_base, pos0, q_blk,
-                             lo_blk, q_col, q_row0, n_tiles, n_full, L, R, qk_scale, BN, D,
-                             STAGES, CAUSAL, FIRST, COMP, STORE_LO)),
+                             lo_blk, q_col, q_row0, n_tiles, n_full, L, R, qk_scale, row_off,
+                             o_ptr, lo_ptr, SNO, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO,
+                             TAIL_PTR)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready,
-                       v_ready, k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles, BN,
-                       STAGES)),
+                       v_ready, k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles, row_off,
+                       BN, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],

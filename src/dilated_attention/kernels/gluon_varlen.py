@@ -31,13 +31,18 @@ own, :data:`MIN_MEAN_DOC_BACKWARD` = 1024 rows (with the forward on Triton: 0.89
 of 1024 rows, 0.87x / 0.90x at 2048, 1.00x / 1.05x at 512;
 results/varlen_switch_ab_bwd_gate_h200_2026-11-29_s29.md).
 
-Where the packed step still loses to one sequence (results/profile_varlen_h200_2026-11-29_s29_*.md):
-per tile pair the packed kernels are slower than the one-sequence ones (the w = 2048 branch's
-forward, causal: 2852 vs 2224 us over 0.95x the tile pairs), which points at each program's fixed
-cost (about 5 us a program in the forward). Of it, the TMA descriptors each program makes, five in
-the forward and four in each backward kernel, cost 0.66 us apiece
-(results/tma_desc_cost_h200_2026-11-29.md; what to do about it: NOTES_triton.md, 2026-11-29,
-twenty-ninth session).
+Descriptors (2026-11-29, thirtieth session, on an H200). Each program of the first kernels made its
+own TMA descriptors on the device (five in the forward, four in each backward kernel, 0.66 us
+apiece: results/tma_desc_cost_h200_2026-11-29.md), a fixed cost of ~3 us a program that left the
+packed step 1.14x / 1.19x one sequence's time per useful FLOP (profile_varlen_h200_2026-11-29_s29_*.md).
+With :data:`HOST_DESCRIPTORS` (on), a branch whose r divides the stream's rows launches the
+``*_hd_kernel``s instead, where the offsets were checked on the host (:func:`host_descriptors`): descriptors made once on the host over the whole stream, block ends masked
+in the kernels (``gluon_varlen_kernel``). Same bits as the device-descriptor kernels
+(results/varlen_switch_ab_hd_h200_2026-11-29_s30.md: max |on - off| 0), fwd+bwd 0.86x / 0.91x their
+time on the issue's batch and 0.78x / 0.77x on 512-token documents; bench_varlen 1.09x / 1.06x one
+sequence per useful FLOP (results/varlen_h200_2026-11-29_s30.md). The gates were measured again over
+host descriptors (the constants below); the calls with a branch on device descriptors keep the
+twenty-ninth session's (``DEVICE_DESC_*``).
 """
 
 from __future__ import annotations
@@ -52,17 +57,35 @@ LOG2E = 1.4426950408889634
 # the switch (module attribute, as gluon_fwd's): False runs every packed call on the Triton
 # varlen kernels
 VARLEN_FORWARD = True
-# the head dims it runs (64: the Triton varlen forward was faster on the one batch measured)
+# The speed gates (on an H200, 2026-11-29), for calls whose every branch takes host descriptors
+# (:func:`host_descriptors`: offsets checked on the host, r divides the stream's rows), then for the others (DEVICE_DESC_*: some
+# branch's programs make their descriptors, ~3 us each, which loses on short documents).
+# The forward's head dims (64: the Triton varlen forward faster, 1.02x / 1.13x not causal / causal
+# over host descriptors: results/varlen_switch_ab_fwd_d64_h200_2026-11-29_s30.md)
 HEADDIMS = (128,)
-# total rows // documents below this: the Triton varlen forward (faster at a mean of 512 tokens;
-# the Gluon one faster at 4096 and more; between them unmeasured)
-MIN_MEAN_DOC = 4096
-# the backward's own mean-document gate (its kernels win at shorter documents than the forward's:
-# with the forward on Triton, fwd+bwd 0.89x / 0.98x not causal / causal at a mean of 1024 rows,
-# 1.00x / 1.05x at 512: results/varlen_switch_ab_bwd_gate_h200_2026-11-29_s29.md; both switches on
-# at 1024: 0.90x / 1.02x, the forward alone 1.08x / 1.17x: varlen_switch_ab_both_h200_2026-11-29_s29.md)
-MIN_MEAN_DOC_BACKWARD = 1024
+# the backward's (64 wins over host descriptors: fwd+bwd 0.88x / 0.89x with the forward on
+# Triton, results/varlen_switch_ab_both_more_h200_2026-11-29_s30.md; unmeasured with device ones)
+HEADDIMS_BACKWARD = (64, 128)
+DEVICE_DESC_HEADDIMS_BACKWARD = (128,)
+# total rows // documents below this: the Triton varlen forward. Over host descriptors the Gluon
+# forward took 0.83x / 0.86x at a mean of 1024 rows and 0.78x / 0.78x at 2048
+# (results/varlen_switch_ab_both_h200_2026-11-29_s30.md); at 512 and 256 no difference beyond the
+# noise (0.94-1.14x, results/varlen_switch_ab_fwd_gates_h200_2026-11-29_s30.md). With device
+# descriptors it lost at 1024 (1.08x / 1.17x, varlen_switch_ab_both_h200_2026-11-29_s29.md).
+MIN_MEAN_DOC = 1024
+DEVICE_DESC_MIN_MEAN_DOC = 4096
+# the backward's: over host descriptors its kernels won down to a mean of 256 rows (fwd+bwd 0.85x
+# / 0.88x at 512, 0.89x / 0.89x at 256: results/varlen_switch_ab_bwd_gates_h200_2026-11-29_s30.md);
+# with device descriptors down to 1024 (0.89x / 0.98x; 1.00x / 1.05x at 512:
+# results/varlen_switch_ab_bwd_gate_h200_2026-11-29_s29.md)
+MIN_MEAN_DOC_BACKWARD = 256
+DEVICE_DESC_MIN_MEAN_DOC_BACKWARD = 1024
 PROGRAM_ROWS = 128  # gluon_varlen_kernel.PROGRAM_ROWS (tests/test_gluon_fwd.py checks they agree)
+# descriptors made on the host over the whole stream (the ``*_hd_kernel``s) for every branch whose
+# dilation divides the stream's rows (:func:`host_descriptors`), instead of five (forward) or four
+# (each backward kernel) made by every program on the device at ~0.66 us apiece
+# (results/tma_desc_cost_h200_2026-11-29.md); False: the device-made descriptors everywhere
+HOST_DESCRIPTORS = True
 
 _module = None
 _import_error: str | None = None
@@ -134,6 +157,17 @@ def device_entries_all(cu: torch.Tensor, widths, total: int) -> list[tuple[torch
     return [(p0[i, :n], ws[i, :n]) for i, n in enumerate(slots)]
 
 
+def host_descriptors(total: int, r: int, covered: bool) -> bool:
+    """Whether branch r's launches take host descriptors (:data:`HOST_DESCRIPTORS`): they view
+    the stream as [1, total / r, r * heads, D] (``gluon_fwd.block_desc(x, total, r, ...)``),
+    which reaches every row only when r divides ``total``; and ``covered``, every row of the
+    stream lies in a document (offsets checked on the host). The kernels read rows past a block's
+    end and mask them, which holds for finite values only: rows past the last document, which
+    unchecked offsets may leave, may hold anything (the Triton path never reads them), so those
+    calls keep the device-made descriptors, which end at each block."""
+    return HOST_DESCRIPTORS and covered and total % r == 0
+
+
 def grid(max_len: int, ndocs: int, total: int, w: int, r: int, nh: int) -> tuple[int, int, int]:
     """(query tiles of the longest possible block, entry slots, heads), from shapes and the
     caller's bound ``max_len`` on a document's length: a block has at most ceil(min(w, max_len,
@@ -166,14 +200,19 @@ class _Scratch:
 
 
 def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, branches, same_offsets: bool,
-            max_len: int, ndocs: int) -> str | None:  # fmt: skip
+            max_len: int, ndocs: int, *, covered: bool = False) -> str | None:  # fmt: skip
     """Why the Gluon varlen forward cannot run these validated packed inputs (q (1, total, H, D),
     k, v (1, total, Hkv, D)) and branches ((w, r, head start, head stop), each with heads); None:
     it can. ``same_offsets``: queries and keys share the offsets (``Docs.same_offsets``);
-    ``max_len``: the caller's bound on a document's length; ``ndocs``: the documents."""
+    ``max_len``: the caller's bound on a document's length; ``ndocs``: the documents; ``covered``:
+    every row in a document (:func:`host_descriptors`)."""
     if not VARLEN_FORWARD:
         return "gluon_varlen.VARLEN_FORWARD is off"
-    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs, MIN_MEAN_DOC, "MIN_MEAN_DOC")
+    if _all_host(q, branches, covered):
+        gates = (MIN_MEAN_DOC, "MIN_MEAN_DOC", HEADDIMS, "HEADDIMS")
+    else:
+        gates = (DEVICE_DESC_MIN_MEAN_DOC, "DEVICE_DESC_MIN_MEAN_DOC", HEADDIMS, "HEADDIMS")
+    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs, *gates)
     if why is not None:
         return why
     key = (q.dtype, q.shape[3], bool(causal))
@@ -184,11 +223,16 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bra
     return None
 
 
+def _all_host(q, branches, covered: bool) -> bool:
+    """Whether every branch's launches take host descriptors (q (1, total, H, D))."""
+    return all(host_descriptors(q.shape[1], r, covered) for _, r, _, _ in branches)
+
+
 def _inputs_problem(q, k, v, branches, same_offsets: bool, max_len: int, ndocs: int, min_mean: int,
-                    gate: str) -> str | None:
+                    gate: str, headdims: tuple, hd_gate: str) -> str | None:
     """The conditions the Gluon varlen forward and backward share (:func:`problem`): inputs,
-    branches, device and the speed gates (``min_mean``: this direction's mean-document gate, whose
-    name ``gate`` the message gives)."""
+    branches, device and the speed gates (``min_mean`` and ``headdims``: this direction's
+    mean-document and head-dim gates, whose names ``gate`` and ``hd_gate`` the messages give)."""
     if not same_offsets:
         return "the Gluon varlen kernels need the same offsets for queries and keys"
     nh = q.shape[2]
@@ -205,8 +249,8 @@ def _inputs_problem(q, k, v, branches, same_offsets: bool, max_len: int, ndocs: 
     if total * nh < gluon_fwd.MIN_ROWS:
         return (f"total x heads = {total * nh} < gluon_fwd.MIN_ROWS = {gluon_fwd.MIN_ROWS}: the Triton "
                 f"kernels' direct launches cost less host time")  # fmt: skip
-    if d not in HEADDIMS:
-        return (f"head dim {d} not in gluon_varlen.HEADDIMS = {HEADDIMS}: the Triton varlen forward is "
+    if d not in headdims:
+        return (f"head dim {d} not in gluon_varlen.{hd_gate} = {headdims}: the Triton varlen kernels are "
                 f"faster there")  # fmt: skip
     if total < min_mean * ndocs:
         return (f"{ndocs} documents in {total} rows: a mean under gluon_varlen.{gate} = {min_mean} "
@@ -241,13 +285,15 @@ def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
 
 
 def forward(
-    q, k, v, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float, fill: bool
+    q, k, v, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float, fill: bool, *,
+    covered: bool = False,
 ):
     """out (1, total, H, D) in q's dtype and lse (1, H, total) float32 of the branches ((w, r,
     0, H) each) over the packed documents ``cu`` (int32 device offsets, queries and keys alike),
     inputs as :func:`problem` accepts. ``fill``: the buffers start as zeros (lse -inf), False
     where the first branch stores every row (``triton_launch._first_branch_writes_all``: r = 1
-    first over offsets checked on the host). Launches only (no host read of ``cu``)."""
+    first over offsets checked on the host). ``covered``: every row in a document
+    (:func:`host_descriptors`). Launches only (no host read of ``cu``)."""
     mod = kernel_module()
     kern = mod.gluon_fwd_varlen_kernel
     _, total, nh, d = q.shape
@@ -265,12 +311,25 @@ def forward(
     ndocs = cu.shape[0] - 1
     last = len(branches) - 1
     tables = device_entries_all(cu, [w for w, _, _, _ in branches], total)
+    bd = gluon_fwd.block_desc
     with _Scratch(q.device):
         for bi, (w, r, _, _) in enumerate(branches):
             g = grid(max_len, ndocs, total, w, r, nh)
             if 0 in g:  # max_len 0 (no document has a row): nothing to launch, the fills stand
                 continue
             p0, ws = tables[bi]
+            if host_descriptors(total, r, covered):
+                wgm = mod.F.WG_M
+                od = bd(out[None], total, r, wgm)
+                gluon_fwd.launch(mod.gluon_fwd_varlen_hd_kernel, g, (
+                    bd(q, total, r, wgm), bd(k, total, r, gluon_fwd.KV_BN), bd(v, total, r, gluon_fwd.KV_BN), od,
+                    bd(lo[None], total, r, wgm) if several else od, out, lo, lse, p0, ws, scale * LOG2E, total,
+                    q3.stride(0), r, nh, nkv), dict(BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d),
+                    CAUSAL=bool(causal), FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
+                    CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS, num_warps=4,
+                    maxnreg=gluon_fwd.MAXNREG),
+                )  # fmt: skip
+                continue
             kern[g](
                 q3, k3, v3, out, lo, lse, p0, ws, scale * LOG2E, total, q3.stride(0), k3.stride(0), r, nh, nkv,
                 q_layout=q_layout, kv_layout=kv_layout, BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d),
@@ -292,7 +351,8 @@ VARLEN_BACKWARD = True
 _bwd_failed: dict[tuple, str] = {}  # (dtype, headdim, causal) -> why its first launch failed
 
 
-def backward_problem(q, k, v, causal: bool, branches, same_offsets: bool, max_len: int, ndocs: int) -> str | None:
+def backward_problem(q, k, v, causal: bool, branches, same_offsets: bool, max_len: int, ndocs: int, *,
+                     covered: bool = False) -> str | None:  # fmt: skip
     """Why the Gluon varlen backward cannot run these packed inputs (as :func:`problem`); None:
     it can. Beyond the forward's conditions: its float32 accumulators (dq, dk, dv) and the
     largest branch's block-major lse / delta rows within ``gluon_bwd.MAX_F32_BYTES``."""
@@ -300,8 +360,12 @@ def backward_problem(q, k, v, causal: bool, branches, same_offsets: bool, max_le
 
     if not VARLEN_BACKWARD:
         return "gluon_varlen.VARLEN_BACKWARD is off"
-    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs, MIN_MEAN_DOC_BACKWARD,
-                          "MIN_MEAN_DOC_BACKWARD")
+    if _all_host(q, branches, covered):
+        gates = (MIN_MEAN_DOC_BACKWARD, "MIN_MEAN_DOC_BACKWARD", HEADDIMS_BACKWARD, "HEADDIMS_BACKWARD")
+    else:
+        gates = (DEVICE_DESC_MIN_MEAN_DOC_BACKWARD, "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD",
+                 DEVICE_DESC_HEADDIMS_BACKWARD, "DEVICE_DESC_HEADDIMS_BACKWARD")  # fmt: skip
+    why = _inputs_problem(q, k, v, branches, same_offsets, max_len, ndocs, *gates)
     if why is not None:
         return why
     _, total, nh, d = q.shape
@@ -371,14 +435,14 @@ def block_rows(lse: torch.Tensor, delta: torch.Tensor, p0: torch.Tensor, ws: tor
 
 
 def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float,
-             store_first: bool):  # fmt: skip
+             store_first: bool, *, covered: bool = False):  # fmt: skip
     """dq, dk, dv (the inputs' dtypes) of the branches ((w, r, 0, H) each) over the packed
     documents ``cu`` (int32 device offsets), given the FINAL lse (1, H, total) float32 and
     delta = rowsum(dO * out) (1, H, total) float32; inputs as :func:`backward_problem`
     accepts. ``store_first``: the first branch stores every row of the three results
     (``triton_launch._bwd_writes_all``): they are allocated empty and it stores, not adds.
-    The float32 accumulators and their phases are ``gluon_bwd.accumulate``'s. Launches only (no
-    host read of ``cu``)."""
+    The float32 accumulators and their phases are ``gluon_bwd.accumulate``'s. ``covered``: every
+    row in a document (:func:`host_descriptors`). Launches only (no host read of ``cu``)."""
     from . import gluon_bwd
 
     mod = kernel_module()
@@ -413,8 +477,13 @@ def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches
                 else:  # the CPU tests' emulated kernels
                     lse2 = prep_rows(lse_h, p0, ws, r, lp, float("inf"), LOG2E)
                     delta2 = prep_rows(delta_h, p0, ws, r, lp, 0.0)
+                ni = min(rep, r)
+                if host_descriptors(total, r, covered):
+                    _launch_hd(mod, kernels, q, k, v, dout, dq, dk, dv, lse2, delta2, p0, ws, total, r, ne, nb, ni,
+                               lp, scale, add, bool(causal))  # fmt: skip
+                    del lse2, delta2
+                    continue
                 if "dkdv" in kernels:
-                    ni = min(rep, r)
                     mod.dkdv_varlen_kernel[(nb * ne, nkv * ni)](
                         q3, do3, k3, v3, gluon_bwd._row_desc(lse2, bk.BMQ), gluon_bwd._row_desc(delta2, bk.BMQ),
                         dk[0], dv[0], p0, ws, scale * LOG2E, scale, ne, nb, r, nh, nkv, rep, ni, lp, q3.stride(0),
@@ -429,3 +498,29 @@ def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches
 
     return gluon_bwd.accumulate(q, k, v, store_first, run)
 
+
+
+def _launch_hd(mod, kernels, q, k, v, dout, dq, dk, dv, lse2, delta2, p0, ws, total: int, r: int, ne: int, nb: int,
+               ni: int, lp: int, scale: float, add: bool, causal: bool) -> None:  # fmt: skip
+    """The backward's launches of one branch over host descriptors (:func:`host_descriptors`):
+    ``dkdv_varlen_hd_kernel`` and / or ``dq_varlen_hd_kernel`` (``kernels``), inputs (1, total,
+    heads, D), accumulators float32 of the same shapes."""
+    from . import gluon_bwd
+
+    bk = mod.BK
+    bd = gluon_fwd.block_desc
+    d, nh, nkv = q.shape[3], q.shape[2], k.shape[2]
+    common = dict(D=d, CAUSAL=causal, ADD=add, CONSUMER_REGS=gluon_bwd.CONSUMER_REGS,
+                  LOADER_REGS=gluon_bwd.LOADER_REGS, num_warps=4, maxnreg=gluon_bwd.MAXNREG)  # fmt: skip
+    if "dkdv" in kernels:
+        gluon_fwd.launch(mod.dkdv_varlen_hd_kernel, (nb * ne, nkv * ni), (
+            bd(q, total, r, bk.BMQ), bd(dout, total, r, bk.BMQ), bd(k, total, r, bk.WG_M), bd(v, total, r, bk.WG_M),
+            gluon_bwd._row_desc(lse2, bk.BMQ), gluon_bwd._row_desc(delta2, bk.BMQ), dk[0], dv[0], p0, ws,
+            scale * LOG2E, scale, ne, nb, r, nh, nkv, nh // nkv, ni, lp),
+            dict(BMQ=bk.BMQ, STAGES=gluon_bwd.kv_stages(d), **common))  # fmt: skip
+    if "dq" in kernels:
+        bn = gluon_bwd.dq_bn(d)
+        gluon_fwd.launch(mod.dq_varlen_hd_kernel, (nb * ne, nh), (
+            bd(q, total, r, bk.WG_M), bd(dout, total, r, bk.WG_M), bd(k, total, r, bn), bd(v, total, r, bn), dq[0],
+            lse2, delta2, p0, ws, scale * LOG2E, scale, ne, nb, r, nh, nkv, lp),
+            dict(BN=bn, STAGES=gluon_bwd.DQ_STAGES, **common))  # fmt: skip

@@ -16,7 +16,10 @@ w % R != 0 need no masks and no length classes. Programs past their block's rows
 
 The descriptors live in a global scratch of 640 bytes a program (five descriptors), which Triton
 asks of the allocator in ``triton.runtime._allocation._allocator`` at launch
-(:class:`.gluon_varlen._Scratch` sets it around each launch).
+(:class:`.gluon_varlen._Scratch` sets it around each launch). Making them costs ~3 us a program
+(0.66 us each, results/tma_desc_cost_h200_2026-11-29.md), so a branch whose r divides the stream's
+rows launches the ``*_hd_kernel``s at the end of this file instead: the same programs over
+descriptors made once on the host (see the comment there).
 
 :func:`dkdv_varlen_kernel` and :func:`dq_varlen_kernel` are ``gluon_bwd_kernel``'s dK/dV and dQ
 programs over the same entries, with descriptors made the same way (q / dO over all query heads
@@ -86,8 +89,8 @@ def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL,
         # the library's program body with the block, column and lo coordinates 0 (the
         # descriptors start at the block) and lse at pos0 + R t of row h
         F._program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, p0 + c, 0, 0, 0, 0, q_row0, n_tiles,
-                   n_full, L, R, qk_scale, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO, CONSUMER_REGS,
-                   LOADER_REGS)  # fmt: skip
+                   n_full, L, R, qk_scale, 0, LSE, LSE, 0, BN, D, STAGES, CAUSAL, FIRST, COMP, STORE_LO, False,
+                   CONSUMER_REGS, LOADER_REGS)  # fmt: skip
 
 
 @gluon.jit
@@ -139,7 +142,7 @@ def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, qk_s
         # loader at block 0, residue 0 of descriptors that start at the block, column = query head
         BK._dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, p0, 0, n_lo, 0, c, 0, g,
                          h_start, nhl, m_first, n_qt, n_diag, 0, e, L, 1, R, H, HKV, NE, LP, qk_scale,
-                         sm_scale, BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+                         sm_scale, 0, BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
 
 @gluon.jit
 def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_scale, NE, NMB, R, H, HKV,
@@ -182,5 +185,123 @@ def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_s
         # the library's program body: dQ rows p0 + c + R t (blk = p0, W = 1), the loader at block
         # 0 and columns 0 of descriptors that start at the block
         BK._dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, p0, 0, q_row0, 0, 0, c, h, n_tiles,
-                       n_full, L, 1, R, H, qk_scale, sm_scale, BN, D, STAGES, ADD, CONSUMER_REGS,
+                       n_full, L, 1, R, H, qk_scale, sm_scale, 0, BN, D, STAGES, CAUSAL, ADD, CONSUMER_REGS,
                        LOADER_REGS)  # fmt: skip
+
+
+# ----------------------------------------------------------------- over host descriptors
+# The same three kernels with descriptors made on the host over the whole stream
+# (``gluon_fwd.block_desc(x, total, r, ...)``: the view [1, total / r, r * heads, D], where index
+# (0, t, b * heads + h, d) is row b + r t, head h; the host asks total % r == 0, so that every row
+# is inside that view). Block row t of entry e (stream row p0 + c + r t) is then the view's row
+# a0 + t in column b * heads + h, with p0 + c = r a0 + b: no descriptor is made per program.
+# The box does not end at the block, so rows past it are read from the stream (the next entries'
+# rows, or zeros past the stream's end): keys t >= L are masked in the scores (the forward's and
+# dQ's tiles from n_full on), queries t >= L have lse +inf in the backward's block-major rows
+# (P = 0: they add nothing to dK / dV), and the forward's last tile of a block is stored through
+# masked pointers (``TAIL_PTR``), dK / dV / dQ through masked pointers as always.
+
+
+@gluon.jit
+def gluon_fwd_varlen_hd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, O, LO, LSE, ENT_P0, ENT_W, qk_scale,
+                               TOTAL, SNQ, R, H, HKV, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                               CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
+                               STORE_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               LOADER_REGS: gl.constexpr):  # fmt: skip
+    """:func:`gluon_fwd_varlen_kernel` over host descriptors (see above): q / out / lo descriptors
+    of box [1, 64, 1, D], k / v of [1, BN, 1, D]; O and LO the tensors behind out's and lo's for
+    the pointer stores of a block's last tile."""
+    pid_m = gl.program_id(0)
+    e = gl.program_id(1)
+    h = gl.program_id(2)
+    c = h % R
+    hk = h // (H // HKV)
+    p0 = gl.load(ENT_P0 + e)
+    ws = gl.load(ENT_W + e)
+    L = gl.maximum((ws - c + R - 1) // R, 0)
+    q_row0 = pid_m * (2 * _WGM)
+    if q_row0 < L:
+        pos0 = p0 + c
+        b = pos0 % R
+        n_kv = gl.cdiv(L, BN)
+        if CAUSAL:
+            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
+            n_full = gl.minimum(q_row0 // BN, L // BN)
+        else:
+            n_tiles = n_kv
+            n_full = L // BN
+        lse_base = h.to(gl.int64) * TOTAL
+        F._program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, pos0, 0, 0, b * H + h, b * HKV + hk,
+                   q_row0, n_tiles, n_full, L, R, qk_scale, pos0 // R, O + h * D, LO + h * D, SNQ, BN, D, STAGES,
+                   CAUSAL, FIRST, COMP, STORE_LO, True, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+
+
+@gluon.jit
+def dkdv_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, qk_scale,
+                          sm_scale, NE, NNB, R, H, HKV, REP, NI, LP, BMQ: gl.constexpr, D: gl.constexpr,
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+    """:func:`dkdv_varlen_kernel` over host descriptors (see above): the loader at block 0, the
+    block's residue b as its column class (q / dO column b * H + h, k / v b * HKV + g) and
+    first row a0; dK / dV rows p0 + c + R t as there."""
+    pid0 = gl.program_id(0)
+    pid_x = gl.program_id(1)
+    pid_n = pid0 % NNB
+    e = pid0 // NNB
+    g = pid_x // NI
+    i0 = pid_x % NI
+    h_start = g * REP + i0
+    c = h_start % R
+    nhl = ((g + 1) * REP - h_start + R - 1) // R
+    p0 = gl.load(ENT_P0 + e)
+    ws = gl.load(ENT_W + e)
+    L = gl.maximum((ws - c + R - 1) // R, 0)
+    n_lo = pid_n * (2 * _WGM)
+    if n_lo < L:
+        pos0 = p0 + c
+        b = pos0 % R
+        n_qt_all = gl.cdiv(L, BMQ)
+        if CAUSAL:
+            m_first = n_lo
+            n_qt = n_qt_all - n_lo // BMQ
+            n_diag = gl.minimum(n_qt, (2 * _WGM) // BMQ)
+        else:
+            m_first = n_lo * 0
+            n_qt = n_qt_all
+            n_diag = n_qt * 0
+        BK._dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, p0, 0, n_lo, b * HKV + g, c, b,
+                         g, h_start, nhl, m_first, n_qt, n_diag, 0, e, L, 1, R, H, HKV, NE, LP, qk_scale, sm_scale,
+                         pos0 // R, BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+
+
+@gluon.jit
+def dq_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_scale, NE,
+                        NMB, R, H, HKV, LP, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr, ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        LOADER_REGS: gl.constexpr):  # fmt: skip
+    """:func:`dq_varlen_kernel` over host descriptors (see above); not causal, the last key
+    tile of a block is masked (keys t >= L), as the causal diagonal is."""
+    pid0 = gl.program_id(0)
+    h = gl.program_id(1)
+    pid_m = pid0 % NMB
+    e = pid0 // NMB
+    c = h % R
+    hk = h // (H // HKV)
+    p0 = gl.load(ENT_P0 + e)
+    ws = gl.load(ENT_W + e)
+    L = gl.maximum((ws - c + R - 1) // R, 0)
+    q_row0 = pid_m * (2 * _WGM)
+    if q_row0 < L:
+        pos0 = p0 + c
+        b = pos0 % R
+        lrow = (h.to(gl.int64) * NE + e) * LP
+        n_kv = gl.cdiv(L, BN)
+        if CAUSAL:
+            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
+            n_full = gl.minimum(q_row0 // BN, n_tiles)
+        else:
+            n_tiles = n_kv
+            n_full = L // BN
+        BK._dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, p0, 0, q_row0, b * H + h,
+                       b * HKV + hk, c, h, n_tiles, n_full, L, 1, R, H, qk_scale, sm_scale, pos0 // R, BN, D, STAGES,
+                       CAUSAL, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip

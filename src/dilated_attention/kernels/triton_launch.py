@@ -1156,7 +1156,8 @@ def forward(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, config=None, 
     no plan: ``plan_sink`` gets None); packed documents likewise through the Gluon varlen
     kernel where :func:`gluon_varlen.problem` is None (:func:`_gluon_varlen_forward`; its
     switch ``gluon_varlen.VARLEN_FORWARD``, on; head dim 128, documents of
-    ``gluon_varlen.MIN_MEAN_DOC`` rows on average). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
+    ``gluon_varlen.MIN_MEAN_DOC`` rows on average, or ``DEVICE_DESC_MIN_MEAN_DOC`` where a
+    branch's r does not divide the stream's rows). Else runs through the configuration's :class:`TrainPlan` (``USE_PLANS`` False:
     :func:`forward_per_call`; the same bits). ``plan_sink``: a list that gets the plan
     used (None for the per-call path), for a caller that passes it to :func:`backward`.
     """
@@ -1240,11 +1241,13 @@ def _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs: D
         return None
     branches = branch_list(seg, dil, head_ranges)
     ndocs = docs.cu_q.shape[0] - 1
-    if gluon_varlen.problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs) is not None:
+    covered = bool(docs.checked)  # every row in a document: the host-descriptor kernels may read any row
+    if gluon_varlen.problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs,
+                            covered=covered) is not None:  # fmt: skip
         return None
-    fill = not _first_branch_writes_all(branches, 0, q.shape[2], bool(docs.checked), 0)
+    fill = not _first_branch_writes_all(branches, 0, q.shape[2], covered, 0)
     return _gluon_attempt(q, causal, gluon_varlen.note_failure, None, lambda: gluon_varlen.forward(
-        q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, fill))  # fmt: skip
+        q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, fill, covered=covered))  # fmt: skip
 
 
 def _gluon_attempt(q, causal: bool, note_failure, note_oom, run):
@@ -1298,7 +1301,9 @@ def _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale
         return None
     branches = branch_list(seg, dil, head_ranges)
     ndocs = docs.cu_q.shape[0] - 1
-    if gluon_varlen.backward_problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs) is not None:
+    covered = bool(docs.checked)
+    if gluon_varlen.backward_problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs,
+                                     covered=covered) is not None:  # fmt: skip
         return None
     # same offsets for queries and keys (the gate): qoff 0, so dq and dk/dv alike
     store_first = all(_bwd_writes_all(branches, q.shape[2], bool(docs.checked), 0))
@@ -1306,7 +1311,7 @@ def _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale
     def run():
         delta = _delta(_broadcast_view(out), _broadcast_view(dout))
         return gluon_varlen.backward(dout, q, k, v, delta, lse, docs.cu_q, docs.max_q, branches, causal, scale,
-                                     store_first)  # fmt: skip
+                                     store_first, covered=covered)  # fmt: skip
 
     return _gluon_attempt(q, causal, gluon_varlen.note_backward_failure, gluon_bwd.note_out_of_memory, run)
 
