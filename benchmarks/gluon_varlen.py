@@ -540,12 +540,12 @@ def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
                                         (True, False, True)):  # fmt: skip
                 name = f"{dt} D={d} causal={causal} first={first} comp={comp}"
                 sig = {n: f"*{dt}" for n in ("Q", "K", "V", "O", "LO")}
-                sig.update({"LSE": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32"})
+                sig.update({"LSE": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "LIMIT": "*i32", "qk_scale": "fp32"})
                 sig.update({n: "i32" for n in ("TOTAL", "SNQ", "SNK", "R", "H", "HKV")})
                 consts = {"q_layout": gl.NVMMASharedLayout.get_default_for([1, F.WG_M, 1, d], gdt),
                           "kv_layout": gl.NVMMASharedLayout.get_default_for([1, gluon_fwd.KV_BN, 1, d], gdt),
                           "BN": gluon_fwd.KV_BN, "D": d, "STAGES": gluon_fwd.stages(d), "CAUSAL": causal,
-                          "FIRST": first, "COMP": comp, "STORE_LO": comp,
+                          "FIRST": first, "COMP": comp, "STORE_LO": comp, "PART": 2 if causal and not first else 0,
                           "CONSUMER_REGS": gluon_fwd.CONSUMER_REGS, "LOADER_REGS": gluon_fwd.LOADER_REGS}  # fmt: skip
                 sig.update({n: "constexpr" for n in consts})
                 attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
@@ -563,17 +563,19 @@ def compile_only(lines: list[str], sass_dir: str | None = None) -> bool:
                 kv_sig = {n: f"*{dt}" for n in ("Q", "DO", "K", "V")}
                 kv_sig.update({"l_desc": f"tensordesc<fp32[{BK.BMQ}],{row_lay!r}>",
                                "dl_desc": f"tensordesc<fp32[{BK.BMQ}],{row_lay!r}>", "DK": "*fp32",
-                               "DV": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32",
-                               "sm_scale": "fp32"})  # fmt: skip
+                               "DV": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "LIMIT": "*i32",
+                               "qk_scale": "fp32", "sm_scale": "fp32"})  # fmt: skip
                 kv_sig.update({n: "i32" for n in ("NE", "NNB", "R", "H", "HKV", "REP", "NI", "LP", "SNQ", "SNK")})
                 kv_c = {"q_layout": lay(BK.BMQ), "kv_layout": lay(BK.WG_M), "BMQ": BK.BMQ, "D": d,
-                        "STAGES": gluon_bwd.kv_stages(d), "CAUSAL": causal, "ADD": add, **regs}  # fmt: skip
+                        "STAGES": gluon_bwd.kv_stages(d), "CAUSAL": causal, "ADD": add, "PART": 2 if add else 0,
+                        **regs}  # fmt: skip
                 q_sig = {n: f"*{dt}" for n in ("Q", "DO", "K", "V")}
                 q_sig.update({"DQ": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32",
-                              "qk_scale": "fp32", "sm_scale": "fp32"})  # fmt: skip
+                              "LIMIT": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"})  # fmt: skip
                 q_sig.update({n: "i32" for n in ("NE", "NMB", "R", "H", "HKV", "LP", "SNQ", "SNK")})
                 q_c = {"q_layout": lay(BK.WG_M), "kv_layout": lay(bn), "BN": bn, "D": d,
-                       "STAGES": gluon_bwd.DQ_STAGES, "CAUSAL": causal, "ADD": add, **regs}  # fmt: skip
+                       "STAGES": gluon_bwd.DQ_STAGES, "CAUSAL": causal, "ADD": add, "PART": 2 if add else 0,
+                       **regs}  # fmt: skip
                 for kname, kern, sig, consts in (("dkdv", dkdv_varlen_kernel, kv_sig, kv_c),
                                                  ("dq", dq_varlen_kernel, q_sig, q_c)):  # fmt: skip
                     name = f"{kname} {dt} D={d} causal={causal} add={add}"
@@ -599,11 +601,11 @@ def _compile_host_descriptor_kernels(lines: list[str], sass_dir: str | None) -> 
             for causal, first, comp in ((False, True, False), (False, False, True), (True, False, True)):
                 sig = {"q_desc": desc(F.WG_M), "k_desc": desc(gluon_fwd.KV_BN), "v_desc": desc(gluon_fwd.KV_BN),
                        "o_desc": desc(F.WG_M), "lo_desc": desc(F.WG_M), "O": f"*{dt}", "LO": f"*{dt}",
-                       "LSE": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32"}  # fmt: skip
+                       "LSE": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32", "LIMIT": "*i32", "qk_scale": "fp32"}  # fmt: skip
                 sig.update({n: "i32" for n in ("TOTAL", "SNQ", "R", "H", "HKV")})
                 consts = {"BN": gluon_fwd.KV_BN, "D": d, "STAGES": gluon_fwd.stages(d), "CAUSAL": causal,
-                          "FIRST": first, "COMP": comp, "STORE_LO": comp, "CONSUMER_REGS": gluon_fwd.CONSUMER_REGS,
-                          "LOADER_REGS": gluon_fwd.LOADER_REGS}  # fmt: skip
+                          "FIRST": first, "COMP": comp, "STORE_LO": comp, "PART": 1 if causal else 0,
+                          "CONSUMER_REGS": gluon_fwd.CONSUMER_REGS, "LOADER_REGS": gluon_fwd.LOADER_REGS}  # fmt: skip
                 sig.update({n: "constexpr" for n in consts})
                 attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8, 9)}
                 for ones in ((), ONES_FWD) if (dt, d) == ("bf16", 128) else ((),):
@@ -616,15 +618,17 @@ def _compile_host_descriptor_kernels(lines: list[str], sass_dir: str | None) -> 
                 kv_sig = {"q_desc": desc(BK.BMQ), "do_desc": desc(BK.BMQ), "k_desc": desc(BK.WG_M),
                           "v_desc": desc(BK.WG_M), "l_desc": f"tensordesc<fp32[{BK.BMQ}],{row_lay!r}>",
                           "dl_desc": f"tensordesc<fp32[{BK.BMQ}],{row_lay!r}>", "DK": "*fp32", "DV": "*fp32",
-                          "ENT_P0": "*i32", "ENT_W": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
+                          "ENT_P0": "*i32", "ENT_W": "*i32", "LIMIT": "*i32", "qk_scale": "fp32",
+                          "sm_scale": "fp32"}  # fmt: skip
                 kv_sig.update({n: "i32" for n in ("NE", "NNB", "R", "H", "HKV", "REP", "NI", "LP")})
                 kv_c = {"BMQ": BK.BMQ, "D": d, "STAGES": gluon_bwd.kv_stages(d), "CAUSAL": causal, "ADD": add,
-                        **regs}  # fmt: skip
+                        "PART": 1 if add else 0, **regs}  # fmt: skip
                 q_sig = {"q_desc": desc(BK.WG_M), "do_desc": desc(BK.WG_M), "k_desc": desc(bn), "v_desc": desc(bn),
                          "DQ": "*fp32", "LSE2": "*fp32", "DELTA": "*fp32", "ENT_P0": "*i32", "ENT_W": "*i32",
-                         "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
+                         "LIMIT": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
                 q_sig.update({n: "i32" for n in ("NE", "NMB", "R", "H", "HKV", "LP")})
-                q_c = {"BN": bn, "D": d, "STAGES": gluon_bwd.DQ_STAGES, "CAUSAL": causal, "ADD": add, **regs}
+                q_c = {"BN": bn, "D": d, "STAGES": gluon_bwd.DQ_STAGES, "CAUSAL": causal, "ADD": add,
+                       "PART": 1 if add else 0, **regs}  # fmt: skip
                 for kname, kern, sig, consts, div in (("dkdv_hd", dkdv_varlen_hd_kernel, kv_sig, kv_c, (6, 7, 8, 9)),
                                                       ("dq_hd", dq_varlen_hd_kernel, q_sig, q_c, (4, 5, 6, 7, 8))):  # fmt: skip
                     sig = {**sig, **{n: "constexpr" for n in consts}}

@@ -132,6 +132,8 @@
 #   bash scripts/gpu_check.sh s30      issue 22 item 2b, the host-descriptor varlen kernels (gluon_varlen.HOST_DESCRIPTORS): the
 #                                       CUDA tests of tests/test_gluon_varlen.py ($CUDA_TEST_TIMEOUT 330 s), then
 #                                       varlen_switch_ab.py --switch host-desc ($AB_TIMEOUT 200 s; $SWITCH_AB_ARGS)
+#   bash scripts/gpu_check.sh s31      the CUDA tests of tests/test_gluon_varlen.py (the split launches of
+#                                       gluon_varlen.HOST_DESCRIPTORS_UNCHECKED included), then bench_varlen.py with that switch on
 #   bash scripts/gpu_check.sh s30-gates the same CUDA tests, then varlen_switch_ab.py --switch backward and forward with both
 #                                       mean-document gates lifted, on 256- and 512-token mixes
 #   bash scripts/gpu_check.sh s29      bench_varlen.py, then varlen_switch_ab.py --switch both --min-mean-doc 0 over four batches
@@ -395,6 +397,20 @@ case "${1:-tests}" in
     echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_hd.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\|" "$OUT/varlen_switch_ab_hd.md"; grep -E "rc=" "$OUT/varlen_switch_ab_hd.txt"
+    ;;
+  s31)
+    # next session (written 2026-11-29, thirtieth): the split launches of gluon_varlen.HOST_DESCRIPTORS_UNCHECKED (off, CPU-tested):
+    # the CUDA tests of tests/test_gluon_varlen.py ($CUDA_TEST_TIMEOUT 360 s; the rows-past-the-documents test runs the split),
+    # then bench_varlen.py with the switch on ($VARLEN_TIMEOUT 260 s): its row (a'), unchecked device offsets
+    timeout "${CUDA_TEST_TIMEOUT:-360}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -n 4 -p no:cacheprovider \
+      -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${VARLEN_TIMEOUT:-260}" python3 -c "import runpy, sys; from dilated_attention.kernels import gluon_varlen as g; \
+g.HOST_DESCRIPTORS_UNCHECKED = True; sys.argv = ['bench_varlen.py', '--out', '$OUT/varlen.md']; \
+runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varlen.txt" 2>&1
+    echo "bench_varlen (HOST_DESCRIPTORS_UNCHECKED on) rc=$?" >> "$OUT/varlen.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -E "^\|" "$OUT/varlen.md" | head -20; grep -E "^- causal|rc=" "$OUT/varlen.txt"
     ;;
   s30-gates)
     # thirtieth session, second part: the CUDA tests of tests/test_gluon_varlen.py again ($CUDA_TEST_TIMEOUT 330 s), then the

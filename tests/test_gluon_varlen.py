@@ -21,6 +21,7 @@ CUDA (sm_90 with Triton's Gluon), both switches on (forward and backward):
 
 from __future__ import annotations
 
+import collections
 import types
 
 import pytest
@@ -167,6 +168,7 @@ class _EmulatedVarlenKernel:
 
     def __init__(self):
         self.launches = []
+        self.ran = collections.Counter()  # programs that did work, by (host descriptors?, PART)
         self.hd = _Launcher(self.run_hd)  # gluon_fwd_varlen_hd_kernel
 
     def __getitem__(self, grid):
@@ -177,8 +179,8 @@ class _EmulatedVarlenKernel:
         return types.SimpleNamespace(gluon_fwd_varlen_kernel=self, gluon_fwd_varlen_hd_kernel=self.hd,
                                      F=types.SimpleNamespace(WG_M=64), PROGRAM_ROWS=128, **more)  # fmt: skip
 
-    def run_hd(self, grid, q_desc, k_desc, v_desc, o_desc, lo_desc, out, lo, lse, p0, ws, qk_scale, total, snq, r, nh,
-               hkv, *, BN, CAUSAL, FIRST, COMP, STORE_LO, **_):  # fmt: skip
+    def run_hd(self, grid, q_desc, k_desc, v_desc, o_desc, lo_desc, out, lo, lse, p0, ws, limit, qk_scale, total, snq,
+               r, nh, hkv, *, BN, CAUSAL, FIRST, COMP, STORE_LO, PART, **_):  # fmt: skip
         """``gluon_fwd_varlen_hd_kernel`` program by program over its host descriptors, read as TMA
         reads them (:func:`_view_rows`: rows past the block are the stream's, zeros past the view):
         query tile rows q_row0 + [0, 128) and key tiles up to the kernel's n_tiles, keys t >= L
@@ -201,8 +203,9 @@ class _EmulatedVarlenKernel:
                 b, a0 = pos0 % r, pos0 // r
                 for pid_m in range(grid[0]):
                     q_row0 = pid_m * self.BM
-                    if q_row0 >= big_l:
+                    if q_row0 >= big_l or not _part_runs(PART, limit, pos0, r, _fwd_reach(q_row0, big_l, BN, CAUSAL)):
                         continue
+                    self.ran[(True, PART)] += 1
                     n_kv = -(-big_l // BN)
                     n_tiles = min(n_kv, -(-(q_row0 + self.BM) // BN)) if CAUSAL else n_kv
                     tq = torch.arange(q_row0, q_row0 + self.BM)
@@ -217,9 +220,9 @@ class _EmulatedVarlenKernel:
                     self._merge(out, lo, lse, pos0 + r * tq[valid], h, torch.logsumexp(sc, -1),
                                 torch.softmax(sc, -1) @ vb, FIRST, COMP, STORE_LO)  # fmt: skip
 
-    def run(self, grid, q, k, v, out, lo, lse, p0, ws, qk_scale, total, snq, snk, r, nh, hkv, *, CAUSAL, FIRST,
-            COMP, STORE_LO, **_):  # fmt: skip
-        self.launches.append((r, tuple(grid), FIRST, COMP, STORE_LO))
+    def run(self, grid, q, k, v, out, lo, lse, p0, ws, limit, qk_scale, total, snq, snk, r, nh, hkv, *, BN, CAUSAL,
+            FIRST, COMP, STORE_LO, PART, **_):  # fmt: skip
+        self.launches.append((r, tuple(grid), FIRST, COMP, STORE_LO) + (("part2",) if PART == 2 else ()))
         assert grid[1] == p0.numel() == ws.numel() and grid[2] == nh and (snq, snk) == (q.stride(0), k.stride(0))
         scale = qk_scale / LOG2E
         for e in range(grid[1]):
@@ -238,8 +241,14 @@ class _EmulatedVarlenKernel:
                 if CAUSAL:
                     t = torch.arange(big_l)
                     sc = sc.masked_fill(t[None, :] > t[:, None], float("-inf"))
-                self._merge(out, lo, lse, rows, h, torch.logsumexp(sc, -1), torch.softmax(sc, -1) @ vb, FIRST,
-                            COMP, STORE_LO)  # fmt: skip
+                # the query tiles whose programs run (PART 2: those reading at or past the limit row)
+                runs = torch.tensor([_part_runs(PART, limit, a + c, r, _fwd_reach(t0 // self.BM * self.BM, big_l, BN,
+                                                                                 CAUSAL))
+                                     for t0 in range(big_l)], dtype=torch.bool)  # fmt: skip
+                self.ran[(False, PART)] += len({t0 // self.BM for t0 in range(big_l) if runs[t0]})
+                if runs.any():
+                    self._merge(out, lo, lse, rows[runs], h, torch.logsumexp(sc[runs], -1),
+                                torch.softmax(sc[runs], -1) @ vb, FIRST, COMP, STORE_LO)  # fmt: skip
 
     @staticmethod
     def _merge(out, lo, lse, rows, h, lse_b, out_b, FIRST, COMP, STORE_LO):
@@ -261,6 +270,24 @@ class _EmulatedVarlenKernel:
         if COMP and STORE_LO:
             lo[rows, h] = (new_out - hi.double()).to(lo.dtype)
         lse[h, rows] = new_lse.float()
+
+
+def _fwd_reach(q_row0: int, big_l: int, bn: int, causal: bool) -> int:
+    """The last block row a forward or dQ program from query row q_row0 reads (its query tile of
+    128 rows, its key tiles of bn rows: the kernels' ``reach``)."""
+    n_tiles = -(-big_l // bn)
+    if causal:
+        n_tiles = min(n_tiles, -(-(q_row0 + 128) // bn))
+    return max(q_row0 + 128, n_tiles * bn) - 1
+
+
+def _part_runs(part: int, limit, pos0: int, r: int, reach: int) -> bool:
+    """The kernels' ``_runs`` past the rows check: PART 0 every program, 1 those whose last read
+    row pos0 + r reach lies below *limit, 2 the others."""
+    if part == 0:
+        return True
+    past = pos0 + r * reach >= int(limit[0])
+    return past if part == 2 else not past
 
 
 def _view_rows(desc, t: torch.Tensor, col: int) -> torch.Tensor:
@@ -348,6 +375,8 @@ class _EmulatedVarlenBwd:
     def __init__(self):
         self.launches = []
         self.hd_launches = []  # those of the launches over host descriptors
+        self.parts = []  # (kernel, r, PART) of every launch
+        self.ran = collections.Counter()  # programs that did work, by (kernel, host descriptors?, PART)
         self.dkdv_varlen_kernel = _Launcher(self._dkdv)
         self.dq_varlen_kernel = _Launcher(self._dq)
         self.dkdv_varlen_hd_kernel = _Launcher(self._dkdv_hd)
@@ -365,9 +394,10 @@ class _EmulatedVarlenBwd:
         n = max(-(-(int(ws[e]) - c) // r), 0)
         return int(p0[e]) + c + r * torch.arange(n), n
 
-    def _dkdv(self, grid, q, do, k, v, l_desc, dl_desc, dk, dv, p0, ws, qk_scale, sm_scale, ne, nnb, r, nh, hkv,
-              rep, ni, lp, snq, snk, *, CAUSAL, ADD, **_):  # fmt: skip
+    def _dkdv(self, grid, q, do, k, v, l_desc, dl_desc, dk, dv, p0, ws, limit, qk_scale, sm_scale, ne, nnb, r, nh,
+              hkv, rep, ni, lp, snq, snk, *, BMQ, CAUSAL, ADD, PART, **_):  # fmt: skip
         self.launches.append(("dkdv", r, ADD))
+        self.parts.append(("dkdv", r, PART))
         assert grid == (nnb * ne, hkv * ni) and ne == p0.numel() == ws.numel() and (snq, snk) == (q.stride(0), k.stride(0))
         assert lp % self.BLK == 0 and lp >= nnb * self.BLK  # the kernels load whole 128-row tiles of rows
         lf, df = l_desc.base.reshape(-1).double(), dl_desc.base.reshape(-1).double()
@@ -382,8 +412,10 @@ class _EmulatedVarlenBwd:
                 rows, n = self._block(p0, ws, e, c, r)
                 assert n <= nnb * self.BLK and n <= lp, "the grid or the rows do not cover the block"
                 kr = torch.arange(pid_n * self.BLK, min((pid_n + 1) * self.BLK, n))
-                if kr.numel() == 0:
+                reach = max(pid_n * self.BLK + self.BLK, -(-n // BMQ) * BMQ) - 1
+                if kr.numel() == 0 or not _part_runs(PART, limit, int(p0[e]) + c, r, reach):
                     continue
+                self.ran[("dkdv", False, PART)] += 1
                 kb, vb = k[rows[kr], g].double(), v[rows[kr], g].double()
                 gk, gv = torch.zeros_like(kb), torch.zeros_like(vb)
                 for j in range(max(nhl, 0)):
@@ -400,14 +432,15 @@ class _EmulatedVarlenBwd:
                     else:
                         acc[rows[kr], g] = gr.float()
 
-    def _dkdv_hd(self, grid, q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, dk, dv, p0, ws, qk_scale, sm_scale,
-                 ne, nnb, r, nh, hkv, rep, ni, lp, *, BMQ, CAUSAL, ADD, **_):  # fmt: skip
+    def _dkdv_hd(self, grid, q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, dk, dv, p0, ws, limit, qk_scale,
+                 sm_scale, ne, nnb, r, nh, hkv, rep, ni, lp, *, BMQ, CAUSAL, ADD, PART, **_):  # fmt: skip
         """``dkdv_varlen_hd_kernel`` program by program through its descriptors' views
         (:func:`_view_rows`): the key tile n_lo + [0, 128), the query tiles of 64 rows the kernel
         streams (from n_lo on when causal), their lse / delta rows block-major (+inf / 0 past
         the block: those queries add nothing), dK / dV rows t < L stored."""
         self.launches.append(("dkdv", r, ADD))
         self.hd_launches.append(("dkdv", r))
+        self.parts.append(("dkdv", r, PART))
         d = q_desc.shape[3]
         assert grid == (nnb * ne, hkv * ni) and ne == p0.numel() == ws.numel() and lp % self.BLK == 0
         for desc, heads, rows in ((q_desc, nh, BMQ), (do_desc, nh, BMQ), (k_desc, hkv, 64), (v_desc, hkv, 64)):
@@ -422,9 +455,11 @@ class _EmulatedVarlenBwd:
                 nhl = ((g + 1) * rep - h_start + r - 1) // r
                 big_l = max(-(-(int(ws[e]) - c) // r), 0)
                 n_lo = pid_n * self.BLK
-                if n_lo >= big_l:
-                    continue
                 pos0 = int(p0[e]) + c
+                reach = max(n_lo + self.BLK, -(-big_l // BMQ) * BMQ) - 1
+                if n_lo >= big_l or not _part_runs(PART, limit, pos0, r, reach):
+                    continue
+                self.ran[("dkdv", True, PART)] += 1
                 b, a0 = pos0 % r, pos0 // r
                 tk = torch.arange(n_lo, n_lo + self.BLK)
                 kb, vb = (_view_rows(x, a0 + tk, b * hkv + g) for x in (k_desc, v_desc))
@@ -445,13 +480,14 @@ class _EmulatedVarlenBwd:
                     else:
                         acc[rows, g] = gr.float()
 
-    def _dq_hd(self, grid, q_desc, do_desc, k_desc, v_desc, dq, lse2, delta2, p0, ws, qk_scale, sm_scale, ne, nmb,
-               r, nh, hkv, lp, *, BN, CAUSAL, ADD, **_):  # fmt: skip
+    def _dq_hd(self, grid, q_desc, do_desc, k_desc, v_desc, dq, lse2, delta2, p0, ws, limit, qk_scale, sm_scale, ne,
+               nmb, r, nh, hkv, lp, *, BN, CAUSAL, ADD, PART, **_):  # fmt: skip
         """``dq_varlen_hd_kernel`` program by program through its descriptors' views: the query
         tile q_row0 + [0, 128), the key tiles of BN rows up to the kernel's n_tiles, keys t >= L
         (and above the diagonal) masked, dQ rows t < L stored."""
         self.launches.append(("dq", r, ADD))
         self.hd_launches.append(("dq", r))
+        self.parts.append(("dq", r, PART))
         assert grid == (nmb * ne, nh) and lse2.shape == delta2.shape == (nh, ne, lp)
         lf, df = lse2.reshape(-1).double(), delta2.reshape(-1).double()
         for pid0 in range(grid[0]):
@@ -460,9 +496,10 @@ class _EmulatedVarlenBwd:
                 c, hk = h % r, h // (nh // hkv)
                 big_l = max(-(-(int(ws[e]) - c) // r), 0)
                 q_row0 = pid_m * self.BLK
-                if q_row0 >= big_l:
-                    continue
                 pos0 = int(p0[e]) + c
+                if q_row0 >= big_l or not _part_runs(PART, limit, pos0, r, _fwd_reach(q_row0, big_l, BN, CAUSAL)):
+                    continue
+                self.ran[("dq", True, PART)] += 1
                 b, a0 = pos0 % r, pos0 // r
                 n_kv = -(-big_l // BN)
                 n_tiles = min(n_kv, -(-(q_row0 + self.BLK) // BN)) if CAUSAL else n_kv
@@ -483,9 +520,10 @@ class _EmulatedVarlenBwd:
                 else:
                     dq[rows, h] = gq
 
-    def _dq(self, grid, q, do, k, v, dq, lse2, delta2, p0, ws, qk_scale, sm_scale, ne, nmb, r, nh, hkv, lp, snq,
-            snk, *, CAUSAL, ADD, **_):  # fmt: skip
+    def _dq(self, grid, q, do, k, v, dq, lse2, delta2, p0, ws, limit, qk_scale, sm_scale, ne, nmb, r, nh, hkv, lp,
+            snq, snk, *, BN, CAUSAL, ADD, PART, **_):  # fmt: skip
         self.launches.append(("dq", r, ADD))
+        self.parts.append(("dq", r, PART))
         assert grid == (nmb * ne, nh) and lse2.shape == delta2.shape == (nh, ne, lp)
         assert lp % self.BLK == 0 and lp >= nmb * self.BLK
         lf, df = lse2.reshape(-1).double(), delta2.reshape(-1).double()
@@ -496,8 +534,10 @@ class _EmulatedVarlenBwd:
                 rows, n = self._block(p0, ws, e, c, r)
                 assert n <= nmb * self.BLK and n <= lp
                 qr = torch.arange(pid_m * self.BLK, min((pid_m + 1) * self.BLK, n))
-                if qr.numel() == 0:
+                reach = _fwd_reach(pid_m * self.BLK, n, BN, CAUSAL)
+                if qr.numel() == 0 or not _part_runs(PART, limit, int(p0[e]) + c, r, reach):
                     continue
+                self.ran[("dq", False, PART)] += 1
                 kb, vb = k[rows, hk].double(), v[rows, hk].double()
                 lrow = (h * ne + e) * lp
                 _, ds = self._grads(q[rows[qr], h].double(), do[rows[qr], h].double(), kb, vb, lf[lrow + qr],
@@ -605,6 +645,53 @@ def test_unchecked_offsets_add_into_zeros_and_leave_rows_past_the_documents_zero
         assert (a[n:] == 0).all(), "rows past the last document have gradients"
     r64 = [x[:n].detach().double().requires_grad_() for x in (q, k, v)]
     _, _, want = varlen_reference(*r64, offs, offs, seg, dil, do[:n].double(), causal=causal, softmax_scale=0.25)
+    for a, b in zip(grads, want, strict=True):
+        assert (a[:n].double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_unchecked_offsets_split_between_host_and_device_descriptors(monkeypatch, switch_on, causal):
+    """``HOST_DESCRIPTORS_UNCHECKED``: offsets not checked that stop short of the stream (NaN and inf
+    in the rows past them). Each branch whose r divides the rows launches the host-descriptor
+    kernels for the programs whose reads stay below ``limit_row`` (PART 1) and the
+    device-descriptor ones for the others (PART 2), forward and backward; here both parts have
+    programs. The documents match the float64 reference and see no NaN (the emulated
+    host-descriptor kernels read past a block's end as TMA does, so a program on the wrong side
+    would spread it); the rows past them read 0."""
+    from dilated_attention.kernels import direct_launch
+    from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
+
+    fwd, bwd = _EmulatedVarlenKernel(), _EmulatedVarlenBwd()
+    mod = fwd.module(dkdv_varlen_kernel=bwd.dkdv_varlen_kernel, dq_varlen_kernel=bwd.dq_varlen_kernel,
+                     dkdv_varlen_hd_kernel=bwd.dkdv_varlen_hd_kernel, dq_varlen_hd_kernel=bwd.dq_varlen_hd_kernel,
+                     BK=bwd.BK)  # fmt: skip
+    monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: mod)
+    monkeypatch.setattr(gluon_varlen, "problem", lambda q, k, v, c, br, same, *a, **kw: None if same else "not same")
+    monkeypatch.setattr(gluon_varlen, "backward_problem", lambda q, k, v, c, br, same, *a, **kw: None if same else "x")
+    monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", True)
+    lens, seg, dil, h, hkv = [60, 0, 90, 1, 120], [16, 32], [1, 2], 4, 2
+    offs = _offsets(lens)
+    n, total = offs[-1], offs[-1] + 29  # 300 rows: r = 1 and 2 divide them
+    g = torch.Generator().manual_seed(17)
+    q, do = (torch.randn(total, h, 16, generator=g).to(torch.float16) for _ in range(2))
+    k, v = (torch.randn(total, hkv, 16, generator=g).to(torch.float16) for _ in range(2))
+    for x, bad in ((q, float("nan")), (k, float("-inf")), (v, float("nan")), (do, float("inf"))):
+        x[n:] = bad
+    cu = torch.tensor(offs, dtype=torch.int32)
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = dilated_attention_triton_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal, scale=0.25,
+                                          head_assignment="all", offsets_checked=False)[0]  # fmt: skip
+    grads = torch.autograd.grad(out, xs, do)
+    assert fwd.ran[(True, 1)] and fwd.ran[(False, 2)] and not fwd.ran[(True, 0)] and not fwd.ran[(False, 0)]
+    for kn in ("dkdv", "dq"):
+        assert bwd.ran[(kn, True, 1)] and bwd.ran[(kn, False, 2)], (kn, bwd.ran)
+    assert sorted(bwd.parts) == sorted((kn, r, p) for kn in ("dkdv", "dq") for r in dil for p in (1, 2))
+    assert (out[n:] == 0).all() and all((a[n:] == 0).all() for a in grads)
+    r64 = [x[:n].detach().double().requires_grad_() for x in (q, k, v)]
+    want_out, _, want = varlen_reference(*r64, offs, offs, seg, dil, do[:n].double(), causal=causal,
+                                         softmax_scale=0.25)  # fmt: skip
+    assert (out[:n].double() - want_out).abs().max().item() < 2e-2
     for a, b in zip(grads, want, strict=True):
         assert (a[:n].double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item())
 
@@ -843,14 +930,18 @@ def _lognormal(total: int, mean: float, seed: int) -> list[int]:
     return lens
 
 
-def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device: str = "cuda") -> None:
+def _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, causal, lens, device: str = "cuda",
+                  host_offsets: bool = True) -> None:
     """The library's packed call with the Gluon varlen forward and backward where their switches
     (``gluon_varlen.VARLEN_FORWARD``, ``VARLEN_BACKWARD``) are on, against the float64 reference per
     document, forward and backward, each error <= 2x the Triton varlen path's (both switches
     off) + 1e-3; the Gluon paths ran; their bits repeatable. (``device`` "cpu": the CPU
-    smoke test of this helper, with the kernel emulated.)"""
+    smoke test of this helper, with the kernel emulated.) ``host_offsets``: the offsets as a CPU
+    tensor (checked on the host: the host-descriptor kernels where r divides the rows), else on
+    ``device`` (not checked: the device-descriptor kernels, or the split of
+    ``HOST_DESCRIPTORS_UNCHECKED``)."""
     offs = _offsets(lens)
-    cu = torch.tensor(offs, dtype=torch.int32, device=device)
+    cu = torch.tensor(offs, dtype=torch.int32, device="cpu" if host_offsets else device)
     g = torch.Generator(device=device).manual_seed(sum(lens) + d)
     q = torch.randn(offs[-1], h, d, device=device, generator=g).to(dtype)
     k = torch.randn(offs[-1], hkv, d, device=device, generator=g).to(dtype)
@@ -923,7 +1014,8 @@ def test_gluon_varlen_forward_random_cases(monkeypatch, switch_on, seed):
     """Random packed configurations (seeded): dtype, headdim, heads (MQA, GQA, MHA, r > heads),
     1-4 branches with w from 2 to 2048 (w % r != 0 often, w past every document sometimes), r
     from 1 to 9 (r = 1 first or not), lengths lognormal around 50-800 tokens with empty and
-    one-token documents, 300-4000 tokens in all."""
+    one-token documents, 300-4000 tokens in all; offsets on the host (checked) for even seeds, on the
+    device (not checked) for odd ones."""
     import random
 
     rng = random.Random(1000 + seed)
@@ -940,7 +1032,7 @@ def test_gluon_varlen_forward_random_cases(monkeypatch, switch_on, seed):
     if rng.random() < 0.5:
         dil[0] = 1
     lens = _lognormal(rng.randint(300, 4000), rng.choice([50.0, 200.0, 800.0]), seed=seed)
-    _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, rng.random() < 0.5, lens)
+    _check_on_gpu(monkeypatch, dtype, d, h, hkv, seg, dil, rng.random() < 0.5, lens, host_offsets=seed % 2 == 0)
 
 
 @needs_gluon
@@ -982,11 +1074,15 @@ def test_gluon_varlen_training_call_does_not_synchronise(monkeypatch, switch_on,
 @needs_gluon
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_varlen_rows_past_the_documents_stay_out(monkeypatch, switch_on, causal):
+@pytest.mark.parametrize("split", [False, True], ids=["device-desc", "split"])
+def test_gluon_varlen_rows_past_the_documents_stay_out(monkeypatch, switch_on, causal, split):
     """Device offsets (not checked) that stop short of the stream, whose rows past the last document
     hold NaN and inf: the Gluon varlen kernels run (on device-made descriptors, which end at each
-    block: ``gluon_varlen.host_descriptors``), the documents' results and gradients match the
-    float64 reference, and the rows past them read as out 0 and zero gradients."""
+    block: ``gluon_varlen.host_descriptors``; ``split``: with ``HOST_DESCRIPTORS_UNCHECKED``, the
+    host-descriptor kernels for the programs that read below ``limit_row``, 1800 rows divided by
+    every r), the documents' results and gradients match the float64 reference, and the rows past
+    them read as out 0 and zero gradients."""
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", split)
     lens = _lognormal(1500, 300.0, seed=3)
     offs = _offsets(lens)
     n, total = offs[-1], offs[-1] + 300

@@ -42,7 +42,10 @@ in the kernels (``gluon_varlen_kernel``). Same bits as the device-descriptor ker
 time on the issue's batch and 0.78x / 0.77x on 512-token documents; bench_varlen 1.09x / 1.06x one
 sequence per useful FLOP (results/varlen_h200_2026-11-29_s30.md). The gates were measured again over
 host descriptors (the constants below); the calls with a branch on device descriptors keep the
-twenty-ninth session's (``DEVICE_DESC_*``).
+twenty-ninth session's (``DEVICE_DESC_*``). Calls whose offsets were not checked on the host keep the
+device descriptors (rows past the last document may hold anything), unless
+:data:`HOST_DESCRIPTORS_UNCHECKED` (off, not yet run on a GPU) splits their launches at
+:func:`limit_row`.
 """
 
 from __future__ import annotations
@@ -86,6 +89,12 @@ PROGRAM_ROWS = 128  # gluon_varlen_kernel.PROGRAM_ROWS (tests/test_gluon_fwd.py 
 # (each backward kernel) made by every program on the device at ~0.66 us apiece
 # (results/tma_desc_cost_h200_2026-11-29.md); False: the device-made descriptors everywhere
 HOST_DESCRIPTORS = True
+# the same for calls whose offsets were not checked on the host (rows past the last document may hold
+# anything, NaN included, which the host-descriptor kernels would read past a block's end): each branch
+# then launches the host-descriptor kernel for the programs whose reads stay below the stream's first
+# row of no document (``PART`` 1, :func:`limit_row`) and the device-descriptor one for the others
+# (``PART`` 2). Off: written 2026-11-29 (thirtieth session) after the last GPU call, CPU-tested only
+HOST_DESCRIPTORS_UNCHECKED = False
 
 _module = None
 _import_error: str | None = None
@@ -164,8 +173,20 @@ def host_descriptors(total: int, r: int, covered: bool) -> bool:
     stream lies in a document (offsets checked on the host). The kernels read rows past a block's
     end and mask them, which holds for finite values only: rows past the last document, which
     unchecked offsets may leave, may hold anything (the Triton path never reads them), so those
-    calls keep the device-made descriptors, which end at each block."""
-    return HOST_DESCRIPTORS and covered and total % r == 0
+    calls keep the device-made descriptors, which end at each block, or with
+    :data:`HOST_DESCRIPTORS_UNCHECKED` split each launch at :func:`limit_row`."""
+    return HOST_DESCRIPTORS and total % r == 0 and (covered or HOST_DESCRIPTORS_UNCHECKED)
+
+
+def limit_row(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """int32 (1,) on ``cu``'s device, no host read: the stream's first row past the last document
+    (the last offset, clamped to [0, total] as :func:`device_entries` clamps), or 2^31 - 1 where
+    that is the stream's end (rows past it are TMA zeros). Every row from a block's first row up
+    to it lies in some document whatever the offsets (consecutive entries chain from cu[i] to
+    cu[-1]), so a program whose reads stay below it reads documents' rows only (the kernels'
+    ``PART`` 1; ``PART`` 2: the others)."""
+    end = cu[-1:].to(torch.int64).clamp(0, total)
+    return torch.where(end < total, end, 2**31 - 1).to(torch.int32)
 
 
 def grid(max_len: int, ndocs: int, total: int, w: int, r: int, nh: int) -> tuple[int, int, int]:
@@ -312,30 +333,36 @@ def forward(
     last = len(branches) - 1
     tables = device_entries_all(cu, [w for w, _, _, _ in branches], total)
     bd = gluon_fwd.block_desc
+    split = not covered and any(host_descriptors(total, r, covered) for _, r, _, _ in branches)
+    lim = limit_row(cu, total) if split else None
     with _Scratch(q.device):
         for bi, (w, r, _, _) in enumerate(branches):
             g = grid(max_len, ndocs, total, w, r, nh)
             if 0 in g:  # max_len 0 (no document has a row): nothing to launch, the fills stand
                 continue
             p0, ws = tables[bi]
-            if host_descriptors(total, r, covered):
+            hd = host_descriptors(total, r, covered)
+            # PART: 0 every program; unchecked offsets over host descriptors: 1 (the host-descriptor
+            # kernel) the programs that read below limit_row, 2 (the device-descriptor one) the others
+            if hd:
                 wgm = mod.F.WG_M
                 od = bd(out[None], total, r, wgm)
                 gluon_fwd.launch(mod.gluon_fwd_varlen_hd_kernel, g, (
                     bd(q, total, r, wgm), bd(k, total, r, gluon_fwd.KV_BN), bd(v, total, r, gluon_fwd.KV_BN), od,
-                    bd(lo[None], total, r, wgm) if several else od, out, lo, lse, p0, ws, scale * LOG2E, total,
-                    q3.stride(0), r, nh, nkv), dict(BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d),
-                    CAUSAL=bool(causal), FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
-                    CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS, num_warps=4,
-                    maxnreg=gluon_fwd.MAXNREG),
+                    bd(lo[None], total, r, wgm) if several else od, out, lo, lse, p0, ws, p0 if lim is None else lim,
+                    scale * LOG2E, total, q3.stride(0), r, nh, nkv), dict(BN=gluon_fwd.KV_BN, D=d,
+                    STAGES=gluon_fwd.stages(d), CAUSAL=bool(causal), FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
+                    PART=0 if covered else 1, CONSUMER_REGS=gluon_fwd.CONSUMER_REGS,
+                    LOADER_REGS=gluon_fwd.LOADER_REGS, num_warps=4, maxnreg=gluon_fwd.MAXNREG),
                 )  # fmt: skip
-                continue
+                if covered:
+                    continue
             kern[g](
-                q3, k3, v3, out, lo, lse, p0, ws, scale * LOG2E, total, q3.stride(0), k3.stride(0), r, nh, nkv,
-                q_layout=q_layout, kv_layout=kv_layout, BN=gluon_fwd.KV_BN, D=d, STAGES=gluon_fwd.stages(d),
-                CAUSAL=bool(causal), FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
-                CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS, num_warps=4,
-                maxnreg=gluon_fwd.MAXNREG,
+                q3, k3, v3, out, lo, lse, p0, ws, p0 if lim is None else lim, scale * LOG2E, total, q3.stride(0),
+                k3.stride(0), r, nh, nkv, q_layout=q_layout, kv_layout=kv_layout, BN=gluon_fwd.KV_BN, D=d,
+                STAGES=gluon_fwd.stages(d), CAUSAL=bool(causal), FIRST=bi == 0, COMP=several, STORE_LO=bi < last,
+                PART=2 if hd else 0, CONSUMER_REGS=gluon_fwd.CONSUMER_REGS, LOADER_REGS=gluon_fwd.LOADER_REGS,
+                num_warps=4, maxnreg=gluon_fwd.MAXNREG,
             )  # fmt: skip
     return out[None], lse[None]
 
@@ -462,6 +489,8 @@ def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches
     # each branch's entry table once, for both phases (int32 pairs: small)
     tables = [None if 0 in grid(max_len, ndocs, total, w, r, nh) else tab for (w, r, _, _), tab in
               zip(branches, device_entries_all(cu, [w for w, _, _, _ in branches], total), strict=True)]  # fmt: skip
+    split = not covered and any(host_descriptors(total, r, covered) for _, r, _, _ in branches)
+    lim = limit_row(cu, total) if split else None
 
     def run(dq, dk, dv, kernels):
         with _Scratch(q.device):
@@ -478,49 +507,54 @@ def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches
                     lse2 = prep_rows(lse_h, p0, ws, r, lp, float("inf"), LOG2E)
                     delta2 = prep_rows(delta_h, p0, ws, r, lp, 0.0)
                 ni = min(rep, r)
-                if host_descriptors(total, r, covered):
-                    _launch_hd(mod, kernels, q, k, v, dout, dq, dk, dv, lse2, delta2, p0, ws, total, r, ne, nb, ni,
-                               lp, scale, add, bool(causal))  # fmt: skip
-                    del lse2, delta2
-                    continue
+                hd = host_descriptors(total, r, covered)
+                limit = p0 if lim is None else lim
+                if hd:  # PART as in forward()
+                    _launch_hd(mod, kernels, q, k, v, dout, dq, dk, dv, lse2, delta2, p0, ws, limit, total, r, ne,
+                               nb, ni, lp, scale, add, bool(causal), 0 if covered else 1)  # fmt: skip
+                    if covered:
+                        del lse2, delta2
+                        continue
+                part = 2 if hd else 0
                 if "dkdv" in kernels:
                     mod.dkdv_varlen_kernel[(nb * ne, nkv * ni)](
                         q3, do3, k3, v3, gluon_bwd._row_desc(lse2, bk.BMQ), gluon_bwd._row_desc(delta2, bk.BMQ),
-                        dk[0], dv[0], p0, ws, scale * LOG2E, scale, ne, nb, r, nh, nkv, rep, ni, lp, q3.stride(0),
-                        k3.stride(0), q_layout=lay(bk.BMQ), kv_layout=lay(bk.WG_M), BMQ=bk.BMQ,
-                        STAGES=gluon_bwd.kv_stages(d), ADD=add, **common)  # fmt: skip
+                        dk[0], dv[0], p0, ws, limit, scale * LOG2E, scale, ne, nb, r, nh, nkv, rep, ni, lp,
+                        q3.stride(0), k3.stride(0), q_layout=lay(bk.BMQ), kv_layout=lay(bk.WG_M), BMQ=bk.BMQ,
+                        STAGES=gluon_bwd.kv_stages(d), ADD=add, PART=part, **common)  # fmt: skip
                 if "dq" in kernels:
                     mod.dq_varlen_kernel[(nb * ne, nh)](
-                        q3, do3, k3, v3, dq[0], lse2, delta2, p0, ws, scale * LOG2E, scale, ne, nb, r, nh, nkv, lp,
-                        q3.stride(0), k3.stride(0), q_layout=lay(bk.WG_M), kv_layout=lay(bn), BN=bn,
-                        STAGES=gluon_bwd.DQ_STAGES, ADD=add, **common)  # fmt: skip
+                        q3, do3, k3, v3, dq[0], lse2, delta2, p0, ws, limit, scale * LOG2E, scale, ne, nb, r, nh, nkv,
+                        lp, q3.stride(0), k3.stride(0), q_layout=lay(bk.WG_M), kv_layout=lay(bn), BN=bn,
+                        STAGES=gluon_bwd.DQ_STAGES, ADD=add, PART=part, **common)  # fmt: skip
                 del lse2, delta2  # one branch's rows alive at a time (the gate's budget counts one)
 
     return gluon_bwd.accumulate(q, k, v, store_first, run)
 
 
 
-def _launch_hd(mod, kernels, q, k, v, dout, dq, dk, dv, lse2, delta2, p0, ws, total: int, r: int, ne: int, nb: int,
-               ni: int, lp: int, scale: float, add: bool, causal: bool) -> None:  # fmt: skip
+def _launch_hd(mod, kernels, q, k, v, dout, dq, dk, dv, lse2, delta2, p0, ws, limit, total: int, r: int, ne: int,
+               nb: int, ni: int, lp: int, scale: float, add: bool, causal: bool, part: int) -> None:  # fmt: skip
     """The backward's launches of one branch over host descriptors (:func:`host_descriptors`):
     ``dkdv_varlen_hd_kernel`` and / or ``dq_varlen_hd_kernel`` (``kernels``), inputs (1, total,
-    heads, D), accumulators float32 of the same shapes."""
+    heads, D), accumulators float32 of the same shapes; ``part`` / ``limit``: the kernels' PART
+    and LIMIT (:func:`limit_row`)."""
     from . import gluon_bwd
 
     bk = mod.BK
     bd = gluon_fwd.block_desc
     d, nh, nkv = q.shape[3], q.shape[2], k.shape[2]
-    common = dict(D=d, CAUSAL=causal, ADD=add, CONSUMER_REGS=gluon_bwd.CONSUMER_REGS,
+    common = dict(D=d, CAUSAL=causal, ADD=add, PART=part, CONSUMER_REGS=gluon_bwd.CONSUMER_REGS,
                   LOADER_REGS=gluon_bwd.LOADER_REGS, num_warps=4, maxnreg=gluon_bwd.MAXNREG)  # fmt: skip
     if "dkdv" in kernels:
         gluon_fwd.launch(mod.dkdv_varlen_hd_kernel, (nb * ne, nkv * ni), (
             bd(q, total, r, bk.BMQ), bd(dout, total, r, bk.BMQ), bd(k, total, r, bk.WG_M), bd(v, total, r, bk.WG_M),
-            gluon_bwd._row_desc(lse2, bk.BMQ), gluon_bwd._row_desc(delta2, bk.BMQ), dk[0], dv[0], p0, ws,
+            gluon_bwd._row_desc(lse2, bk.BMQ), gluon_bwd._row_desc(delta2, bk.BMQ), dk[0], dv[0], p0, ws, limit,
             scale * LOG2E, scale, ne, nb, r, nh, nkv, nh // nkv, ni, lp),
             dict(BMQ=bk.BMQ, STAGES=gluon_bwd.kv_stages(d), **common))  # fmt: skip
     if "dq" in kernels:
         bn = gluon_bwd.dq_bn(d)
         gluon_fwd.launch(mod.dq_varlen_hd_kernel, (nb * ne, nh), (
             bd(q, total, r, bk.WG_M), bd(dout, total, r, bk.WG_M), bd(k, total, r, bn), bd(v, total, r, bn), dq[0],
-            lse2, delta2, p0, ws, scale * LOG2E, scale, ne, nb, r, nh, nkv, lp),
+            lse2, delta2, p0, ws, limit, scale * LOG2E, scale, ne, nb, r, nh, nkv, lp),
             dict(BN=bn, STAGES=gluon_bwd.DQ_STAGES, **common))  # fmt: skip

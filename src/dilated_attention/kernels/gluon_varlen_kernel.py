@@ -45,11 +45,32 @@ _WGM = gl.constexpr(F.WG_M)
 
 
 @gluon.jit
-def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL, SNQ, SNK, R, H, HKV,
+def _key_tiles(L, q_row0, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    # the key tiles of BN rows a query tile from q_row0 reads (causal: up to its last row)
+    n = gl.cdiv(L, BN)
+    if CAUSAL:
+        n = gl.minimum(n, gl.cdiv(q_row0 + 2 * _WGM, BN))
+    return n
+
+
+@gluon.jit
+def _runs(has_rows, LIMIT, pos0, R, reach, PART: gl.constexpr):
+    # whether this program runs: it has rows and, PART 1 / 2, the last stream row it reads (block
+    # row ``reach``: pos0 + R reach) lies below / at or past the int64 *LIMIT (the first row of
+    # no document where the offsets stop short of the stream; see gluon_varlen.forward)
+    if PART == 1:
+        has_rows = has_rows & (pos0.to(gl.int64) + R * reach < gl.load(LIMIT))
+    if PART == 2:
+        has_rows = has_rows & (pos0.to(gl.int64) + R * reach >= gl.load(LIMIT))
+    return has_rows
+
+
+@gluon.jit
+def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, LIMIT, qk_scale, TOTAL, SNQ, SNK, R, H, HKV,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
                             D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             FIRST: gl.constexpr, COMP: gl.constexpr, STORE_LO: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+                            PART: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
     """One program per (query tile of 128 rows, entry e, head h): the block of head h in
     entry e's segment (rows ENT_P0[e] + c + R t, c = h % R, t < L, the segment ENT_W[e]
     rows long) through the library's partitions with descriptors made here (coordinates 0
@@ -64,7 +85,8 @@ def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL,
     ws = gl.load(ENT_W + e)
     L = gl.maximum((ws - c + R - 1) // R, 0)
     q_row0 = pid_m * (2 * _WGM)
-    if q_row0 < L:
+    reach = gl.maximum(q_row0 + 2 * _WGM, _key_tiles(L, q_row0, BN, CAUSAL) * BN) - 1
+    if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         row = (p0 + c).to(gl.int64)
         rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
         rk = SNK.to(gl.int64) * R
@@ -94,10 +116,10 @@ def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, qk_scale, TOTAL,
 
 
 @gluon.jit
-def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, qk_scale, sm_scale, NE, NNB,
+def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, LIMIT, qk_scale, sm_scale, NE, NNB,
                        R, H, HKV, REP, NI, LP, SNQ, SNK, q_layout: gl.constexpr, kv_layout: gl.constexpr,
                        BMQ: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       ADD: gl.constexpr, PART: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        LOADER_REGS: gl.constexpr):  # fmt: skip
     """``gluon_bwd_kernel.dkdv_kernel`` over entries: one program per (key tile of 128 rows,
     entry e) x (kv head g, residue slot i0); its K / V descriptors start at the block's first
@@ -117,7 +139,8 @@ def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, qk_s
     ws = gl.load(ENT_W + e)
     L = gl.maximum((ws - c + R - 1) // R, 0)
     n_lo = pid_n * (2 * _WGM)
-    if n_lo < L:
+    reach = gl.maximum(n_lo + 2 * _WGM, gl.cdiv(L, BMQ) * BMQ) - 1
+    if _runs(n_lo < L, LIMIT, p0 + c, R, reach, PART):
         row = (p0 + c).to(gl.int64)
         rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
         rk = SNK.to(gl.int64) * R
@@ -145,10 +168,10 @@ def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, qk_s
                          sm_scale, 0, BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
 
 @gluon.jit
-def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_scale, NE, NMB, R, H, HKV,
+def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, LIMIT, qk_scale, sm_scale, NE, NMB, R, H, HKV,
                      LP, SNQ, SNK, q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
                      D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+                     PART: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
     """``gluon_bwd_kernel.dq_kernel`` over entries: one program per (query tile of 128 rows,
     entry e) x head h; descriptors at the block's first row; dQ rows p0 + c + R t (blk = p0,
     W = 1); lse / delta rows block-major [H, NE, LP]."""
@@ -162,7 +185,8 @@ def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_s
     ws = gl.load(ENT_W + e)
     L = gl.maximum((ws - c + R - 1) // R, 0)
     q_row0 = pid_m * (2 * _WGM)
-    if q_row0 < L:
+    reach = gl.maximum(q_row0 + 2 * _WGM, _key_tiles(L, q_row0, BN, CAUSAL) * BN) - 1
+    if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         row = (p0 + c).to(gl.int64)
         rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
         rk = SNK.to(gl.int64) * R
@@ -203,10 +227,10 @@ def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_s
 
 
 @gluon.jit
-def gluon_fwd_varlen_hd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, O, LO, LSE, ENT_P0, ENT_W, qk_scale,
+def gluon_fwd_varlen_hd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, O, LO, LSE, ENT_P0, ENT_W, LIMIT, qk_scale,
                                TOTAL, SNQ, R, H, HKV, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                                CAUSAL: gl.constexpr, FIRST: gl.constexpr, COMP: gl.constexpr,
-                               STORE_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               STORE_LO: gl.constexpr, PART: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                LOADER_REGS: gl.constexpr):  # fmt: skip
     """:func:`gluon_fwd_varlen_kernel` over host descriptors (see above): q / out / lo descriptors
     of box [1, 64, 1, D], k / v of [1, BN, 1, D]; O and LO the tensors behind out's and lo's for
@@ -220,7 +244,8 @@ def gluon_fwd_varlen_hd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, O, LO, L
     ws = gl.load(ENT_W + e)
     L = gl.maximum((ws - c + R - 1) // R, 0)
     q_row0 = pid_m * (2 * _WGM)
-    if q_row0 < L:
+    reach = gl.maximum(q_row0 + 2 * _WGM, _key_tiles(L, q_row0, BN, CAUSAL) * BN) - 1
+    if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         pos0 = p0 + c
         b = pos0 % R
         n_kv = gl.cdiv(L, BN)
@@ -237,10 +262,10 @@ def gluon_fwd_varlen_hd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, O, LO, L
 
 
 @gluon.jit
-def dkdv_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, qk_scale,
+def dkdv_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, LIMIT, qk_scale,
                           sm_scale, NE, NNB, R, H, HKV, REP, NI, LP, BMQ: gl.constexpr, D: gl.constexpr,
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+                          PART: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
     """:func:`dkdv_varlen_kernel` over host descriptors (see above): the loader at block 0, the
     block's residue b as its column class (q / dO column b * H + h, k / v b * HKV + g) and
     first row a0; dK / dV rows p0 + c + R t as there."""
@@ -257,7 +282,8 @@ def dkdv_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, 
     ws = gl.load(ENT_W + e)
     L = gl.maximum((ws - c + R - 1) // R, 0)
     n_lo = pid_n * (2 * _WGM)
-    if n_lo < L:
+    reach = gl.maximum(n_lo + 2 * _WGM, gl.cdiv(L, BMQ) * BMQ) - 1
+    if _runs(n_lo < L, LIMIT, p0 + c, R, reach, PART):
         pos0 = p0 + c
         b = pos0 % R
         n_qt_all = gl.cdiv(L, BMQ)
@@ -275,9 +301,9 @@ def dkdv_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, 
 
 
 @gluon.jit
-def dq_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, ENT_P0, ENT_W, qk_scale, sm_scale, NE,
+def dq_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, ENT_P0, ENT_W, LIMIT, qk_scale, sm_scale, NE,
                         NMB, R, H, HKV, LP, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        CAUSAL: gl.constexpr, ADD: gl.constexpr, PART: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         LOADER_REGS: gl.constexpr):  # fmt: skip
     """:func:`dq_varlen_kernel` over host descriptors (see above); not causal, the last key
     tile of a block is masked (keys t >= L), as the causal diagonal is."""
@@ -291,7 +317,8 @@ def dq_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, ENT_P0
     ws = gl.load(ENT_W + e)
     L = gl.maximum((ws - c + R - 1) // R, 0)
     q_row0 = pid_m * (2 * _WGM)
-    if q_row0 < L:
+    reach = gl.maximum(q_row0 + 2 * _WGM, _key_tiles(L, q_row0, BN, CAUSAL) * BN) - 1
+    if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         pos0 = p0 + c
         b = pos0 % R
         lrow = (h.to(gl.int64) * NE + e) * LP
