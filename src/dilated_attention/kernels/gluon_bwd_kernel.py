@@ -231,6 +231,17 @@ def dkdv_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, qk_sca
     n_lo = pid_n * (2 * _WGM)
     blk = b * NSEG + s
     kv_col = c * HKV + g
+    m_first, n_qt, n_diag = query_tiles(L, n_lo, BMQ, CAUSAL)
+
+    _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk, blk, n_lo, kv_col, c, c, g,
+                  h_start, nhl, m_first, n_qt, n_diag, b, s, L, W, R, H, HKV, NSEG, LP, qk_scale, sm_scale, 0,
+                  BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+
+@gluon.jit
+def query_tiles(L, n_lo, BMQ: gl.constexpr, CAUSAL: gl.constexpr):
+    """(m_first, n_qt, n_diag) of a dK/dV program from key row n_lo of a block of L rows: its
+    query tiles of BMQ rows from m_first (causal: the key tile's first row), n_qt of them, the
+    first n_diag straddling the causal diagonal (masked)."""
     n_qt_all = gl.cdiv(L, BMQ)
     if CAUSAL:
         m_first = n_lo
@@ -240,10 +251,8 @@ def dkdv_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, qk_sca
         m_first = n_lo * 0
         n_qt = n_qt_all
         n_diag = n_qt * 0
+    return m_first, n_qt, n_diag
 
-    _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk, blk, n_lo, kv_col, c, c, g,
-                  h_start, nhl, m_first, n_qt, n_diag, b, s, L, W, R, H, HKV, NSEG, LP, qk_scale, sm_scale, 0,
-                  BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
 
 @gluon.jit
 def _dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, blk, ld_blk, n_lo, kv_col, c,
@@ -449,17 +458,30 @@ def dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, qk_scale, sm_sca
     q_col = c * H + h
     kv_col = c * HKV + hk
     lrow = ((b * H + h) * NSEG + s).to(gl.int64) * LP
+    n_tiles, n_full = dq_key_tiles(L, q_row0, BN, CAUSAL, False)
+
+    _dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, blk, blk, q_row0, q_col, kv_col, c, h,
+                n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, 0, BN, D, STAGES, CAUSAL, ADD, CONSUMER_REGS,
+                LOADER_REGS)  # fmt: skip
+
+@gluon.jit
+def dq_key_tiles(L, q_row0, BN: gl.constexpr, CAUSAL: gl.constexpr, MASK_TAIL: gl.constexpr):
+    """(n_tiles, n_full) of a dQ program from query row q_row0 of a block of L rows: its key tiles
+    of BN rows (causal: up to its last row); those from n_full on are masked (causal: from its
+    first row on; else, ``MASK_TAIL``, the last when it has keys t >= L, which host descriptors
+    read from the stream; without it TMA zero-fills them and no tile is masked)."""
     n_kv = gl.cdiv(L, BN)
     if CAUSAL:
         n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
         n_full = gl.minimum(q_row0 // BN, n_tiles)
     else:
         n_tiles = n_kv
-        n_full = n_kv
+        if MASK_TAIL:
+            n_full = L // BN
+        else:
+            n_full = n_kv
+    return n_tiles, n_full
 
-    _dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, blk, blk, q_row0, q_col, kv_col, c, h,
-                n_tiles, n_full, L, W, R, H, qk_scale, sm_scale, 0, BN, D, STAGES, CAUSAL, ADD, CONSUMER_REGS,
-                LOADER_REGS)  # fmt: skip
 
 @gluon.jit
 def _dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, blk, ld_blk, q_row0, q_col, kv_col, c,

@@ -362,15 +362,7 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, qk_scale, N, 
     q_blk = b * NSEG + seg
     q_col = c * H + h
     kv_col = c * HKV + hk
-    # key tiles: all of the block, or (causal) up to the program's last row; the tiles
-    # from n_full on need a mask (keys >= L or above the diagonal)
-    n_kv = gl.cdiv(L, BN)
-    if CAUSAL:
-        n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-        n_full = gl.minimum(q_row0 // BN, L // BN)
-    else:
-        n_tiles = n_kv
-        n_full = L // BN
+    n_tiles, n_full = key_tiles(L, q_row0, BN, CAUSAL)
     # the lo buffer holds LO_NSEG segments per batch entry, from segment LO_S0 on
     lo_blk = b * LO_NSEG + seg - LO_S0
     lse_base = (b.to(gl.int64) * H + h) * N
@@ -379,6 +371,21 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, qk_scale, N, 
     _program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, pos0, q_blk, lo_blk, q_col, kv_col,
              q_row0, n_tiles, n_full, L, R, qk_scale, 0, LSE, LSE, 0, BN, D, STAGES, CAUSAL, FIRST, COMP,
              STORE_LO, False, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
+
+
+@gluon.jit
+def key_tiles(L, q_row0, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_tiles, n_full) of a program from query row q_row0 of a block of L rows: its key tiles
+    of BN rows, all of the block or (causal) up to its last row; those from n_full on need a
+    mask (keys >= L or above the diagonal)."""
+    n_kv = gl.cdiv(L, BN)
+    if CAUSAL:
+        n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
+        n_full = gl.minimum(q_row0 // BN, L // BN)
+    else:
+        n_tiles = n_kv
+        n_full = L // BN
+    return n_tiles, n_full
 
 
 @gluon.jit

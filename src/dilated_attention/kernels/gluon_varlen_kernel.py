@@ -45,19 +45,33 @@ _WGM = gl.constexpr(F.WG_M)
 
 
 @gluon.jit
-def _key_tiles(L, q_row0, BN: gl.constexpr, CAUSAL: gl.constexpr):
-    # the key tiles of BN rows a query tile from q_row0 reads (causal: up to its last row)
-    n = gl.cdiv(L, BN)
-    if CAUSAL:
-        n = gl.minimum(n, gl.cdiv(q_row0 + 2 * _WGM, BN))
-    return n
+def _block(ENT_P0, ENT_W, e, c, R):
+    # entry e's first row p0 and the rows L of its block of offset c
+    p0 = gl.load(ENT_P0 + e)
+    ws = gl.load(ENT_W + e)
+    return p0, gl.maximum((ws - c + R - 1) // R, 0)
+
+
+@gluon.jit
+def _kv_slot(pid_x, NI, REP, R):
+    # a dK/dV program's kv head g, first query head h_start (slot pid_x % NI of g's), its residue c
+    # and the count of g's query heads with that residue
+    g = pid_x // NI
+    h_start = g * REP + pid_x % NI
+    c = h_start % R
+    return g, h_start, c, ((g + 1) * REP - h_start + R - 1) // R
+
+
+# The kernels below take a program's tile counts from the one-sequence kernels' helpers
+# (``gluon_fwd_kernel.key_tiles``, ``gluon_bwd_kernel.dq_key_tiles`` / ``query_tiles``): once for the
+# last row the program reads (``reach``, :func:`_runs`) and again where the program body needs them;
+# the compiler folds the two (the same SASS, byte for byte, as the inline form they replaced).
 
 
 @gluon.jit
 def _runs(has_rows, LIMIT, pos0, R, reach, PART: gl.constexpr):
     # whether this program runs: it has rows and, PART 1 / 2, the last stream row it reads (block
-    # row ``reach``: pos0 + R reach) lies below / at or past the int64 *LIMIT (the first row of
-    # no document where the offsets stop short of the stream; see gluon_varlen.forward)
+    # row ``reach``: pos0 + R reach) lies below / at or past *LIMIT (int32: gluon_varlen.limit_row)
     if PART == 1:
         has_rows = has_rows & (pos0.to(gl.int64) + R * reach < gl.load(LIMIT))
     if PART == 2:
@@ -81,11 +95,9 @@ def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, LIMIT, qk_scale,
     h = gl.program_id(2)
     c = h % R
     hk = h // (H // HKV)
-    p0 = gl.load(ENT_P0 + e)
-    ws = gl.load(ENT_W + e)
-    L = gl.maximum((ws - c + R - 1) // R, 0)
+    p0, L = _block(ENT_P0, ENT_W, e, c, R)
     q_row0 = pid_m * (2 * _WGM)
-    reach = gl.maximum(q_row0 + 2 * _WGM, _key_tiles(L, q_row0, BN, CAUSAL) * BN) - 1
+    reach = gl.maximum(q_row0 + 2 * _WGM, F.key_tiles(L, q_row0, BN, CAUSAL)[0] * BN) - 1
     if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         row = (p0 + c).to(gl.int64)
         rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
@@ -100,13 +112,7 @@ def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, LIMIT, qk_scale,
                                             [1, _WGM, 1, D], q_layout)  # fmt: skip
         lo_desc = tma.make_tensor_descriptor(LO + row * SNQ + h * D, [1, L, 1, D], [rq * L, rq, D, 1],
                                              [1, _WGM, 1, D], q_layout)  # fmt: skip
-        n_kv = gl.cdiv(L, BN)
-        if CAUSAL:
-            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-            n_full = gl.minimum(q_row0 // BN, L // BN)
-        else:
-            n_tiles = n_kv
-            n_full = L // BN
+        n_tiles, n_full = F.key_tiles(L, q_row0, BN, CAUSAL)
         lse_base = h.to(gl.int64) * TOTAL
         # the library's program body with the block, column and lo coordinates 0 (the
         # descriptors start at the block) and lse at pos0 + R t of row h
@@ -130,14 +136,8 @@ def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, LIMI
     pid_x = gl.program_id(1)
     pid_n = pid0 % NNB
     e = pid0 // NNB
-    g = pid_x // NI
-    i0 = pid_x % NI
-    h_start = g * REP + i0
-    c = h_start % R
-    nhl = ((g + 1) * REP - h_start + R - 1) // R
-    p0 = gl.load(ENT_P0 + e)
-    ws = gl.load(ENT_W + e)
-    L = gl.maximum((ws - c + R - 1) // R, 0)
+    g, h_start, c, nhl = _kv_slot(pid_x, NI, REP, R)
+    p0, L = _block(ENT_P0, ENT_W, e, c, R)
     n_lo = pid_n * (2 * _WGM)
     reach = gl.maximum(n_lo + 2 * _WGM, gl.cdiv(L, BMQ) * BMQ) - 1
     if _runs(n_lo < L, LIMIT, p0 + c, R, reach, PART):
@@ -152,15 +152,7 @@ def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, LIMI
                                             [1, _WGM, 1, D], kv_layout)  # fmt: skip
         v_desc = tma.make_tensor_descriptor(V + row * SNK + g * D, [1, L, 1, D], [rk * L, rk, D, 1],
                                             [1, _WGM, 1, D], kv_layout)  # fmt: skip
-        n_qt_all = gl.cdiv(L, BMQ)
-        if CAUSAL:
-            m_first = n_lo
-            n_qt = n_qt_all - n_lo // BMQ
-            n_diag = gl.minimum(n_qt, (2 * _WGM) // BMQ)
-        else:
-            m_first = n_lo * 0
-            n_qt = n_qt_all
-            n_diag = n_qt * 0
+        m_first, n_qt, n_diag = BK.query_tiles(L, n_lo, BMQ, CAUSAL)
         # the library's program body: dK / dV stored at rows p0 + c + R t (blk = p0, W = 1); the
         # loader at block 0, residue 0 of descriptors that start at the block, column = query head
         BK._dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, p0, 0, n_lo, 0, c, 0, g,
@@ -181,11 +173,9 @@ def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, LIMIT, qk_scal
     e = pid0 // NMB
     c = h % R
     hk = h // (H // HKV)
-    p0 = gl.load(ENT_P0 + e)
-    ws = gl.load(ENT_W + e)
-    L = gl.maximum((ws - c + R - 1) // R, 0)
+    p0, L = _block(ENT_P0, ENT_W, e, c, R)
     q_row0 = pid_m * (2 * _WGM)
-    reach = gl.maximum(q_row0 + 2 * _WGM, _key_tiles(L, q_row0, BN, CAUSAL) * BN) - 1
+    reach = gl.maximum(q_row0 + 2 * _WGM, BK.dq_key_tiles(L, q_row0, BN, CAUSAL, False)[0] * BN) - 1
     if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         row = (p0 + c).to(gl.int64)
         rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
@@ -199,13 +189,7 @@ def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, LIMIT, qk_scal
         v_desc = tma.make_tensor_descriptor(V + row * SNK + hk * D, [1, L, 1, D], [rk * L, rk, D, 1],
                                             [1, BN, 1, D], kv_layout)  # fmt: skip
         lrow = (h.to(gl.int64) * NE + e) * LP
-        n_kv = gl.cdiv(L, BN)
-        if CAUSAL:
-            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-            n_full = gl.minimum(q_row0 // BN, n_tiles)
-        else:
-            n_tiles = n_kv
-            n_full = n_kv
+        n_tiles, n_full = BK.dq_key_tiles(L, q_row0, BN, CAUSAL, False)
         # the library's program body: dQ rows p0 + c + R t (blk = p0, W = 1), the loader at block
         # 0 and columns 0 of descriptors that start at the block
         BK._dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, p0, 0, q_row0, 0, 0, c, h, n_tiles,
@@ -240,21 +224,13 @@ def gluon_fwd_varlen_hd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, O, LO, L
     h = gl.program_id(2)
     c = h % R
     hk = h // (H // HKV)
-    p0 = gl.load(ENT_P0 + e)
-    ws = gl.load(ENT_W + e)
-    L = gl.maximum((ws - c + R - 1) // R, 0)
+    p0, L = _block(ENT_P0, ENT_W, e, c, R)
     q_row0 = pid_m * (2 * _WGM)
-    reach = gl.maximum(q_row0 + 2 * _WGM, _key_tiles(L, q_row0, BN, CAUSAL) * BN) - 1
+    reach = gl.maximum(q_row0 + 2 * _WGM, F.key_tiles(L, q_row0, BN, CAUSAL)[0] * BN) - 1
     if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         pos0 = p0 + c
         b = pos0 % R
-        n_kv = gl.cdiv(L, BN)
-        if CAUSAL:
-            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-            n_full = gl.minimum(q_row0 // BN, L // BN)
-        else:
-            n_tiles = n_kv
-            n_full = L // BN
+        n_tiles, n_full = F.key_tiles(L, q_row0, BN, CAUSAL)
         lse_base = h.to(gl.int64) * TOTAL
         F._program(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, lse_base, pos0, 0, 0, b * H + h, b * HKV + hk,
                    q_row0, n_tiles, n_full, L, R, qk_scale, pos0 // R, O + h * D, LO + h * D, SNQ, BN, D, STAGES,
@@ -273,28 +249,14 @@ def dkdv_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, 
     pid_x = gl.program_id(1)
     pid_n = pid0 % NNB
     e = pid0 // NNB
-    g = pid_x // NI
-    i0 = pid_x % NI
-    h_start = g * REP + i0
-    c = h_start % R
-    nhl = ((g + 1) * REP - h_start + R - 1) // R
-    p0 = gl.load(ENT_P0 + e)
-    ws = gl.load(ENT_W + e)
-    L = gl.maximum((ws - c + R - 1) // R, 0)
+    g, h_start, c, nhl = _kv_slot(pid_x, NI, REP, R)
+    p0, L = _block(ENT_P0, ENT_W, e, c, R)
     n_lo = pid_n * (2 * _WGM)
     reach = gl.maximum(n_lo + 2 * _WGM, gl.cdiv(L, BMQ) * BMQ) - 1
     if _runs(n_lo < L, LIMIT, p0 + c, R, reach, PART):
         pos0 = p0 + c
         b = pos0 % R
-        n_qt_all = gl.cdiv(L, BMQ)
-        if CAUSAL:
-            m_first = n_lo
-            n_qt = n_qt_all - n_lo // BMQ
-            n_diag = gl.minimum(n_qt, (2 * _WGM) // BMQ)
-        else:
-            m_first = n_lo * 0
-            n_qt = n_qt_all
-            n_diag = n_qt * 0
+        m_first, n_qt, n_diag = BK.query_tiles(L, n_lo, BMQ, CAUSAL)
         BK._dkdv_program(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, p0, 0, n_lo, b * HKV + g, c, b,
                          g, h_start, nhl, m_first, n_qt, n_diag, 0, e, L, 1, R, H, HKV, NE, LP, qk_scale, sm_scale,
                          pos0 // R, BMQ, D, STAGES, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
@@ -313,22 +275,14 @@ def dq_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, ENT_P0
     e = pid0 // NMB
     c = h % R
     hk = h // (H // HKV)
-    p0 = gl.load(ENT_P0 + e)
-    ws = gl.load(ENT_W + e)
-    L = gl.maximum((ws - c + R - 1) // R, 0)
+    p0, L = _block(ENT_P0, ENT_W, e, c, R)
     q_row0 = pid_m * (2 * _WGM)
-    reach = gl.maximum(q_row0 + 2 * _WGM, _key_tiles(L, q_row0, BN, CAUSAL) * BN) - 1
+    reach = gl.maximum(q_row0 + 2 * _WGM, BK.dq_key_tiles(L, q_row0, BN, CAUSAL, True)[0] * BN) - 1
     if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         pos0 = p0 + c
         b = pos0 % R
         lrow = (h.to(gl.int64) * NE + e) * LP
-        n_kv = gl.cdiv(L, BN)
-        if CAUSAL:
-            n_tiles = gl.minimum(n_kv, gl.cdiv(q_row0 + 2 * _WGM, BN))
-            n_full = gl.minimum(q_row0 // BN, n_tiles)
-        else:
-            n_tiles = n_kv
-            n_full = L // BN
+        n_tiles, n_full = BK.dq_key_tiles(L, q_row0, BN, CAUSAL, True)
         BK._dq_program(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, lrow, p0, 0, q_row0, b * H + h,
                        b * HKV + hk, c, h, n_tiles, n_full, L, 1, R, H, qk_scale, sm_scale, pos0 // R, BN, D, STAGES,
                        CAUSAL, ADD, CONSUMER_REGS, LOADER_REGS)  # fmt: skip
