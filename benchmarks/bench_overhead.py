@@ -153,6 +153,9 @@ def e2e_rows(cfg, device, steps, warmup, compile_backend):
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 rows.append(row)
+                # as it goes: a run cut short by a timeout keeps the rows it finished
+                print(f"| e2e | {n}x{batch} {attention} {mode} | {_f(row.get('step_ms'), 2)} ms | "
+                      f"{row.get('status') or _f(row.get('tokens_per_s'), 0)} tok/s |", flush=True)
     return rows
 
 
@@ -208,6 +211,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--e2e-steps", type=int, default=10)
     p.add_argument("--no-e2e", action="store_true")
+    p.add_argument("--only-e2e", action="store_true", help="the end-to-end rows only (no decode or training-call rows)")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; aot_eager with --tiny)")
     p.add_argument("--out", default=None, help="markdown file (default results/overhead_<gpu>_<date>.md)")
@@ -222,8 +226,10 @@ def main(argv=None) -> int:
         name = f"CPU ({name}, {os.cpu_count()} cores)"
     env = dict(device=name, torch_device=device,
                command=command_line() if argv is None else " ".join(["python", sys.argv[0], *argv]))
-    dec = decode_rows(cfg, device, args.iters, args.warmup)
-    tr = training_rows(cfg, device, args.iters, args.warmup)
+    if args.only_e2e and args.no_e2e:
+        p.error("--only-e2e and --no-e2e leave nothing to measure")
+    dec = [] if args.only_e2e else decode_rows(cfg, device, args.iters, args.warmup)
+    tr = [] if args.only_e2e else training_rows(cfg, device, args.iters, args.warmup)
     e2e = [] if args.no_e2e else e2e_rows(cfg, device, args.e2e_steps, 2, backend)
     text = markdown(env, dec, tr, e2e)
     if args.out:
@@ -239,8 +245,6 @@ def main(argv=None) -> int:
     for r in tr:
         print(f"| training | N={r['N']:>6} | fwd {_f(r['fwd_us'])} (dense {_f(r['dense_fwd_us'])}) | "
               f"fwd+bwd {_f(r['fb_us'])} (dense {_f(r['dense_fb_us'])}) |")
-    for r in e2e:
-        print(f"| e2e | {r['N']}x{r['batch']} {r['attention']} {r['mode']} | {r.get('status') or _f(r.get('tokens_per_s'), 0)} tok/s |")
     print(f"wrote {out}")
     return 0
 

@@ -4,7 +4,11 @@ off, over several packed batches (document-length mixes, head dims, GQA, dtypes,
 ``--switch forward`` (the default) flips the forward's switch (the backward's as shipped in both
 arms); ``--switch backward`` flips the backward's (the forward's as shipped); ``both`` flips both;
 ``host-desc`` flips ``gluon_varlen.HOST_DESCRIPTORS`` (the Gluon varlen kernels in both arms, their
-descriptors made on the host over the whole stream, or by every program on the device).
+descriptors made on the host over the whole stream, or by every program on the device); ``unchecked``
+flips ``gluon_varlen.HOST_DESCRIPTORS_UNCHECKED`` with the offsets handed over on the device in both arms
+(unchecked offsets: the split launches of host- and device-descriptor programs, or device descriptors only);
+``fill-only`` flips ``gluon_varlen.FILL_UNCOVERED_ONLY``, offsets on the device in both arms (unchecked
+offsets: only the rows no document covers filled, or every result and accumulator zero-filled).
 ``--min-mean-doc``, ``--min-mean-doc-backward`` and ``--headdims`` replace the gates
 (``gluon_varlen.MIN_MEAN_DOC``, ``MIN_MEAN_DOC_BACKWARD``, ``HEADDIMS``, ``HEADDIMS_BACKWARD`` and their
 ``DEVICE_DESC_`` twins alike)
@@ -65,6 +69,8 @@ def run_case(name: str, causal: bool, rounds: int, rep: int, switch: str = "forw
     total, mean, sigma, h, hkv, d, dt, seg, dil = CASES[name]
     lens = document_lengths(total, mean, sigma, 0)
     cu = _offsets(lens, "cpu")
+    if switch in ("unchecked", "fill-only"):  # offsets on the device: not checked on the host, so not `covered`
+        cu = cu.to(DEVICE)
     longest = max(lens)
     torch.manual_seed(0)
     q, do = (torch.randn(total, h, d, device=DEVICE, dtype=dt) for _ in range(2))
@@ -82,7 +88,8 @@ def run_case(name: str, causal: bool, rounds: int, rep: int, switch: str = "forw
         return torch.autograd.grad(call(*xs), xs, do)
 
     names = {"forward": ["VARLEN_FORWARD"], "backward": ["VARLEN_BACKWARD"],
-             "both": ["VARLEN_FORWARD", "VARLEN_BACKWARD"], "host-desc": ["HOST_DESCRIPTORS"]}[switch]  # fmt: skip
+             "both": ["VARLEN_FORWARD", "VARLEN_BACKWARD"], "host-desc": ["HOST_DESCRIPTORS"],
+             "unchecked": ["HOST_DESCRIPTORS_UNCHECKED"], "fill-only": ["FILL_UNCOVERED_ONLY"]}[switch]  # fmt: skip
     shipped = {n: getattr(gluon_varlen, n) for n in names}
 
     def arm(on: bool, what):
@@ -126,7 +133,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
-    ap.add_argument("--switch", choices=["forward", "backward", "both", "host-desc"], default="forward")
+    ap.add_argument("--switch", choices=["forward", "backward", "both", "host-desc", "unchecked", "fill-only"], default="forward")
     ap.add_argument("--min-mean-doc", type=int, default=None, help="replaces gluon_varlen.MIN_MEAN_DOC")
     ap.add_argument("--min-mean-doc-backward", type=int, default=None,
                     help="replaces gluon_varlen.MIN_MEAN_DOC_BACKWARD")

@@ -134,6 +134,12 @@
 #                                       varlen_switch_ab.py --switch host-desc ($AB_TIMEOUT 200 s; $SWITCH_AB_ARGS)
 #   bash scripts/gpu_check.sh s31      the CUDA tests of tests/test_gluon_varlen.py (the split launches of
 #                                       gluon_varlen.HOST_DESCRIPTORS_UNCHECKED included), then bench_varlen.py with that switch on
+#   bash scripts/gpu_check.sh s32      gluon_varlen.FILL_UNCOVERED_ONLY: CUDA tests with device offsets (its same-bits test too),
+#                                       then varlen_switch_ab.py --switch fill-only (issue batch, 512-token mix)
+#   bash scripts/gpu_check.sh s31c     the CUDA tests of test_gluon_varlen.py with device offsets, then varlen_switch_ab.py
+#                                       --switch unchecked on 256-1024-token mixes (the gates under the split)
+#   bash scripts/gpu_check.sh s31b     varlen_switch_ab.py --switch unchecked (issue batch), then bench_overhead.py with its
+#                                       end-to-end rows (issue 23)
 #   bash scripts/gpu_check.sh s30-gates the same CUDA tests, then varlen_switch_ab.py --switch backward and forward with both
 #                                       mean-document gates lifted, on 256- and 512-token mixes
 #   bash scripts/gpu_check.sh s29      bench_varlen.py, then varlen_switch_ab.py --switch both --min-mean-doc 0 over four batches
@@ -411,6 +417,42 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "bench_varlen (HOST_DESCRIPTORS_UNCHECKED on) rc=$?" >> "$OUT/varlen.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\|" "$OUT/varlen.md" | head -20; grep -E "^- causal|rc=" "$OUT/varlen.txt"
+    ;;
+  s31c|s32)
+    # s31c (thirty-first session, last call, HOST_DESCRIPTORS_UNCHECKED on by default): the CUDA tests of
+    # tests/test_gluon_varlen.py that hand over device offsets (random cases alternate host / device offsets, rows past the
+    # documents, no-sync; $CUDA_TEST_TIMEOUT 230 s), then varlen_switch_ab.py --switch unchecked on 256- to 1024-token mixes
+    # ($AB_TIMEOUT 230 s): on = the split under the host gates (Gluon), off = device descriptors under the DEVICE_DESC_ gates.
+    # s32 (next session; written after that call): gluon_varlen.FILL_UNCOVERED_ONLY (off, CPU-tested): the same CUDA tests plus
+    # its same-bits test, then varlen_switch_ab.py --switch fill-only on the issue batch and a 512-token mix (same bits
+    # expected: max abs on-off 0). If both pass and it wins, turn it on and run bench_varlen (row (a')) next.
+    if [ "$1" = s32 ]; then
+      k_expr="random_cases or rows_past or synchronise or fill_uncovered"; sw=fill-only; ab="$OUT/varlen_switch_ab_fill_only"
+      cases=${AB_CASES:-issue-128k-16x128,short-docs-64k-mean512}; rounds=${AB_ROUNDS:-3}
+    else
+      k_expr="random_cases or rows_past or synchronise"; sw=unchecked; ab="$OUT/varlen_switch_ab_unchecked_small"
+      cases=${AB_CASES:-mean256-64k,short-docs-64k-mean512,mean1024-64k}; rounds=${AB_ROUNDS:-2}
+    fi
+    timeout "${CUDA_TEST_TIMEOUT:-230}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -n 4 -p no:cacheprovider \
+      -k "$k_expr" -rfE > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${AB_TIMEOUT:-230}" python3 benchmarks/varlen_switch_ab.py --switch "$sw" --cases "$cases" --rounds "$rounds" \
+      --out "$ab.md" > "$ab.txt" 2>&1
+    echo "varlen_switch_ab rc=$?" >> "$ab.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -E "^\||rc=" "$ab.txt" | tail -10
+    ;;
+  s31b)
+    # thirty-first session, second call: varlen_switch_ab.py --switch unchecked on the issue batch (device offsets in both arms:
+    # HOST_DESCRIPTORS_UNCHECKED's split launches on / off; $AB_TIMEOUT 240 s), then issue 23's bench_overhead.py with its
+    # end-to-end rows ($OVERHEAD_TIMEOUT 320 s; never yet run with them on an H200)
+    timeout "${AB_TIMEOUT:-240}" python3 benchmarks/varlen_switch_ab.py --switch unchecked --cases issue-128k-16x128 \
+      --rounds "${AB_ROUNDS:-3}" --out "$OUT/varlen_switch_ab_unchecked.md" > "$OUT/varlen_switch_ab_unchecked.txt" 2>&1
+    echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_unchecked.txt"
+    timeout "${OVERHEAD_TIMEOUT:-320}" python3 benchmarks/bench_overhead.py --out "$OUT/overhead.md" > "$OUT/overhead.txt" 2>&1
+    echo "bench_overhead rc=$?" >> "$OUT/overhead.txt"
+    grep -E "^\||rc=" "$OUT/varlen_switch_ab_unchecked.md" "$OUT/varlen_switch_ab_unchecked.txt" | tail -8
+    grep -E "^\||rc=" "$OUT/overhead.md" "$OUT/overhead.txt" | tail -40
     ;;
   s30-gates)
     # thirtieth session, second part: the CUDA tests of tests/test_gluon_varlen.py again ($CUDA_TEST_TIMEOUT 330 s), then the

@@ -105,9 +105,14 @@ def test_the_speed_gates_keep_head_dim_64_and_short_documents_on_triton(monkeypa
         q = torch.zeros(1, n, 4, d, dtype=torch.bfloat16)
         return gluon_varlen.problem(q, q, q, False, br, True, n, ndocs, covered=covered)
 
-    # offsets not checked on the host (rows past the last document may hold anything): the device
+    # offsets not checked on the host (rows past the last document may hold anything): with the split
+    # (HOST_DESCRIPTORS_UNCHECKED, on) the host-descriptor gate, as host offsets; without it the device
     # descriptors, and so their gate, whatever the rows
+    assert gluon_varlen.HOST_DESCRIPTORS_UNCHECKED
+    assert why(128, 5, covered=False) == why(128, 5)
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", False)
     assert "DEVICE_DESC_MIN_MEAN_DOC" in why(128, 5, covered=False)
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", True)
     assert "HEADDIMS" in why(64, 1)
     assert why(128, 4) is None  # a mean of MIN_MEAN_DOC rows (and one row more without host descriptors)
     assert f"gluon_varlen.{gate} = {mean}" in why(128, 5) and "5 documents" in why(128, 5)
@@ -620,9 +625,11 @@ def test_unchecked_offsets_add_into_zeros_and_leave_rows_past_the_documents_zero
     short of the stream: the first r = 1 branch adds into zeroed accumulators (no launch
     stores), and the rows past the last document get zero gradients. Those rows hold NaN and
     -inf here, which no document may see: such calls never take the host-descriptor kernels
-    (which read past a block's end; emulated so, they would spread the NaN)."""
+    (which read past a block's end; emulated so, they would spread the NaN) unless
+    ``HOST_DESCRIPTORS_UNCHECKED`` splits them (its own test below), switched off here."""
     from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
 
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", False)
     emu = _emulate_backward(monkeypatch)
     lens, seg, dil, h, hkv = [7, 0, 1, 40, 13], [4, 8, 16], [1, 2, 4], 4, 2
     offs = _offsets(lens)
@@ -649,17 +656,32 @@ def test_unchecked_offsets_add_into_zeros_and_leave_rows_past_the_documents_zero
         assert (a[:n].double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item())
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_unchecked_offsets_split_between_host_and_device_descriptors(monkeypatch, switch_on, causal):
-    """``HOST_DESCRIPTORS_UNCHECKED``: offsets not checked that stop short of the stream (NaN and inf
-    in the rows past them). Each branch whose r divides the rows launches the host-descriptor
-    kernels for the programs whose reads stay below ``limit_row`` (PART 1) and the
-    device-descriptor ones for the others (PART 2), forward and backward; here both parts have
-    programs. The documents match the float64 reference and see no NaN (the emulated
-    host-descriptor kernels read past a block's end as TMA does, so a program on the wrong side
-    would spread it); the rows past them read 0."""
-    from dilated_attention.kernels import direct_launch
-    from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
+class _NaNEmpty:
+    """``torch`` for a module under test, but ``empty`` / ``empty_like`` give floating tensors full
+    of NaN: a buffer allocated empty whose element no launch or fill writes shows up as NaN (on
+    the CPU, fresh memory is often zeros, which would hide it)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def _nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty(self, *a, **kw):
+        return self._nan(self._real.empty(*a, **kw))
+
+    def empty_like(self, *a, **kw):
+        return self._nan(self._real.empty_like(*a, **kw))
+
+
+def _emulate_gluon_varlen(monkeypatch):
+    """The Gluon varlen forward and backward taken on the CPU (same offsets only), their kernels
+    emulated, host- and device-descriptor alike; the modules' empty buffers start as NaN."""
+    from dilated_attention.kernels import direct_launch, gluon_bwd
 
     fwd, bwd = _EmulatedVarlenKernel(), _EmulatedVarlenBwd()
     mod = fwd.module(dkdv_varlen_kernel=bwd.dkdv_varlen_kernel, dq_varlen_kernel=bwd.dq_varlen_kernel,
@@ -669,7 +691,104 @@ def test_unchecked_offsets_split_between_host_and_device_descriptors(monkeypatch
     monkeypatch.setattr(gluon_varlen, "problem", lambda q, k, v, c, br, same, *a, **kw: None if same else "not same")
     monkeypatch.setattr(gluon_varlen, "backward_problem", lambda q, k, v, c, br, same, *a, **kw: None if same else "x")
     monkeypatch.setattr(direct_launch, "current_device", lambda: direct_launch.tensor_device(torch.zeros(1)))
+    monkeypatch.setattr(gluon_varlen, "torch", _NaNEmpty(torch))
+    monkeypatch.setattr(gluon_bwd, "torch", _NaNEmpty(torch))
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("cu_ok", [True, False], ids=["valid", "invalid"])
+@pytest.mark.parametrize("rows", [1500, 1480])
+def test_fill_uncovered_sets_exactly_the_rows_no_document_covers(cu_ok, rows):
+    """``triton_kernels.fill_uncovered_kernel`` (interpreted): valid offsets (0 first, documents
+    of 0..max_len rows, the last offset inside the stream) set the rows at or past the last
+    offset, any other offsets every row; the rest stay as they were, for every buffer layout the
+    Gluon varlen path fills (rows first, rows second, one program or many)."""
+    g = torch.Generator().manual_seed(rows)
+    lens = _lognormal(rows - 40, 120.0, seed=rows)
+    good = _offsets(lens)
+    bad_sets = [[3] + good[1:], good[:2] + [good[1] - 1] + good[3:], [0, rows + 5], good[:-1] + [rows - 20]]
+    for cuv in [good] if cu_ok else bad_sets:
+        max_len = max(max(b - a for a, b in zip(cuv[:-1], cuv[1:], strict=True)), 1)
+        if not cu_ok and cuv is bad_sets[-1]:
+            max_len = max(lens) - 1  # a document longer than the caller's bound
+        valid = cuv[0] == 0 and cuv[-1] <= rows and all(0 <= b - a <= max_len for a, b in zip(cuv[:-1], cuv[1:], strict=True))
+        assert valid == cu_ok, cuv
+        start = min(max(cuv[-1], 0), rows) if valid else 0
+        cu = torch.tensor(cuv, dtype=torch.int32)
+        for shape, rows_dim, value, dt in [((rows, 3, 8), 0, 0.0, torch.float16), ((1, rows, 2, 8), 1, 0.0, torch.float32),
+                                           ((5, rows), 1, float("-inf"), torch.float32)]:  # fmt: skip
+            for per in (64, 4096):
+                x = torch.randn(shape, generator=g).to(dt)
+                want = x.clone()
+                want.narrow(rows_dim, start, rows - start).fill_(value)
+                old = gluon_varlen.FILL_ROWS_PER
+                gluon_varlen.FILL_ROWS_PER = per
+                try:
+                    gluon_varlen.fill_uncovered(x, cu, max_len, value, rows_dim)
+                finally:
+                    gluon_varlen.FILL_ROWS_PER = old
+                assert torch.equal(x, want), (cuv, shape, per)
+
+
+OFFSET_CASES = {
+    "stops-short": lambda offs, n: (offs, n + 29),
+    "covers-all": lambda offs, n: (offs, n),
+    "first-not-0": lambda offs, n: ([5] + offs[1:], n + 29),
+    "overlapping": lambda offs, n: (offs[:2] + [offs[1] - 20] + offs[3:], n + 29),
+}
+
+
+@pytest.mark.parametrize("case", list(OFFSET_CASES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_unchecked_offsets_fill_only_the_uncovered_rows(monkeypatch, switch_on, case, causal):
+    """``FILL_UNCOVERED_ONLY``: offsets nobody checked, through the Gluon varlen forward and
+    backward (emulated, host and device descriptors, buffers allocated empty start as NaN): the
+    results and gradients are those of the zero-filled buffers bit for bit where the offsets tile
+    the stream's start (documents stopping short of it or covering it, or starting past row 0);
+    overlapping documents (no valid packing) still leave no element unwritten."""
+    from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
+
+    _emulate_gluon_varlen(monkeypatch)
+    lens, seg, dil, h, hkv = [60, 0, 90, 1, 120], [16, 32], [1, 2], 4, 2
+    offs, total = OFFSET_CASES[case](_offsets(lens), sum(lens))
+    g = torch.Generator().manual_seed(23)
+    q, do = (torch.randn(total, h, 16, generator=g).to(torch.float16) for _ in range(2))
+    k, v = (torch.randn(total, hkv, 16, generator=g).to(torch.float16) for _ in range(2))
+    cu = torch.tensor(offs, dtype=torch.int32)
+    fills, real_fill = [], gluon_varlen.fill_uncovered
+    monkeypatch.setattr(gluon_varlen, "fill_uncovered", lambda x, *a: fills.append(x.shape) or real_fill(x, *a))
+    results = {}
+    for only in (False, True):
+        fills.clear()
+        monkeypatch.setattr(gluon_varlen, "FILL_UNCOVERED_ONLY", only)
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = dilated_attention_triton_varlen(*xs, cu, cu, max(lens), max(lens), seg, dil, causal=causal, scale=0.25,
+                                              head_assignment="all", offsets_checked=False)[0]  # fmt: skip
+        results[only] = [out, *torch.autograd.grad(out, xs, do)]
+        assert all(torch.isfinite(t).all() for t in results[only]), (case, only)
+        # out, lo, lse; then the float32 accumulators dq, dk, dv (one or two phases)
+        assert len(fills) == (6 if only else 0), fills
+    if case != "overlapping":  # overlapping documents: the first branch stores where the fills added
+        for a, b in zip(results[True], results[False], strict=True):
+            assert torch.equal(a, b), case
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fill_only", [False, True], ids=["zero-filled", "fill-uncovered"])
+def test_unchecked_offsets_split_between_host_and_device_descriptors(monkeypatch, switch_on, causal, fill_only):
+    """``HOST_DESCRIPTORS_UNCHECKED``: offsets not checked that stop short of the stream (NaN and inf
+    in the rows past them). Each branch whose r divides the rows launches the host-descriptor
+    kernels for the programs whose reads stay below ``limit_row`` (PART 1) and the
+    device-descriptor ones for the others (PART 2), forward and backward; here both parts have
+    programs. The documents match the float64 reference and see no NaN (the emulated
+    host-descriptor kernels read past a block's end as TMA does, so a program on the wrong side
+    would spread it); the rows past them read 0, zero-filled or (``fill_only``,
+    ``FILL_UNCOVERED_ONLY``) set by the fill of the rows no document covers."""
+    from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
+
+    fwd, bwd = _emulate_gluon_varlen(monkeypatch)
     monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", True)
+    monkeypatch.setattr(gluon_varlen, "FILL_UNCOVERED_ONLY", fill_only)
     lens, seg, dil, h, hkv = [60, 0, 90, 1, 120], [16, 32], [1, 2], 4, 2
     offs = _offsets(lens)
     n, total = offs[-1], offs[-1] + 29  # 300 rows: r = 1 and 2 divide them
@@ -776,8 +895,12 @@ def test_backward_gate(monkeypatch):
     monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS", False)  # the switch off: the device gates everywhere
     assert "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD" in gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 5)
     monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS", True)
-    why = gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 5, covered=False)  # unchecked offsets
+    # unchecked offsets: the host gate under the split (HOST_DESCRIPTORS_UNCHECKED, on), else the device one
+    assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 5, covered=False) is None
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", False)
+    why = gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 5, covered=False)
     assert "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD" in why
+    monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", True)
     gluon_varlen._bwd_failed[(torch.bfloat16, 128, True)] = "boom"
     assert "failed here before" in gluon_varlen.backward_problem(q, q, q, True, br, True, 8192, 2)
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
@@ -1069,6 +1192,49 @@ def test_gluon_varlen_training_call_does_not_synchronise(monkeypatch, switch_on,
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert calls == ["forward", "backward"], f"the Gluon varlen paths did not both run: {calls}"
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["stops-short", "covers-all", "first-not-0"])
+def test_gluon_varlen_fill_uncovered_only_same_bits(monkeypatch, switch_on, causal, case):
+    """``FILL_UNCOVERED_ONLY`` on the GPU: device offsets (not checked), the Gluon varlen forward
+    and backward with empty buffers (NaN-filled here, so that a missed element shows) and only
+    the rows no document covers filled, against the zero-filled buffers: the same bits (out and
+    the three gradients), and both the documents' float64 reference."""
+    from dilated_attention.kernels import gluon_bwd
+
+    lens = _lognormal(1500, 300.0, seed=5)
+    offs, total = OFFSET_CASES[case](_offsets(lens), sum(lens))
+    n = offs[-1]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, do = (torch.randn(total, h, 128, device="cuda", generator=g).to(torch.bfloat16) for h in (4, 2, 2, 4))
+    cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
+    seg, dil = [64, 128, 256], [1, 2, 4]
+    monkeypatch.setattr(gluon_varlen, "torch", _NaNEmpty(torch))
+    monkeypatch.setattr(gluon_bwd, "torch", _NaNEmpty(torch))
+    fills, real_fill = [], gluon_varlen.fill_uncovered
+    monkeypatch.setattr(gluon_varlen, "fill_uncovered", lambda x, *a: fills.append(x.shape) or real_fill(x, *a))
+    res = {}
+    for only in (False, True):
+        monkeypatch.setattr(gluon_varlen, "FILL_UNCOVERED_ONLY", only)
+        ins = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = dilated_attention_varlen(*ins, cu, cu, max(lens), max(lens), seg, dil, causal=causal, impl="triton")
+        res[only] = [out, *torch.autograd.grad(out, ins, do)]
+    assert len(fills) == 6, fills  # out, lo, lse, dq, dk, dv: the Gluon varlen forward and backward ran
+    for a, b in zip(res[True], res[False], strict=True):
+        assert torch.equal(a, b)
+    lo = offs[0]
+    r64 = [x[lo:n].detach().double().requires_grad_() for x in (q, k, v)]
+    doc_offs = [o - lo for o in offs]
+    want_out, _, want_g = varlen_reference(*r64, doc_offs, doc_offs, seg, dil, do[lo:n].double(), causal=causal)
+    out, *grads = res[True]
+    assert (out[:lo] == 0).all() and (out[n:] == 0).all()
+    assert (out[lo:n].double() - want_out).abs().max().item() < 2e-2
+    for name, a, b in zip("qkv", grads, want_g, strict=True):
+        assert (a[:lo] == 0).all() and (a[n:] == 0).all(), f"d{name} outside the documents"
+        assert (a[lo:n].double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item()), f"d{name}"
 
 
 @needs_gluon

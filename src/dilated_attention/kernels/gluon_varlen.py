@@ -42,15 +42,16 @@ in the kernels (``gluon_varlen_kernel``). Same bits as the device-descriptor ker
 time on the issue's batch and 0.78x / 0.77x on 512-token documents; bench_varlen 1.09x / 1.06x one
 sequence per useful FLOP (results/varlen_h200_2026-11-29_s30.md). The gates were measured again over
 host descriptors (the constants below); the calls with a branch on device descriptors keep the
-twenty-ninth session's (``DEVICE_DESC_*``). Calls whose offsets were not checked on the host keep the
-device descriptors (rows past the last document may hold anything), unless
-:data:`HOST_DESCRIPTORS_UNCHECKED` (off, not yet run on a GPU) splits their launches at
-:func:`limit_row`.
+twenty-ninth session's (``DEVICE_DESC_*``). For calls whose offsets were not checked on the host,
+:data:`HOST_DESCRIPTORS_UNCHECKED` (on) splits their launches at :func:`limit_row`: host descriptors for
+the programs whose reads stay inside the documents, device descriptors for the rest (rows past the last
+document may hold anything).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -93,8 +94,22 @@ HOST_DESCRIPTORS = True
 # anything, NaN included, which the host-descriptor kernels would read past a block's end): each branch
 # then launches the host-descriptor kernel for the programs whose reads stay below the stream's first
 # row of no document (``PART`` 1, :func:`limit_row`) and the device-descriptor one for the others
-# (``PART`` 2). Off: written 2026-11-29 (thirtieth session) after the last GPU call, CPU-tested only
-HOST_DESCRIPTORS_UNCHECKED = False
+# (``PART`` 2). On since 2026-11-29 (thirty-first session, H200): the CUDA tests of
+# tests/test_gluon_varlen.py passed with it (results/cuda_tests_h200_2026-11-29_s31_call{1,4}.txt), and over device
+# offsets on the issue's batch fwd+bwd took 0.88x / 0.95x the time of device descriptors alone, same bits
+# (results/varlen_switch_ab_unchecked_h200_2026-11-29_s31.md). Such calls then take the gates above
+# (host descriptors), as host offsets do
+HOST_DESCRIPTORS_UNCHECKED = True
+
+# calls whose offsets were not checked on the host and whose first branch stores every row of every
+# document (r = 1 over all heads): results allocated empty, the first branch storing as with checked
+# offsets, and only the rows no document covers set by :func:`fill_uncovered` (one launch per buffer),
+# instead of zero-filling every result and accumulator (out, lo, lse; the backward's three float32
+# accumulators: ~4 GiB of writes on the issue's batch). Off: written 2026-11-29 (thirty-first session)
+# after the last GPU call, CPU-tested only; the gap it aims at is row (a') against (a) of
+# results/varlen_h200_2026-11-29_s31.md (+1.5 / +1.7 ms fwd+bwd, peak 8.02 against 6.52 GiB)
+FILL_UNCOVERED_ONLY = False
+FILL_ROWS_PER = 512  # rows of every slab per program of fill_uncovered_kernel
 
 _module = None
 _import_error: str | None = None
@@ -187,6 +202,28 @@ def limit_row(cu: torch.Tensor, total: int) -> torch.Tensor:
     ``PART`` 1; ``PART`` 2: the others)."""
     end = cu[-1:].to(torch.int64).clamp(0, total)
     return torch.where(end < total, end, 2**31 - 1).to(torch.int32)
+
+
+def fill_uncovered(x: torch.Tensor, cu: torch.Tensor, max_len: int, value: float, rows_dim: int) -> None:
+    """Set the rows of ``x`` that no document of ``cu`` covers to ``value``, in one launch and no
+    host read of ``cu``: ``x`` contiguous, its dimension ``rows_dim`` the stream's rows (out, lo
+    and the accumulators: (1, total, H, D) or (total, H, D) with ``rows_dim`` 1 or 0; lse (H,
+    total): 1). Where the offsets tile [0, cu[-1]) inside the stream with documents of at most
+    ``max_len`` rows, those are the rows at or past cu[-1]; otherwise (offsets nobody checked may
+    be anything) every row, as the zero-fill this replaces. Between that and the branches'
+    launches every element is written: the first branch stores each document's rows."""
+    from . import triton_kernels
+
+    assert x.is_contiguous()
+    if x.numel() == 0:
+        return
+    total = x.shape[rows_dim]
+    inner = math.prod(x.shape[rows_dim + 1 :])  # contiguous elements of a row
+    outer = math.prod(x.shape[:rows_dim])  # slabs of `total` rows, total * inner elements apart
+    progs = -(-total // FILL_ROWS_PER)
+    triton_kernels.fill_uncovered_kernel[(progs,)](
+        x, cu, cu.shape[0] - 1, total, max_len, inner, outer, total * inner, FILL_ROWS_PER, value,
+        BLOCK=1024, BLOCK_D=128)  # fmt: skip
 
 
 def grid(max_len: int, ndocs: int, total: int, w: int, r: int, nh: int) -> tuple[int, int, int]:
@@ -307,14 +344,16 @@ def note_failure(q: torch.Tensor, causal: bool, err: BaseException) -> None:
 
 def forward(
     q, k, v, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float, fill: bool, *,
-    covered: bool = False,
+    covered: bool = False, fill_uncovered_rows: bool = False,
 ):
     """out (1, total, H, D) in q's dtype and lse (1, H, total) float32 of the branches ((w, r,
     0, H) each) over the packed documents ``cu`` (int32 device offsets, queries and keys alike),
     inputs as :func:`problem` accepts. ``fill``: the buffers start as zeros (lse -inf), False
     where the first branch stores every row (``triton_launch._first_branch_writes_all``: r = 1
     first over offsets checked on the host). ``covered``: every row in a document
-    (:func:`host_descriptors`). Launches only (no host read of ``cu``)."""
+    (:func:`host_descriptors`). ``fill_uncovered_rows`` (with ``fill`` False: unchecked offsets,
+    :data:`FILL_UNCOVERED_ONLY`): the buffers start empty but for the rows no document covers
+    (:func:`fill_uncovered`). Launches only (no host read of ``cu``)."""
     mod = kernel_module()
     kern = mod.gluon_fwd_varlen_kernel
     _, total, nh, d = q.shape
@@ -327,6 +366,11 @@ def forward(
         lse = torch.full((nh, total), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         lse = torch.empty((nh, total), dtype=torch.float32, device=q.device)
+    if fill_uncovered_rows and not fill:
+        fill_uncovered(out, cu, max_len, 0.0, 0)
+        if several:
+            fill_uncovered(lo, cu, max_len, 0.0, 0)
+        fill_uncovered(lse, cu, max_len, float("-inf"), 1)
     q_layout = gluon_fwd._block_layout(mod.F.WG_M, d, q.dtype)
     kv_layout = gluon_fwd._block_layout(gluon_fwd.KV_BN, d, q.dtype)
     ndocs = cu.shape[0] - 1
@@ -462,14 +506,16 @@ def block_rows(lse: torch.Tensor, delta: torch.Tensor, p0: torch.Tensor, ws: tor
 
 
 def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches, causal: bool, scale: float,
-             store_first: bool, *, covered: bool = False):  # fmt: skip
+             store_first: bool, *, covered: bool = False, fill_uncovered_rows: bool = False):  # fmt: skip
     """dq, dk, dv (the inputs' dtypes) of the branches ((w, r, 0, H) each) over the packed
     documents ``cu`` (int32 device offsets), given the FINAL lse (1, H, total) float32 and
     delta = rowsum(dO * out) (1, H, total) float32; inputs as :func:`backward_problem`
     accepts. ``store_first``: the first branch stores every row of the three results
     (``triton_launch._bwd_writes_all``): they are allocated empty and it stores, not adds.
     The float32 accumulators and their phases are ``gluon_bwd.accumulate``'s. ``covered``: every
-    row in a document (:func:`host_descriptors`). Launches only (no host read of ``cu``)."""
+    row in a document (:func:`host_descriptors`). ``fill_uncovered_rows`` (with ``store_first``:
+    unchecked offsets, :data:`FILL_UNCOVERED_ONLY`): the accumulators' rows no document covers are
+    zeroed before the launches (:func:`fill_uncovered`). Launches only (no host read of ``cu``)."""
     from . import gluon_bwd
 
     mod = kernel_module()
@@ -493,6 +539,10 @@ def backward(dout, q, k, v, delta, lse, cu: torch.Tensor, max_len: int, branches
     lim = limit_row(cu, total) if split else None
 
     def run(dq, dk, dv, kernels):
+        if fill_uncovered_rows and store_first:
+            for acc in (dq, dk, dv):
+                if acc is not None:
+                    fill_uncovered(acc, cu, max_len, 0.0, 1)
         with _Scratch(q.device):
             for bi, ((w, r, _, _), tab) in enumerate(zip(branches, tables, strict=True)):
                 if tab is None:  # no row in any document

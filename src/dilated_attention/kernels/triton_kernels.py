@@ -586,6 +586,44 @@ def gluon_varlen_rows_kernel(LSE, DELTA, LSE2, DELTA2, ENT_P0, ENT_W, TOTAL, R, 
     tl.store(DELTA2 + dst, dl)
 
 
+@triton.jit(do_not_specialize=["NDOCS", "MAX_LEN"])
+def fill_uncovered_kernel(X, CU, NDOCS, TOTAL, MAX_LEN, INNER, OUTER, OUTER_STRIDE, ROWS_PER, VALUE,
+                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    # the rows of packed documents' results that no document covers, set to VALUE (the Gluon varlen
+    # path with unchecked device offsets, kernels/gluon_varlen.py fill_uncovered): X holds OUTER
+    # slabs (OUTER_STRIDE elements apart) of TOTAL rows of INNER contiguous elements. Where the
+    # offsets CU (NDOCS + 1, int32) tile [0, CU[NDOCS]) inside [0, TOTAL] (CU[0] == 0, every
+    # document 0..MAX_LEN rows), the rows at or past CU[NDOCS] are set; otherwise every row (the
+    # zero-fill the buffers had before). Program p takes rows [p * ROWS_PER, (p + 1) * ROWS_PER)
+    # of every slab; only a program with rows below CU[NDOCS] reads the offsets. Grid (programs,).
+    pid = tl.program_id(0)
+    r0 = pid * ROWS_PER
+    r1 = tl.minimum(r0 + ROWS_PER, TOTAL)
+    last = tl.load(CU + NDOCS)
+    start = tl.minimum(tl.maximum(last, 0), TOTAL)
+    if r0 < start:  # rows that a valid set of offsets covers: are they valid?
+        bad = (tl.load(CU) != 0) | (last > TOTAL)
+        for j in range(0, NDOCS, BLOCK_D):
+            i = j + tl.arange(0, BLOCK_D)
+            m = i < NDOCS
+            a = tl.load(CU + i, mask=m, other=0)
+            b = tl.load(CU + i + 1, mask=m, other=0)
+            wrong = (((b - a) < 0) | ((b - a) > MAX_LEN)) & m
+            bad = bad | (tl.max(wrong.to(tl.int32), axis=0) != 0)
+        start = tl.where(bad, 0, start)
+    first = tl.maximum(r0, start)
+    if first < r1:
+        val = (tl.zeros([BLOCK], dtype=tl.float32) + VALUE).to(X.dtype.element_ty)
+        lo = first.to(tl.int64) * INNER
+        hi = r1.to(tl.int64) * INNER
+        slab = lo * 0  # int64: slab o starts o * OUTER_STRIDE elements in
+        for _o in range(0, OUTER):
+            for e in range(lo, hi, BLOCK):
+                idx = e + tl.arange(0, BLOCK)
+                tl.store(X + slab + idx, val, mask=idx < hi)
+            slab += OUTER_STRIDE
+
+
 @triton.jit(do_not_specialize=["NDOCS"])
 def dilated_bwd_dkdv_kernel(
     Q, K, V, KPM, DO, LSE, DELTA, DK, DV, DK_LO, DV_LO, CU_Q, CU_K, NDOCS,

@@ -1245,9 +1245,14 @@ def _gluon_varlen_forward(q, k, v, seg, dil, causal, scale, head_ranges, docs: D
     if gluon_varlen.problem(q, k, v, causal, branches, docs.same_offsets(), docs.max_q, ndocs,
                             covered=covered) is not None:  # fmt: skip
         return None
-    fill = not _first_branch_writes_all(branches, 0, q.shape[2], covered, 0)
+    # the first branch stores every row of every document: no fill over checked offsets; over
+    # unchecked ones a fill of the rows no document covers (gluon_varlen.FILL_UNCOVERED_ONLY) or of all
+    docs_all = _first_branch_writes_all(branches, 0, q.shape[2], True, 0)
+    uncovered_only = docs_all and not covered and gluon_varlen.FILL_UNCOVERED_ONLY
+    fill = not (docs_all and covered) and not uncovered_only
     return _gluon_attempt(q, causal, gluon_varlen.note_failure, None, lambda: gluon_varlen.forward(
-        q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, fill, covered=covered))  # fmt: skip
+        q, k, v, docs.cu_q, docs.max_q, branches, causal, scale, fill, covered=covered,
+        fill_uncovered_rows=uncovered_only))  # fmt: skip
 
 
 def _gluon_attempt(q, causal: bool, note_failure, note_oom, run):
@@ -1306,12 +1311,15 @@ def _gluon_varlen_backward(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale
                                      covered=covered) is not None:  # fmt: skip
         return None
     # same offsets for queries and keys (the gate): qoff 0, so dq and dk/dv alike
-    store_first = all(_bwd_writes_all(branches, q.shape[2], bool(docs.checked), 0))
+    # as the forward: unchecked offsets store too where only the uncovered rows are zeroed
+    docs_all = all(_bwd_writes_all(branches, q.shape[2], True, 0))
+    uncovered_only = docs_all and not covered and gluon_varlen.FILL_UNCOVERED_ONLY
+    store_first = (docs_all and covered) or uncovered_only
 
     def run():
         delta = _delta(_broadcast_view(out), _broadcast_view(dout))
         return gluon_varlen.backward(dout, q, k, v, delta, lse, docs.cu_q, docs.max_q, branches, causal, scale,
-                                     store_first, covered=covered)  # fmt: skip
+                                     store_first, covered=covered, fill_uncovered_rows=uncovered_only)  # fmt: skip
 
     return _gluon_attempt(q, causal, gluon_varlen.note_backward_failure, gluon_bwd.note_out_of_memory, run)
 
