@@ -171,8 +171,19 @@
 # the results leave room under the 8 files a call returns; SAVE_CACHE=0: none); `merge-cache`
 # folds them into runs/ here, so that the next machine starts warm (kernels whose source
 # changed compile again). 2026-11-27: a whole cache had grown past 4 parts and stopped coming
-# back, and every call recompiled the edited kernels (60-150 s of its time).
+# back, and every call recompiled the edited kernels (60-150 s of its time). 2026-11-29 (thirty-first
+# session): a call's new entries came to 8 parts and were dropped again. The archives now hold what a
+# cache hit loads (Triton 3.6 compiler.CompiledKernel: the metadata json and the cubin, with the group
+# file and the launchers' .so) and leave out the intermediate IR (.llir, .ptx, .ttgir, .ttir,
+# .source): 477 MB of entries went from 43 to 10.5 MB compressed. A tool that reads ck.asm["ptx"] or
+# ["ttgir"] (benchmarks/probe_warp_specialize.py, gluon_dilated_bwd.py --sass) on a restored entry
+# would miss them: give it TRITON_CACHE_DIR of its own, or CACHE_KEEP_IR=1 to archive them.
 set -uo pipefail
+if [ "${CACHE_KEEP_IR:-0}" = 1 ]; then
+  CACHE_TAR_EXCLUDES=()
+else
+  CACHE_TAR_EXCLUDES=(--exclude='*.llir' --exclude='*.ptx' --exclude='*.ttgir' --exclude='*.ttir' --exclude='*.source')
+fi
 if [ "${1:-}" = merge-cache ]; then
   new=${2:?usage: bash scripts/gpu_check.sh merge-cache FILES_AT}
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -184,7 +195,7 @@ if [ "${1:-}" = merge-cache ]; then
   # tracked, 4 parts (60 MiB) stopped fitting on 2026-11-27 (thirteenth session)
   max=${CACHE_MAX_BYTES:-$(( ${CACHE_PARTS_MAX:-3} * 15 * 1024 * 1024 ))}
   while :; do
-    tar -cz -C "$tmp/c" . > "$tmp/all.tgz"
+    tar -cz "${CACHE_TAR_EXCLUDES[@]}" -C "$tmp/c" . > "$tmp/all.tgz"
     size=$(stat -c %s "$tmp/all.tgz"); n=$(find "$tmp/c" -mindepth 1 -maxdepth 1 | wc -l)
     [ "$size" -le "$max" ] && break
     drop=$(( n / 10 + 1 ))  # the oldest tenth of the entries (modification time)
@@ -210,7 +221,7 @@ save_cache() {  # split in 15 MiB parts (a device call returns files of <= 16 Mi
   local fresh; fresh=$(cd "$TRITON_CACHE_DIR" && find . -mindepth 1 -maxdepth 1 -newer "$CACHE_MARK")
   [ -n "$fresh" ] || { echo "triton cache: nothing compiled by this call"; return 0; }
   # (restored entries keep their archived times: tar sets them after extracting)
-  (cd "$TRITON_CACHE_DIR" && printf '%s\n' $fresh | tar -cz -T -) 2>/dev/null | split -b 15m -d -a 2 - "$OUT/triton_cache.tgz.part"
+  (cd "$TRITON_CACHE_DIR" && printf '%s\n' $fresh | tar -cz "${CACHE_TAR_EXCLUDES[@]}" -T -) 2>/dev/null | split -b 15m -d -a 2 - "$OUT/triton_cache.tgz.part"
   local n; n=$(ls "$OUT"/triton_cache.tgz.part* 2>/dev/null | wc -l)
   if [ "$n" -gt "${CACHE_PARTS_MAX:-4}" ]; then rm -f "$OUT"/triton_cache.tgz.part*; echo "triton cache too big to return ($n parts)"; return 0; fi
   # a call returns at most 8 files: the results first (2026-11-26 a varlen call lost varlen.md
