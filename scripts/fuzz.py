@@ -5,11 +5,13 @@
     PYTHONPATH=src python scripts/fuzz.py --impl triton --device cuda --examples 5000 --workers 12  # GPU
     PYTHONPATH=src python scripts/fuzz.py --varlen --impl torch --minutes 10   # packed documents
     PYTHONPATH=src python scripts/fuzz.py --gluon --device cuda --examples 5000 --workers 12  # Gluon, sm_90
+    PYTHONPATH=src python scripts/fuzz.py --gluon --varlen --device cuda --examples 2000 --workers 12  # Gluon varlen
 
 Draws cases from tests/property_cases.py (the same generator as the hypothesis tests; with
 ``--varlen`` packed documents from tests/varlen_cases.py, checked against the reference on each
 document alone; with ``--gluon`` cases of the Gluon kernels from tests/gluon_fuzz_cases.py, see
-below), checks forward, LSE and dq/dk/dv against the float64 reference, prints each mismatch
+below; with both, packed documents through the Gluon varlen kernels from
+tests/gluon_varlen_fuzz_cases.py, host and device offsets, rows past the documents holding NaN), checks forward, LSE and dq/dk/dv against the float64 reference, prints each mismatch
 with its case (replayable: the case holds its seed), a progress line every ``--every`` examples
 and a summary; exit 1 if anything mismatched or raised. The tensors are tiny: on a CPU set
 OMP_NUM_THREADS=1, above all for several runs side by side (two runs of two threads each on two
@@ -103,6 +105,7 @@ from collections import Counter
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import gluon_fuzz_cases  # noqa: E402
+import gluon_varlen_fuzz_cases  # noqa: E402
 import property_cases  # noqa: E402
 import varlen_cases  # noqa: E402
 
@@ -113,6 +116,8 @@ KINDS = {
                varlen_cases.run_impl),
     "gluon": (gluon_fuzz_cases.gluon_case, gluon_fuzz_cases.check, gluon_fuzz_cases.variant,
               gluon_fuzz_cases.run_impl),
+    "gluon-varlen": (gluon_varlen_fuzz_cases.gluon_varlen_case, gluon_varlen_fuzz_cases.check,
+                     gluon_varlen_fuzz_cases.variant, gluon_varlen_fuzz_cases.run_impl),
 }  # fmt: skip
 # what a template fixes (a variant redraws the rest, within the values' specialisation classes)
 FIXED = {
@@ -126,6 +131,9 @@ FIXED = {
     "gluon": "heads, kv heads, headdim 64 or 128, bf16 or fp16, number and order of branches, causal, "
              "split heads; classes (1 / multiple of 16 / other) of N, heads x N, batch x N x heads and "
              "of each branch's w, r, w // r, N // w and ceil((w // r) / 128)",
+    "gluon-varlen": "the stream's rows and the rows past its documents, heads, kv heads, headdim 64 or 128, bf16 or "
+                    "fp16, branches (w, r) in order, causal, offsets on the host or the device; class of the "
+                    "document count",
 }  # fmt: skip
 
 
@@ -275,7 +283,8 @@ def triton_binaries() -> set | None:
     from dilated_attention.kernels import triton_decode, triton_kernels
 
     out, known = set(), False
-    gluon = [sys.modules.get(f"dilated_attention.kernels.{m}") for m in ("gluon_fwd_kernel", "gluon_bwd_kernel")]
+    gluon = [sys.modules.get(f"dilated_attention.kernels.{m}")
+             for m in ("gluon_fwd_kernel", "gluon_bwd_kernel", "gluon_varlen_kernel")]  # fmt: skip
     for mod in (triton_kernels, triton_decode, *filter(None, gluon)):
         for name, obj in vars(mod).items():
             caches = getattr(obj, "device_caches", None)
@@ -306,7 +315,7 @@ def work(o: dict) -> dict:
     rng = random.Random(o["seed"])
     kind, impl, device, pool = o["kind"], o["impl"], o["device"], o["pool"]
     draw, check_case, variant, run_impl = KINDS[kind]
-    if kind == "gluon":
+    if kind in ("gluon", "gluon-varlen"):
         from dilated_attention.kernels import gluon_fwd
 
         # small cases (and small head-dim-64 blocks) take the Gluon path too; exactness does not
@@ -323,7 +332,7 @@ def work(o: dict) -> dict:
         d = None  # 64 or 128, drawn per template
     else:
         d = 16 if impl == "triton" else rng.choice([4, 16])
-    gate = CompileGate(gluon=kind == "gluon") if impl == "triton" else None
+    gate = CompileGate(gluon=kind != "batch" and kind != "varlen") if impl == "triton" else None
     templates: list = []
     r = Counter()  # examples, mismatches, errors, templates, accepted, rejected, no_values, unexpected
     t0 = time.monotonic()
@@ -390,7 +399,8 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", type=int, default=0, help="stop after this many in all (0: no limit)")
     ap.add_argument("--minutes", type=float, default=1.0, help="stop starting cases after this long")
     ap.add_argument("--seed", type=int, default=None, help="generator seed (default: random)")
-    ap.add_argument("--varlen", action="store_true", help="packed documents (dilated_attention_varlen)")
+    ap.add_argument("--varlen", action="store_true",
+                    help="packed documents (dilated_attention_varlen); with --gluon: the Gluon varlen kernels")  # fmt: skip
     ap.add_argument("--gluon", action="store_true",
                     help="cases the Gluon kernels take (sm_90 CUDA only; exit 2 where they cannot run)")  # fmt: skip
     ap.add_argument("--gluon-bwd-tail", action="store_true",
@@ -407,8 +417,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per worker (default: 1 with several workers, else torch's)")
     args = ap.parse_args(argv)
-    if args.gluon and args.varlen:
-        ap.error("--gluon and --varlen exclude each other (the Gluon kernels take no packed documents)")
     if args.gluon_bwd_tail and not args.gluon:
         ap.error("--gluon-bwd-tail needs --gluon")
     if args.gluon_split_phases and not args.gluon:
@@ -416,9 +424,14 @@ def main(argv=None) -> int:
     if args.gluon and args.impl == "torch":
         ap.error("--gluon needs --impl triton (the Gluon kernels run inside impl='triton')")
     args.impl = args.impl or ("triton" if args.gluon else "torch")
-    kind = "gluon" if args.gluon else "varlen" if args.varlen else "batch"
+    kind = ("gluon-varlen" if args.varlen else "gluon") if args.gluon else "varlen" if args.varlen else "batch"
     if args.gluon:
         why = gluon_fuzz_cases.gluon_unavailable(args.device)
+        if why is None and args.varlen:
+            from dilated_attention.kernels import gluon_varlen
+
+            if gluon_varlen.kernel_module() is None:
+                why = f"the Gluon varlen kernels do not import: {gluon_varlen._import_error}"
         if why is not None:  # a run that fell back to the Triton kernels would pass for nothing
             print(f"fuzz --gluon: the Gluon kernels cannot run here: {why}. Nothing was fuzzed (exit 2); "
                   "run it on an sm_90 GPU with --device cuda", file=sys.stderr, flush=True)  # fmt: skip

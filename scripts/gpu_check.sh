@@ -134,6 +134,8 @@
 #                                       varlen_switch_ab.py --switch host-desc ($AB_TIMEOUT 200 s; $SWITCH_AB_ARGS)
 #   bash scripts/gpu_check.sh s31      the CUDA tests of tests/test_gluon_varlen.py (the split launches of
 #                                       gluon_varlen.HOST_DESCRIPTORS_UNCHECKED included), then bench_varlen.py with that switch on
+#   bash scripts/gpu_check.sh fuzz-gluon-varlen  scripts/fuzz.py --gluon --varlen: the Gluon varlen kernels over random packed
+#                                       batches against the float64 reference per document (not yet run)
 #   bash scripts/gpu_check.sh s32      gluon_varlen.FILL_UNCOVERED_ONLY: CUDA tests with device offsets (its same-bits test too),
 #                                       then varlen_switch_ab.py --switch fill-only (issue batch, 512-token mix)
 #   bash scripts/gpu_check.sh s31c     the CUDA tests of test_gluon_varlen.py with device offsets, then varlen_switch_ab.py
@@ -793,6 +795,20 @@ sys.exit(pytest.main(["-v", "-m", "cuda", "tests/test_gluon_bwd.py", "-n", "4", 
     echo "fuzz rc=$?" >> "$OUT/fuzz_gluon.txt"
     grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon.txt" | head -8
     tail -8 "$OUT/fuzz_gluon.txt"
+    ;;
+  fuzz-gluon-varlen)
+    # issue 22 / 24 (written 2026-11-29, thirty-first session, not yet run): the Gluon varlen kernels (kernels/gluon_varlen.py,
+    # on by default on Hopper) over random packed batches (tests/gluon_varlen_fuzz_cases.py: host and device offsets, rows
+    # past the documents holding NaN / inf, GQA / MQA, head dim 64 / 128, r = 1 first or not): each case the float64
+    # reference per document, impl="triton" with the Gluon switches off, then on (a fall back to Triton is an ERROR).
+    # $FUZZ_GLUON_VARLEN_EXAMPLES (2000) in $FUZZ_GLUON_VARLEN_MINUTES (6); a pool of 2 templates per worker
+    timeout "${FUZZ_GLUON_TIMEOUT:-450}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_varlen_cache OMP_NUM_THREADS=1 \
+      python3 scripts/fuzz.py --gluon --varlen --impl triton --device cuda --workers "${FUZZ_GLUON_WORKERS:-12}" \
+      --pool "${FUZZ_GLUON_POOL:-2}" --examples "${FUZZ_GLUON_VARLEN_EXAMPLES:-2000}" \
+      --minutes "${FUZZ_GLUON_VARLEN_MINUTES:-6}" --every 100 > "$OUT/fuzz_gluon_varlen.txt" 2>&1
+    echo "fuzz rc=$?" >> "$OUT/fuzz_gluon_varlen.txt"
+    grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon_varlen.txt" | head -8
+    tail -8 "$OUT/fuzz_gluon_varlen.txt"
     ;;
   varlen-configs)
     timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_varlen.py --causal "${CAUSAL:-yes}" \

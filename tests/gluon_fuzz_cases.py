@@ -73,8 +73,16 @@ GROSS_ATOL = {torch.float16: HALF_ATOL, torch.bfloat16: 8 * HALF_ATOL}
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
+class HalfPrecision:
+    """``dtype`` of a case with a ``bf16`` field: bfloat16, else float16."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16
+
+
 @dataclass(frozen=True)
-class GluonCase:
+class GluonCase(HalfPrecision):
     b: int
     n: int  # seqlen_q == seqlen_k
     h: int
@@ -86,10 +94,6 @@ class GluonCase:
     split: bool  # head_assignment="split" (the Gluon backward refuses it unless every branch has all heads)
     bf16: bool  # else float16
     seed: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float16
 
     @property
     def head_assignment(self) -> str:
@@ -210,6 +214,14 @@ def _draw_branch(rng: random.Random, n: int, first: bool, tail: bool = False) ->
     return w, rng.choice(dilated if dilated and rng.random() < 0.8 else rs)
 
 
+def draw_kv_heads(rng: random.Random, h: int) -> int:
+    """kv heads for ``h`` query heads: MHA, MQA or GQA a third of the time each (kv heads a proper
+    divisor of the heads; MHA where none)."""
+    kind = rng.random()
+    gqa = [x for x in _divisors(h) if 1 < x < h]
+    return 1 if 1 / 3 <= kind < 2 / 3 else rng.choice(gqa) if kind >= 2 / 3 and gqa else h
+
+
 def gluon_case(rng: random.Random, d: int | None = None) -> GluonCase:
     """A random case that the Gluon kernels take (:func:`case_problem` None); ``d`` None draws
     64 or 128 (fuzz.py's draw signature)."""
@@ -219,9 +231,7 @@ def gluon_case(rng: random.Random, d: int | None = None) -> GluonCase:
         b = rng.randint(1, 2)
         if b * h * n * n <= MAX_SCORES:
             break
-    kind = rng.random()  # MHA, MQA, GQA (kv heads a proper divisor of the heads; MHA where none)
-    gqa = [x for x in _divisors(h) if 1 < x < h]
-    hkv = 1 if 1 / 3 <= kind < 2 / 3 else rng.choice(gqa) if kind >= 2 / 3 and gqa else h
+    hkv = draw_kv_heads(rng, h)
     d = d if d is not None else rng.choice([64, 128])
     tail = (b == 1 or tail_batches()) and rng.random() < TAIL_P
     split, causal, bf16 = rng.random() < SPLIT_P, rng.random() < 0.5, rng.random() < 0.5

@@ -12,6 +12,7 @@ and ``gpu_check.sh fuzz-gluon``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import random
@@ -275,6 +276,16 @@ def test_gluon_variants_stay_in_class():
 
 
 @needs_triton
+def _as_on_sm90(monkeypatch):
+    """The Gluon gates' device checks as on an sm_90 GPU (compiled Triton), speed floors 0."""
+    from dilated_attention.kernels import gluon_fwd, triton_import
+
+    monkeypatch.setattr(triton_import, "INTERPRET", False)
+    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
+    monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
+
+
 def test_gluon_cases_pass_the_librarys_gate(monkeypatch):
     """gluon_fwd.shape_problem and gluon_bwd.problem as on an sm_90 GPU with MIN_ROWS 0 (the
     device checks stood in for): every case passes the forward's, the backward's exactly when
@@ -283,13 +294,10 @@ def test_gluon_cases_pass_the_librarys_gate(monkeypatch):
     from gluon_cases import OnCuda
 
     from dilated_attention.branches import branch_head_ranges
-    from dilated_attention.kernels import gluon_bwd, gluon_fwd, triton_import
+    from dilated_attention.kernels import gluon_bwd, gluon_fwd
     from dilated_attention.kernels import triton_launch as L
 
-    monkeypatch.setattr(triton_import, "INTERPRET", False)
-    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(gluon_fwd, "MIN_ROWS", 0)
-    monkeypatch.setattr(gluon_fwd, "D64_MIN_BLOCK", 0)
+    _as_on_sm90(monkeypatch)
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: object())
     monkeypatch.setattr(gluon_bwd, "_failed", {})
 
@@ -395,7 +403,9 @@ def test_gluon_mode_refuses_to_run_without_gluon(capsys):
     if G.gluon_unavailable("cuda") is not None:  # this machine: no sm_90 GPU with Gluon
         assert fuzz.main(["--gluon", "--impl", "triton", "--device", "cuda", "--examples", "3"]) == 2
         assert "Nothing was fuzzed" in capsys.readouterr().err
-    for bad in (["--gluon", "--varlen"], ["--gluon", "--impl", "torch"]):
+    assert fuzz.main(["--gluon", "--varlen", "--examples", "3"]) == 2  # the Gluon varlen kernels: sm_90 only too
+    assert "Nothing was fuzzed" in capsys.readouterr().err
+    for bad in (["--gluon", "--impl", "torch"],):
         with pytest.raises(SystemExit) as e:
             fuzz.main(bad)
         assert e.value.code == 2
@@ -547,3 +557,97 @@ def test_gluon_launch_count_takes_split_phases_and_one_call_alike(monkeypatch):
         for kw in ({"kernels": ("dkdv",)}, {"kernels": ("dkdv",)}):
             gluon_bwd.launch_branch(*bwd, **kw)
     assert [p.split(" (w")[0] for p in G.launch_problems(c, seen)] == ["the Gluon backward launched"]
+
+
+# ------------------------------------------------------------------------------ --gluon --varlen
+
+
+def test_gluon_varlen_cases_pass_the_librarys_gate(monkeypatch):
+    """gluon_varlen.problem and backward_problem as on an sm_90 GPU with the speed gates lifted
+    (gluon_varlen_fuzz_cases.varlen_gates_open; the device checks stood in for): every drawn case
+    and variant passes both; the draws cover host and device offsets, rows past the documents,
+    GQA / MQA, both head dims, r = 1 first or not, and variants keep their key."""
+    import gluon_varlen_fuzz_cases as V
+    from gluon_cases import OnCuda
+
+    from dilated_attention.kernels import gluon_varlen
+    from dilated_attention.kernels import triton_launch as L
+
+    _as_on_sm90(monkeypatch)
+    monkeypatch.setattr(gluon_varlen, "kernel_module", lambda: object())
+    monkeypatch.setattr(gluon_varlen, "_failed", {})
+    monkeypatch.setattr(gluon_varlen, "_bwd_failed", {})
+
+    def problems(c):
+        q = OnCuda((1, c.total, c.h, c.d), c.dtype)
+        k = OnCuda((1, c.total, c.hkv, c.d), c.dtype)
+        br = L.branch_list(c.seg, c.dil, [(0, c.h)] * len(c.seg))
+        args = (q, k, k, c.causal, br, True, c.max_len, len(c.lens))
+        with V.varlen_gates_open():
+            return (gluon_varlen.problem(*args, covered=not c.device_offsets),
+                    gluon_varlen.backward_problem(*args, covered=not c.device_offsets))  # fmt: skip
+
+    rng = random.Random(7)
+    seen = collections.Counter()
+    for _ in range(300):
+        c = V.gluon_varlen_case(rng)
+        assert V.case_problem(c) is None, c
+        assert problems(c) == (None, None), (problems(c), c)
+        seen.update({("device", c.device_offsets), ("past", c.past > 0), ("d", c.d), ("r1 first", c.dil[0] == 1),
+                     ("kv", "mha" if c.hkv == c.h else "mqa" if c.hkv == 1 else "gqa"),
+                     ("empty doc", 0 in c.lens), ("bf16", c.bf16)})  # fmt: skip
+        v = V.variant(c, rng)
+        if v is not None:
+            assert V.case_key(v) == V.case_key(c) and problems(v) == (None, None), (v, c)
+            seen["variants"] += 1
+    for key in [("device", True), ("device", False), ("past", True), ("past", False), ("d", 64), ("d", 128),
+                ("r1 first", True), ("r1 first", False), ("kv", "mha"), ("kv", "mqa"), ("kv", "gqa"),
+                ("empty doc", True), ("bf16", True), ("bf16", False)]:  # fmt: skip
+        assert seen[key] >= 10, (key, seen)
+    assert seen["variants"] >= 150, seen
+    c = V.gluon_varlen_case(random.Random(8))
+    assert V.case_problem(dataclasses.replace(c, device_offsets=False, past=3)) is not None
+    assert "w // r >= 2" in problems(dataclasses.replace(c, seg=(4,), dil=(3,)))[0]
+
+
+def test_gluon_varlen_reference_pads_the_rows_past_the_documents():
+    """The float64 reference of a case with rows past its documents (which hold NaN / inf in the
+    inputs): each document's values, then out 0, lse -inf and zero gradients."""
+    import gluon_varlen_fuzz_cases as V
+    import torch
+
+    c = V.GluonVarlenCase(lens=(20, 0, 1, 30), past=9, max_extra=5, h=2, hkv=1, d=64, seg=(16, 32), dil=(1, 2),
+                          causal=True, bf16=False, device_offsets=True, seed=4)  # fmt: skip
+    ref = V.run(c, "reference", "cpu", None)
+    assert ref["out"].shape == (60, 2, 64) and ref["lse"].shape == (2, 60) and ref["dk"].shape == (60, 1, 64)
+    assert all(torch.isfinite(ref[n][:51]).all() for n in ("out", "dq", "dk", "dv"))
+    assert torch.isfinite(ref["lse"][:, :51]).all() and (ref["lse"][:, 51:] == float("-inf")).all()
+    assert all((ref[n][51:] == 0).all() for n in ("out", "dq", "dk", "dv"))
+
+
+def test_gluon_varlen_check_through_the_emulated_kernels(monkeypatch):
+    """gluon_varlen_fuzz_cases.check end to end on the CPU: the Gluon varlen kernels emulated
+    (tests/test_gluon_varlen.py), the Triton varlen kernels interpreted, host offsets, fp16: no
+    mismatch; a wrong Gluon result is one; with the Gluon varlen forward refused, the check raises."""
+    import gluon_varlen_fuzz_cases as V
+    import test_gluon_varlen as T
+    import torch
+
+    from dilated_attention.kernels import gluon_varlen
+
+    T._emulate_gluon_varlen(monkeypatch)
+    c = V.GluonVarlenCase(lens=(40, 0, 1, 25), past=0, max_extra=0, h=2, hkv=1, d=64, seg=(16, 32), dil=(1, 2),
+                          causal=True, bf16=False, device_offsets=False, seed=5)  # fmt: skip
+    assert V.check(c, "triton", "cpu") == []
+    real = gluon_varlen.forward
+
+    def off_by_a_bit(*a, **kw):
+        out, lse = real(*a, **kw)
+        return out + 0.25, lse
+
+    monkeypatch.setattr(gluon_varlen, "forward", off_by_a_bit)
+    assert any(m.startswith("out:") for m in V.check(c, "triton", "cpu"))
+    monkeypatch.setattr(gluon_varlen, "problem", lambda *a, **kw: "refused (test)")
+    with pytest.raises(V.GluonNotLaunched, match="expected one forward and one backward"):
+        V.check(c, "triton", "cpu")
+    assert torch.is_tensor(V.run(c, "reference", "cpu", None)["out"])
