@@ -717,17 +717,17 @@ def test_fill_uncovered_sets_exactly_the_rows_no_document_covers(cu_ok, rows):
         cu = torch.tensor(cuv, dtype=torch.int32)
         for shape, rows_dim, value, dt in [((rows, 3, 8), 0, 0.0, torch.float16), ((1, rows, 2, 8), 1, 0.0, torch.float32),
                                            ((5, rows), 1, float("-inf"), torch.float32)]:  # fmt: skip
-            for per in (64, 4096):
+            for per, most in ((64, 1024), (4096, 1024), (64, 7)):  # many programs, one, rows spread over 7
                 x = torch.randn(shape, generator=g).to(dt)
                 want = x.clone()
                 want.narrow(rows_dim, start, rows - start).fill_(value)
-                old = gluon_varlen.FILL_ROWS_PER
-                gluon_varlen.FILL_ROWS_PER = per
+                old = gluon_varlen.FILL_ROWS_PER, gluon_varlen.FILL_MAX_PROGRAMS
+                gluon_varlen.FILL_ROWS_PER, gluon_varlen.FILL_MAX_PROGRAMS = per, most
                 try:
                     gluon_varlen.fill_uncovered(x, cu, max_len, value, rows_dim)
                 finally:
-                    gluon_varlen.FILL_ROWS_PER = old
-                assert torch.equal(x, want), (cuv, shape, per)
+                    gluon_varlen.FILL_ROWS_PER, gluon_varlen.FILL_MAX_PROGRAMS = old
+                assert torch.equal(x, want), (cuv, shape, per, most)
 
 
 OFFSET_CASES = {

@@ -109,7 +109,8 @@ HOST_DESCRIPTORS_UNCHECKED = True
 # after the last GPU call, CPU-tested only; the gap it aims at is row (a') against (a) of
 # results/varlen_h200_2026-11-29_s31.md (+1.5 / +1.7 ms fwd+bwd, peak 8.02 against 6.52 GiB)
 FILL_UNCOVERED_ONLY = False
-FILL_ROWS_PER = 512  # rows of every slab per program of fill_uncovered_kernel
+FILL_ROWS_PER = 512  # rows of every slab per program of fill_uncovered_kernel (at least)
+FILL_MAX_PROGRAMS = 1024  # and at most this many programs: each reads the offsets once
 
 _module = None
 _import_error: str | None = None
@@ -220,9 +221,10 @@ def fill_uncovered(x: torch.Tensor, cu: torch.Tensor, max_len: int, value: float
     total = x.shape[rows_dim]
     inner = math.prod(x.shape[rows_dim + 1 :])  # contiguous elements of a row
     outer = math.prod(x.shape[:rows_dim])  # slabs of `total` rows, total * inner elements apart
-    progs = -(-total // FILL_ROWS_PER)
+    progs = min(-(-total // FILL_ROWS_PER), FILL_MAX_PROGRAMS)
+    rows_per = -(-total // progs)
     triton_kernels.fill_uncovered_kernel[(progs,)](
-        x, cu, cu.shape[0] - 1, total, max_len, inner, outer, total * inner, FILL_ROWS_PER, value,
+        x, cu, cu.shape[0] - 1, total, max_len, inner, outer, total * inner, rows_per, value,
         BLOCK=1024, BLOCK_D=128)  # fmt: skip
 
 
