@@ -116,12 +116,14 @@ def training_rows(cfg, device, iters, warmup):
     return rows
 
 
-def e2e_rows(cfg, device, steps, warmup, compile_backend):
+def e2e_rows(cfg, device, steps, warmup, compile_backend, modes=("eager", "compile"), lengths=None):
     rows = []
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     for n, batch, seg, dil in cfg["e2e"]:
+        if lengths and n not in lengths:
+            continue
         for attention in ("dilated", "dense"):
-            for mode in ("eager", "compile"):
+            for mode in modes:
                 base = LongNetConfig.preset(cfg["e2e_preset"], max_seq_len=n)
                 base = dataclasses.replace(base, segment_lengths=seg, dilation_rates=dil)
                 mcfg = base.with_attention(attention, n)
@@ -212,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--e2e-steps", type=int, default=10)
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--only-e2e", action="store_true", help="the end-to-end rows only (no decode or training-call rows)")
+    p.add_argument("--e2e-modes", default="eager,compile", help="end-to-end modes, comma-separated (eager, compile)")
+    p.add_argument("--e2e-lengths", default="", help="end-to-end sequence lengths to run, comma-separated (default all)")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; aot_eager with --tiny)")
     p.add_argument("--out", default=None, help="markdown file (default results/overhead_<gpu>_<date>.md)")
@@ -230,7 +234,11 @@ def main(argv=None) -> int:
         p.error("--only-e2e and --no-e2e leave nothing to measure")
     dec = [] if args.only_e2e else decode_rows(cfg, device, args.iters, args.warmup)
     tr = [] if args.only_e2e else training_rows(cfg, device, args.iters, args.warmup)
-    e2e = [] if args.no_e2e else e2e_rows(cfg, device, args.e2e_steps, 2, backend)
+    modes = tuple(m for m in args.e2e_modes.split(",") if m)
+    if not modes or set(modes) - {"eager", "compile"}:
+        p.error(f"--e2e-modes {args.e2e_modes!r}: a comma-separated list of eager, compile")
+    lengths = {int(x) for x in args.e2e_lengths.split(",") if x}
+    e2e = [] if args.no_e2e else e2e_rows(cfg, device, args.e2e_steps, 2, backend, modes, lengths)
     text = markdown(env, dec, tr, e2e)
     if args.out:
         out = pathlib.Path(args.out)
@@ -239,7 +247,8 @@ def main(argv=None) -> int:
         out = HERE / "results" / f"overhead_{tag}_{utc_now()[:10]}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print("decode        cache  kvcache_us  dilated_attention_us  dense_us")
+    if dec:
+        print("decode        cache  kvcache_us  dilated_attention_us  dense_us")
     for r in dec:
         print(f"| decode | {r['cache']:>7} | {_f(r['kvcache_us']):>9} | {_f(r['dilated_attention_us']):>9} | {_f(r['dense_us']):>9} |")
     for r in tr:
