@@ -696,13 +696,8 @@ def _emulate_gluon_varlen(monkeypatch):
     return fwd, bwd
 
 
-@pytest.mark.parametrize("cu_ok", [True, False], ids=["valid", "invalid"])
-@pytest.mark.parametrize("rows", [1500, 1480])
-def test_fill_uncovered_sets_exactly_the_rows_no_document_covers(cu_ok, rows):
-    """``triton_kernels.fill_uncovered_kernel`` (interpreted): valid offsets (0 first, documents
-    of 0..max_len rows, the last offset inside the stream) set the rows at or past the last
-    offset, any other offsets every row; the rest stay as they were, for every buffer layout the
-    Gluon varlen path fills (rows first, rows second, one program or many)."""
+def _fill_uncovered_cases(cu_ok: bool, rows: int, device: str) -> None:
+    """:func:`test_fill_uncovered_sets_exactly_the_rows_no_document_covers` on ``device``."""
     g = torch.Generator().manual_seed(rows)
     lens = _lognormal(rows - 40, 120.0, seed=rows)
     good = _offsets(lens)
@@ -714,11 +709,12 @@ def test_fill_uncovered_sets_exactly_the_rows_no_document_covers(cu_ok, rows):
         valid = cuv[0] == 0 and cuv[-1] <= rows and all(0 <= b - a <= max_len for a, b in zip(cuv[:-1], cuv[1:], strict=True))
         assert valid == cu_ok, cuv
         start = min(max(cuv[-1], 0), rows) if valid else 0
-        cu = torch.tensor(cuv, dtype=torch.int32)
-        for shape, rows_dim, value, dt in [((rows, 3, 8), 0, 0.0, torch.float16), ((1, rows, 2, 8), 1, 0.0, torch.float32),
+        cu = torch.tensor(cuv, dtype=torch.int32, device=device)
+        half = torch.bfloat16 if device == "cuda" else torch.float16  # bf16: the GPU's (the interpreter refuses it)
+        for shape, rows_dim, value, dt in [((rows, 3, 8), 0, 0.0, half), ((1, rows, 2, 8), 1, 0.0, torch.float32),
                                            ((5, rows), 1, float("-inf"), torch.float32)]:  # fmt: skip
             for per, most in ((64, 1024), (4096, 1024), (64, 7)):  # many programs, one, rows spread over 7
-                x = torch.randn(shape, generator=g).to(dt)
+                x = torch.randn(shape, generator=g).to(dt).to(device)
                 want = x.clone()
                 want.narrow(rows_dim, start, rows - start).fill_(value)
                 old = gluon_varlen.FILL_ROWS_PER, gluon_varlen.FILL_MAX_PROGRAMS
@@ -728,6 +724,24 @@ def test_fill_uncovered_sets_exactly_the_rows_no_document_covers(cu_ok, rows):
                 finally:
                     gluon_varlen.FILL_ROWS_PER, gluon_varlen.FILL_MAX_PROGRAMS = old
                 assert torch.equal(x, want), (cuv, shape, per, most)
+
+
+@pytest.mark.parametrize("cu_ok", [True, False], ids=["valid", "invalid"])
+@pytest.mark.parametrize("rows", [1500, 1480])
+def test_fill_uncovered_sets_exactly_the_rows_no_document_covers(cu_ok, rows):
+    """``triton_kernels.fill_uncovered_kernel`` (interpreted): valid offsets (0 first, documents
+    of 0..max_len rows, the last offset inside the stream) set the rows at or past the last
+    offset, any other offsets every row; the rest stay as they were, for every buffer layout the
+    Gluon varlen path fills (rows first, rows second, one program or many)."""
+    _fill_uncovered_cases(cu_ok, rows, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cu_ok", [True, False], ids=["valid", "invalid"])
+def test_fill_uncovered_kernel_compiled(cu_ok):
+    """The same, compiled on a GPU (bf16 among the buffers)."""
+    _fill_uncovered_cases(cu_ok, 1480, "cuda")
 
 
 OFFSET_CASES = {
@@ -740,15 +754,18 @@ OFFSET_CASES = {
 
 @pytest.mark.parametrize("case", list(OFFSET_CASES))
 @pytest.mark.parametrize("causal", [False, True])
-def test_unchecked_offsets_fill_only_the_uncovered_rows(monkeypatch, switch_on, case, causal):
+@pytest.mark.parametrize("phases", [True, False], ids=["split-phases", "one-phase"])
+def test_unchecked_offsets_fill_only_the_uncovered_rows(monkeypatch, switch_on, case, causal, phases):
     """``FILL_UNCOVERED_ONLY``: offsets nobody checked, through the Gluon varlen forward and
     backward (emulated, host and device descriptors, buffers allocated empty start as NaN): the
     results and gradients are those of the zero-filled buffers bit for bit where the offsets tile
     the stream's start (documents stopping short of it or covering it, or starting past row 0);
     overlapping documents (no valid packing) still leave no element unwritten."""
+    from dilated_attention.kernels import gluon_bwd
     from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
 
     _emulate_gluon_varlen(monkeypatch)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", phases)  # the accumulators in one run, or dK/dV's then dQ's
     lens, seg, dil, h, hkv = [60, 0, 90, 1, 120], [16, 32], [1, 2], 4, 2
     offs, total = OFFSET_CASES[case](_offsets(lens), sum(lens))
     g = torch.Generator().manual_seed(23)
