@@ -135,6 +135,17 @@ def switch_on(monkeypatch, kind: str) -> None:
         monkeypatch.setattr(gluon_fwd if mod == "fwd" else gluon_bwd, name, True)
 
 
+def lse_merge(out_a, lse_a, out_b, lse_b):
+    """The kernels' epilogue merge of two (out, lse) pairs by LSE, float64 (rows, D) / (rows,):
+    a pair with lse -inf weighs nothing; rows with no key in either stay lse -inf, out 0."""
+    mx = torch.maximum(lse_a, lse_b)
+    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+    wa, wb = torch.exp(lse_a - mx), torch.exp(lse_b - mx)
+    tot = wa + wb
+    new_lse = torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)), float("-inf"))
+    return (out_a * wa[:, None] + out_b * wb[:, None]) / torch.where(tot > 0, tot, 1.0)[:, None], new_lse
+
+
 def tma_box(d, blk: int, col: int, big_l: int) -> torch.Tensor:
     """Rows [0, big_l) of (block, column) of a TMA descriptor's 4-D view, as a strided view of
     its base: what the kernels' boxes cover (the emulated kernels of the CPU tests). Past the

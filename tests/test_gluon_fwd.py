@@ -22,6 +22,7 @@ from gluon_cases import (
     err,
     geometry_cases,
     gluon_ready,
+    lse_merge,
     needs_gluon,
     qkv,
     run,
@@ -150,12 +151,7 @@ class _EmulatedKernel:
                     out_a = box(ov, blk, col).double()
                     if COMP:
                         out_a = out_a + box(lov, lo_blk, col).double()
-                    mx = torch.maximum(lse_a, lse_b)
-                    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
-                    wa, wb = torch.exp(lse_a - mx), torch.exp(lse_b - mx)
-                    tot = wa + wb
-                    new_lse = torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)), float("-inf"))
-                    new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / torch.where(tot > 0, tot, 1.0)[:, None]
+                    new_out, new_lse = lse_merge(out_a, lse_a, out_b, lse_b)
                 hi = new_out.to(ov.base.dtype)
                 box(ov, blk, col).copy_(hi)
                 if COMP and STORE_LO:

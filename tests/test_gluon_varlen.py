@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_cases import needs_gluon
+from gluon_cases import lse_merge, needs_gluon
 from helpers import varlen_reference
 
 from dilated_attention import dilated_attention_varlen, flags
@@ -264,12 +264,7 @@ class _EmulatedVarlenKernel:
             lse_a, out_a = lse[h, rows].double(), out[rows, h].double()
             if COMP:
                 out_a = out_a + lo[rows, h].double()
-            mx = torch.maximum(lse_a, lse_b)
-            mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
-            wa, wb = torch.exp(lse_a - mx), torch.exp(lse_b - mx)
-            tot = wa + wb
-            new_lse = torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)), float("-inf"))
-            new_out = (out_a * wa[:, None] + out_b * wb[:, None]) / torch.where(tot > 0, tot, 1.0)[:, None]
+            new_out, new_lse = lse_merge(out_a, lse_a, out_b, lse_b)
         hi = new_out.to(out.dtype)
         out[rows, h] = hi
         if COMP and STORE_LO:
@@ -395,6 +390,13 @@ class _EmulatedVarlenBwd:
             p = p.masked_fill(k_rows[None, :] > q_rows[:, None], 0.0)
         return p, p * (dob @ vb.T - dl2[:, None])
 
+    @staticmethod
+    def _kv_slot(pid_x, ni, rep, r):
+        # gluon_varlen_kernel._kv_slot: kv head g, first query head, its residue, its heads of g
+        g = pid_x // ni
+        h_start = g * rep + pid_x % ni
+        return g, h_start, h_start % r, ((g + 1) * rep - h_start + r - 1) // r
+
     def _block(self, p0, ws, e, c, r):
         n = max(-(-(int(ws[e]) - c) // r), 0)
         return int(p0[e]) + c + r * torch.arange(n), n
@@ -410,10 +412,7 @@ class _EmulatedVarlenBwd:
         for pid0 in range(grid[0]):
             pid_n, e = pid0 % nnb, pid0 // nnb
             for pid_x in range(grid[1]):
-                g, i0 = pid_x // ni, pid_x % ni
-                h_start = g * rep + i0
-                c = h_start % r
-                nhl = ((g + 1) * rep - h_start + r - 1) // r
+                g, h_start, c, nhl = self._kv_slot(pid_x, ni, rep, r)
                 rows, n = self._block(p0, ws, e, c, r)
                 assert n <= nnb * self.BLK and n <= lp, "the grid or the rows do not cover the block"
                 kr = torch.arange(pid_n * self.BLK, max(pid_n * self.BLK, min((pid_n + 1) * self.BLK, n)))  # empty past the block
@@ -454,10 +453,7 @@ class _EmulatedVarlenBwd:
         for pid0 in range(grid[0]):
             pid_n, e = pid0 % nnb, pid0 // nnb
             for pid_x in range(grid[1]):
-                g, i0 = pid_x // ni, pid_x % ni
-                h_start = g * rep + i0
-                c = h_start % r
-                nhl = ((g + 1) * rep - h_start + r - 1) // r
+                g, h_start, c, nhl = self._kv_slot(pid_x, ni, rep, r)
                 big_l = max(-(-(int(ws[e]) - c) // r), 0)
                 n_lo = pid_n * self.BLK
                 pos0 = int(p0[e]) + c

@@ -80,6 +80,28 @@ def _runs(has_rows, LIMIT, pos0, R, reach, PART: gl.constexpr):
 
 
 @gluon.jit
+def _query_block(ENT_P0, ENT_W, e, h, pid_m, R, H, HKV):
+    # a forward / dQ program's residue c, kv head hk, entry's first row p0, block rows L and first
+    # query row
+    c = h % R
+    p0, L = _block(ENT_P0, ENT_W, e, c, R)
+    return c, h // (H // HKV), p0, L, pid_m * (2 * _WGM)
+
+
+@gluon.jit
+def _kv_program(ENT_P0, ENT_W, LIMIT, NNB, NI, REP, R, BMQ: gl.constexpr, PART: gl.constexpr):
+    # a dK/dV program's entry e, key tile, kv slot (:func:`_kv_slot`), block and whether it runs
+    pid0 = gl.program_id(0)
+    pid_n = pid0 % NNB
+    e = pid0 // NNB
+    g, h_start, c, nhl = _kv_slot(gl.program_id(1), NI, REP, R)
+    p0, L = _block(ENT_P0, ENT_W, e, c, R)
+    n_lo = pid_n * (2 * _WGM)
+    reach = gl.maximum(n_lo + 2 * _WGM, gl.cdiv(L, BMQ) * BMQ) - 1
+    return e, g, h_start, c, nhl, p0, L, n_lo, _runs(n_lo < L, LIMIT, p0 + c, R, reach, PART)
+
+
+@gluon.jit
 def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, LIMIT, qk_scale, TOTAL, SNQ, SNK, R, H, HKV,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, BN: gl.constexpr,
                             D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -93,10 +115,7 @@ def gluon_fwd_varlen_kernel(Q, K, V, O, LO, LSE, ENT_P0, ENT_W, LIMIT, qk_scale,
     pid_m = gl.program_id(0)
     e = gl.program_id(1)
     h = gl.program_id(2)
-    c = h % R
-    hk = h // (H // HKV)
-    p0, L = _block(ENT_P0, ENT_W, e, c, R)
-    q_row0 = pid_m * (2 * _WGM)
+    c, hk, p0, L, q_row0 = _query_block(ENT_P0, ENT_W, e, h, pid_m, R, H, HKV)
     reach = gl.maximum(q_row0 + 2 * _WGM, F.key_tiles(L, q_row0, BN, CAUSAL)[0] * BN) - 1
     if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         row = (p0 + c).to(gl.int64)
@@ -132,15 +151,8 @@ def dkdv_varlen_kernel(Q, DO, K, V, l_desc, dl_desc, DK, DV, ENT_P0, ENT_W, LIMI
     row (head g), its q / dO descriptors at that row over all heads (the loader's column is
     the query head: c passed as 0); dK / dV rows p0 + c + R t (blk = p0, W = 1); lse / delta
     rows block-major [H, NE, LP] (b = 0, s = e, NSEG = NE)."""
-    pid0 = gl.program_id(0)
-    pid_x = gl.program_id(1)
-    pid_n = pid0 % NNB
-    e = pid0 // NNB
-    g, h_start, c, nhl = _kv_slot(pid_x, NI, REP, R)
-    p0, L = _block(ENT_P0, ENT_W, e, c, R)
-    n_lo = pid_n * (2 * _WGM)
-    reach = gl.maximum(n_lo + 2 * _WGM, gl.cdiv(L, BMQ) * BMQ) - 1
-    if _runs(n_lo < L, LIMIT, p0 + c, R, reach, PART):
+    e, g, h_start, c, nhl, p0, L, n_lo, runs = _kv_program(ENT_P0, ENT_W, LIMIT, NNB, NI, REP, R, BMQ, PART)
+    if runs:
         row = (p0 + c).to(gl.int64)
         rq = SNQ.to(gl.int64) * R  # R == 1 arrives as a constexpr int
         rk = SNK.to(gl.int64) * R
@@ -169,12 +181,8 @@ def dq_varlen_kernel(Q, DO, K, V, DQ, LSE2, DELTA, ENT_P0, ENT_W, LIMIT, qk_scal
     W = 1); lse / delta rows block-major [H, NE, LP]."""
     pid0 = gl.program_id(0)
     h = gl.program_id(1)
-    pid_m = pid0 % NMB
     e = pid0 // NMB
-    c = h % R
-    hk = h // (H // HKV)
-    p0, L = _block(ENT_P0, ENT_W, e, c, R)
-    q_row0 = pid_m * (2 * _WGM)
+    c, hk, p0, L, q_row0 = _query_block(ENT_P0, ENT_W, e, h, pid0 % NMB, R, H, HKV)
     reach = gl.maximum(q_row0 + 2 * _WGM, BK.dq_key_tiles(L, q_row0, BN, CAUSAL, False)[0] * BN) - 1
     if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         row = (p0 + c).to(gl.int64)
@@ -222,10 +230,7 @@ def gluon_fwd_varlen_hd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, O, LO, L
     pid_m = gl.program_id(0)
     e = gl.program_id(1)
     h = gl.program_id(2)
-    c = h % R
-    hk = h // (H // HKV)
-    p0, L = _block(ENT_P0, ENT_W, e, c, R)
-    q_row0 = pid_m * (2 * _WGM)
+    c, hk, p0, L, q_row0 = _query_block(ENT_P0, ENT_W, e, h, pid_m, R, H, HKV)
     reach = gl.maximum(q_row0 + 2 * _WGM, F.key_tiles(L, q_row0, BN, CAUSAL)[0] * BN) - 1
     if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         pos0 = p0 + c
@@ -245,15 +250,8 @@ def dkdv_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, 
     """:func:`dkdv_varlen_kernel` over host descriptors (see above): the loader at block 0, the
     block's residue b as its column class (q / dO column b * H + h, k / v b * HKV + g) and
     first row a0; dK / dV rows p0 + c + R t as there."""
-    pid0 = gl.program_id(0)
-    pid_x = gl.program_id(1)
-    pid_n = pid0 % NNB
-    e = pid0 // NNB
-    g, h_start, c, nhl = _kv_slot(pid_x, NI, REP, R)
-    p0, L = _block(ENT_P0, ENT_W, e, c, R)
-    n_lo = pid_n * (2 * _WGM)
-    reach = gl.maximum(n_lo + 2 * _WGM, gl.cdiv(L, BMQ) * BMQ) - 1
-    if _runs(n_lo < L, LIMIT, p0 + c, R, reach, PART):
+    e, g, h_start, c, nhl, p0, L, n_lo, runs = _kv_program(ENT_P0, ENT_W, LIMIT, NNB, NI, REP, R, BMQ, PART)
+    if runs:
         pos0 = p0 + c
         b = pos0 % R
         m_first, n_qt, n_diag = BK.query_tiles(L, n_lo, BMQ, CAUSAL)
@@ -271,12 +269,8 @@ def dq_varlen_hd_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, ENT_P0
     tile of a block is masked (keys t >= L), as the causal diagonal is."""
     pid0 = gl.program_id(0)
     h = gl.program_id(1)
-    pid_m = pid0 % NMB
     e = pid0 // NMB
-    c = h % R
-    hk = h // (H // HKV)
-    p0, L = _block(ENT_P0, ENT_W, e, c, R)
-    q_row0 = pid_m * (2 * _WGM)
+    c, hk, p0, L, q_row0 = _query_block(ENT_P0, ENT_W, e, h, pid0 % NMB, R, H, HKV)
     reach = gl.maximum(q_row0 + 2 * _WGM, BK.dq_key_tiles(L, q_row0, BN, CAUSAL, True)[0] * BN) - 1
     if _runs(q_row0 < L, LIMIT, p0 + c, R, reach, PART):
         pos0 = p0 + c
