@@ -10,7 +10,8 @@ LongNet branches. Forward and forward+backward median times of
                 sync, so the kernels know they cover every row and skip the zero-fills;
   (a') varlen, unchecked: the same through ``dilated_attention_triton_varlen`` with device
                 offsets it never reads (as ``impl="triton"`` with device offsets and
-                ``check_offsets=False``): the fills stay (rows past the last document), the
+                ``check_offsets=False``): the buffers are filled (every row, or with
+                ``--set FILL_UNCOVERED_ONLY=1`` only the rows past the last document), the
                 route every packed call took before branch packedfills (2026-11-26);
   (b) one seq:  one sequence of ``--total`` tokens through the batch path (impl="triton"): the
                 rate to match, per useful FLOP; on a Hopper GPU this is the Gluon kernels
@@ -309,7 +310,10 @@ def report(rows_, info, args, argv) -> str:
                       f"{(a['fb_ms'] / a['flops']) / (bt['fb_ms'] / bt['flops']):.3f}x")
         unchecked = ""
         if u is not None and "error" not in u:
-            unchecked = (f"; unchecked device offsets (fills kept) "
+            from dilated_attention.kernels import gluon_varlen
+
+            fills = "uncovered rows filled" if gluon_varlen.FILL_UNCOVERED_ONLY else "fills kept"
+            unchecked = (f"; unchecked device offsets ({fills}) "
                          f"{(u['fb_ms'] / u['flops']) / (b['fb_ms'] / b['flops']):.3f}x")
         lines.append(
             f"- causal={causal}: varlen time per useful FLOP = {per_flop:.3f}x one sequence's "
@@ -317,6 +321,19 @@ def report(rows_, info, args, argv) -> str:
             f"{unchecked}{family}"
         )
     return "\n".join(lines) + "\n"
+
+
+def set_gluon_varlen_switch(parser, item: str) -> None:
+    """``--set NAME=0|1``: one boolean switch of ``kernels.gluon_varlen`` (upper-case names only)."""
+    from dilated_attention.kernels import gluon_varlen
+
+    name, sep, value = item.partition("=")
+    if not sep or value not in ("0", "1"):
+        parser.error(f"--set {item!r}: expected NAME=0 or NAME=1")
+    if not name.isupper() or not isinstance(getattr(gluon_varlen, name, None), bool):
+        switches = sorted(k for k, v in vars(gluon_varlen).items() if k.isupper() and isinstance(v, bool))
+        parser.error(f"--set {item!r}: {name!r} is no boolean switch of gluon_varlen; one of {switches}")
+    setattr(gluon_varlen, name, value == "1")
 
 
 def main(argv=None):
@@ -342,7 +359,12 @@ def main(argv=None):
                    help="a few hundred tokens, float32, CPU (Triton interpreter): smoke test")
     p.add_argument("--out", default=None,
                    help="markdown results file (default benchmarks/results/varlen_<gpu>_<date>.md)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
+                   help="set a boolean switch of kernels.gluon_varlen for the whole run, e.g. "
+                        "FILL_UNCOVERED_ONLY=1 (repeatable; recorded in the command line)")
     args = p.parse_args(argv)
+    for item in args.set:
+        set_gluon_varlen_switch(p, item)
     if args.tiny:
         args.total, args.mean_len, args.heads, args.headdim = 40, 12, 2, 16
         args.segments, args.dilations = "8,16", "1,2"

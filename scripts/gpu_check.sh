@@ -136,6 +136,8 @@
 #                                       gluon_varlen.HOST_DESCRIPTORS_UNCHECKED included), then bench_varlen.py with that switch on
 #   bash scripts/gpu_check.sh fuzz-gluon-varlen  scripts/fuzz.py --gluon --varlen: the Gluon varlen kernels over random packed
 #                                       batches against the float64 reference per document (not yet run)
+#   bash scripts/gpu_check.sh s32a     the CUDA tests of s32 beside fuzz-gluon-varlen (cold cache; correctness only)
+#   bash scripts/gpu_check.sh s32b     the fill-only A/B of s32, then bench_varlen.py --set FILL_UNCOVERED_ONLY=1
 #   bash scripts/gpu_check.sh s32      gluon_varlen.FILL_UNCOVERED_ONLY: CUDA tests with device offsets (its same-bits test too),
 #                                       then varlen_switch_ab.py --switch fill-only (issue batch, 512-token mix)
 #   bash scripts/gpu_check.sh s31c     the CUDA tests of test_gluon_varlen.py with device offsets, then varlen_switch_ab.py
@@ -454,6 +456,38 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "varlen_switch_ab rc=$?" >> "$ab.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\||rc=" "$ab.txt" | tail -10
+    ;;
+  s32a)
+    # thirty-second session, first call (cold Triton cache): the CUDA tests of tests/test_gluon_varlen.py with device offsets
+    # and the FILL_UNCOVERED_ONLY tests (-n 4, $CUDA_TEST_TIMEOUT 400 s) beside the first GPU fuzz of the Gluon varlen
+    # kernels (fuzz-gluon-varlen with $FUZZ_GLUON_WORKERS 10; odd-seeded device-offset cases run FILL_UNCOVERED_ONLY on):
+    # both correctness only, so they share the GPU and the 16 cores
+    timeout "${CUDA_TEST_TIMEOUT:-400}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -n 4 -p no:cacheprovider \
+      -k "random_cases or rows_past or synchronise or fill_uncovered" -rfE > "$OUT/cuda_tests.txt" 2>&1 &
+    tests_pid=$!
+    timeout "${FUZZ_GLUON_TIMEOUT:-450}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_varlen_cache OMP_NUM_THREADS=1 \
+      python3 scripts/fuzz.py --gluon --varlen --impl triton --device cuda --workers "${FUZZ_GLUON_WORKERS:-10}" \
+      --pool "${FUZZ_GLUON_POOL:-2}" --examples "${FUZZ_GLUON_VARLEN_EXAMPLES:-2000}" \
+      --minutes "${FUZZ_GLUON_VARLEN_MINUTES:-6}" --every 100 > "$OUT/fuzz_gluon_varlen.txt" 2>&1
+    echo "fuzz rc=$?" >> "$OUT/fuzz_gluon_varlen.txt"
+    wait "$tests_pid"; echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon_varlen.txt" | head -8
+    tail -8 "$OUT/fuzz_gluon_varlen.txt"
+    ;;
+  s32b)
+    # thirty-second session, second call: varlen_switch_ab.py --switch fill-only (device offsets in both arms; same bits
+    # expected) on the issue batch and a 512-token mix ($AB_TIMEOUT 250 s), then bench_varlen.py with FILL_UNCOVERED_ONLY
+    # on (row (a'); $VARLEN_TIMEOUT 300 s)
+    timeout "${AB_TIMEOUT:-250}" python3 benchmarks/varlen_switch_ab.py --switch fill-only \
+      --cases "${AB_CASES:-issue-128k-16x128,short-docs-64k-mean512}" --rounds "${AB_ROUNDS:-3}" \
+      --out "$OUT/varlen_switch_ab_fill_only.md" > "$OUT/varlen_switch_ab_fill_only.txt" 2>&1
+    echo "varlen_switch_ab rc=$?" >> "$OUT/varlen_switch_ab_fill_only.txt"
+    timeout "${VARLEN_TIMEOUT:-300}" python3 benchmarks/bench_varlen.py --set FILL_UNCOVERED_ONLY=1 --out "$OUT/varlen.md" \
+      > "$OUT/varlen.txt" 2>&1
+    echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
+    grep -E "^\||rc=" "$OUT/varlen_switch_ab_fill_only.txt" | tail -10
+    grep -E "^\||^- causal|rc=" "$OUT/varlen.txt" | tail -16
     ;;
   s31b)
     # thirty-first session, second call: varlen_switch_ab.py --switch unchecked on the issue batch (device offsets in both arms:

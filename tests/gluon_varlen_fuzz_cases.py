@@ -17,7 +17,8 @@ the buffers are filled), w up to 1024, any r with w // r >= 2 (r not dividing w 
 causal or not; the offsets on the host (checked: host descriptors where r divides the stream's
 rows) or on the device (unchecked: the split launches of ``HOST_DESCRIPTORS_UNCHECKED``), and
 then, in half the cases, rows past the last document holding NaN / inf, which no document may
-see; the caller's ``max_seqlen`` equal to the longest document or larger.
+see, and in half of them (odd seeds) the Gluon run with ``FILL_UNCOVERED_ONLY`` on (only the rows no
+document covers filled); the caller's ``max_seqlen`` equal to the longest document or larger.
 
 The check (:func:`check`) is gluon_fuzz_cases.judge's: out, lse, dq, dk, dv with the Gluon
 kernels within 2x the error of the same call on the Triton varlen kernels (both Gluon switches
@@ -70,6 +71,12 @@ class GluonVarlenCase(HalfPrecision):
     @property
     def max_len(self) -> int:
         return max(self.lens) + self.max_extra
+
+    @property
+    def fill_uncovered_only(self) -> bool:
+        """``gluon_varlen.FILL_UNCOVERED_ONLY`` for the Gluon run: on for half of the cases with
+        device offsets (odd seeds; from the seed so that older draws are unchanged)."""
+        return self.device_offsets and bool(self.seed & 1)
 
 
 def case_problem(c: GluonVarlenCase) -> str | None:
@@ -178,16 +185,19 @@ def variant(c: GluonVarlenCase, rng: random.Random, tries: int = 40) -> GluonVar
 
 
 @contextlib.contextmanager
-def varlen_gates_open():
+def varlen_gates_open(fill_uncovered_only: bool | None = None):
     """Both Gluon varlen switches on and their speed gates lifted meanwhile (the mean-document
-    gates 0, head dims 64 and 128 everywhere); restored afterwards."""
+    gates 0, head dims 64 and 128 everywhere), and ``FILL_UNCOVERED_ONLY`` set where given;
+    restored afterwards."""
     from dilated_attention.kernels import gluon_varlen as gv
 
     names = ("VARLEN_FORWARD", "VARLEN_BACKWARD", "MIN_MEAN_DOC", "MIN_MEAN_DOC_BACKWARD", "DEVICE_DESC_MIN_MEAN_DOC",
              "DEVICE_DESC_MIN_MEAN_DOC_BACKWARD", "HEADDIMS", "HEADDIMS_BACKWARD", "DEVICE_DESC_HEADDIMS_BACKWARD")  # fmt: skip
-    kept = {n: getattr(gv, n) for n in names}
+    kept = {n: getattr(gv, n) for n in (*names, "FILL_UNCOVERED_ONLY")}
     for n in names:
         setattr(gv, n, True if n.startswith("VARLEN") else 0 if "MEAN_DOC" in n else (64, 128))
+    if fill_uncovered_only is not None:
+        gv.FILL_UNCOVERED_ONLY = fill_uncovered_only
     try:
         yield
     finally:
@@ -273,7 +283,7 @@ def run(c: GluonVarlenCase, impl: str, device: str, gluon: bool | None) -> dict:
                                                                                              strict=True)}}  # fmt: skip
     cu = torch.tensor(offs, dtype=torch.int32, device=device if c.device_offsets else "cpu")
     xs = [t.detach().requires_grad_() for t in (q, k, v)]
-    with gluon_switches(bool(gluon)), varlen_gates_open():
+    with gluon_switches(bool(gluon)), varlen_gates_open(c.fill_uncovered_only if gluon else None):
         out, lse = dilated_attention_varlen(*xs, cu, cu, c.max_len, c.max_len, list(c.seg), list(c.dil),
                                             causal=c.causal, return_lse=True, impl=impl)  # fmt: skip
         grads = torch.autograd.grad(out, xs, do)
