@@ -138,6 +138,7 @@
 #                                       batches against the float64 reference per document (not yet run)
 #   bash scripts/gpu_check.sh s32a     the CUDA tests of s32 beside fuzz-gluon-varlen (cold cache; correctness only)
 #   bash scripts/gpu_check.sh s32b     the fill-only A/B of s32, then bench_varlen.py --set FILL_UNCOVERED_ONLY=1
+#   bash scripts/gpu_check.sh s32c     the kernels-as-ops compile tests + the fill-only default's tests, then e2e compiled rows
 #   bash scripts/gpu_check.sh s32      gluon_varlen.FILL_UNCOVERED_ONLY: CUDA tests with device offsets (its same-bits test too),
 #                                       then varlen_switch_ab.py --switch fill-only (issue batch, 512-token mix)
 #   bash scripts/gpu_check.sh s31c     the CUDA tests of test_gluon_varlen.py with device offsets, then varlen_switch_ab.py
@@ -208,7 +209,7 @@ if [ "${1:-}" = merge-cache ]; then
     echo "merge-cache: $size bytes > $max: dropped the $drop oldest of $n entries"
   done
   rm -f runs/triton_cache.tgz.part*
-  split -b 15m -d -a 2 "$tmp/all.tgz" runs/triton_cache.tgz.part
+  mkdir -p runs; split -b 15m -d -a 2 "$tmp/all.tgz" runs/triton_cache.tgz.part
   echo "merge-cache: $n entries, $size bytes in $(ls runs/triton_cache.tgz.part* | wc -l) parts under runs/"
   exit 0
 fi
@@ -488,6 +489,20 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "bench_varlen rc=$?" >> "$OUT/varlen.txt"
     grep -E "^\||rc=" "$OUT/varlen_switch_ab_fill_only.txt" | tail -10
     grep -E "^\||^- causal|rc=" "$OUT/varlen.txt" | tail -16
+    ;;
+  s32c)
+    # thirty-second session, last call: the models' kernels as custom ops in compiled graphs (tests/test_compile_kernels.py,
+    # the compile tests of the rotary / LayerNorm / model files) beside the FILL_UNCOVERED_ONLY default's CUDA tests
+    # (-n 4, $CUDA_TEST_TIMEOUT 240 s), then issue 23's end-to-end rows compiled only ($OVERHEAD_TIMEOUT 280 s)
+    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -v -n 4 -p no:cacheprovider -rfE \
+      tests/test_compile_kernels.py tests/test_compile_model.py tests/test_rotary_fused.py tests/test_triton_layernorm.py \
+      tests/test_gluon_varlen.py -k "compile or fill_uncovered or synchronise or rows_past" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${OVERHEAD_TIMEOUT:-280}" python3 benchmarks/bench_overhead.py --only-e2e --e2e-modes "${E2E_MODES:-compile}" \
+      --e2e-lengths "${E2E_LENGTHS:-8192,16384}" --out "$OUT/overhead_e2e.md" > "$OUT/overhead_e2e.txt" 2>&1
+    echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -8
     ;;
   s31b)
     # thirty-first session, second call: varlen_switch_ab.py --switch unchecked on the issue batch (device offsets in both arms:

@@ -238,9 +238,11 @@ def test_generate_fused_equals_unfused(seed):
         torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_model_keeps_the_torch_code(seed, fused_on, monkeypatch):
-    """torch.compile(fullgraph=True) with the switch on: no graph break (the kernel is skipped
-    while tracing) and the compiled step equals the eager step, which used the kernel."""
+def test_compiled_model_calls_the_kernel_as_its_op(seed, fused_on, monkeypatch):
+    """torch.compile(fullgraph=True) with the switch on: no graph break, the kernel launched
+    through its custom op (``dilated_attention::rotary``, forward and backward), and the compiled
+    step equals the eager step, which used the kernel through its Function. (Until 2026-11-29
+    compiled graphs kept the torch code; tests/test_compile_kernels.py checks the graphs' ops.)"""
     torch._dynamo.reset()
     # impl="reference": the torch path's attention runs outside the graph (compiler.disable),
     # which fullgraph refuses; test_compile_model.py does the same on the CPU
@@ -255,7 +257,7 @@ def test_compiled_model_keeps_the_torch_code(seed, fused_on, monkeypatch):
     model.zero_grad(set_to_none=True)
     _, loss = compiled(idx, idx, return_logits=False)
     loss.backward()
-    assert not calls
+    assert len(calls) == 2 * model.cfg.n_layer, calls  # forward and backward, per layer
     torch.testing.assert_close(loss.detach(), want[0], atol=1e-5, rtol=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[1][name], atol=1e-5, rtol=1e-5, msg=name)

@@ -105,10 +105,13 @@ HOST_DESCRIPTORS_UNCHECKED = True
 # document (r = 1 over all heads): results allocated empty, the first branch storing as with checked
 # offsets, and only the rows no document covers set by :func:`fill_uncovered` (one launch per buffer),
 # instead of zero-filling every result and accumulator (out, lo, lse; the backward's three float32
-# accumulators: ~4 GiB of writes on the issue's batch). Off: written 2026-11-29 (thirty-first session)
-# after the last GPU call, CPU-tested only; the gap it aims at is row (a') against (a) of
-# results/varlen_h200_2026-11-29_s31.md (+1.5 / +1.7 ms fwd+bwd, peak 8.02 against 6.52 GiB)
-FILL_UNCOVERED_ONLY = False
+# accumulators: ~4 GiB of writes on the issue's batch). On since 2026-11-29 (thirty-second session, H200):
+# its CUDA tests passed (results/cuda_tests_h200_2026-11-29_s32_call1.txt), as did 2,000 fuzz cases
+# (fuzz.py --gluon --varlen, about half of the device-offset ones with it on; fuzz_gluon_varlen_h200_2026-11-29_s32.txt);
+# fwd+bwd over unchecked device offsets 0.88x / 0.93x (issue batch) and 0.89x / 0.87x (512-token mix)
+# of the full fills, same bits (varlen_switch_ab_fill_only_h200_2026-11-29_s32.md). The peak of such a
+# call is unchanged by it (the buffers are the same; they are only written less)
+FILL_UNCOVERED_ONLY = True
 FILL_ROWS_PER = 512  # rows of every slab per program of fill_uncovered_kernel (at least)
 FILL_MAX_PROGRAMS = 1024  # and at most this many programs: each reads the offsets once
 

@@ -30,8 +30,12 @@ gradients in the output's dtype (bf16) before the backward reads them, where tod
 float32 -> bf16 casts have their gradients added in float32, so dy carries one more bf16
 rounding there.
 
-No double backward (``once_differentiable``). Eager only: under ``torch.compile`` the models
-keep ``nn.LayerNorm`` (Inductor fuses it and its casts). The module imports without triton;
+No double backward (``once_differentiable``). Under ``torch.compile`` the same launches run as
+the custom ops ``dilated_attention::layer_norm`` and ``layer_norm_backward`` (:func:`layer_norm_op`,
+fake implementations for tracing), which ``AutocastLayerNorm`` calls where the eager path would
+call :func:`layer_norm`: Inductor's own fusion of the LayerNorm with its casts and the GELU before
+it took 17.6 ms per LongNet ``base`` step against 8.8 ms for these kernels eager (2026-11-29, H200,
+``results/profile_step_h200_2026-11-29_s32.md``). The module imports without triton;
 :func:`unavailable_reason` then says why it cannot run, and ``kernels/select.py`` asks it once
 per (device type, dtype, normalized dim) (``backend_reason("triton_layernorm", ...)``). On the
 CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
@@ -291,6 +295,56 @@ def layer_norm(
         # nothing to record (eval, no_grad): the forward without the autograd.Function machinery
         return _forward(x, weight, bias, eps, out_dtype)[0]
     return _LayerNormFunction.apply(x, weight, bias, eps, out_dtype)
+
+
+@torch.library.custom_op("dilated_attention::layer_norm", mutates_args=())
+def layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The compiled graphs' LayerNorm (module docstring): (y in ``out_dtype`` shaped as x, mean,
+    rstd (rows,) float32). Unchecked: ``AutocastLayerNorm`` calls it with its own contiguous
+    parameters, as :func:`layer_norm` would be called."""
+    return _forward(x, weight, bias, eps, out_dtype)
+
+
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps, out_dtype):
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(rows, dtype=torch.float32),
+            x.new_empty(rows, dtype=torch.float32))  # fmt: skip
+
+
+@torch.library.custom_op("dilated_attention::layer_norm_backward", mutates_args=())
+def layer_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dx (x's dtype), dweight (weight's dtype) and dbias (bias's dtype; empty (0,) without a
+    bias) of :func:`layer_norm_op`."""
+    dx, dw, db = _backward(dy, x, weight, bias, mean, rstd)
+    return dx, dw, weight.new_empty(0) if db is None else db
+
+
+@layer_norm_backward_op.register_fake
+def _(dy, x, weight, bias, mean, rstd):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            weight.new_empty(0) if bias is None else bias.new_empty(bias.shape))  # fmt: skip
+
+
+def _layer_norm_op_setup(ctx, inputs, output):
+    x, weight, bias, _, _ = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+
+
+def _layer_norm_op_backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = layer_norm_backward_op(dy, x, weight, bias, mean, rstd)
+    return dx, dw, None if bias is None else db, None, None
+
+
+layer_norm_op.register_autograd(_layer_norm_op_backward, setup_context=_layer_norm_op_setup)
 
 
 def _prologue_ln(x, r, weight, bias, eps: float, gelu: bool):

@@ -19,8 +19,12 @@ opposite angle: the same kernel with ``s`` negated (``INVERSE``),
 The backward calls the same autograd Function with ``inverse`` flipped, so a gradient taken
 with ``create_graph=True`` is itself differentiable (exactly: the map is linear in x).
 
-Eager only: ``torch.compile`` keeps the plain torch code of ``Rotary`` (Inductor fuses it), so
-nothing here is registered as a custom op. The module imports without triton;
+Under ``torch.compile`` the same launches run as the custom op ``dilated_attention::rotary``
+(:func:`rotary_op`; a fake implementation for tracing, its backward the op with ``inverse``
+flipped), which ``Rotary.rotate`` calls instead of the Function: Inductor fused the plain torch code
+with the tables' computation into kernels 4-7x slower than this one (2026-11-29, H200, LongNet
+``base``: 9.7 ms of rotary per step compiled against 1.4 ms eager, ``results/profile_step_h200_2026-11-29_s32.md``).
+Eager calls keep the Function (a custom op's dispatch costs host time). The module imports without triton;
 :func:`unavailable_reason` then says why it cannot run, and ``kernels/select.py`` asks it once per
 (device type, dtype, head dim) (``backend_reason("triton_rotary", ...)``). On the CPU the kernel
 runs only in Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
@@ -243,6 +247,38 @@ class _RotaryFunction(torch.autograd.Function):
         gq, gk = _RotaryFunction.apply(dq.to(qdtype), dk.to(kdtype), cos_q, sin_q, cos_k, sin_k,
                                        not ctx.inverse)  # fmt: skip
         return gq, gk, None, None, None, None, None
+
+
+@torch.library.custom_op("dilated_attention::rotary", mutates_args=())
+def rotary_op(
+    q: torch.Tensor, k: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, cos_k: torch.Tensor,
+    sin_k: torch.Tensor, inverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The compiled graphs' rotary (module docstring): q, k rotated (``inverse``: by the opposite
+    angles) into new contiguous tensors of their shapes and dtypes. Unchecked: ``Rotary.rotate``
+    calls it with what :func:`rotary_fused` would accept."""
+    return _launch(q, cos_q, sin_q, k, cos_k, sin_k, inverse)
+
+
+@rotary_op.register_fake
+def _(q, k, cos_q, sin_q, cos_k, sin_k, inverse):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _rotary_op_setup(ctx, inputs, output):
+    _, _, cos_q, sin_q, cos_k, sin_k, inverse = inputs
+    ctx.save_for_backward(cos_q, sin_q, cos_k, sin_k)
+    ctx.inverse = inverse
+
+
+def _rotary_op_backward(ctx, dq, dk):
+    # the transpose of a rotation is its inverse: the op again, so the gradient is differentiable
+    cos_q, sin_q, cos_k, sin_k = ctx.saved_tensors
+    gq, gk = rotary_op(dq, dk, cos_q, sin_q, cos_k, sin_k, not ctx.inverse)
+    return gq, gk, None, None, None, None, None
+
+
+rotary_op.register_autograd(_rotary_op_backward, setup_context=_rotary_op_setup)
 
 
 def rotary_fused(

@@ -77,46 +77,53 @@ def _ce_kernel(hc: torch.Tensor):
     return _CE_KERNEL[0]
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, weight, t, ignore_index: int, step: int, cdtype: torch.dtype):
-        acc = torch.float64 if cdtype == torch.float64 else torch.float32
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with torch.autocast(h.device.type, enabled=False):
-            wc = weight.to(cdtype)  # once per call (a no-op when already cdtype)
-            hc = h.to(cdtype)
-            dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_h else None
-            dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-            total = torch.zeros((), dtype=acc, device=h.device)
-            kernel = _ce_kernel(hc) if acc == torch.float32 else None
-            for c in range(0, h.shape[0], step):
-                xc, tc = hc[c : c + step], t[c : c + step]
-                if kernel is not None:
-                    # the logits in cdtype -> per-row loss (float32), the gradient over them
-                    gc = xc @ wc.T  # (rows, V)
-                    total += kernel(gc, tc, ignore_index, write_grad=need_h or need_w).sum()
-                    if need_h:
-                        dh[c : c + step] = gc @ wc
-                    if need_w:
-                        dw.add_(gc.T @ xc)
-                    del gc  # freed before the next chunk's logits: one chunk alive at a time
-                    continue
-                logits = (xc @ wc.T).to(acc)  # (rows, V)
-                valid = tc != ignore_index
-                tcl = tc.clamp(min=0).unsqueeze(1)
-                lse = torch.logsumexp(logits, dim=1)
-                picked = logits.gather(1, tcl).squeeze(1)
-                total += torch.where(valid, lse - picked, 0.0).sum()
-                if not (need_h or need_w):
-                    continue
-                g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-                g.scatter_add_(1, tcl, torch.full_like(picked, -1.0).unsqueeze(1))
-                g.mul_(valid.unsqueeze(1))  # ignored rows: no gradient
-                gc = g.to(cdtype)
+def _forward(h, weight, t, ignore_index: int, step: int, cdtype: torch.dtype, need_h: bool, need_w: bool):
+    """(summed loss, dh or None, dweight or None): the chunks' loss and gradients (module
+    docstring), for :class:`_LinearCrossEntropy` and :func:`linear_ce_op`."""
+    acc = torch.float64 if cdtype == torch.float64 else torch.float32
+    with torch.autocast(h.device.type, enabled=False):
+        wc = weight.to(cdtype)  # once per call (a no-op when already cdtype)
+        hc = h.to(cdtype)
+        dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=acc, device=h.device)
+        kernel = _ce_kernel(hc) if acc == torch.float32 else None
+        for c in range(0, h.shape[0], step):
+            xc, tc = hc[c : c + step], t[c : c + step]
+            if kernel is not None:
+                # the logits in cdtype -> per-row loss (float32), the gradient over them
+                gc = xc @ wc.T  # (rows, V)
+                total += kernel(gc, tc, ignore_index, write_grad=need_h or need_w).sum()
                 if need_h:
                     dh[c : c + step] = gc @ wc
                 if need_w:
-                    dw.add_(gc.T @ xc)  # the chunk's product in cdtype, summed in float32
+                    dw.add_(gc.T @ xc)
+                del gc  # freed before the next chunk's logits: one chunk alive at a time
+                continue
+            logits = (xc @ wc.T).to(acc)  # (rows, V)
+            valid = tc != ignore_index
+            tcl = tc.clamp(min=0).unsqueeze(1)
+            lse = torch.logsumexp(logits, dim=1)
+            picked = logits.gather(1, tcl).squeeze(1)
+            total += torch.where(valid, lse - picked, 0.0).sum()
+            if not (need_h or need_w):
+                continue
+            g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+            g.scatter_add_(1, tcl, torch.full_like(picked, -1.0).unsqueeze(1))
+            g.mul_(valid.unsqueeze(1))  # ignored rows: no gradient
+            gc = g.to(cdtype)
+            if need_h:
+                dh[c : c + step] = gc @ wc
+            if need_w:
+                dw.add_(gc.T @ xc)  # the chunk's product in cdtype, summed in float32
+    return total, dh, dw
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, t, ignore_index: int, step: int, cdtype: torch.dtype):
+        total, dh, dw = _forward(h, weight, t, ignore_index, step, cdtype, ctx.needs_input_grad[0],
+                                 ctx.needs_input_grad[1])  # fmt: skip
         ctx.save_for_backward(dh, dw)
         ctx.w_dtype = weight.dtype
         return total
@@ -128,6 +135,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gh = None if dh is None else dh * grad.to(dh.dtype)
         gw = None if dw is None else (dw * grad.to(dw.dtype)).to(ctx.w_dtype)
         return gh, gw, None, None, None, None
+
+
+@torch.library.custom_op("dilated_attention::linear_ce", mutates_args=())
+def linear_ce_op(
+    h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore_index: int, step: int, cdtype: torch.dtype,
+    need_h: bool, need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The compiled graphs' fused loss (``chunked_cross_entropy(fused=True)`` under
+    ``torch.compile``): (summed loss, dh (h's shape and dtype; empty (0,) unless ``need_h``),
+    dweight (weight's shape, float32 / float64; empty unless ``need_w``)). Its backward scales the
+    saved gradients, as :class:`_LinearCrossEntropy`'s does. Rows are not dropped first (that
+    needs their count on the host): ignored rows cost their matmuls and contribute nothing."""
+    total, dh, dw = _forward(h, weight, t, ignore_index, step, cdtype, need_h, need_w)
+    return total, h.new_empty(0) if dh is None else dh, weight.new_empty(0, dtype=total.dtype) if dw is None else dw
+
+
+@linear_ce_op.register_fake
+def _(h, weight, t, ignore_index, step, cdtype, need_h, need_w):
+    acc = torch.float64 if cdtype == torch.float64 else torch.float32
+    return (h.new_empty((), dtype=acc), h.new_empty(h.shape if need_h else (0,)),
+            weight.new_empty(weight.shape if need_w else (0,), dtype=acc))  # fmt: skip
+
+
+def _linear_ce_op_setup(ctx, inputs, output):
+    _, weight, _, _, _, _, need_h, need_w = inputs
+    _, dh, dw = output
+    ctx.mark_non_differentiable(dh, dw)
+    ctx.save_for_backward(dh, dw)
+    ctx.w_dtype, ctx.need = weight.dtype, (need_h, need_w)
+
+
+def _linear_ce_op_backward(ctx, grad, _ddh, _ddw):
+    dh, dw = ctx.saved_tensors
+    gh = dh * grad.to(dh.dtype) if ctx.need[0] else None
+    gw = (dw * grad.to(dw.dtype)).to(ctx.w_dtype) if ctx.need[1] else None
+    return gh, gw, None, None, None, None, None, None
+
+
+linear_ce_op.register_autograd(_linear_ce_op_backward, setup_context=_linear_ce_op_setup)
 
 
 def linear_cross_entropy_sum(
