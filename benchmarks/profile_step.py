@@ -143,10 +143,12 @@ def _base_category(name: str) -> str:
     op = n[6:] if n.startswith("aten::") else None
     if any(k.lower() in n for k in ATTN_KERNELS) or SDPA_PAT.search(n):
         return "attention"
-    if any(k.lower() in n for k in ROTARY_KERNELS):
+    if any(k.lower() in n for k in ROTARY_KERNELS) or n.startswith("dilated_attention::rotary"):
         return "rotary"
-    if any(k.lower() in n for k in CE_KERNELS):
+    if any(k.lower() in n for k in CE_KERNELS) or n.startswith("dilated_attention::linear_ce"):
         return "cross-entropy"
+    if n.startswith("dilated_attention::layer_norm"):
+        return "layernorm"  # the compiled graphs' custom ops (on the CPU: their CPU ops' time)
     if n.startswith("memset"):
         return "memset/fill"
     if n.startswith("memcpy"):
@@ -196,6 +198,12 @@ def category(name: str, origin: str) -> str:
         return base
     if "rotary" in o:
         return "rotary"
+    if "op layer_norm" in o:
+        return "layernorm"
+    if "op linear_ce" in o:
+        return "cross-entropy"
+    if "op triton_" in o or "op decode" in o:
+        return "attention glue"
     if "dilatedattention" in o or "eagerfused" in o or "sdpa" in o:
         return "attention glue"
     if "loss" in o or o == "ce" or o.endswith(" ce"):
@@ -267,6 +275,9 @@ def _origin_of(fe, fwd_origin: dict) -> str:
     op that made the autograd node it runs in, else the node, else the phase."""
     chain = [fe, *_ancestors(fe)]
     in_bwd = any(p.name.startswith("autograd::engine::evaluate_function") for p in chain)
+    for p in chain:  # inside one of the library's custom ops (compiled graphs call them): "op <name>"
+        if p.name.startswith("dilated_attention::"):
+            return ("bwd " if in_bwd else "") + "op " + p.name.split("::", 1)[1]
     for p in chain:
         if p.name.startswith(("mod:", "da:")):
             return ("bwd " if in_bwd else "") + p.name.split(":", 1)[1]

@@ -48,7 +48,7 @@ def test_tiny_bench_writes_results(tmp_path):
             assert "error" not in r, r
             assert r["fwd_ms"] > 0 and r["fb_ms"] > 0 and r["flops"] > 0
     assert "torch" in text and "| True | (a) varlen packed" in text and "target <= 1.1" in text
-    assert "unchecked device offsets (fills kept)" in text
+    assert "unchecked device offsets (uncovered rows filled)" in text  # gluon_varlen.FILL_UNCOVERED_ONLY, on
     ra = next(r for r in rows if r["name"].startswith("(a)"))
     assert len(ra["fb_rounds"]) == 3 and ra["fb_ms"] == sorted(ra["fb_rounds"])[1]  # the median
     # --ratio-only: rows (a) and (b), the ratio line without the padded comparison

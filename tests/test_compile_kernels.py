@@ -187,3 +187,25 @@ def test_compiled_step_calls_the_kernels_cuda(seed):
     """Inductor, bf16 autocast, the fused attention op and the three kernel ops: loss and
     gradients equal eager's."""
     _compiled_against_eager("cuda", "triton", "inductor", torch.bfloat16, seed, 0, 0, rel_norm=2e-2)
+
+
+def test_the_trace_time_helpers_carry_dynamos_constant_mark():
+    """``longnet._constant_for_dynamo`` sets by hand the mark that
+    ``torch.compiler.assume_constant_result`` sets (so that importing the models does not import
+    Dynamo): if a torch release marks such functions otherwise, this fails, and the compiled
+    tests above would trace into the helpers instead."""
+    import subprocess
+    import sys
+
+    from dilated_attention.models import longnet
+
+    def probe():
+        return 0
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert vars(marked) == {"_dynamo_marked_constant": True}, vars(marked)
+    for fn in (longnet._compiled_kernel, longnet._compiled_linear_ce):
+        assert getattr(fn, "_dynamo_marked_constant", False) is True, fn
+    code = "import sys, dilated_attention.models.longnet; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr  # importing the models loads no Dynamo

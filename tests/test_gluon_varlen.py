@@ -34,6 +34,7 @@ from helpers import varlen_reference
 
 from dilated_attention import dilated_attention_varlen, flags
 from dilated_attention.kernels import gluon_fwd, gluon_varlen
+from dilated_attention.kernels.triton_import import INTERPRET
 
 LOG2E = 1.4426950408889634
 
@@ -615,6 +616,11 @@ def test_packed_backward_with_emulated_kernels(monkeypatch, switch_on, lens, seg
         assert (a.double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item()), f"d{name}"
 
 
+# CPU tensors through the Triton kernels: Triton's interpreter only (a GPU machine runs the cuda tests)
+interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors through the kernels: needs TRITON_INTERPRET=1")
+
+
+@interpreted
 @pytest.mark.parametrize("causal", [False, True])
 def test_unchecked_offsets_add_into_zeros_and_leave_rows_past_the_documents_zero(monkeypatch, switch_on, causal):
     """Offsets nobody checked (``offsets_checked=False``, the route of device offsets) that stop
@@ -622,10 +628,13 @@ def test_unchecked_offsets_add_into_zeros_and_leave_rows_past_the_documents_zero
     stores), and the rows past the last document get zero gradients. Those rows hold NaN and
     -inf here, which no document may see: such calls never take the host-descriptor kernels
     (which read past a block's end; emulated so, they would spread the NaN) unless
-    ``HOST_DESCRIPTORS_UNCHECKED`` splits them (its own test below), switched off here."""
+    ``HOST_DESCRIPTORS_UNCHECKED`` splits them (its own test below), switched off here, as is
+    ``FILL_UNCOVERED_ONLY`` (on by default since 2026-11-29: the first branch then stores; its
+    own tests below)."""
     from dilated_attention.kernels.triton_ops import dilated_attention_triton_varlen
 
     monkeypatch.setattr(gluon_varlen, "HOST_DESCRIPTORS_UNCHECKED", False)
+    monkeypatch.setattr(gluon_varlen, "FILL_UNCOVERED_ONLY", False)
     emu = _emulate_backward(monkeypatch)
     lens, seg, dil, h, hkv = [7, 0, 1, 40, 13], [4, 8, 16], [1, 2, 4], 4, 2
     offs = _offsets(lens)
@@ -722,6 +731,7 @@ def _fill_uncovered_cases(cu_ok: bool, rows: int, device: str) -> None:
                 assert torch.equal(x, want), (cuv, shape, per, most)
 
 
+@interpreted
 @pytest.mark.parametrize("cu_ok", [True, False], ids=["valid", "invalid"])
 @pytest.mark.parametrize("rows", [1500, 1480])
 def test_fill_uncovered_sets_exactly_the_rows_no_document_covers(cu_ok, rows):

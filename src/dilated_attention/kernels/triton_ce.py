@@ -32,7 +32,8 @@ Targets: a target outside [0, V) that is not ``ignore_index`` gives a NaN loss f
 torch path raises; a kernel cannot, and never reads outside the row) and the row's gradient is
 its softmax. Float64 is not supported (the torch path runs).
 
-Eager only (``linear_ce`` is never traced by ``torch.compile``). The module imports without
+Under ``torch.compile`` it runs inside the custom op ``dilated_attention::linear_ce``
+(``models/linear_ce.py``), opaque to the tracer. The module imports without
 triton; :func:`unavailable_reason` then says why it cannot run, and ``kernels/select.py`` asks it
 once per (device type, dtype) (``backend_reason("triton_ce", ...)``). On the CPU the kernel runs
 only in Triton's interpreter (``TRITON_INTERPRET=1``, for tests).

@@ -23,7 +23,8 @@ Under ``torch.compile`` the same launches run as the custom op ``dilated_attenti
 (:func:`rotary_op`; a fake implementation for tracing, its backward the op with ``inverse``
 flipped), which ``Rotary.rotate`` calls instead of the Function: Inductor fused the plain torch code
 with the tables' computation into kernels 4-7x slower than this one (2026-11-29, H200, LongNet
-``base``: 9.7 ms of rotary per step compiled against 1.4 ms eager, ``results/profile_step_h200_2026-11-29_s32.md``).
+``base``: 9.7 ms of rotary per step compiled against 1.4 ms eager, ``results/profile_step_h200_2026-11-29_s32_before.md``;
+1.3 ms compiled with the op, ``..._s32_after.md``).
 Eager calls keep the Function (a custom op's dispatch costs host time). The module imports without triton;
 :func:`unavailable_reason` then says why it cannot run, and ``kernels/select.py`` asks it once per
 (device type, dtype, head dim) (``backend_reason("triton_rotary", ...)``). On the CPU the kernel

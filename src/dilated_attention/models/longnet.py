@@ -250,7 +250,17 @@ def _rotary_into_cache():
     return _ROTARY_FUSED[1]
 
 
-@torch.compiler.assume_constant_result
+def _constant_for_dynamo(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing Dynamo with this module (the
+    public decorator imports ``torch._dynamo``: over a second of import time, issue 23 item 8): the
+    mark that decorator sets, which Dynamo reads when it meets a call of ``fn`` while tracing (it
+    then calls ``fn`` and puts the result in the graph as a constant).
+    tests/test_compile_kernels.py checks that the public decorator still sets this mark."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_for_dynamo
 def _compiled_kernel(kind: str, device_type: str, dtype: torch.dtype, size: int) -> str:
     """Whether a graph that ``torch.compile`` traces calls the library's Triton kernel ``kind``
     ("rotary" or "layernorm") as its custom op (``dilated_attention::rotary`` /
@@ -288,10 +298,10 @@ class Rotary(nn.Module):
     Two steps, so that a model computes its tables once per forward: :meth:`table` (positions ->
     :class:`RotaryTable`) and :meth:`rotate` (q, k, table -> rotated q, k). :meth:`forward` does
     both. :meth:`rotate` runs the fused Triton kernel (``kernels/triton_rotary.py``: one pass
-    over q and k, forward and backward) in eager mode on CUDA, and the torch code
-    (:meth:`_rotate_with`) under ``torch.compile`` (Inductor fuses it), with xPos, for float64
-    and where the kernel cannot run; ``flags.set_fused_rotary`` switches the kernel off (or on
-    in Triton's interpreter, for tests).
+    over q and k, forward and backward) on CUDA, in eager mode through its autograd Function and
+    under ``torch.compile`` as the custom op ``dilated_attention::rotary``; the torch code
+    (:meth:`_rotate_with`) with xPos, for float64 and where the kernel cannot run;
+    ``flags.set_fused_rotary`` switches the kernel off (or on in Triton's interpreter, for tests).
     """
 
     def __init__(
@@ -462,9 +472,10 @@ class AutocastLayerNorm(nn.LayerNorm):
     values as autocast's float32 ``layer_norm`` rounded by the Linear after it, up to summation
     order), instead of a float32 output that each following Linear casts.
 
-    Everywhere else (the switch ``"off"``; no such autocast on the input's device; under
-    ``torch.compile``, whose Inductor fuses the LayerNorm and its casts; where the kernel cannot
-    run) it is ``nn.LayerNorm`` itself. ``autocast_output = False`` keeps it so always (the
+    Under ``torch.compile`` the same rule picks the same kernels, called as the custom ops
+    ``dilated_attention::layer_norm`` / ``::layer_norm_backward``. Everywhere else (the switch
+    ``"off"``; no such autocast on the input's device; where the kernel cannot run) it is
+    ``nn.LayerNorm`` itself. ``autocast_output = False`` keeps it so always (the
     encoder's final LayerNorm, whose output is the model's output: its dtype stays autocast's).
     """
 
@@ -940,7 +951,7 @@ def _ce_sum(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore_index
     return F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
 
 
-@torch.compiler.assume_constant_result
+@_constant_for_dynamo
 def _compiled_linear_ce() -> bool:
     """True, with ``dilated_attention::linear_ce`` registered (``models/linear_ce.py`` imported)
     before a traced graph calls it: asked while ``torch.compile`` traces the fused loss."""
