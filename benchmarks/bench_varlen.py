@@ -91,13 +91,18 @@ class Timer:
 
 
 def _peak(fn, cuda: bool) -> int | None:
+    """The fwd+bwd call's own peak: the most bytes allocated during ``fn()`` beyond what was
+    allocated before it (its outputs, gradients and temporaries; not its inputs, nor the tensors
+    that other rows keep alive: until 2026-11-29 this column counted those too, so that every row
+    measured after (a) carried (a)'s 1.5 GiB of input copies, kept for the interleaved rounds)."""
     if not cuda:
         return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def _fwd_and_fb(call, xs, do):
@@ -268,10 +273,12 @@ def report(rows_, info, args, argv) -> str:
         f"document lengths: {info['lens']}",
         "TF/s: useful FLOPs (docs/spec.md; fwd+bwd = 3.5 x fwd) / median time; (a) and (c) "
         "count the documents' own pairs, (b) its one sequence's",
+        "call's peak: the most memory allocated during one fwd+bwd call beyond what was allocated "
+        "before it (outputs, gradients, temporaries; not the inputs)",
     ])
     lines += [
         "",
-        "| causal | row | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s | peak GiB |",
+        "| causal | row | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s | call's peak GiB |",
         "|---|---|---|---|---|---|---|",
     ]
     by = {}
