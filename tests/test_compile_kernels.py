@@ -193,7 +193,7 @@ def test_the_trace_time_helpers_carry_dynamos_constant_mark():
     """``longnet._constant_for_dynamo`` sets by hand the mark that
     ``torch.compiler.assume_constant_result`` sets (so that importing the models does not import
     Dynamo): if a torch release marks such functions otherwise, this fails, and the compiled
-    tests above would trace into the helpers instead."""
+    tests above would trace into the helper instead."""
     import subprocess
     import sys
 
@@ -204,8 +204,7 @@ def test_the_trace_time_helpers_carry_dynamos_constant_mark():
 
     marked = torch.compiler.assume_constant_result(probe)
     assert vars(marked) == {"_dynamo_marked_constant": True}, vars(marked)
-    for fn in (longnet._compiled_kernel, longnet._compiled_linear_ce):
-        assert getattr(fn, "_dynamo_marked_constant", False) is True, fn
+    assert getattr(longnet._compiled_kernel, "_dynamo_marked_constant", False) is True
     code = "import sys, dilated_attention.models.longnet; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr  # importing the models loads no Dynamo

@@ -32,8 +32,8 @@ rounding there.
 
 No double backward (``once_differentiable``). Under ``torch.compile`` the same launches run as
 the custom ops ``dilated_attention::layer_norm`` and ``layer_norm_backward`` (:func:`layer_norm_op`,
-fake implementations for tracing), which ``AutocastLayerNorm`` calls where the eager path would
-call :func:`layer_norm`: Inductor's own fusion of the LayerNorm with its casts and the GELU before
+fake implementations for tracing), which :func:`layer_norm` calls there (``AutocastLayerNorm``
+takes it under the same rule as in eager mode): Inductor's own fusion of the LayerNorm with its casts and the GELU before
 it took 17.6 ms per LongNet ``base`` step against 8.8 ms for these kernels eager (2026-11-29, H200,
 ``results/profile_step_h200_2026-11-29_s32_before.md``; 9.5 ms compiled with the ops, ``..._s32_after.md``).
 The module imports without triton;
@@ -290,6 +290,8 @@ def layer_norm(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     weight = weight.contiguous()  # no-ops for a module's parameters
     bias = None if bias is None else bias.contiguous()
+    if torch.compiler.is_compiling():  # opaque to the tracer, its autograd registered
+        return torch.ops.dilated_attention.layer_norm(x, weight, bias, eps, out_dtype)[0]
     if not torch.is_grad_enabled() or not (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
@@ -303,8 +305,7 @@ def layer_norm_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The compiled graphs' LayerNorm (module docstring): (y in ``out_dtype`` shaped as x, mean,
-    rstd (rows,) float32). Unchecked: ``AutocastLayerNorm`` calls it with its own contiguous
-    parameters, as :func:`layer_norm` would be called."""
+    rstd (rows,) float32). Unchecked: :func:`layer_norm` calls it after its checks."""
     return _forward(x, weight, bias, eps, out_dtype)
 
 

@@ -21,7 +21,7 @@ with ``create_graph=True`` is itself differentiable (exactly: the map is linear 
 
 Under ``torch.compile`` the same launches run as the custom op ``dilated_attention::rotary``
 (:func:`rotary_op`; a fake implementation for tracing, its backward the op with ``inverse``
-flipped), which ``Rotary.rotate`` calls instead of the Function: Inductor fused the plain torch code
+flipped), which :func:`rotary_fused` calls there instead of the Function: Inductor fused the plain torch code
 with the tables' computation into kernels 4-7x slower than this one (2026-11-29, H200, LongNet
 ``base``: 9.7 ms of rotary per step compiled against 1.4 ms eager, ``results/profile_step_h200_2026-11-29_s32_before.md``;
 1.3 ms compiled with the op, ``..._s32_after.md``).
@@ -256,8 +256,8 @@ def rotary_op(
     sin_k: torch.Tensor, inverse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The compiled graphs' rotary (module docstring): q, k rotated (``inverse``: by the opposite
-    angles) into new contiguous tensors of their shapes and dtypes. Unchecked: ``Rotary.rotate``
-    calls it with what :func:`rotary_fused` would accept."""
+    angles) into new contiguous tensors of their shapes and dtypes. Unchecked: :func:`rotary_fused`
+    calls it after its checks."""
     return _launch(q, cos_q, sin_q, k, cos_k, sin_k, inverse)
 
 
@@ -309,6 +309,8 @@ def rotary_fused(
         raise ValueError(f"rotary_fused: q and k must be on one device, got {q.device} and {k.device}")
     _check(q, cos_q, sin_q, "q")
     _check(k, cos_k, sin_k, "k")
+    if torch.compiler.is_compiling():  # opaque to the tracer, its autograd registered
+        return torch.ops.dilated_attention.rotary(q, k, cos_q, sin_q, cos_k, sin_k, False)
     if not torch.is_grad_enabled() or not (
         q.requires_grad or k.requires_grad or cos_q.requires_grad or sin_q.requires_grad
         or cos_k.requires_grad or sin_k.requires_grad

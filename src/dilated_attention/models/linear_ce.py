@@ -181,5 +181,9 @@ def linear_cross_entropy_sum(
     chunk_rows: int,
 ) -> torch.Tensor:
     """Summed cross-entropy of ``h (M, E) @ weight (V, E).T`` against ``t (M,)`` in chunks of
-    ``chunk_rows`` rows, gradients computed in the forward (module docstring)."""
+    ``chunk_rows`` rows, gradients computed in the forward (module docstring); under
+    ``torch.compile`` the same pass as the custom op :func:`linear_ce_op`."""
+    if torch.compiler.is_compiling():
+        return torch.ops.dilated_attention.linear_ce(h, weight, t, ignore_index, int(chunk_rows), _compute_dtype(h),
+                                                     h.requires_grad, weight.requires_grad)[0]  # fmt: skip
     return _LinearCrossEntropy.apply(h, weight, t, ignore_index, int(chunk_rows), _compute_dtype(h))

@@ -47,6 +47,7 @@ from ..flags import fused_rotary_mode
 from ..kernels import direct_launch
 from ..kernels.select import backend_reason
 from ..modules import DilatedAttention, magneto_init_
+from .linear_ce import linear_cross_entropy_sum  # registers dilated_attention::linear_ce (compiled graphs)
 
 # --------------------------------------------------------------------------------------- config
 
@@ -262,14 +263,14 @@ def _constant_for_dynamo(fn):
 
 @_constant_for_dynamo
 def _compiled_kernel(kind: str, device_type: str, dtype: torch.dtype, size: int) -> str:
-    """Whether a graph that ``torch.compile`` traces calls the library's Triton kernel ``kind``
-    ("rotary" or "layernorm") as its custom op (``dilated_attention::rotary`` /
-    ``::layer_norm``) for tensors of ``device_type`` and ``dtype`` (``size``: the head dim or the
-    normalized dim), as the eager path would: "" where not, else the kernel's switch in ``flags``
-    ("on", or "auto" on CUDA: the caller applies the auto rule's size bounds) where the backend
-    can run (``select.backend_reason``). Asked while tracing, its answer kept by the graph: a
-    switch flipped after a compile applies to graphs compiled after ``torch._dynamo.reset()``.
-    Importing the kernel's module here registers its op before the traced code calls it."""
+    """The eager rule's answer while ``torch.compile`` traces, for the library's Triton kernel
+    ``kind`` ("rotary" or "layernorm") and tensors of ``device_type`` and ``dtype`` (``size``: the
+    head dim or the normalized dim): "" where the kernel does not run, else its switch in
+    ``flags`` ("on", or "auto" on CUDA: the caller applies the auto rule's size bounds) where the
+    backend can run (``select.backend_reason``). Called by Dynamo outside the trace, its answer
+    kept by the graph (a switch flipped after a compile applies to graphs compiled after
+    ``torch._dynamo.reset()``). It imports the kernel's module (the lazy caches below), which
+    registers the custom op that the module's entry point calls under ``torch.compile``."""
     from .. import flags
 
     mode = {"rotary": fused_rotary_mode, "layernorm": flags.triton_layernorm_mode}[kind]()
@@ -278,10 +279,7 @@ def _compiled_kernel(kind: str, device_type: str, dtype: torch.dtype, size: int)
     backend = {"rotary": "triton_rotary", "layernorm": "triton_layernorm"}[kind]
     if backend_reason(backend, device_type, dtype, size) is not None:
         return ""
-    if kind == "rotary":
-        from ..kernels import triton_rotary  # noqa: F401  (registers dilated_attention::rotary)
-    else:
-        from ..kernels import triton_layernorm  # noqa: F401  (registers dilated_attention::layer_norm)
+    (_rotary_fused if kind == "rotary" else _ln_triton)()
     return mode
 
 
@@ -333,11 +331,7 @@ class Rotary(nn.Module):
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, table: RotaryTable):
         """q (B, N, H, D), k (B, N, Hkv, D) rotated by ``table`` -> q, k (same dtypes)."""
-        if torch.compiler.is_compiling():
-            if self._compiled_applies(q, k, table):
-                return torch.ops.dilated_attention.rotary(q, k, table.cos_q, table.sin_q, table.cos_k,
-                                                          table.sin_k, False)  # fmt: skip
-        elif self._fused_applies(q, k, table):
+        if self._fused_applies(q, k, table):
             return _rotary_fused()(q, k, table.cos_q, table.sin_q, table.cos_k, table.sin_k)
         return (self._rotate_with(q, table.cos_q, table.sin_q),
                 self._rotate_with(k, table.cos_k, table.sin_k))  # fmt: skip
@@ -349,10 +343,11 @@ class Rotary(nn.Module):
         """A decode step's :meth:`rotate` and KV-cache write: q rotated (returned); k rotated and
         v written to ``cache_k`` / ``cache_v`` (B, capacity, Hkv, D) at the rows ``slots`` (T,).
         Where the fused kernel applies and nothing needs a gradient, one launch
-        (``triton_rotary.rotary_into_cache``: the same bits as rotating and then copying);
-        else :meth:`rotate` then two ``index_copy_``."""
+        (``triton_rotary.rotary_into_cache``: the same bits as rotating and then copying; eager
+        only, it has no custom op); else :meth:`rotate` then two ``index_copy_``."""
         if (
-            v.dtype == k.dtype and cache_k.dtype == k.dtype and cache_v.dtype == k.dtype
+            not torch.compiler.is_compiling()
+            and v.dtype == k.dtype and cache_k.dtype == k.dtype and cache_v.dtype == k.dtype
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and self._fused_applies(q, k, table)
         ):  # fmt: skip
@@ -364,25 +359,16 @@ class Rotary(nn.Module):
         cache_v.index_copy_(1, slots, v)
         return q
 
-    def _compiled_applies(self, q: torch.Tensor, k: torch.Tensor, table: RotaryTable) -> bool:
-        """:meth:`_fused_applies` while ``torch.compile`` traces: the kernel as the custom op
-        ``dilated_attention::rotary`` (``_compiled_kernel``)."""
-        if self.xpos or k.dtype != q.dtype or table.cos_q.dtype != torch.float32:
-            return False
-        if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
-            return False
-        return bool(_compiled_kernel("rotary", q.device.type, q.dtype, q.shape[-1]))
-
     def _fused_applies(self, q: torch.Tensor, k: torch.Tensor, table: RotaryTable) -> bool:
-        # compiled graphs take _compiled_applies (the custom op), decided first so that the
-        # tracer never reads the switch here
-        if torch.compiler.is_compiling() or self.xpos:
-            return False
+        """Whether the fused kernel rotates q and k (eager: its Function; under ``torch.compile``:
+        its custom op, the switch and backend asked outside the trace by ``_compiled_kernel``)."""
+        if self.xpos or k.dtype != q.dtype or table.cos_q.dtype != torch.float32:
+            return False  # xPos, mixed dtypes, or float64 (float64 tables): the torch code
+        if torch.compiler.is_compiling():
+            return bool(_compiled_kernel("rotary", q.device.type, q.dtype, q.shape[-1]))
         mode = fused_rotary_mode()
         if mode == "off" or (mode == "auto" and not q.is_cuda):
             return False
-        if k.dtype != q.dtype or table.cos_q.dtype != torch.float32:
-            return False  # mixed dtypes, or float64 (float64 tables): the torch code
         return backend_reason("triton_rotary", q.device.type, q.dtype, q.shape[-1]) is None
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor, sign: int) -> torch.Tensor:
@@ -484,39 +470,19 @@ class AutocastLayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the switch's slot read here, not through flags.triton_layernorm_mode(): no extra call
         # per LayerNorm (decode steps call four per layer)
-        if torch.compiler.is_compiling():
-            dtype = self._compiled_dtype(x)
-            if dtype is not None:
-                return torch.ops.dilated_attention.layer_norm(x, self.weight, self.bias, self.eps, dtype)[0]
-            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        mode = _LAYERNORM_SWITCH.value or _LAYERNORM_SWITCH.load()
+        if torch.compiler.is_compiling():  # the switch and the backend, asked outside the trace
+            mode = _compiled_kernel("layernorm", x.device.type, x.dtype, x.shape[-1])
+        else:
+            mode = _LAYERNORM_SWITCH.value or _LAYERNORM_SWITCH.load()
         if mode == "on" or (mode == "auto" and x.is_cuda and x.numel() >= LAYERNORM_AUTO_MIN_ROWS * x.shape[-1]):
             dtype = self._kernel_dtype(x)
             if dtype is not None:
                 return _ln_triton()(x, self.weight, self.bias, self.eps, dtype)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
-    def _compiled_dtype(self, x: torch.Tensor) -> torch.dtype | None:
-        """:meth:`_kernel_dtype` while ``torch.compile`` traces (the autocast state as traced;
-        the switch and the backend from ``_compiled_kernel``), the auto rule's row bound included;
-        None: ``F.layer_norm``."""
-        if not self.autocast_output or self.weight is None or len(self.normalized_shape) != 1:
-            return None
-        dev = x.device.type
-        if x.dtype == torch.float64 or not torch.is_autocast_enabled(dev):
-            return None
-        dtype = torch.get_autocast_dtype(dev)
-        if dtype not in _LOW_PRECISION:
-            return None
-        mode = _compiled_kernel("layernorm", dev, x.dtype, x.shape[-1])
-        if not mode or (mode == "auto" and x.numel() < LAYERNORM_AUTO_MIN_ROWS * x.shape[-1]):
-            return None
-        return dtype
-
     def _kernel_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The autocast dtype the kernel writes for ``x``, or None (nn.LayerNorm runs)."""
-        # decided first under compile, so that the tracer never reaches the autocast queries
-        if torch.compiler.is_compiling() or not self.autocast_output or self.weight is None:
+        if not self.autocast_output or self.weight is None:
             return None
         dev = x.device.type
         if not torch.is_autocast_enabled(dev):
@@ -524,9 +490,9 @@ class AutocastLayerNorm(nn.LayerNorm):
         dtype = torch.get_autocast_dtype(dev)
         if dtype not in _LOW_PRECISION or len(self.normalized_shape) != 1:
             return None
-        if backend_reason("triton_layernorm", dev, x.dtype, x.shape[-1]) is not None:
+        if not torch.compiler.is_compiling() and backend_reason("triton_layernorm", dev, x.dtype, x.shape[-1]) is not None:
             return None  # float64 (autocast leaves it alone), no triton, not CUDA, N too large
-        return dtype
+        return dtype  # (under torch.compile, forward's _compiled_kernel asked the backend)
 
 
 # --------------------------------------------------------------------------------------- blocks
@@ -951,15 +917,6 @@ def _ce_sum(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore_index
     return F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
 
 
-@_constant_for_dynamo
-def _compiled_linear_ce() -> bool:
-    """True, with ``dilated_attention::linear_ce`` registered (``models/linear_ce.py`` imported)
-    before a traced graph calls it: asked while ``torch.compile`` traces the fused loss."""
-    from . import linear_ce  # noqa: F401
-
-    return True
-
-
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -1010,15 +967,8 @@ def chunked_cross_entropy(
     m = h.shape[0]
     step = chunk_rows or max(1, CE_CHUNK_ELEMENTS // weight.shape[0])
     grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    if fused and grad and torch.compiler.is_compiling() and _compiled_linear_ce():
-        # the same pass as a custom op (linear_ce.linear_ce_op); the ignored rows stay in
-        dev = h.device.type
-        cdtype = torch.get_autocast_dtype(dev) if h.dtype != torch.float64 and torch.is_autocast_enabled(dev) else h.dtype
-        total = torch.ops.dilated_attention.linear_ce(h, weight, t, ignore_index, step, cdtype, h.requires_grad,
-                                                      weight.requires_grad)[0]  # fmt: skip
-    elif fused and grad and not torch.compiler.is_compiling():
-        from .linear_ce import linear_cross_entropy_sum
-
+    if fused and grad:
+        # under torch.compile: its custom op, with the ignored rows in (kept above)
         total = linear_cross_entropy_sum(h, weight, t, ignore_index=ignore_index, chunk_rows=step)
     elif m <= step:
         total = _ce_sum(h, weight, t, ignore_index)  # one chunk: nothing to gain from recomputation
