@@ -236,6 +236,16 @@ save_cache() {  # split in 15 MiB parts (a device call returns files of <= 16 Mi
 }
 trap save_cache EXIT
 python3 -c "import torch, triton, platform; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name())" | tee "$OUT/env.txt"
+# scripts/fuzz.py --gluon --varlen on CUDA into $OUT/fuzz_gluon_varlen.txt ($1: default workers); modes
+# fuzz-gluon-varlen and s32a
+fuzz_gluon_varlen() {
+  timeout "${FUZZ_GLUON_TIMEOUT:-450}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_varlen_cache OMP_NUM_THREADS=1 \
+    python3 scripts/fuzz.py --gluon --varlen --impl triton --device cuda --workers "${FUZZ_GLUON_WORKERS:-$1}" \
+    --pool "${FUZZ_GLUON_POOL:-2}" --examples "${FUZZ_GLUON_VARLEN_EXAMPLES:-2000}" \
+    --minutes "${FUZZ_GLUON_VARLEN_MINUTES:-6}" --every 100 > "$OUT/fuzz_gluon_varlen.txt" 2>&1
+  echo "fuzz rc=$?" >> "$OUT/fuzz_gluon_varlen.txt"
+}
+
 case "${1:-tests}" in
   first)
     timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -q -m cuda tests -n 4 -p no:cacheprovider -rfE --durations=10 > "$OUT/cuda_tests.txt" 2>&1
@@ -466,11 +476,7 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     timeout "${CUDA_TEST_TIMEOUT:-400}" python3 -m pytest -v -m cuda tests/test_gluon_varlen.py -n 4 -p no:cacheprovider \
       -k "random_cases or rows_past or synchronise or fill_uncovered" -rfE > "$OUT/cuda_tests.txt" 2>&1 &
     tests_pid=$!
-    timeout "${FUZZ_GLUON_TIMEOUT:-450}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_varlen_cache OMP_NUM_THREADS=1 \
-      python3 scripts/fuzz.py --gluon --varlen --impl triton --device cuda --workers "${FUZZ_GLUON_WORKERS:-10}" \
-      --pool "${FUZZ_GLUON_POOL:-2}" --examples "${FUZZ_GLUON_VARLEN_EXAMPLES:-2000}" \
-      --minutes "${FUZZ_GLUON_VARLEN_MINUTES:-6}" --every 100 > "$OUT/fuzz_gluon_varlen.txt" 2>&1
-    echo "fuzz rc=$?" >> "$OUT/fuzz_gluon_varlen.txt"
+    fuzz_gluon_varlen 10
     wait "$tests_pid"; echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon_varlen.txt" | head -8
@@ -851,11 +857,7 @@ sys.exit(pytest.main(["-v", "-m", "cuda", "tests/test_gluon_bwd.py", "-n", "4", 
     # past the documents holding NaN / inf, GQA / MQA, head dim 64 / 128, r = 1 first or not): each case the float64
     # reference per document, impl="triton" with the Gluon switches off, then on (a fall back to Triton is an ERROR).
     # $FUZZ_GLUON_VARLEN_EXAMPLES (2000) in $FUZZ_GLUON_VARLEN_MINUTES (6); a pool of 2 templates per worker
-    timeout "${FUZZ_GLUON_TIMEOUT:-450}" env TRITON_CACHE_DIR=/tmp/da_fuzz_gluon_varlen_cache OMP_NUM_THREADS=1 \
-      python3 scripts/fuzz.py --gluon --varlen --impl triton --device cuda --workers "${FUZZ_GLUON_WORKERS:-12}" \
-      --pool "${FUZZ_GLUON_POOL:-2}" --examples "${FUZZ_GLUON_VARLEN_EXAMPLES:-2000}" \
-      --minutes "${FUZZ_GLUON_VARLEN_MINUTES:-6}" --every 100 > "$OUT/fuzz_gluon_varlen.txt" 2>&1
-    echo "fuzz rc=$?" >> "$OUT/fuzz_gluon_varlen.txt"
+    fuzz_gluon_varlen 12
     grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon_varlen.txt" | head -8
     tail -8 "$OUT/fuzz_gluon_varlen.txt"
     ;;

@@ -55,10 +55,19 @@ def test_rotary_op_opcheck(seed):
     ang = torch.randn(1, 5, 1, 4, generator=g).to(dev)
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     torch.library.opcheck(rotary_op, (q, k, cos, sin, cos, sin, False))
-    # the op's values: the rotate-half formula
-    qo, _ = rotary_op(q, k, cos, sin, cos, sin, False)
-    q1, q2 = q.detach().chunk(2, -1)
-    torch.testing.assert_close(qo, q.detach() * cos + torch.cat([-q2, q1], -1) * sin)
+    # the op's values and gradients: the rotate-half formula through autograd
+    def formula(x):
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    qo, ko = rotary_op(q, k, cos, sin, cos, sin, False)
+    torch.testing.assert_close(qo, formula(q))
+    torch.testing.assert_close(ko, formula(k))
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    got = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+    want = torch.autograd.grad((formula(q), formula(k)), (q, k), (gq, gk))
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e)
 
 
 @pytest.mark.parametrize("bias", [True, False])
