@@ -11,7 +11,10 @@ Rows (GPU sizes; ``--tiny`` shrinks every one of them so that the script runs on
   for the decode and training calls above (``torch.profiler``);
 - end to end: LongNet ``base`` training steps (bf16 autocast, fwd+bwd) at 8K x 4 and 16K x 2,
   eager and ``torch.compile``, dilated (branches 2048,4096,8192 / 1,2,4 and 2048..16384 / 1..8)
-  against the same model with dense attention, tokens/s.
+  against the same model with dense attention (one branch w = N, r = 1: the same fused kernel),
+  tokens/s. The step is a training loop's: ``model(x, y, return_logits=False)`` (as
+  ``LongNetLM.forward`` asks of training loops; before the thirty-third session (2026-11-29) these rows also computed the
+  unused (B, N, V) logits, ~3 GiB and a 2.5 TFLOP GEMM per step, in both arms), backward, AdamW.
 
 Wall time per call is the median of back-to-back calls (CUDA events around each call on the
 GPU, ``time.perf_counter`` on the CPU). Writes a markdown results file (command, device,
@@ -139,7 +142,7 @@ def e2e_rows(cfg, device, steps, warmup, compile_backend, modes=("eager", "compi
 
                     def step(run=run, opt=opt, inp=inp, tgt=tgt):
                         with amp:
-                            _, loss = run(inp, tgt)
+                            _, loss = run(inp, tgt, return_logits=False)
                         loss.backward()
                         opt.step()
                         opt.zero_grad(set_to_none=True)

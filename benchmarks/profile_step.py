@@ -16,13 +16,16 @@ kernel on), profiled with ``torch.profiler`` after warm-up, one step per arm:
 - ``compiled``: ``torch.compile(model)`` (inductor; the optimizer step stays eager, as in
   ``ab_rotary.py``);
 - ``dense``: the same model with ``LongNetConfig.with_attention("dense", n)`` (one branch
-  w = N, r = 1: SDPA), eager: the baseline a user compares with.
+  w = N, r = 1: the same fused kernel, which ``auto`` picks there), eager: the baseline a user
+  compares with; ``--dense-compile`` adds it compiled (``dense compiled``).
 
 Per arm: the wall time per step (median of ``--iters`` unprofiled steps, CUDA events), the
 summed GPU kernel time of the profiled step (kernels, memsets and memcpys; the user annotations
 that the profiler mirrors on the GPU timeline -- the ``mod:*`` / ``da:*`` labels, the phases,
 ``Optimizer.step#...`` -- are spans around kernels and left out), the GPU busy time (union of
-the kernel intervals) and the idle rest, the number of kernels and of memsets / memcpys, the host's issue time (until
+the kernel intervals) and the idle rest (inside the profiled step: per origin of the kernel that
+ended each gap, whether the GPU waited for the host to launch it, the largest gaps and what the
+host was doing when they opened), the number of kernels and of memsets / memcpys, the host's issue time (until
 the step's Python returns, before the final synchronisation) and the host synchronisations
 (``nonzero`` / ``item``). Then the kernels grouped into categories (attention = the Triton
 dilated kernels or SDPA's, GEMMs, layernorm, rotary, casts, GELU, dropout, other elementwise,
@@ -42,6 +45,8 @@ unless told): the leaf aten ops per category and per origin, the host syncs.
 
     python benchmarks/profile_step.py --out $OUT/profile_step.md      # H100: ~3-4 minutes
     python benchmarks/profile_step.py --tiny --out /tmp/p.md           # CPU smoke run
+    python benchmarks/profile_step.py --shapes 16384 --no-plain --dense-compile \
+        --cprofile compiled,eager --out $OUT/p.md                       # one row, idle and host
     python benchmarks/profile_step.py --census 1024 --out /tmp/c.md    # CPU op census
 """
 
@@ -52,6 +57,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import importlib
 import math
 import os
 import pathlib
@@ -326,6 +332,71 @@ class Item:
     us: float
     start: float
     end: float
+    launch: float = math.nan  # host time of the runtime call that launched it (CUDA)
+
+
+HOST_GROUPS = (("op ", "dilated_attention::"), ("graph ", "## Call CompiledFxGraph"),
+               ("bwd node ", "autograd::engine::evaluate_function: "), ("phase ", PHASES))
+
+
+def host_spans(cpu_events) -> dict:
+    """Host time (the profiler's CPU duration, its own overhead included) of the library's custom
+    ops, Inductor's compiled graphs, the autograd nodes of the backward and the phases, each the
+    outermost of its group: label -> [count, us]."""
+    out = collections.defaultdict(lambda: [0, 0.0])
+    for e in cpu_events:
+        if e.is_async:
+            continue
+        for label, match in HOST_GROUPS:
+            if (e.name in match) if isinstance(match, tuple) else e.name.startswith(match):
+                outer = any(((p.name in match) if isinstance(match, tuple) else p.name.startswith(match))
+                            for p in _ancestors(e))  # fmt: skip
+                if not outer:
+                    name = e.name if isinstance(match, tuple) else e.name[len(match):]
+                    rec = out[label + (name if label != "graph " else "(all)")]
+                    rec[0] += 1
+                    rec[1] += e.time_range.elapsed_us()
+                break
+    return dict(out)
+
+
+def gaps(items: list[Item], cpu_events, top: int = 12) -> dict:
+    """The GPU's idle time inside one profiled step, kernel to kernel: each gap (the start of a
+    kernel after the latest end of those before it) is charged to the kernel that ends it, and
+    is "host-late" when that kernel's launch call began after the gap had opened (the GPU waited
+    for the host to issue it) and "queued" otherwise (launch latency, a stream wait). Per origin
+    of the kernel that ends the gap; the largest gaps with the innermost host op that was running
+    when each opened (a synchronisation shows here)."""
+    out = dict(span_ms=0.0, idle_ms=0.0, host_late_ms=0.0, n=0, by_origin={}, largest=[])
+    ordered = sorted(items, key=lambda i: i.start)
+    if not ordered:
+        return out
+    by_origin = collections.defaultdict(lambda: [0, 0.0, 0.0])  # count, idle us, host-late us
+    found = []
+    last = ordered[0].end
+    for it in ordered[1:]:
+        gap = it.start - last
+        if gap > 0:
+            late = it.launch > last
+            rec = by_origin[it.origin]
+            rec[0] += 1
+            rec[1] += gap
+            rec[2] += gap if late else 0.0
+            out["n"] += 1
+            out["idle_ms"] += gap / 1e3
+            out["host_late_ms"] += (gap if late else 0.0) / 1e3
+            found.append((gap, last, it))
+        last = max(last, it.end)
+    out["span_ms"] = (last - ordered[0].start) / 1e3
+    out["by_origin"] = dict(by_origin)
+    spans = [e for e in cpu_events if not e.is_async]
+    for gap, opened, it in sorted(found, key=lambda g: -g[0])[:top]:
+        running = [e for e in spans if e.time_range.start <= opened <= e.time_range.end]
+        inner = max(running, key=lambda e: e.time_range.start).name if running else "-"
+        delay = it.launch - opened if it.launch == it.launch else math.nan
+        out["largest"].append(dict(us=gap, kernel=re.sub(r"^void |<.*$|\(.*$", "", it.name)[:60],
+                                   origin=it.origin, launch_after_us=delay, host_op=inner[:60]))
+    return out
 
 
 def analyse(events, device: torch.device) -> dict:
@@ -351,7 +422,10 @@ def analyse(events, device: torch.device) -> dict:
                 continue  # annotations span kernels: summed with them they inflate the totals
             src = runtime.get(e.id) or by_id.get(getattr(e, "linked_correlation_id", 0) or -1)
             origin = _origin_of(src, fwd_origin) if src is not None else "unattributed"
-            items.append(Item(e.name, origin, e.time_range.elapsed_us(), e.time_range.start, e.time_range.end))
+            rt = runtime.get(e.id)
+            launch = rt.time_range.start if rt is not None else math.nan
+            items.append(Item(e.name, origin, e.time_range.elapsed_us(), e.time_range.start,
+                              e.time_range.end, launch))  # fmt: skip
     else:
         for e in cpu:
             if not e.name.startswith("aten::") or e.name[6:] in SKIP:
@@ -385,7 +459,8 @@ def analyse(events, device: torch.device) -> dict:
         rec[1] += it.us
         rec[2] = c
     memops = sum(1 for it in items if it.name.lower().startswith(("memset", "memcpy")))
-    return dict(
+    idle = gaps(items, cpu) if device.type == "cuda" else None
+    return dict(idle=idle, host=host_spans(cpu),
         n=len(items), memops=memops, sum_ms=sum(i.us for i in items) / 1e3, busy_ms=busy / 1e3,
         cats=dict(cats), origins=dict(origins), names=dict(names), pairs=dict(pairs), syncs=syncs, rt_syncs=rt_syncs, top_ops=top_ops,
     )  # fmt: skip
@@ -418,7 +493,44 @@ def make_step(run, opt, inp, tgt, amp):
         with record_function("zero_grad"):
             opt.zero_grad(set_to_none=True)
 
+    go.parts = (run, opt, inp, tgt, amp)
     return go
+
+
+def phase_times(fn, device, iters: int) -> dict:
+    """Unprofiled steps of ``fn`` (a :func:`make_step` step) with a CUDA event and a host clock
+    at each phase boundary: per phase the median host time and GPU time (event to event: the
+    GPU finished the phase's work then, or the host recorded the event then if later). A
+    phase whose GPU time is about its host time kept the GPU waiting for the host."""
+    if device.type != "cuda" or not hasattr(fn, "parts"):
+        return {}
+    run, opt, inp, tgt, amp = fn.parts
+    times = collections.defaultdict(list)
+    for _ in range(iters):
+        _sync(device)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+        h = [time.perf_counter()]
+        ev[0].record()
+        with amp:
+            _, loss = run(inp, tgt, return_logits=False)
+        h.append(time.perf_counter())
+        ev[1].record()
+        loss.backward()
+        h.append(time.perf_counter())
+        ev[2].record()
+        opt.step()
+        h.append(time.perf_counter())
+        ev[3].record()
+        opt.zero_grad(set_to_none=True)
+        h.append(time.perf_counter())
+        ev[4].record()
+        ev[4].synchronize()
+        for i, ph in enumerate(PHASES):
+            times[ph + " host"].append((h[i + 1] - h[i]) * 1e3)
+            times[ph + " gpu"].append(ev[i].elapsed_time(ev[i + 1]))
+        times["step host"].append((h[4] - h[0]) * 1e3)
+        times["step gpu"].append(ev[0].elapsed_time(ev[4]))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _sync(device):
@@ -452,6 +564,37 @@ def issue_ms(fn, device, iters: int) -> float:
     return statistics.median(out)
 
 
+def _where(file: str, line: int, name: str) -> str:
+    """A cProfile function key, shortened: the path from the package or library root on."""
+    for cut in ("site-packages/", "dist-packages/", "/src/", "/benchmarks/", "/lib/python3"):
+        if cut in file:
+            file = file.split(cut, 1)[1]
+            break
+    return f"{file}:{line}({name})" if file != "~" else name
+
+
+def cprofile_steps(fn, device, steps: int, keep: int = 60) -> list[dict]:
+    """cProfile over ``steps`` back-to-back calls of ``fn`` (the GPU drained before and after,
+    not between): the functions with the most own time and the most time with callees."""
+    import cProfile
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    _sync(device)
+    rows = []
+    for key, (_cc, nc, tt, ct, callers) in pstats.Stats(prof).stats.items():
+        by = sorted(((_where(*c), v[1] if isinstance(v, tuple) else v) for c, v in callers.items()),
+                    key=lambda cv: -cv[1])  # fmt: skip
+        rows.append(dict(fn=_where(*key), calls=nc, tt=tt, ct=ct, callers=by[:5]))
+    chosen = {id(r): r for k in ("tt", "ct") for r in sorted(rows, key=lambda r: -r[k])[:keep]}
+    return list(chosen.values())
+
+
 def run_arm(name, fn, device, args, model=None) -> dict:
     for _ in range(args.warmup):
         fn()
@@ -459,6 +602,10 @@ def run_arm(name, fn, device, args, model=None) -> dict:
     res["wall_ms"] = median_ms(fn, device, 1, args.iters)
     res["issue_ms"] = issue_ms(fn, device, max(1, args.iters // 2))
     res["arm"] = name
+    res["phases"] = phase_times(fn, device, args.iters)
+    if name in args.cprofile:
+        res["cprofile"] = cprofile_steps(fn, device, args.cprofile_steps)
+        res["cprofile_steps"] = args.cprofile_steps
     return res
 
 
@@ -466,6 +613,8 @@ def e2e(cfg, device, dtype, args) -> list[dict]:
     shapes = []
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     for n, batch, seg, dil in cfg["e2e"]:
+        if args.shapes and n not in args.shapes:
+            continue
         arms = {}
         model, opt, inp, tgt = build(cfg["preset"], n, batch, seg, dil, device, adamw=args.adamw)
         arms["eager"] = run_arm("eager", make_step(model, opt, inp, tgt, amp), device, args, model)
@@ -482,6 +631,10 @@ def e2e(cfg, device, dtype, args) -> list[dict]:
         if not args.no_compile:
             cm = torch.compile(model, backend=args.compile_backend)
             arms["compiled"] = run_arm("compiled", make_step(cm, opt, inp, tgt, amp), device, args)
+            if args.compiled_ab:  # the same compiled model (the custom ops read the switches per call)
+                with settings(args.compiled_ab):
+                    name = f"compiled [{','.join(f'{k}={v}' for k, v in args.compiled_ab)}]"
+                    arms[name] = run_arm(name, make_step(cm, opt, inp, tgt, amp), device, args)
             del cm
         del model, opt
         gc.collect()
@@ -490,6 +643,10 @@ def e2e(cfg, device, dtype, args) -> list[dict]:
         if not args.no_dense:
             model, opt, inp, tgt = build(cfg["preset"], n, batch, seg, dil, device, "dense", args.adamw)
             arms["dense"] = run_arm("dense", make_step(model, opt, inp, tgt, amp), device, args, model)
+            if args.dense_compile:
+                cm = torch.compile(model, backend=args.compile_backend)
+                arms["dense compiled"] = run_arm("dense compiled", make_step(cm, opt, inp, tgt, amp), device, args)
+                del cm
             del model, opt
             gc.collect()
             if device.type == "cuda":
@@ -498,6 +655,39 @@ def e2e(cfg, device, dtype, args) -> list[dict]:
             torch._dynamo.reset()  # the next shape compiles afresh
         shapes.append(dict(shape=f"N{n} x {batch}", seg=seg, dil=dil, arms=arms))
     return shapes
+
+
+def parse_settings(spec: str) -> list[tuple[str, int]]:
+    """'gluon_fwd.DIRECT_LAUNCH=1,gluon_fwd.LIGHT_DESCRIPTORS=0' -> [(name, value), ...]: module
+    switches of ``dilated_attention.kernels`` (ints; 0 / 1 for the boolean ones)."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition("=")
+        mod, _, attr = name.rpartition(".")
+        if not mod or not value:
+            raise SystemExit(f"--set / --compiled-ab: expected MODULE.NAME=VALUE, got {item!r}")
+        m = importlib.import_module(f"dilated_attention.kernels.{mod}")
+        if not hasattr(m, attr):
+            raise SystemExit(f"--set / --compiled-ab: dilated_attention.kernels.{mod} has no {attr}")
+        out.append((name, int(value)))
+    return out
+
+
+@contextlib.contextmanager
+def settings(pairs: list[tuple[str, int]]):
+    """The module switches of :func:`parse_settings` set (booleans as bools), restored on exit."""
+    saved = []
+    try:
+        for name, value in pairs:
+            mod, _, attr = name.rpartition(".")
+            m = importlib.import_module(f"dilated_attention.kernels.{mod}")
+            old = getattr(m, attr)
+            saved.append((m, attr, old))
+            setattr(m, attr, bool(value) if isinstance(old, bool) else value)
+        yield
+    finally:
+        for m, attr, old in reversed(saved):
+            setattr(m, attr, old)
 
 
 def census(device, args) -> dict:
@@ -575,6 +765,83 @@ def top_table(res: dict, unit: str, top: int = 25) -> list[str]:
     return lines
 
 
+def idle_tables(arms: dict, top: int = 10) -> list[str]:
+    """The idle time inside each arm's profiled step (:func:`gaps`): totals, per origin of the
+    kernel that ended each gap, and the largest gaps."""
+    arms = {a: r for a, r in arms.items() if r.get("idle")}
+    if not arms:
+        return []
+    lines = ["| arm | span ms (first kernel to last) | idle ms in span | of it host-late ms | gaps |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for a, r in arms.items():
+        g = r["idle"]
+        lines.append(f"| {a} | {_ms(g['span_ms'])} | {_ms(g['idle_ms'])} | {_ms(g['host_late_ms'])} | {g['n']} |")
+    for a, r in arms.items():
+        g = r["idle"]
+        lines += ["", f"{a}: idle by origin of the kernel that ended the gap", "",
+                  "| origin | gaps | idle ms | host-late ms |", "|---|---|---|---|"]  # fmt: skip
+        for o, (c, us, late) in sorted(g["by_origin"].items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"| {o} | {c} | {_ms(us / 1e3)} | {_ms(late / 1e3)} |")
+        lines += ["", f"{a}: largest gaps", "",
+                  "| us | next kernel | its origin | its launch after the gap opened, us | host op running when it opened |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for x in g["largest"]:
+            lines.append(f"| {x['us']:.1f} | `{x['kernel']}` | {x['origin']} | {x['launch_after_us']:.1f} | "
+                         f"`{x['host_op']}` |")
+    return lines
+
+
+def phase_table(arms: dict) -> list[str]:
+    """Per arm and phase, the unprofiled host and GPU milliseconds (:func:`phase_times`)."""
+    arms = {a: r for a, r in arms.items() if r.get("phases")}
+    if not arms:
+        return []
+    cols = [*PHASES, "step"]
+    lines = ["| arm | " + " | ".join(f"{c} host / GPU ms" for c in cols) + " |", "|---" * (1 + len(cols)) + "|"]
+    for a, r in arms.items():
+        ph = r["phases"]
+        lines.append(f"| {a} | " + " | ".join(f"{ph[c + ' host']:.2f} / {ph[c + ' gpu']:.2f}" for c in cols) + " |")
+    return lines
+
+
+def host_table(arms: dict, top: int = 16) -> list[str]:
+    """Per arm, the host time of the custom ops, compiled graphs, backward nodes and phases in
+    the profiled step (:func:`host_spans`)."""
+    lines = []
+    for a, r in arms.items():
+        if not r.get("host"):
+            continue
+        lines += ["", f"{a}", "", "| span | count | host ms |", "|---|---|---|"]
+        for label, (c, us) in sorted(r["host"].items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"| {label} | {c} | {_ms(us / 1e3)} |")
+    return lines
+
+
+def cprofile_table(res: dict, top: int = 30) -> list[str]:
+    """The host's Python time per step (cProfile over ``res['cprofile_steps']`` steps, GPU not
+    drained between them): by own time and by time with callees."""
+    rows, steps = res.get("cprofile"), res.get("cprofile_steps", 1)
+    if not rows:
+        return []
+    lines = []
+    for key, title in (("tt", "own time"), ("ct", "time with callees")):
+        lines += ["", f"by {title} (ms per step; calls per step)", "",
+                  "| function | calls | own ms | with callees ms |", "|---|---|---|---|"]  # fmt: skip
+        for r in sorted(rows, key=lambda r: -r[key])[:top]:
+            fn = r["fn"].replace("|", "\\|")
+            lines.append(f"| `{fn}` | {r['calls'] / steps:.0f} | {r['tt'] / steps * 1e3:.3f} | "
+                         f"{r['ct'] / steps * 1e3:.3f} |")
+    lines += ["", "callers (calls per step) of the functions with the most own time and of Triton's launch path", "",
+              "| function | callers |", "|---|---|"]  # fmt: skip
+    launch_path = ("runtime/jit.py", "hopper.py", "make_tensordesc_arg", "backend_impl")
+    picked = sorted(rows, key=lambda r: -r["tt"])[:12]
+    picked += [r for r in rows if r not in picked and any(m in r["fn"] for m in launch_path)]
+    for r in picked:
+        who = "; ".join(f"`{c}` {n / steps:.0f}" for c, n in r.get("callers", []))
+        lines.append(f"| `{r['fn']}` | {who.replace('|', chr(92) + '|')} |")
+    return lines
+
+
 def summary_table(shapes: list[dict], what: str, cuda: bool) -> list[str]:
     lines = ["| tokens | arm | wall ms/step | " + what + " sum ms | busy ms | idle ms (wall - busy) | "
              + what + "s | memset+memcpy | host issue ms | host syncs (aten / runtime) | top-level aten ops |",
@@ -613,6 +880,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled arm")
     p.add_argument("--no-dense", action="store_true", help="skip the dense-SDPA arm")
+    p.add_argument("--dense-compile", action="store_true", help="also the dense model compiled")
+    p.add_argument("--shapes", default="", help="comma-separated N of the rows to run (default all: 8192,16384)")
+    p.add_argument("--cprofile", default="", metavar="ARMS",
+                   help="comma-separated arms (eager, compiled, dense, 'dense compiled') whose host Python "
+                        "is profiled with cProfile over --cprofile-steps steps")
+    p.add_argument("--cprofile-steps", type=int, default=5)
+    p.add_argument("--set", default="", metavar="MOD.NAME=V,...",
+                   help="module switches of dilated_attention.kernels for the whole run, e.g. gluon_fwd.DIRECT_LAUNCH=1")
+    p.add_argument("--compiled-ab", default="", metavar="MOD.NAME=V,...",
+                   help="a second compiled arm, the same compiled model with these switches")
     p.add_argument("--no-plain", action="store_true",
                    help="skip the eager arm without the fused loss and the Triton LayerNorm")
     p.add_argument("--torch-rotary", action="store_true", help="eager rotary in torch code (kernel off)")
@@ -624,6 +901,14 @@ def main(argv=None) -> int:
     p.add_argument("--compile-backend", default=None, help="default inductor (aot_eager with --tiny)")
     p.add_argument("--out", default=None, help="markdown file (default results/profile_step_<gpu>_<date>.md)")
     args = p.parse_args(argv)
+    args.shapes = {int(x) for x in args.shapes.split(",") if x.strip()}
+    args.cprofile = {x.strip() for x in args.cprofile.split(",") if x.strip()}
+    args.compiled_ab = parse_settings(args.compiled_ab)
+    with settings(parse_settings(args.set)):
+        return _main(args, argv)
+
+
+def _main(args, argv) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not (args.tiny or args.census) else "cpu")
     args.compile_backend = args.compile_backend or ("aot_eager" if args.tiny else "inductor")
     args.adamw = args.adamw or ("foreach" if args.census else "default")
@@ -679,6 +964,19 @@ def main(argv=None) -> int:
                 lines += origin_table(s["arms"]["eager"], unit)
                 lines += ["", "### Eager: most launched (origin, kernel) pairs", ""]
                 lines += pair_table(s["arms"]["eager"], unit)
+            ph = phase_table(s["arms"])
+            if ph:
+                lines += ["", "### Phases, unprofiled (host clock and CUDA events at each boundary; medians)", ""] + ph
+            hs = host_table(s["arms"])
+            if hs:
+                lines += ["", "### Host time of the profiled step by span (the profiler's overhead included)"] + hs
+            idle = idle_tables(s["arms"])
+            if idle:
+                lines += ["", "### Idle inside the profiled step (the profiler's host overhead included)", ""] + idle
+            for a, r in s["arms"].items():
+                if r.get("cprofile"):
+                    lines += ["", f"### Host Python per step, {a} (cProfile; its own overhead included)"]
+                    lines += cprofile_table(r)
             for a, r in s["arms"].items():
                 lines += ["", f"### Top 25 {what}s, {a}", ""] + top_table(r, unit)
         topic = "profile_step"

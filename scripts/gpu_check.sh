@@ -138,6 +138,7 @@
 #                                       batches against the float64 reference per document (not yet run)
 #   bash scripts/gpu_check.sh s32a     the CUDA tests of s32 beside fuzz-gluon-varlen (cold cache; correctness only)
 #   bash scripts/gpu_check.sh s32b     the fill-only A/B of s32, then bench_varlen.py --set FILL_UNCOVERED_ONLY=1
+#   bash scripts/gpu_check.sh s33a     the compile tests, then profile_step.py at 16K x 2: idle broken down, host cProfile
 #   bash scripts/gpu_check.sh s32c     the kernels-as-ops compile tests + the fill-only default's tests, then e2e compiled rows
 #   bash scripts/gpu_check.sh s32      gluon_varlen.FILL_UNCOVERED_ONLY: CUDA tests with device offsets (its same-bits test too),
 #                                       then varlen_switch_ab.py --switch fill-only (issue batch, 512-token mix)
@@ -509,6 +510,72 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -8
+    ;;
+  s33a)
+    # thirty-third session, first call: the compile tests of the models' kernels as custom ops (their call sites moved
+    # after the last GPU call; no -m cuda: the rotary / LayerNorm compile tests are not cuda-marked; $CUDA_TEST_TIMEOUT
+    # 240 s), then profile_step.py at 16K x 2 with the idle broken down, the dense model compiled too, and cProfile of
+    # the compiled and eager steps' host Python ($PROFILE_TIMEOUT 330 s)
+    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -v -n 4 -p no:cacheprovider -rfE \
+      tests/test_compile_kernels.py tests/test_compile_model.py tests/test_rotary_fused.py tests/test_triton_layernorm.py \
+      -k "compile or constant" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${PROFILE_TIMEOUT:-330}" python3 benchmarks/profile_step.py --shapes "${PROFILE_SHAPES:-16384}" --no-plain \
+      --dense-compile --cprofile "${CPROFILE_ARMS:-compiled,eager}" --out "$OUT/profile_step.md" > "$OUT/profile_step.txt" 2>&1
+    echo "profile_step rc=$?" >> "$OUT/profile_step.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -A8 "^| tokens" "$OUT/profile_step.md"; grep -A7 "^| arm | span" "$OUT/profile_step.md"; tail -3 "$OUT/profile_step.txt"
+    ;;
+  s33b)
+    # thirty-third session, second call: the Gluon launches' light descriptors (gluon_fwd.LIGHT_DESCRIPTORS, on) and
+    # their direct launches (gluon_fwd.DIRECT_LAUNCH, turned on here with --set): the direct-launch CUDA tests (same bits,
+    # -n 2, $CUDA_TEST_TIMEOUT 200 s), then profile_step.py at 8K x 4 and 16K x 2 with the compiled model run a second
+    # time with both off ($PROFILE_TIMEOUT 400 s)
+    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -v -n 2 -p no:cacheprovider -rfE -m cuda \
+      tests/test_gluon_bwd.py tests/test_gluon_fwd.py -k "direct or light" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${PROFILE_TIMEOUT:-400}" python3 benchmarks/profile_step.py --shapes "${PROFILE_SHAPES:-8192,16384}" --no-plain \
+      --dense-compile --set gluon_fwd.DIRECT_LAUNCH=1 --compiled-ab gluon_fwd.DIRECT_LAUNCH=0,gluon_fwd.LIGHT_DESCRIPTORS=0 \
+      --cprofile "${CPROFILE_ARMS:-compiled}" --out "$OUT/profile_step.md" > "$OUT/profile_step.txt" 2>&1
+    echo "profile_step rc=$?" >> "$OUT/profile_step.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -A12 "^| tokens" "$OUT/profile_step.md"; grep -A6 "^| arm | forward" "$OUT/profile_step.md"; tail -3 "$OUT/profile_step.txt"
+    ;;
+  s33c)
+    # thirty-third session, third call: the CUDA tests that the session's host-side changes touch (Gluon launches direct
+    # with light descriptors by default; the rotary kernel through DirectKernel; LayerNorm backward trims; -n 4,
+    # $CUDA_TEST_TIMEOUT 210 s), then issue 23's end-to-end rows, compiled and eager, with return_logits=False
+    # ($OVERHEAD_TIMEOUT 360 s)
+    timeout "${CUDA_TEST_TIMEOUT:-210}" python3 -m pytest -v -n 4 -p no:cacheprovider -rfE tests/test_gluon_fwd.py \
+      tests/test_gluon_bwd.py tests/test_rotary_fused.py tests/test_triton_layernorm.py tests/test_gluon_varlen.py -k \
+      "forward_vs_reference or backward_vs_reference or direct or light or cuda_realistic or varlen_forward_random or rows_past or synchronise" \
+      > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${OVERHEAD_TIMEOUT:-360}" python3 benchmarks/bench_overhead.py --only-e2e --e2e-modes "${E2E_MODES:-compile,eager}" \
+      --e2e-lengths "${E2E_LENGTHS:-8192,16384}" --out "$OUT/overhead_e2e.md" > "$OUT/overhead_e2e.txt" 2>&1
+    echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -10
+    ;;
+  s33d)
+    # thirty-third session, last call: the CUDA tests s33c did not reach (the Gluon backward against the reference with
+    # direct launches on by default, the varlen CUDA tests, the rotary and LayerNorm ones, the kernels-as-ops compile
+    # tests; -n 4, $CUDA_TEST_TIMEOUT 330 s) beside a GPU fuzz of the Gluon varlen kernels (their host-descriptor
+    # launches are direct now; $FUZZ_GLUON_VARLEN_EXAMPLES 600, 8 workers)
+    ( timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -v -n 4 -p no:cacheprovider -rfE tests/test_gluon_bwd.py \
+        tests/test_rotary_fused.py tests/test_triton_layernorm.py tests/test_gluon_varlen.py -m cuda \
+        -k "backward_vs_reference or direct or cuda_ or random_cases or rows_past or synchronise or fill_uncovered"
+      echo "pytest (cuda-marked) rc=$?"
+      timeout 150 python3 -m pytest -v -n 4 -p no:cacheprovider -rfE tests/test_compile_kernels.py tests/test_compile_model.py \
+        -k "compile or constant"
+      echo "pytest (compile) rc=$?" ) > "$OUT/cuda_tests.txt" 2>&1 &
+    tests_pid=$!
+    FUZZ_GLUON_VARLEN_EXAMPLES=${FUZZ_GLUON_VARLEN_EXAMPLES:-600} FUZZ_GLUON_VARLEN_MINUTES=4 FUZZ_GLUON_TIMEOUT=320 \
+      fuzz_gluon_varlen 8
+    wait "$tests_pid"; echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
+    grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon_varlen.txt" | head -8
+    tail -6 "$OUT/fuzz_gluon_varlen.txt"
     ;;
   s31b)
     # thirty-first session, second call: varlen_switch_ab.py --switch unchecked on the issue batch (device offsets in both arms:

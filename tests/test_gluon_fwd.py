@@ -267,6 +267,48 @@ def test_direct_launch_of_gluon_kernels(monkeypatch):
     assert len(jit_calls) == n + 5
 
 
+def test_light_descriptors(monkeypatch):
+    """gluon_fwd.LIGHT_DESCRIPTORS: block_view gives a Desc with the fields of block_desc's
+    TensorDescriptor (the same key in the direct-launch table), Triton's path receives the
+    TensorDescriptor made from it, the direct path the Desc itself; off, block_view gives the
+    TensorDescriptor."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dilated_attention.kernels import direct_launch
+
+    x = torch.zeros(1, 128, 4, 64, dtype=torch.bfloat16)
+    real = gluon_fwd.block_desc(x, 64, 2, 16, 32)
+    view = gluon_fwd.block_view(x, 64, 2, 16, 32)
+    assert type(view) is gluon_fwd.Desc and type(real) is TensorDescriptor
+    for f in ("shape", "strides", "block_shape", "layout", "padding"):
+        assert getattr(view, f) == getattr(real, f), f
+    assert view.base is real.base is x and gluon_fwd._spec(view) == gluon_fwd._spec(real)
+    assert view.real() == real
+    seen = []
+
+    class FakeKernel:
+        arg_names = ("desc", "buf", "n", "BN")
+
+        def __getitem__(self, grid):
+            return lambda *args, **options: seen.append(("jit", args)) or "compiled"
+
+    monkeypatch.setattr(direct_launch, "compiled_of", lambda ret: ret)
+    monkeypatch.setattr(direct_launch, "grid_launcher",
+                        lambda c: lambda gx, gy, gz, stream, args: seen.append(("direct", args)))  # fmt: skip
+    monkeypatch.setattr(direct_launch, "current_stream", lambda dev: 0)
+    monkeypatch.setattr(direct_launch, "hooks_idle", lambda: True)
+    monkeypatch.setattr(gluon_fwd, "_direct", {})
+    monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", True)
+    kern, buf = FakeKernel(), torch.zeros(8)
+    for _ in range(2):
+        gluon_fwd.launch(kern, (1,), (view, buf, 32), dict(BN=64))
+    (how0, args0), (how1, args1) = seen
+    assert how0 == "jit" and type(args0[0]) is TensorDescriptor and args0[0] == real
+    assert how1 == "direct" and args1[0] is view
+    monkeypatch.setattr(gluon_fwd, "LIGHT_DESCRIPTORS", False)
+    assert type(gluon_fwd.block_view(x, 64, 2, 16, 32)) is TensorDescriptor
+
+
 def test_problem_names_the_interpreter_or_the_device():
     q, k, v = qkv()
     why = gluon_fwd.problem(q, k, v, False, [(64, 1, 0, 4)])
@@ -295,7 +337,7 @@ def test_speed_rules_and_shipped_switches(monkeypatch):
     monkeypatch.setattr(triton_import, "INTERPRET", False)
     monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
     assert gluon_fwd.UNEVEN_BLOCKS and gluon_fwd.TAIL_SEGMENTS and gluon_fwd.TAIL_BATCHES
-    assert not gluon_fwd.DIRECT_LAUNCH
+    assert gluon_fwd.DIRECT_LAUNCH and gluon_fwd.LIGHT_DESCRIPTORS
     assert (gluon_fwd.MIN_ROWS, gluon_fwd.D64_MIN_BLOCK) == (1 << 18, 2048)
 
     def why(b, n, h, d, seg, dil):

@@ -169,6 +169,13 @@ def launcher(compiled, grid: tuple[int, ...]) -> Callable[[int, tuple], None] | 
     return go
 
 
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2(n)`` for an int n >= 1 (1 for n <= 1), without a Python call of
+    Triton's: on Triton 3.6 it (and ``triton.cdiv``) is a ``ConstexprFunction`` whose ``__call__``
+    costs microseconds of host time, paid per launch by the kernels' host code."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def int_class(x: int) -> int:
     """The class of an integer kernel argument under Triton's specialisation (``JITFunction``'s
     ``specialize_impl`` for a plain int without ``do_not_specialize``): 4 for the value 1

@@ -203,10 +203,14 @@ def _row_layout():
 
 
 def _row_desc(x: torch.Tensor, rows: int):
-    """1-D TMA descriptor of a flat float32 block-major row vector, box [rows]."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    """1-D TMA descriptor of a flat float32 block-major row vector, box [rows] (Triton's
+    ``TensorDescriptor``, for ``kernel[grid](...)``; :func:`_row_view` for ``gluon_fwd.launch``)."""
+    return gluon_fwd.Desc(x, [x.numel()], [1], [rows], _row_layout()).real()
 
-    return TensorDescriptor(x, [x.numel()], [1], [rows], _row_layout())
+
+def _row_view(x: torch.Tensor, rows: int):
+    """:func:`_row_desc` as ``gluon_fwd.launch`` takes it (``gluon_fwd.LIGHT_DESCRIPTORS``)."""
+    return gluon_fwd._descriptor(x, [x.numel()], [1], [rows], _row_layout())
 
 
 def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causal: bool,
@@ -223,7 +227,7 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
     if nseg == 0:  # N < w: the short last segment is all (its own launch)
         return
     lp = lse2.shape[-1]
-    bd = gluon_fwd.block_desc
+    bd = gluon_fwd.block_view
     bn = dq_bn(d)
     # one launch of each kernel per block-length class (w % r != 0: two, gluon_fwd.length_classes)
     for big_l, c0, c1 in gluon_fwd.length_classes(w, r):
@@ -237,7 +241,7 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
         if "dkdv" in kernels:
             gluon_fwd.launch(mod.dkdv_kernel, (nnb * nseg, bsz * hkv * (cw if classes else ni)), (
                 bd(q, w, r, mod.BMQ, big_l), bd(dout, w, r, mod.BMQ, big_l), bd(k, w, r, mod.WG_M, big_l),
-                bd(v, w, r, mod.WG_M, big_l), _row_desc(lse2, mod.BMQ), _row_desc(delta2, mod.BMQ), dk,
+                bd(v, w, r, mod.WG_M, big_l), _row_view(lse2, mod.BMQ), _row_view(delta2, mod.BMQ), dk,
                 dv, scale * LOG2E, scale, big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw),
                 dict(BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
                      CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,

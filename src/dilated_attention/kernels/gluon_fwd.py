@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -51,7 +52,8 @@ GRID_YZ_MAX = 65535  # CUDA's limit on a grid's second and third axes
 # vs 3806 us; 32768 x 8 x 64: 1973 vs 2348 us) and the forward at 16 x 128 (681 vs 925 us)
 # but not at 8 x 64 (589 vs 557 us); at 131072 rows (16384 x 8 x 64) it loses 4x (558 vs
 # 135 us forward: the ~0.4 ms of host time per Gluon call is not hidden). Hence 262144
-# (results/gluon_floor_h200_2026-11-28.md).
+# (results/gluon_floor_h200_2026-11-28.md). Measured before the Gluon launches went direct with light
+# descriptors (DIRECT_LAUNCH, LIGHT_DESCRIPTORS, 2026-11-29): the floor may now be lower; not re-measured.
 MIN_ROWS = 1 << 18
 # Head dim 64 with small blocks: the Gluon kernels are not taken when every branch's blocks
 # (w // r rows) are shorter than this. Measured on an H200 (2026-11-29, benchmarks/gluon_ab.py,
@@ -85,10 +87,21 @@ TAIL_SEGMENTS = True
 TAIL_BATCHES = True
 # later launches of a Gluon kernel with the same specialisation through the compiled kernel's
 # launcher (:func:`launch`), skipping Triton's JITFunction.run. Its CUDA test passed (H200,
-# 2026-11-29: the same bits as Triton's launcher), but it did not cut the host time of a small
-# call (results/gluon_uneven_h200_2026-11-29.md: 16384 x 8 x 64, still 0.39x / 0.33x of the
-# Triton kernels' speed forward / forward+backward), so it stays off; MIN_ROWS stays.
-DIRECT_LAUNCH = False
+# 2026-11-29: the same bits as Triton's launcher). It did not make a small call worth the
+# Gluon kernels (results/gluon_uneven_h200_2026-11-29.md: 16384 x 8 x 64, still 0.39x / 0.33x
+# of the Triton kernels' speed forward / forward+backward; MIN_ROWS stays), but a training step
+# is host-bound in its backward, and there it counts: with :data:`LIGHT_DESCRIPTORS`, the
+# compiled LongNet-base step at 16K x 2 went 120.9 -> 104.5 ms on an H200, same process
+# (results/profile_step_h200_2026-11-29_s33_call2.md). On since 2026-11-29 (thirty-third session).
+DIRECT_LAUNCH = True
+# the launches' host tensor descriptors as :class:`Desc` tuples (the fields Triton's launcher
+# reads), made into Triton's ``TensorDescriptor`` only where Triton's JITFunction.run takes the
+# launch (:func:`launch`): its dataclass checks every field per construction, 5 to 6 per launch,
+# 720 per LongNet-base training step at 16K x 2 (results/profile_step_h200_2026-11-29_s33_call1.md).
+# The checks stay where they matter: :func:`problem` checks the tensors' alignment and strides
+# before any launch, and the driver's cuTensorMapEncodeTiled refuses a misaligned address or
+# stride with an error.
+LIGHT_DESCRIPTORS = True
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
 
@@ -263,7 +276,15 @@ def _spec(a):
     """What Triton specialises a Gluon kernel argument on (Triton 3.6, checked on its
     ``native_specialize_impl``): an int's class (1 / multiple of 16 / other, int32 / int64), a
     float's type, a tensor's dtype and 16-byte alignment, a host tensor descriptor's dtype, block
-    shape and layout (not its shape or strides: those are runtime arguments)."""
+    shape and layout (not its shape or strides: those are runtime arguments). The common types
+    first, by exact type (~20 calls per launch)."""
+    t = type(a)
+    if t is int:
+        return 4 if a == 1 else (a & 15 == 0) + 2 * (a > 0x7FFFFFFF)  # direct_launch.int_class
+    if t is Desc:
+        return (a.base.dtype, tuple(a.block_shape), id(a.layout))
+    if t is float:
+        return "f"
     if isinstance(a, bool):
         return ("b", a)
     if isinstance(a, int):
@@ -275,6 +296,38 @@ def _spec(a):
     return (a.base.dtype, tuple(a.block_shape), id(a.layout))  # a TensorDescriptor
 
 
+class Desc(NamedTuple):
+    """A host TMA descriptor's fields, as Triton's ``TensorDescriptor`` (Gluon's Hopper module)
+    holds them, without its construction-time checks: what the compiled kernel's launcher reads
+    (base, shape, strides, padding) and what :func:`_spec` keys on (the base's dtype, the block
+    shape, the layout). :meth:`real` makes the checked ``TensorDescriptor`` for Triton's own
+    path."""
+
+    base: torch.Tensor
+    shape: list
+    strides: list
+    block_shape: list
+    layout: object
+    padding: str = "zero"
+
+    def real(self):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(*self)
+
+
+def _descriptor(base, shape, strides, block_shape, layout):
+    """A :class:`Desc`, or with :data:`LIGHT_DESCRIPTORS` off Triton's ``TensorDescriptor``."""
+    if LIGHT_DESCRIPTORS:
+        return Desc(base, shape, strides, block_shape, layout)
+    return Desc(base, shape, strides, block_shape, layout).real()
+
+
+def _run(kernel, grid, args: tuple, options: dict):
+    """Triton's own path: ``kernel[grid](...)``, each :class:`Desc` made a ``TensorDescriptor``."""
+    return kernel[grid](*[a.real() if type(a) is Desc else a for a in args], **options)
+
+
 def launch(kernel, grid, args: tuple, options: dict) -> None:
     """``kernel[grid](*args, **options)``: with :data:`DIRECT_LAUNCH` (and the direct-launch
     switch, ``flags.set_direct_launch``), launches after the first of a specialisation go
@@ -283,17 +336,17 @@ def launch(kernel, grid, args: tuple, options: dict) -> None:
     descriptors, numbers); ``options``: every later parameter by name (constexprs) and the
     compile options (num_warps, maxnreg)."""
     if not DIRECT_LAUNCH or not flags.direct_launch_enabled():
-        kernel[grid](*args, **options)
+        _run(kernel, grid, args, options)
         return
     dev = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
     key = (kernel, tuple(map(_spec, args)), tuple(options.items()), dev)
     go = _direct.get(key)
     if go is None:
-        compiled = direct_launch.compiled_of(kernel[grid](*args, **options))
+        compiled = direct_launch.compiled_of(_run(kernel, grid, args, options))
         _direct[key] = (compiled is not None and direct_launch.grid_launcher(compiled)) or False
         return
     if go is False or not direct_launch.hooks_idle():
-        kernel[grid](*args, **options)
+        _run(kernel, grid, args, options)
         return
     names = kernel.arg_names[len(args):]
     g = (*grid, 1, 1)
@@ -327,14 +380,23 @@ def block_desc(x: torch.Tensor, w: int, r: int, rows: int, big_l: int | None = N
     4-D view [B*N/w, L, r*heads, D], strides [w*sn, r*sn, sh, 1], box [1, rows, 1, D]: index
     (b*nseg + s, t, c*heads + h, d) is row s*w + c + r*t, head h. L = ``big_l`` (default
     w // r): TMA reads zeros and writes nothing at t >= L, so a block of offset c must have
-    exactly L rows in its segment (:func:`length_classes`)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    exactly L rows in its segment (:func:`length_classes`). Triton's ``TensorDescriptor``, for
+    callers that launch with ``kernel[grid](...)``; :func:`block_view` for :func:`launch`."""
+    return Desc(*_block_fields(x, w, r, rows, big_l)).real()
 
+
+def block_view(x: torch.Tensor, w: int, r: int, rows: int, big_l: int | None = None):
+    """:func:`block_desc` as a :class:`Desc` (a ``TensorDescriptor`` with
+    :data:`LIGHT_DESCRIPTORS` off), for :func:`launch`."""
+    return _descriptor(*_block_fields(x, w, r, rows, big_l))
+
+
+def _block_fields(x: torch.Tensor, w: int, r: int, rows: int, big_l: int | None):
     b, n, heads, d = x.shape
     _, sn, sh, _ = x.stride()
     shape = [b * (n // w), w // r if big_l is None else big_l, r * heads, d]
     strides = [w * sn, r * sn, sh, 1]
-    return TensorDescriptor(x, shape, strides, [1, rows, 1, d], _block_layout(rows, d, x.dtype))
+    return x, shape, strides, [1, rows, 1, d], _block_layout(rows, d, x.dtype)
 
 
 def batch_entries(bsz: int, n: int, branches) -> list[slice] | None:
@@ -397,11 +459,11 @@ def _launch_segments(q, k, v, out, lo, lse, n: int, w: int, r: int, hs: int, he:
         grid = (-(-big_l // mod.BM), nseg, bsz * nhb)
         if big_l == 0 or grid[1] * grid[2] == 0:
             continue
-        o_desc = block_desc(out, w, r, mod.WG_M, big_l)
-        lo_desc = block_desc(lo, w, r, mod.WG_M, big_l) if comp else o_desc
+        o_desc = block_view(out, w, r, mod.WG_M, big_l)
+        lo_desc = block_view(lo, w, r, mod.WG_M, big_l) if comp else o_desc
         launch(mod.gluon_fwd_kernel, grid, (
-            block_desc(q, w, r, mod.WG_M, big_l), block_desc(k, w, r, KV_BN, big_l),
-            block_desc(v, w, r, KV_BN, big_l), o_desc, lo_desc, lse, scale * 1.4426950408889634,
+            block_view(q, w, r, mod.WG_M, big_l), block_view(k, w, r, KV_BN, big_l),
+            block_view(v, w, r, KV_BN, big_l), o_desc, lo_desc, lse, scale * 1.4426950408889634,
             n, big_l, w, nseg_all, s0, lo_nseg, lo_s0, r, nh, k.shape[2], hs, nhb,
             c0, c1 - c0), dict(BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
             FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo), CLASSES=classes,

@@ -381,7 +381,7 @@ def forward(
     ndocs = cu.shape[0] - 1
     last = len(branches) - 1
     tables = device_entries_all(cu, [w for w, _, _, _ in branches], total)
-    bd = gluon_fwd.block_desc
+    bd = gluon_fwd.block_view  # for gluon_fwd.launch (LIGHT_DESCRIPTORS)
     split = not covered and any(host_descriptors(total, r, covered) for _, r, _, _ in branches)
     lim = limit_row(cu, total) if split else None
     with _Scratch(q.device):
@@ -597,14 +597,14 @@ def _launch_hd(mod, kernels, q, k, v, dout, dq, dk, dv, lse2, delta2, p0, ws, li
     from . import gluon_bwd
 
     bk = mod.BK
-    bd = gluon_fwd.block_desc
+    bd = gluon_fwd.block_view  # for gluon_fwd.launch (LIGHT_DESCRIPTORS)
     d, nh, nkv = q.shape[3], q.shape[2], k.shape[2]
     common = dict(D=d, CAUSAL=causal, ADD=add, PART=part, CONSUMER_REGS=gluon_bwd.CONSUMER_REGS,
                   LOADER_REGS=gluon_bwd.LOADER_REGS, num_warps=4, maxnreg=gluon_bwd.MAXNREG)  # fmt: skip
     if "dkdv" in kernels:
         gluon_fwd.launch(mod.dkdv_varlen_hd_kernel, (nb * ne, nkv * ni), (
             bd(q, total, r, bk.BMQ), bd(dout, total, r, bk.BMQ), bd(k, total, r, bk.WG_M), bd(v, total, r, bk.WG_M),
-            gluon_bwd._row_desc(lse2, bk.BMQ), gluon_bwd._row_desc(delta2, bk.BMQ), dk[0], dv[0], p0, ws, limit,
+            gluon_bwd._row_view(lse2, bk.BMQ), gluon_bwd._row_view(delta2, bk.BMQ), dk[0], dv[0], p0, ws, limit,
             scale * LOG2E, scale, ne, nb, r, nh, nkv, nh // nkv, ni, lp),
             dict(BMQ=bk.BMQ, STAGES=gluon_bwd.kv_stages(d), **common))  # fmt: skip
     if "dq" in kernels:

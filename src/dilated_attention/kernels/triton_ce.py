@@ -134,7 +134,7 @@ def ce_loss_grad_(
         return loss
     if v == 0:
         raise ValueError("ce_loss_grad_: an empty vocabulary (V = 0)")
-    block = block_v or min(MAX_BLOCK_V, triton.next_power_of_2(v))
+    block = block_v or min(MAX_BLOCK_V, direct_launch.next_power_of_2(v))
     _CE[(rows,)](
         logits, targets.contiguous(), loss, v, logits.stride(0), ignore_index,
         BLOCK_V=block, WRITE_GRAD=write_grad, num_warps=8 if block >= 2048 else 4,

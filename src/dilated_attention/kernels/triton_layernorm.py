@@ -185,11 +185,16 @@ def backward_programs(m: int, n: int, device: torch.device) -> int:
     base model's widths 768 and 3072 on an H100); 8 in the interpreter. Fixed per (m, n,
     device): the same partial sums, so the same bits, on every run."""
     if device.type == "cuda":
-        per_sm = max(1, 32 // _num_warps(triton.next_power_of_2(n)))
-        target = per_sm * _sm_count(device.index)
-    else:
-        target = 8
-    return max(1, min(m, target))
+        return _cuda_programs(m, n, device.index)
+    return max(1, min(m, 8))
+
+
+@functools.lru_cache(maxsize=256)
+def _cuda_programs(m: int, n: int, index: int) -> int:
+    """:func:`backward_programs` on CUDA device ``index``, once per shape (the backward of a
+    training step asks ~50 times)."""
+    per_sm = max(1, 32 // _num_warps(direct_launch.next_power_of_2(n)))
+    return max(1, min(m, per_sm * _sm_count(index)))
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -211,7 +216,7 @@ def _forward(x, weight, bias, eps: float, out_dtype: torch.dtype):
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        block_n = triton.next_power_of_2(n)
+        block_n = direct_launch.next_power_of_2(n)
         _LN_FWD[(m,)](
             x2, y, weight, weight if bias is None else bias, mean, rstd, x2.stride(0), n, n, eps,
             HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
@@ -233,18 +238,22 @@ def _backward(dy, x, weight, bias, mean, rstd, programs: int | None = None):
     dw = torch.empty((g, n), dtype=torch.float32, device=x.device)
     db = None if bias is None else torch.empty((g, n), dtype=torch.float32, device=x.device)
     if m:
-        block_n = triton.next_power_of_2(n)
+        block_n = direct_launch.next_power_of_2(n)
         _LN_BWD[(g,)](
             x2, dy2, dx, weight, mean, rstd, dw, dw if db is None else db, m, n,
-            x2.stride(0), dy2.stride(0), n, triton.cdiv(m, g),
+            x2.stride(0), dy2.stride(0), n, -(-m // g),
             HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
         )  # fmt: skip
     else:
         dw.zero_()
         if db is not None:
             db.zero_()
-    dweight = dw.sum(0).to(weight.dtype)
-    dbias = None if db is None else db.sum(0).to(bias.dtype)
+    # (no .to() call where the parameters are float32, as in the models: the backward of a
+    # training step runs this ~50 times, and each op call costs host time)
+    dweight = dw.sum(0) if weight.dtype == torch.float32 else dw.sum(0).to(weight.dtype)
+    if db is None:
+        return dx.view(x.shape), dweight, None
+    dbias = db.sum(0) if bias.dtype == torch.float32 else db.sum(0).to(bias.dtype)
     return dx.view(x.shape), dweight, dbias
 
 
@@ -368,7 +377,7 @@ def _prologue_ln(x, r, weight, bias, eps: float, gelu: bool):
         s = torch.empty_like(x)
     m = x.numel() // n
     if m:
-        block_n = triton.next_power_of_2(n)
+        block_n = direct_launch.next_power_of_2(n)
         _PRO_LN[(m,)](
             x, r, s, y, weight, weight if bias is None else bias, n, n, n, n, n, eps,
             GELU=gelu, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),

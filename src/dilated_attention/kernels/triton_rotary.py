@@ -87,12 +87,14 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kernel(
-        XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
-        XB, YB, CB, SB, rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
+        XA, YA, CA, SA, XB, YB, CB, SB,
+        rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
+        rows_b, NB, HB, sbb, sbn, sbh, tbb, tbn, tbh, scb, ssb,
         HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HA: tl.constexpr,
         BLOCK_HB: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
     ):  # fmt: skip
-        """Grid (cdiv(max(rows_a, rows_b), BLOCK_T), 1 or 2): axis 1 is tensor A (q) or B (k)."""
+        """Grid (cdiv(max(rows_a, rows_b), BLOCK_T), 1 or 2): axis 1 is tensor A (q) or B (k).
+        The tensors first: launched through ``direct_launch.DirectKernel``."""
         row0 = tl.program_id(0) * BLOCK_T
         if tl.program_id(1) == 0:
             _rotate_tile(XA, YA, CA, SA, rows_a, NA, HA, sab, san, sah, tab, tan, tah, sca, ssa,
@@ -126,8 +128,10 @@ if triton is not None:
                          row0, SLOTS, HALF, BLOCK_T, BLOCK_HB, BLOCK_D, False, True, True)  # fmt: skip
 
     # a decode step launches it once per layer with the same arguments: after the first call of
-    # a shape, the compiled kernel's launcher directly (no JITFunction.run per call)
+    # a shape, the compiled kernel's launcher directly (no JITFunction.run per call); so does a
+    # training step the rotation (twice per layer: forward and backward)
     _ROTARY_CACHE = direct_launch.DirectKernel(_rotary_cache_kernel, 11)
+    _ROTARY = direct_launch.DirectKernel(_rotary_kernel, 8)
 
 
 def unavailable_reason(q: torch.Tensor, interpret: bool) -> str | None:
@@ -168,9 +172,9 @@ def _sizes(d: int, ha: int, hb: int | None, rows_a: int, rows_b: int) -> tuple:
     got = _SIZES.get(key)
     if got is None:
         half = d // 2
-        block_d = triton.next_power_of_2(half)
-        block_ha = triton.next_power_of_2(ha)
-        block_hb = block_ha if hb is None else triton.next_power_of_2(hb)
+        block_d = direct_launch.next_power_of_2(half)
+        block_ha = direct_launch.next_power_of_2(ha)
+        block_hb = block_ha if hb is None else direct_launch.next_power_of_2(hb)
         block_t = max(1, min(64, _TILE_ELEMENTS // (max(block_ha, block_hb) * block_d)))
         grid = (triton.cdiv(max(rows_a, rows_b), block_t), 1 if hb is None else 2)
         got = (half, block_d, block_ha, block_hb, block_t, grid)
@@ -208,11 +212,11 @@ def _launch(xa, ca, sa, xb, cb, sb, inverse: bool, dtype_a=None, dtype_b=None):
     half, block_d, block_ha, block_hb, block_t, grid = _sizes(
         xa.shape[-1], xa.shape[2], None if xb is None else xb.shape[2], rows_a, rows_b
     )
-    _rotary_kernel[grid](
-        xa, ya, ca, sa, rows_a, max(xa.shape[1], 1), xa.shape[2], *xa.stride()[:3], *ya.stride()[:3],
-        ca.stride(1), sa.stride(1),
-        xb_, yb_, cb_, sb_, rows_b, max(xb_.shape[1], 1), xb_.shape[2], *xb_.stride()[:3],
-        *yb_.stride()[:3], cb_.stride(1), sb_.stride(1),
+    _ROTARY[grid](
+        xa, ya, ca, sa, xb_, yb_, cb_, sb_,
+        rows_a, max(xa.shape[1], 1), xa.shape[2], *xa.stride()[:3], *ya.stride()[:3], ca.stride(1), sa.stride(1),
+        rows_b, max(xb_.shape[1], 1), xb_.shape[2], *xb_.stride()[:3], *yb_.stride()[:3], cb_.stride(1),
+        sb_.stride(1),
         HALF=half, BLOCK_T=block_t, BLOCK_HA=block_ha, BLOCK_HB=block_hb, BLOCK_D=block_d,
         INVERSE=inverse,
     )  # fmt: skip
