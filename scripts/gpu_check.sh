@@ -577,6 +577,19 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon_varlen.txt" | head -8
     tail -6 "$OUT/fuzz_gluon_varlen.txt"
     ;;
+  s33e)
+    # thirty-third session, short last call: gluon_fwd.TMA_CACHE (CUtensorMaps encoded once per address; off): its
+    # same-bits test ($CUDA_TEST_TIMEOUT 90 s), then profile_step.py at 16K x 2, the compiled model with the cache on and
+    # off, same process ($PROFILE_TIMEOUT 170 s)
+    timeout "${CUDA_TEST_TIMEOUT:-90}" python3 -m pytest -v -n 4 -p no:cacheprovider -rfE -m cuda tests/test_gluon_bwd.py \
+      -k "direct_launches" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${PROFILE_TIMEOUT:-170}" python3 benchmarks/profile_step.py --shapes 16384 --no-plain --no-dense \
+      --set gluon_fwd.TMA_CACHE=1 --compiled-ab gluon_fwd.TMA_CACHE=0 --out "$OUT/profile_step.md" > "$OUT/profile_step.txt" 2>&1
+    echo "profile_step rc=$?" >> "$OUT/profile_step.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -8
+    grep -A5 "^| tokens" "$OUT/profile_step.md"; grep -A4 "^| arm | forward" "$OUT/profile_step.md"; tail -2 "$OUT/profile_step.txt"
+    ;;
   s31b)
     # thirty-first session, second call: varlen_switch_ab.py --switch unchecked on the issue batch (device offsets in both arms:
     # HOST_DESCRIPTORS_UNCHECKED's split launches on / off; $AB_TIMEOUT 240 s), then issue 23's bench_overhead.py with its

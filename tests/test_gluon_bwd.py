@@ -545,21 +545,33 @@ def test_gluon_training_call_does_not_synchronise(seed, monkeypatch, switches_re
 @needs_gluon
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True])
-def test_direct_launches_change_no_bit(seed, monkeypatch, switches_reset, causal):
+@pytest.mark.parametrize("tma_cache", [False, True], ids=["encode", "tma_cache"])
+def test_direct_launches_change_no_bit(seed, monkeypatch, switches_reset, causal, tma_cache):
     """gluon_fwd.DIRECT_LAUNCH (the Gluon kernels' later launches through their compiled
-    launchers): the same bits as Triton's launches, forward and backward, and it launched
-    directly (every key has a launcher)."""
+    launchers; with TMA_CACHE, their CUtensorMaps from the cache): the same bits as Triton's
+    launches, forward and backward, and it launched directly (every key has a launcher; with
+    TMA_CACHE every key has one with the cache, and the maps were reused)."""
+    from dilated_attention.kernels import direct_launch
+
     q, k, v = qkv(1, 4096, 8, 2, 128, torch.bfloat16, "cuda")
     do = torch.randn_like(q)
     seg, dil = [1024, 2048, 4096], [1, 2, 4]
+    monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", False)
     base = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
     monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(gluon_fwd, "TMA_CACHE", tma_cache)
     monkeypatch.setattr(gluon_fwd, "_direct", {})
     run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)  # fills the launchers
     assert gluon_fwd._direct and all(gluon_fwd._direct.values()), "no direct launcher"
-    got = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
-    for a, b in zip((got[0], got[1], *got[2]), (base[0], base[1], *base[2]), strict=True):
-        assert torch.equal(a, b)
+    if tma_cache:
+        assert all(v[1] is not None for v in gluon_fwd._direct.values()), "no launcher with cached maps"
+        direct_launch._TMA_MAPS.clear()
+    for _ in range(2):  # with the cache: the first fills it, the second reads it
+        got = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
+        for a, b in zip((got[0], got[1], *got[2]), (base[0], base[1], *base[2]), strict=True):
+            assert torch.equal(a, b)
+    if tma_cache:
+        assert direct_launch._TMA_MAPS, "no map was cached"
 
 
 @needs_gluon

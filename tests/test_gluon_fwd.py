@@ -309,6 +309,56 @@ def test_light_descriptors(monkeypatch):
     assert type(gluon_fwd.block_view(x, 64, 2, 16, 32)) is TensorDescriptor
 
 
+def test_tma_grid_launcher_caches_the_maps(monkeypatch):
+    """direct_launch.tma_grid_launcher: takes the C launch out of Triton 3.6's descriptor wrapper
+    (a closure over launcher / tensordesc_indices / tensordesc_meta), encodes each descriptor
+    once per (address, shape, strides, padding, encoding) and passes the rest through in order;
+    None without encoding metadata or without that wrapper."""
+    import triton.backends.nvidia.driver as nv
+
+    from dilated_attention.kernels import direct_launch
+
+    raw_calls, encodes = [], []
+
+    def wrap(launcher, tensordesc_indices, tensordesc_meta):
+        def inner(*args):  # Triton's inner reads these three
+            return launcher, tensordesc_indices, tensordesc_meta
+
+        return inner
+
+    meta = {"swizzle": 128, "elem_size": 2, "elem_type": 10, "block_size": [1, 64, 1, 64], "fp4_padded": False}
+    meta2 = dict(meta, block_size=[1, 128, 1, 64])
+    inner = wrap(lambda *a: raw_calls.append(a), {0, 2}, [meta, meta2])
+    monkeypatch.setattr(direct_launch, "_launch_parts", lambda c: (inner, "fn", False, True, "packed"))
+    monkeypatch.setattr(nv, "make_tensordesc_arg",
+                        lambda a, m: encodes.append(m) or [("map", a.base.data_ptr(), m["block_size"][1]),
+                                                           *a.shape, *a.strides])  # fmt: skip
+    monkeypatch.setattr(direct_launch, "_TMA_MAPS", {})
+    go = direct_launch.tma_grid_launcher("compiled")
+    x = torch.zeros(1, 256, 4, 64, dtype=torch.bfloat16)
+    d0, d2 = gluon_fwd.Desc(x, [4, 64, 8, 64], [1, 2, 3, 1], [1, 64, 1, 64], None), gluon_fwd.Desc(
+        x, [4, 64, 8, 64], [1, 2, 3, 1], [1, 128, 1, 64], None)  # fmt: skip
+    for _ in range(2):
+        go(3, 2, 1, 7, (d0, 5, d2, 0.5, True))
+    assert len(encodes) == 2 and encodes == [meta, meta2]  # the second launch: from the cache
+    want = (3, 2, 1, 7, "fn", False, True, None, None, "packed", None, None, None,
+            ("map", x.data_ptr(), 64), 4, 64, 8, 64, 1, 2, 3, 1, 5,
+            ("map", x.data_ptr(), 128), 4, 64, 8, 64, 1, 2, 3, 1, 0.5, True)  # fmt: skip
+    assert raw_calls == [want, want]
+    y = torch.zeros_like(x)  # another address: encoded afresh
+    go(3, 2, 1, 7, (d0._replace(base=y), 5, d2, 0.5, True))
+    assert len(encodes) == 3 and raw_calls[-1][13] == ("map", y.data_ptr(), 64)
+    monkeypatch.setattr(direct_launch, "TMA_MAPS_MAX", 3)
+    go(3, 2, 1, 7, (d0._replace(shape=[2, 64, 8, 64]), 5, d2, 0.5, True))  # full: cleared, then refilled
+    assert len(direct_launch._TMA_MAPS) == 2 and len(encodes) == 5
+    assert direct_launch.tma_grid_launcher("compiled") is not None
+    no_meta = wrap(lambda *a: None, {0}, [None])
+    monkeypatch.setattr(direct_launch, "_launch_parts", lambda c: (no_meta, "fn", False, False, "packed"))
+    assert direct_launch.tma_grid_launcher("compiled") is None
+    monkeypatch.setattr(direct_launch, "_launch_parts", lambda c: (print, "fn", False, False, "packed"))
+    assert direct_launch.tma_grid_launcher("compiled") is None
+
+
 def test_problem_names_the_interpreter_or_the_device():
     q, k, v = qkv()
     why = gluon_fwd.problem(q, k, v, False, [(64, 1, 0, 4)])

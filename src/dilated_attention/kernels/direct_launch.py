@@ -222,6 +222,68 @@ def grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] | Non
     return go
 
 
+# The CUtensorMaps of host tensor descriptors (Gluon kernels' TMA arguments), encoded once per
+# (address, shape, strides, padding, argument's encoding) by :func:`tma_grid_launcher`'s launchers;
+# cleared when full. An entry is the encoding of those values alone (the map holds the address,
+# dims, strides, element type, swizzle and box), so a later tensor at the same address with the
+# same shape and strides gets the same, correct, map.
+_TMA_MAPS: dict = {}
+TMA_MAPS_MAX = 4096
+
+
+def tma_grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] | None:
+    """:func:`grid_launcher` for a kernel with host tensor-descriptor arguments, whose
+    CUtensorMaps are cached (:data:`_TMA_MAPS`) instead of encoded on every launch: Triton 3.6's
+    launcher wraps the C ``launch`` in ``wrap_handle_tensordesc``'s ``inner``, which calls
+    ``make_tensordesc_arg`` (a ``cuTensorMapEncodeTiled``) for each descriptor of each launch; the
+    training step of a model launches the same descriptors step after step (the caching
+    allocator hands the same addresses back). Here the C ``launch`` is taken from that closure
+    and ``make_tensordesc_arg`` runs on a cache miss only. None where the launcher is not that
+    layout (then :func:`grid_launcher`), or where a descriptor has no encoding metadata."""
+    parts = _launch_parts(compiled)
+    if parts is None:
+        return None
+    launch, function, coop, pdl, meta = parts
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is None or not closure:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=False))
+    raw, indices, metas = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+    if not callable(raw) or not indices or metas is None or len(metas) != len(indices):
+        return None
+    if any(not isinstance(m, dict) for m in metas):
+        return None  # no encoding metadata: Triton passes the base tensor itself, nothing to cache
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except Exception:  # noqa: BLE001 - no such helper: the plain launcher
+        return None
+    try:
+        where = {i: (m, (m["swizzle"], m["elem_size"], m["elem_type"], tuple(m["block_size"]), m["fp4_padded"]))
+                 for i, m in zip(sorted(indices), metas, strict=True)}  # fmt: skip
+    except (KeyError, TypeError):
+        return None
+    maps = _TMA_MAPS
+
+    def go(gx: int, gy: int, gz: int, stream: int, args: tuple) -> None:
+        final = []
+        for i, a in enumerate(args):
+            m = where.get(i)
+            if m is None:
+                final.append(a)
+                continue
+            key = (a.base.data_ptr(), tuple(a.shape), tuple(a.strides), a.padding, m[1])
+            enc = maps.get(key)
+            if enc is None:
+                enc = make_tensordesc_arg(a, m[0])
+                if len(maps) >= TMA_MAPS_MAX:
+                    maps.clear()
+                maps[key] = enc
+            final.extend(enc)
+        raw(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *final)
+
+    return go
+
+
 # The CUDA state a direct launch reads per call, each one C call of torch (no Python frame: on
 # the H100 host a frame costs ~0.3 us and a decode call is host-bound, issue 23):
 #   current_stream(device_index) -> int: the raw handle of that device's current stream (what

@@ -102,6 +102,13 @@ DIRECT_LAUNCH = True
 # before any launch, and the driver's cuTensorMapEncodeTiled refuses a misaligned address or
 # stride with an error.
 LIGHT_DESCRIPTORS = True
+# direct launches encode their descriptors' CUtensorMaps once per (address, shape, strides)
+# (``direct_launch.tma_grid_launcher``) instead of per launch (Triton's ``make_tensordesc_arg``,
+# ~5 per launch). Same bits (CUDA test, H200, 2026-11-29); the compiled LongNet-base step at
+# 16K x 2: 105.96 ms with it, 106.61 ms without, one run each (results/profile_step_h200_2026-11-29_s33_call5.md):
+# within what runs vary, so off until an interleaved A/B settles it. Read per launch (an A/B needs no
+# recompile).
+TMA_CACHE = False
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
 
@@ -340,15 +347,19 @@ def launch(kernel, grid, args: tuple, options: dict) -> None:
         return
     dev = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
     key = (kernel, tuple(map(_spec, args)), tuple(options.items()), dev)
-    go = _direct.get(key)
-    if go is None:
+    got = _direct.get(key)
+    if got is None:
         compiled = direct_launch.compiled_of(_run(kernel, grid, args, options))
-        _direct[key] = (compiled is not None and direct_launch.grid_launcher(compiled)) or False
+        go = compiled is not None and direct_launch.grid_launcher(compiled)
+        # (the launcher, the one with cached CUtensorMaps or None, the parameters after args)
+        _direct[key] = (go, direct_launch.tma_grid_launcher(compiled), kernel.arg_names[len(args):]) if go else False
         return
-    if go is False or not direct_launch.hooks_idle():
+    if got is False or not direct_launch.hooks_idle():
         _run(kernel, grid, args, options)
         return
-    names = kernel.arg_names[len(args):]
+    go, go_tma, names = got
+    if TMA_CACHE and go_tma is not None:
+        go = go_tma
     g = (*grid, 1, 1)
     go(g[0], g[1], g[2], direct_launch.current_stream(dev), (*args, *(options[n] for n in names)))
 
