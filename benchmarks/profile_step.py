@@ -635,6 +635,7 @@ def e2e(cfg, device, dtype, args) -> list[dict]:
                 with settings(args.compiled_ab):
                     name = f"compiled [{','.join(f'{k}={v}' for k, v in args.compiled_ab)}]"
                     arms[name] = run_arm(name, make_step(cm, opt, inp, tgt, amp), device, args)
+                arms["compiled"]["ab_rounds"] = ab_rounds(make_step(cm, opt, inp, tgt, amp), device, args)
             del cm
         del model, opt
         gc.collect()
@@ -655,6 +656,33 @@ def e2e(cfg, device, dtype, args) -> list[dict]:
             torch._dynamo.reset()  # the next shape compiles afresh
         shapes.append(dict(shape=f"N{n} x {batch}", seg=seg, dil=dil, arms=arms))
     return shapes
+
+
+def ab_rounds(fn, device, args) -> list[tuple[float, float]]:
+    """``--ab-rounds`` rounds of (wall ms as set, wall ms with ``--compiled-ab``'s switches), each
+    the median of ``--iters`` steps, the two arms alternating: a same-process A/B whose rounds
+    share the machine's drift."""
+    out = []
+    for _ in range(args.ab_rounds):
+        a = median_ms(fn, device, 1, args.iters)
+        with settings(args.compiled_ab):
+            b = median_ms(fn, device, 1, args.iters)
+        out.append((a, b))
+    return out
+
+
+def ab_table(arms: dict) -> list[str]:
+    """The interleaved rounds of :func:`ab_rounds` and the median ratio."""
+    rounds = arms.get("compiled", {}).get("ab_rounds")
+    if not rounds:
+        return []
+    lines = ["| round | compiled ms | with --compiled-ab ms | ratio |", "|---|---|---|---|"]
+    for i, (a, b) in enumerate(rounds):
+        lines.append(f"| {i} | {a:.3f} | {b:.3f} | {b / a:.4f} |")
+    ratios = sorted(b / a for a, b in rounds)
+    lines += ["", f"- median ratio (with --compiled-ab / as set) over {len(rounds)} rounds: "
+                  f"{statistics.median(ratios):.4f} (min {ratios[0]:.4f}, max {ratios[-1]:.4f})"]  # fmt: skip
+    return lines
 
 
 def parse_settings(spec: str) -> list[tuple[str, int]]:
@@ -890,6 +918,8 @@ def main(argv=None) -> int:
                    help="module switches of dilated_attention.kernels for the whole run, e.g. gluon_fwd.DIRECT_LAUNCH=1")
     p.add_argument("--compiled-ab", default="", metavar="MOD.NAME=V,...",
                    help="a second compiled arm, the same compiled model with these switches")
+    p.add_argument("--ab-rounds", type=int, default=0, metavar="N",
+                   help="with --compiled-ab: N interleaved rounds of both settings (median of --iters steps each)")
     p.add_argument("--no-plain", action="store_true",
                    help="skip the eager arm without the fused loss and the Triton LayerNorm")
     p.add_argument("--torch-rotary", action="store_true", help="eager rotary in torch code (kernel off)")
@@ -964,6 +994,9 @@ def _main(args, argv) -> int:
                 lines += origin_table(s["arms"]["eager"], unit)
                 lines += ["", "### Eager: most launched (origin, kernel) pairs", ""]
                 lines += pair_table(s["arms"]["eager"], unit)
+            ab = ab_table(s["arms"])
+            if ab:
+                lines += ["", "### Interleaved A/B of the compiled model (--ab-rounds)", ""] + ab
             ph = phase_table(s["arms"])
             if ph:
                 lines += ["", "### Phases, unprofiled (host clock and CUDA events at each boundary; medians)", ""] + ph

@@ -168,3 +168,74 @@ def test_analyse_attributes_cuda_kernels_to_their_launch():
     assert res["origins"]["unattributed"] == [1, 1.0]
     cats = {k: v[0] for k, v in res["cats"].items()}
     assert cats == {"cast/copy": 1, "gemm": 2, "grad accumulation": 1, "optimizer": 1, "memset/fill": 1}
+
+
+def test_gaps_charge_idle_to_the_kernel_that_ends_it():
+    """gaps(): each idle gap goes to the kernel after it, host-late when that kernel's launch began
+    after the gap opened; overlapping kernels leave no gap; the largest gap names the innermost
+    host op running when it opened."""
+    from types import SimpleNamespace as NS
+
+    it = profile_step.Item
+    items = [it("k1", "a", 10, 0, 10, -5), it("void k2<int>(x)", "b", 10, 15, 25, 12),  # 5 us, launched late
+             it("k3", "c", 5, 40, 45, 20),  # 15 us, launched before the gap opened: queued
+             it("k4", "c", 5, 44, 50, 41)]  # overlaps k3: no gap  # fmt: skip
+    cpu = [NS(is_async=False, time_range=NS(start=0, end=100), name="step"),
+           NS(is_async=False, time_range=NS(start=8, end=20), name="cudaStreamSynchronize"),
+           NS(is_async=True, time_range=NS(start=9, end=30), name="async")]  # fmt: skip
+    g = profile_step.gaps(items, cpu)
+    assert g["n"] == 2 and g["span_ms"] == pytest.approx(0.05)
+    assert g["idle_ms"] == pytest.approx(0.020) and g["host_late_ms"] == pytest.approx(0.005)
+    assert g["by_origin"] == {"b": [1, 5.0, 5.0], "c": [1, 15.0, 0.0]}
+    first, second = g["largest"]
+    assert (first["us"], first["kernel"], first["host_op"], first["launch_after_us"]) == (15, "k3", "step", -5)
+    assert (second["kernel"], second["host_op"]) == ("k2", "cudaStreamSynchronize")
+    lines = profile_step.idle_tables({"arm": {"idle": g}})
+    assert "| arm | 0.050 | 0.020 | 0.005 | 2 |" in lines
+
+
+def test_host_spans_take_the_outermost_of_each_group():
+    from types import SimpleNamespace as NS
+
+    def ev(name, start, end, parent=None):
+        return NS(name=name, is_async=False, time_range=NS(start=start, end=end, elapsed_us=lambda: end - start),
+                  cpu_parent=parent)  # fmt: skip
+
+    fwd = ev("forward", 0, 100)
+    op = ev("dilated_attention::triton_fwd", 10, 40, fwd)
+    inner = ev("dilated_attention::rotary", 12, 20, op)  # inside another op: not counted again
+    node = ev("autograd::engine::evaluate_function: MulBackward0", 50, 60, fwd)
+    got = profile_step.host_spans([fwd, op, inner, node, ev("## Call CompiledFxGraph abc", 60, 90, fwd)])
+    assert got == {"phase forward": [1, 100], "op triton_fwd": [1, 30], "bwd node MulBackward0": [1, 10],
+                   "graph (all)": [1, 30]}  # fmt: skip
+
+
+def test_settings_set_and_restore_module_switches():
+    from dilated_attention.kernels import gluon_fwd
+
+    pairs = profile_step.parse_settings("gluon_fwd.DIRECT_LAUNCH=0, gluon_fwd.MIN_ROWS=5")
+    assert pairs == [("gluon_fwd.DIRECT_LAUNCH", 0), ("gluon_fwd.MIN_ROWS", 5)]
+    before = (gluon_fwd.DIRECT_LAUNCH, gluon_fwd.MIN_ROWS)
+    with profile_step.settings(pairs):
+        assert gluon_fwd.DIRECT_LAUNCH is False and gluon_fwd.MIN_ROWS == 5
+    assert (gluon_fwd.DIRECT_LAUNCH, gluon_fwd.MIN_ROWS) == before
+    for bad in ("gluon_fwd.NO_SUCH=1", "DIRECT_LAUNCH=1", "gluon_fwd.DIRECT_LAUNCH"):
+        with pytest.raises(SystemExit, match="--set / --compiled-ab"):
+            profile_step.parse_settings(bad)
+
+
+@pytest.mark.slow  # compile (aot_eager) at CPU size: ~30 s
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the --tiny smoke test runs on the CPU")
+def test_tiny_profile_with_ab_arm_rounds_and_cprofile(tmp_path):
+    """--compiled-ab adds an arm of the same compiled model with the switches set; --ab-rounds
+    alternates both; --cprofile adds the host tables with callers."""
+    out = tmp_path / "p.md"
+    assert profile_step.main(["--tiny", "--iters", "2", "--warmup", "1", "--no-plain", "--no-dense",
+                              "--compiled-ab", "gluon_fwd.DIRECT_LAUNCH=0", "--ab-rounds", "2",
+                              "--cprofile", "compiled", "--cprofile-steps", "1", "--out", str(out)]) == 0  # fmt: skip
+    text = out.read_text()
+    assert re.search(r"\| N128 x 2 \| compiled \[gluon_fwd.DIRECT_LAUNCH=0\] \| [0-9.]+ \|", text)
+    ab = text.split("### Interleaved A/B", 1)[1]
+    assert re.search(r"\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", ab) and "median ratio" in ab
+    assert "### Host Python per step, compiled" in text and "| function | callers |" in text
+    assert "### Host time of the profiled step by span" in text and "| phase forward | 1 |" in text
