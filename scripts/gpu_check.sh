@@ -138,6 +138,7 @@
 #                                       batches against the float64 reference per document (not yet run)
 #   bash scripts/gpu_check.sh s32a     the CUDA tests of s32 beside fuzz-gluon-varlen (cold cache; correctness only)
 #   bash scripts/gpu_check.sh s32b     the fill-only A/B of s32, then bench_varlen.py --set FILL_UNCOVERED_ONLY=1
+#   bash scripts/gpu_check.sh next-5b  issue 23 5b: TMA_CACHE interleaved A/B at 16K x 2, then the compiled e2e rows
 #   bash scripts/gpu_check.sh s33a     the compile tests, then profile_step.py at 16K x 2: idle broken down, host cProfile
 #   bash scripts/gpu_check.sh s32c     the kernels-as-ops compile tests + the fill-only default's tests, then e2e compiled rows
 #   bash scripts/gpu_check.sh s32      gluon_varlen.FILL_UNCOVERED_ONLY: CUDA tests with device offsets (its same-bits test too),
@@ -589,6 +590,20 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "profile_step rc=$?" >> "$OUT/profile_step.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -8
     grep -A5 "^| tokens" "$OUT/profile_step.md"; grep -A4 "^| arm | forward" "$OUT/profile_step.md"; tail -2 "$OUT/profile_step.txt"
+    ;;
+  next-5b)
+    # written in the thirty-third session for the next one (issue 23 item 5b): gluon_fwd.TMA_CACHE interleaved against
+    # off at 16K x 2 (6 rounds of 10 steps each way, same compiled model; $PROFILE_TIMEOUT 240 s), then the end-to-end
+    # compiled rows again at both shapes, to firm up 8K x 4's 1.204x ($OVERHEAD_TIMEOUT 300 s)
+    timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_step.py --shapes 16384 --no-plain --no-dense \
+      --set gluon_fwd.TMA_CACHE=1 --compiled-ab gluon_fwd.TMA_CACHE=0 --ab-rounds "${AB_ROUNDS:-6}" \
+      --out "$OUT/profile_step_tma_ab.md" > "$OUT/profile_step_tma_ab.txt" 2>&1
+    echo "profile_step rc=$?" >> "$OUT/profile_step_tma_ab.txt"
+    timeout "${OVERHEAD_TIMEOUT:-300}" python3 benchmarks/bench_overhead.py --only-e2e --e2e-modes compile \
+      --e2e-lengths 8192,16384 --out "$OUT/overhead_e2e.md" > "$OUT/overhead_e2e.txt" 2>&1
+    echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
+    grep -A10 "^| round" "$OUT/profile_step_tma_ab.md"; tail -2 "$OUT/profile_step_tma_ab.txt"
+    grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -6
     ;;
   s31b)
     # thirty-first session, second call: varlen_switch_ab.py --switch unchecked on the issue batch (device offsets in both arms:
