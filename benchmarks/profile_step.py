@@ -70,7 +70,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, record_function
 
-from dilated_attention import flags
+from dilated_attention import flags, timing
 from dilated_attention.models import longnet
 from dilated_attention.models.longnet import LongNetConfig, LongNetLM
 
@@ -498,39 +498,27 @@ def make_step(run, opt, inp, tgt, amp):
 
 
 def phase_times(fn, device, iters: int) -> dict:
-    """Unprofiled steps of ``fn`` (a :func:`make_step` step) with a CUDA event and a host clock
-    at each phase boundary: per phase the median host time and GPU time (event to event: the
-    GPU finished the phase's work then, or the host recorded the event then if later). A
-    phase whose GPU time is about its host time kept the GPU waiting for the host."""
+    """Unprofiled steps of ``fn`` (a :func:`make_step` step) with a host clock and a CUDA event at
+    each phase boundary (``timing.phases_ms``): per phase the median host time and GPU time (the
+    GPU finished the phase's work then, or the host recorded the event then, if later). A phase
+    whose GPU time is about its host time kept the GPU waiting for the host."""
     if device.type != "cuda" or not hasattr(fn, "parts"):
         return {}
     run, opt, inp, tgt, amp = fn.parts
-    times = collections.defaultdict(list)
-    for _ in range(iters):
-        _sync(device)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
-        h = [time.perf_counter()]
-        ev[0].record()
+    state = {}
+
+    def forward():
         with amp:
-            _, loss = run(inp, tgt, return_logits=False)
-        h.append(time.perf_counter())
-        ev[1].record()
-        loss.backward()
-        h.append(time.perf_counter())
-        ev[2].record()
-        opt.step()
-        h.append(time.perf_counter())
-        ev[3].record()
-        opt.zero_grad(set_to_none=True)
-        h.append(time.perf_counter())
-        ev[4].record()
-        ev[4].synchronize()
-        for i, ph in enumerate(PHASES):
-            times[ph + " host"].append((h[i + 1] - h[i]) * 1e3)
-            times[ph + " gpu"].append(ev[i].elapsed_time(ev[i + 1]))
-        times["step host"].append((h[4] - h[0]) * 1e3)
-        times["step gpu"].append(ev[0].elapsed_time(ev[4]))
-    return {k: statistics.median(v) for k, v in times.items()}
+            state["loss"] = run(inp, tgt, return_logits=False)[1]
+
+    def backward():
+        state.pop("loss").backward()
+
+    got = timing.phases_ms([forward, backward, opt.step, lambda: opt.zero_grad(set_to_none=True)], device, iters)
+    out = {}
+    for name, (host, gpu) in zip((*PHASES, "step"), got, strict=True):
+        out[name + " host"], out[name + " gpu"] = host, gpu
+    return out
 
 
 def _sync(device):

@@ -30,6 +30,25 @@ def test_median_ms_rejects_bad_counts(warmup, iters, match):
         timing.median_ms(lambda: None, "cpu", warmup, iters)
 
 
+def test_phases_ms_times_each_phase_in_order():
+    """phases_ms: the phases run in order once per step; one (host, device) pair per phase and
+    one for the step, each the median over the steps; on the CPU the device time is the host
+    time; the step's time covers its phases."""
+    calls = []
+
+    def slow():
+        calls.append("slow")
+        time.sleep(0.004)
+
+    got = timing.phases_ms([lambda: calls.append("a"), slow, lambda: calls.append("c")], "cpu", 3)
+    assert calls == ["a", "slow", "c"] * 3
+    assert len(got) == 4 and all(h == d for h, d in got)
+    assert got[1][0] >= 4.0 > got[0][0] and got[1][0] > got[2][0]
+    assert got[3][0] >= got[1][0]
+    with pytest.raises(ValueError, match="iters=0"):
+        timing.phases_ms([slow], "cpu", 0)
+
+
 def test_results_header_names_command_device_versions_date():
     lines = timing.results_header("T", "cpu", command="python x.py --a 1", extra=["shape: tiny"])
     text = "\n".join(lines)

@@ -66,6 +66,45 @@ def median_ms(
     return statistics.median(times)
 
 
+def phases_ms(
+    phases: Sequence[Callable[[], object]], device: torch.device | str, iters: int
+) -> list[tuple[float, float]]:
+    """Per phase of a step, the median (host ms, device ms) over ``iters`` steps: each step runs
+    the callables of ``phases`` in order (the device drained before each step, not between its
+    phases), with a host clock and, on CUDA, an event at every boundary. A phase's device time
+    runs from the event before it to the event after it: when the GPU finished the phase's work,
+    or when the host recorded the event, if later. A phase whose device time is about its host
+    time kept the GPU waiting for the host. On the CPU the device time is the host time. The last
+    pair is the whole step's."""
+    if iters < 1:
+        raise ValueError(f"iters={iters}: time at least one step (iters >= 1)")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = len(phases)
+    host: list[list[float]] = [[] for _ in range(n + 1)]
+    dev: list[list[float]] = [[] for _ in range(n + 1)]
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)] if cuda else []
+        clock = [time.perf_counter()]
+        if cuda:
+            events[0].record()
+        for i, fn in enumerate(phases):
+            fn()
+            clock.append(time.perf_counter())
+            if cuda:
+                events[i + 1].record()
+        if cuda:
+            events[-1].synchronize()
+        for i in range(n):
+            host[i].append((clock[i + 1] - clock[i]) * 1e3)
+            dev[i].append(events[i].elapsed_time(events[i + 1]) if cuda else host[i][-1])
+        host[n].append((clock[n] - clock[0]) * 1e3)
+        dev[n].append(events[0].elapsed_time(events[n]) if cuda else host[n][-1])
+    return [(statistics.median(h), statistics.median(d)) for h, d in zip(host, dev, strict=True)]
+
+
 def versions() -> dict:
     """The library, python, torch, CUDA and Triton versions (None where absent)."""
     from . import __version__
