@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+import pytest
 import torch
 
 
@@ -109,6 +110,20 @@ def _has_triton() -> bool:
 HAS_TRITON = _has_triton()
 FAST_IMPLS = ["torch"] + (["triton"] if HAS_TRITON else [])
 ALL_IMPLS = ["reference", *FAST_IMPLS]
+
+
+def _interpreting() -> bool:
+    from dilated_attention.kernels.select import interpreting
+
+    return interpreting()
+
+
+# A test's mark: skip unless the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1,
+# which conftest.py sets where there is no CUDA). For tests that push CPU tensors through the
+# kernels: on a GPU host they are compiled, and a compiled kernel cannot take a CPU tensor.
+interpreted = pytest.mark.skipif(
+    not _interpreting(), reason="CPU tensors through the kernels: needs TRITON_INTERPRET=1"
+)
 
 
 def qkv(b, nq, nk, h, hkv, d, dtype=torch.float64, device="cpu", requires_grad=False):

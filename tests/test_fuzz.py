@@ -19,7 +19,7 @@ import random
 import sys
 
 import pytest
-from helpers import HAS_TRITON
+from helpers import HAS_TRITON, interpreted
 from property_cases import random_case, spec_class, variant
 from varlen_cases import random_varlen_case
 from varlen_cases import variant as varlen_variant
@@ -70,6 +70,7 @@ def test_varlen_variant_keeps_switches():
         assert all(0 <= nq <= nk for nq, nk in zip(c.qlens, c.klens, strict=True))
 
 
+@interpreted
 @needs_triton
 def test_gate_records_signatures_without_running():
     gate = fuzz.CompileGate()
@@ -94,6 +95,7 @@ def _summary(out: str) -> dict:
     return {ln.split(":")[0].split(" (")[0]: ln for ln in out.splitlines() if ":" in ln}
 
 
+@interpreted
 @needs_triton
 def test_gate_rejects_another_binary():
     # the same case with another constexpr (causal) or another class of an argument (w = 1)
@@ -114,6 +116,7 @@ def test_gate_rejects_another_binary():
         gate.close()
 
 
+@interpreted
 @needs_triton
 @pytest.mark.parametrize("varlen,seed", [(False, 11), (True, 5)])
 def test_pool_mode_triton(capsys, varlen, seed):
@@ -130,6 +133,7 @@ def test_pool_mode_triton(capsys, varlen, seed):
     assert "fixed per template" in s
 
 
+@interpreted
 @needs_triton
 def test_free_mode_counts_signatures(capsys):
     rc = fuzz.main(["--impl", "triton", "--examples", "2", "--pool", "0", "--seed", "1"])
@@ -625,6 +629,7 @@ def test_gluon_varlen_reference_pads_the_rows_past_the_documents():
     assert all((ref[n][51:] == 0).all() for n in ("out", "dq", "dk", "dv"))
 
 
+@interpreted
 def test_gluon_varlen_check_through_the_emulated_kernels(monkeypatch):
     """gluon_varlen_fuzz_cases.check end to end on the CPU: the Gluon varlen kernels emulated
     (tests/test_gluon_varlen.py), the Triton varlen kernels interpreted, host offsets, fp16: no

@@ -29,6 +29,7 @@ from gluon_cases import (
     switch_on,
     tma_box,
 )
+from helpers import interpreted
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_bwd, gluon_fwd
@@ -72,6 +73,7 @@ def test_problem_on_the_cpu_and_for_split_heads():
     assert why is not None and ("interpreter" in why or "CUDA" in why), why
 
 
+@interpreted
 def test_cpu_backward_never_launches_gluon(seed, monkeypatch, switches_reset):
     called = []
     monkeypatch.setattr(gluon_bwd, "launch_branch", lambda *a, **kw: called.append(1))
@@ -120,6 +122,7 @@ def _emulated_launch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scal
             acc.copy_(e.float())
 
 
+@interpreted
 @pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seg,dil", [([32, 64], [1, 2]), ([64, 128], [2, 4])], ids=["r1-first", "r2-first"])
@@ -146,6 +149,7 @@ def test_host_path_with_emulated_kernels(seed, monkeypatch, causal, seg, dil, sp
         assert (a.double() - b).abs().max().item() < 1e-4, f"d{name}"
 
 
+@interpreted
 def test_out_of_memory_runs_the_triton_backward(seed, monkeypatch, switches_reset):
     """An out-of-memory error in the Gluon backward (its float32 accumulators) gives None for
     that call (the Triton backward runs it), records no failure (a later, smaller call may fit)

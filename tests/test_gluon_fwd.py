@@ -29,6 +29,7 @@ from gluon_cases import (
     switch_on,
     tma_box,
 )
+from helpers import interpreted
 
 from dilated_attention import call_cache, dilated_attention, flags
 from dilated_attention.kernels import gluon_fwd
@@ -420,6 +421,7 @@ def test_speed_rules_and_shipped_switches(monkeypatch):
     assert "UNEVEN_BLOCKS" in why(1, 131072, 16, 128, [2048, 32768], [1, 6])
 
 
+@interpreted
 def test_cpu_forward_never_launches_gluon(seed, monkeypatch):
     called = []
     monkeypatch.setattr(gluon_fwd, "launch_branch", lambda *a, **kw: called.append(1))

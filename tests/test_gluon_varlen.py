@@ -30,11 +30,10 @@ import torch
 pytest.importorskip("triton")
 
 from gluon_cases import lse_merge, needs_gluon
-from helpers import varlen_reference
+from helpers import interpreted, varlen_reference
 
 from dilated_attention import dilated_attention_varlen, flags
 from dilated_attention.kernels import gluon_fwd, gluon_varlen
-from dilated_attention.kernels.triton_import import INTERPRET
 
 LOG2E = 1.4426950408889634
 
@@ -310,6 +309,7 @@ CASES = [  # lengths (empty and one-token documents, no multiple of any w), bran
 ]
 
 
+@interpreted
 @pytest.mark.parametrize("lens,seg,dil,h,hkv", CASES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("checked", [False, True])
@@ -573,6 +573,7 @@ BWD_CASES = CASES + [
 ]
 
 
+@interpreted
 @pytest.mark.parametrize("lens,seg,dil,h,hkv", BWD_CASES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("checked", [False, True])
@@ -614,10 +615,6 @@ def test_packed_backward_with_emulated_kernels(monkeypatch, switch_on, lens, seg
     for name, a, b in zip("qkv", grads, want_g, strict=True):
         assert a.dtype == torch.float16
         assert (a.double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item()), f"d{name}"
-
-
-# CPU tensors through the Triton kernels: Triton's interpreter only (a GPU machine runs the cuda tests)
-interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors through the kernels: needs TRITON_INTERPRET=1")
 
 
 @interpreted
@@ -758,6 +755,7 @@ OFFSET_CASES = {
 }
 
 
+@interpreted
 @pytest.mark.parametrize("case", list(OFFSET_CASES))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("phases", [True, False], ids=["split-phases", "one-phase"])
@@ -798,6 +796,7 @@ def test_unchecked_offsets_fill_only_the_uncovered_rows(monkeypatch, switch_on, 
 
 # seeds whose draws cover host and unchecked offsets, rows past the documents, r = 1 first or not,
 # MHA / GQA / MQA, head dims 64 and 128
+@interpreted
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 6, 7, 20, 21])
 def test_random_packed_batches_through_the_emulated_kernels(monkeypatch, seed):
     """Random cases of ``scripts/fuzz.py --gluon --varlen`` (tests/gluon_varlen_fuzz_cases.py,
@@ -840,6 +839,7 @@ def test_random_packed_batches_through_the_emulated_kernels(monkeypatch, seed):
         assert judge(ref, base, run(True, only), c.dtype) == [], (only, c)
 
 
+@interpreted
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("fill_only", [False, True], ids=["zero-filled", "fill-uncovered"])
 def test_unchecked_offsets_split_between_host_and_device_descriptors(monkeypatch, switch_on, causal, fill_only):
@@ -882,6 +882,7 @@ def test_unchecked_offsets_split_between_host_and_device_descriptors(monkeypatch
         assert (a[:n].double() - b).abs().max().item() < 2e-2 * (1 + b.abs().max().item())
 
 
+@interpreted
 @pytest.mark.parametrize("r,lens,w", [(1, [7, 0, 1, 40, 13], 16), (3, [30, 0, 45, 2], 10), (5, [3, 50, 9], 64)])
 def test_block_rows_kernel_equals_prep_rows(r, lens, w):
     """``triton_kernels.gluon_varlen_rows_kernel`` (interpreted here) gives
@@ -973,6 +974,7 @@ def test_backward_gate(monkeypatch):
     assert gluon_varlen.backward_problem(q, q, q, False, br, True, 8192, 2) is None
 
 
+@interpreted
 def test_failed_backward_launch_falls_back_with_a_warning(monkeypatch, switch_on):
     def boom(*a, **kw):
         raise RuntimeError("out of resources (test)")
@@ -993,6 +995,7 @@ def test_failed_backward_launch_falls_back_with_a_warning(monkeypatch, switch_on
     assert list(gluon_varlen._bwd_failed) == [(torch.float16, 16, False)] and not gluon_varlen._failed
 
 
+@interpreted
 def test_switch_ab_benchmark_runs_both_arms_and_counts_the_on_arm(monkeypatch, switch_on, tmp_path):
     """benchmarks/varlen_switch_ab.py on a tiny case on the CPU (the backward's kernels emulated,
     timing replaced by one call): both arms run, the Gluon calls counted are the on arm's, the
@@ -1024,6 +1027,7 @@ def test_switch_ab_benchmark_runs_both_arms_and_counts_the_on_arm(monkeypatch, s
     assert len(rows) == 2 and all(x.count("|") == 14 and "| 1.000-1.000 |" in x for x in rows), rows
 
 
+@interpreted
 def test_switch_off_runs_the_triton_varlen_kernels(monkeypatch):
     monkeypatch.setattr(gluon_varlen, "VARLEN_FORWARD", False)
     called = []
@@ -1036,6 +1040,7 @@ def test_switch_off_runs_the_triton_varlen_kernels(monkeypatch):
     assert out.shape == q.shape and not called and not gluon_varlen.VARLEN_FORWARD
 
 
+@interpreted
 def test_failed_launch_falls_back_with_a_warning(monkeypatch, switch_on):
     from dilated_attention.kernels import direct_launch
 
@@ -1055,6 +1060,7 @@ def test_failed_launch_falls_back_with_a_warning(monkeypatch, switch_on):
     assert list(gluon_varlen._failed) == [(torch.float16, 16, False)]
 
 
+@interpreted
 def test_out_of_memory_in_the_forward_propagates_and_records_no_failure(monkeypatch, switch_on):
     """Out of memory in the Gluon varlen forward is the caller's, as on the Triton path (which
     needs as much): it propagates, and the configuration is not marked as failed."""
@@ -1074,6 +1080,7 @@ def test_out_of_memory_in_the_forward_propagates_and_records_no_failure(monkeypa
     assert not gluon_varlen._failed
 
 
+@interpreted
 def test_gpu_check_helper_runs_on_the_cpu_with_the_emulated_kernel(monkeypatch, switch_on):
     """The CUDA tests' helper end to end on the CPU (the kernel emulated, its gate following the
     switch), so that a mistake in it does not first show on a GPU; and it fails when the Gluon

@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 from dist_utils import run_distributed
+from helpers import interpreted
 from test_sequence_parallel import _case
 
 from dilated_attention import dilated_attention
@@ -62,6 +63,7 @@ def _worker(rank, world, dtypes):
         dilated_attention(q, q, q, (4,), (1,), impl="triton", group=dist.group.WORLD)
 
 
+@interpreted
 @pytest.mark.slow  # spawned ranks running the Triton interpreter
 @pytest.mark.timeout(120)
 def test_sp_triton_p2():
@@ -69,6 +71,7 @@ def test_sp_triton_p2():
     run_distributed(_worker, 2, [(torch.float32, 2e-5)])
 
 
+@interpreted
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sp_triton_p3():

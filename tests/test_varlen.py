@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_close, varlen_reference
+from helpers import check_close, interpreted, varlen_reference
 
 from dilated_attention import dilated_attention, dilated_attention_varlen
 
@@ -117,6 +117,7 @@ def test_varlen_autocast_follows_dilated_attention(seed, monkeypatch):
     assert torch.equal(out, want)
 
 
+@interpreted
 def test_varlen_triton_unavailable_is_a_clear_error():
     # where the fused kernel cannot run (float64 here; a CPU tensor without the interpreter) an
     # explicit impl="triton" raises and says why; auto runs the torch path
