@@ -339,6 +339,11 @@ HOST_GROUPS = (("op ", "dilated_attention::"), ("graph ", "## Call CompiledFxGra
                ("bwd node ", "autograd::engine::evaluate_function: "), ("phase ", PHASES))
 
 
+def _in_group(name: str, match) -> bool:
+    """Whether an event name belongs to a :data:`HOST_GROUPS` group (a tuple of names or a prefix)."""
+    return name in match if isinstance(match, tuple) else name.startswith(match)
+
+
 def host_spans(cpu_events) -> dict:
     """Host time (the profiler's CPU duration, its own overhead included) of the library's custom
     ops, Inductor's compiled graphs, the autograd nodes of the backward and the phases, each the
@@ -348,10 +353,8 @@ def host_spans(cpu_events) -> dict:
         if e.is_async:
             continue
         for label, match in HOST_GROUPS:
-            if (e.name in match) if isinstance(match, tuple) else e.name.startswith(match):
-                outer = any(((p.name in match) if isinstance(match, tuple) else p.name.startswith(match))
-                            for p in _ancestors(e))  # fmt: skip
-                if not outer:
+            if _in_group(e.name, match):
+                if not any(_in_group(p.name, match) for p in _ancestors(e)):
                     name = e.name if isinstance(match, tuple) else e.name[len(match):]
                     rec = out[label + (name if label != "graph " else "(all)")]
                     rec[0] += 1
@@ -420,9 +423,9 @@ def analyse(events, device: torch.device) -> dict:
         for e in events:
             if e.device_type != DeviceType.CUDA or is_annotation(e):
                 continue  # annotations span kernels: summed with them they inflate the totals
-            src = runtime.get(e.id) or by_id.get(getattr(e, "linked_correlation_id", 0) or -1)
-            origin = _origin_of(src, fwd_origin) if src is not None else "unattributed"
             rt = runtime.get(e.id)
+            src = rt or by_id.get(getattr(e, "linked_correlation_id", 0) or -1)
+            origin = _origin_of(src, fwd_origin) if src is not None else "unattributed"
             launch = rt.time_range.start if rt is not None else math.nan
             items.append(Item(e.name, origin, e.time_range.elapsed_us(), e.time_range.start,
                               e.time_range.end, launch))  # fmt: skip

@@ -283,15 +283,10 @@ def _spec(a):
     """What Triton specialises a Gluon kernel argument on (Triton 3.6, checked on its
     ``native_specialize_impl``): an int's class (1 / multiple of 16 / other, int32 / int64), a
     float's type, a tensor's dtype and 16-byte alignment, a host tensor descriptor's dtype, block
-    shape and layout (not its shape or strides: those are runtime arguments). The common types
-    first, by exact type (~20 calls per launch)."""
-    t = type(a)
-    if t is int:
-        return 4 if a == 1 else (a & 15 == 0) + 2 * (a > 0x7FFFFFFF)  # direct_launch.int_class
-    if t is Desc:
-        return (a.base.dtype, tuple(a.block_shape), id(a.layout))
-    if t is float:
-        return "f"
+    shape and layout (not its shape or strides: those are runtime arguments). Plain ints first,
+    by exact type: most of a launch's ~20 arguments."""
+    if type(a) is int:
+        return direct_launch.int_class(a)
     if isinstance(a, bool):
         return ("b", a)
     if isinstance(a, int):
