@@ -1,4 +1,8 @@
-"""``gluon_bwd.SPLIT_PHASES`` off or on, interleaved in one process: does it cost time (issue 24)?
+"""A kernel switch off or on, interleaved in one process (default ``gluon_bwd.SPLIT_PHASES``; issue 24).
+
+``--switch MOD.NAME`` A/Bs another module switch of ``dilated_attention.kernels`` read per call
+(e.g. ``gluon_fwd.PDL``, the dependent launches), ``--direction fwd`` / ``both`` times the
+forward too (under no_grad).
 
 The split-phase Gluon backward runs every branch's dK/dV kernels before any dQ kernel, so that
 dk and dv are cast and freed before dq's float32 accumulator exists: peak 1.25x the 8 tensors
@@ -38,9 +42,27 @@ from dilated_attention.branches import branch_head_ranges  # noqa: E402
 from dilated_attention.kernels import gluon_bwd  # noqa: E402
 
 ARMS = (("off", False), ("on", True))
+DIRECTIONS = ("fb", "fwd", "both")
 
 
-def run_row(r, rounds: int, iters: int) -> dict:
+def resolve_switch(name: str):
+    """(module, attribute) of ``MOD.NAME`` under ``dilated_attention.kernels``; ValueError
+    naming what is missing."""
+    import importlib
+
+    mod_name, _, attr = name.rpartition(".")
+    if not mod_name or not attr:
+        raise ValueError(f"--switch wants MOD.NAME (e.g. gluon_fwd.PDL), got {name!r}")
+    try:
+        mod = importlib.import_module(f"dilated_attention.kernels.{mod_name}")
+    except ImportError as e:
+        raise ValueError(f"--switch {name!r}: no module dilated_attention.kernels.{mod_name}") from e
+    if not isinstance(getattr(mod, attr, None), bool):
+        raise ValueError(f"--switch {name!r}: {mod_name} has no boolean {attr}")
+    return mod, attr
+
+
+def run_row(r, rounds: int, iters: int, switch=(gluon_bwd, "SPLIT_PHASES"), direction: str = "fb") -> dict:
     dev = torch.device("cuda")
     dt = _DT[r.dtype]
     q = torch.randn(r.batch, r.seqlen, r.nheads, r.headdim, device=dev, dtype=dt)
@@ -58,11 +80,20 @@ def run_row(r, rounds: int, iters: int) -> dict:
         out = dilated_attention(*xs, r.seg, r.dil, causal=r.causal, impl="triton")
         torch.autograd.grad(out, xs, do)
 
+    def fwd():
+        with torch.no_grad():
+            dilated_attention(*xs, r.seg, r.dil, causal=r.causal, impl="triton")
+
+    fns = {"fb": fb, "fwd": fwd}
+    dirs = ("fwd", "fb") if direction == "both" else (direction,)
+    mod, attr = switch
     res = {"row": r.name, "ms": {a: [] for a, _ in ARMS}, "peak_ratio": {}}
-    keep = gluon_bwd.SPLIT_PHASES
+    res["fwd_ms"] = {a: [] for a, _ in ARMS}
+    keep = getattr(mod, attr)
     try:
         for name, on in ARMS:  # warm both arms, then the peak of one call each
-            gluon_bwd.SPLIT_PHASES = on
+            setattr(mod, attr, on)
+            fwd()
             fb()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -71,12 +102,15 @@ def run_row(r, rounds: int, iters: int) -> dict:
             res["peak_ratio"][name] = torch.cuda.max_memory_allocated() / eight_tensor_bytes(r)
         for i in range(rounds):
             for name, on in ARMS:
-                gluon_bwd.SPLIT_PHASES = on
-                res["ms"][name].append(median_ms(fb, "cuda", 1, iters))
-            print(f"  {r.name:28} round {i}: off {res['ms']['off'][-1]:.2f} on {res['ms']['on'][-1]:.2f} ms",
-                  flush=True)
+                setattr(mod, attr, on)
+                for dname in dirs:
+                    (res["ms"] if dname == "fb" else res["fwd_ms"])[name].append(
+                        median_ms(fns[dname], "cuda", 1, iters))
+            print(f"  {r.name:28} round {i}: " + ", ".join(
+                f"{key} off {res[key]['off'][-1]:.2f} on {res[key]['on'][-1]:.2f} ms"
+                for key in ("fwd_ms", "ms") if res[key]["off"]), flush=True)  # fmt: skip
     finally:
-        gluon_bwd.SPLIT_PHASES = keep
+        setattr(mod, attr, keep)
     return res
 
 
@@ -84,28 +118,31 @@ def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
-def markdown(results: list[dict], meta: dict, rounds: int, iters: int) -> str:
-    lines = results_header("gluon_bwd.SPLIT_PHASES off / on, interleaved (issue 24)", info=meta)
+def markdown(results: list[dict], meta: dict, rounds: int, iters: int, switch: str = "gluon_bwd.SPLIT_PHASES") -> str:
+    lines = results_header(f"{switch} off / on, interleaved (issue 24)", info=meta)
     lines += [
-        f"- {rounds} rounds per row, each timing off then on ({iters} forward+backward calls each: median, "
-        "CUDA events); peak = torch.cuda.max_memory_allocated over one forward+backward / bytes of "
-        "q, k, v, out, dout, dq, dk, dv",
+        f"- {rounds} rounds per row, each timing off then on ({iters} calls each: median, CUDA events); "
+        "fwd+bwd rows time forward+backward, fwd rows the forward under no_grad; peak = "
+        "torch.cuda.max_memory_allocated over one forward+backward / bytes of q, k, v, out, dout, dq, dk, dv",
         "",
-        "| row | off ms, median (min-max) | on ms, median (min-max) | on / off (medians) | "
+        "| row | direction | off ms, median (min-max) | on ms, median (min-max) | on / off (medians) | "
         "on / off per round, min-max | peak off | peak on |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         if "skipped" in res or "error" in res:
-            lines.append(f"| {res['row']} | {res.get('skipped') or res.get('error')} |" + " |" * 5)
+            lines.append(f"| {res['row']} | | {res.get('skipped') or res.get('error')} |" + " |" * 5)
             continue
-        off, on = res["ms"]["off"], res["ms"]["on"]
-        pairs = [b / a for a, b in zip(off, on, strict=True)]
-        lines.append(
-            f"| {res['row']} | {_spread(off)} | {_spread(on)} | "
-            f"{statistics.median(on) / statistics.median(off):.3f} | {min(pairs):.3f}-{max(pairs):.3f} | "
-            f"{res['peak_ratio']['off']:.2f}x | {res['peak_ratio']['on']:.2f}x |"
-        )
+        for key, label in (("fwd_ms", "fwd"), ("ms", "fwd+bwd")):
+            off, on = res.get(key, {}).get("off"), res.get(key, {}).get("on")
+            if not off:
+                continue
+            pairs = [b / a for a, b in zip(off, on, strict=True)]
+            lines.append(
+                f"| {res['row']} | {label} | {_spread(off)} | {_spread(on)} | "
+                f"{statistics.median(on) / statistics.median(off):.3f} | {min(pairs):.3f}-{max(pairs):.3f} | "
+                f"{res['peak_ratio']['off']:.2f}x | {res['peak_ratio']['on']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -116,7 +153,14 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=300.0, help="start no row after this many seconds")
+    p.add_argument("--switch", default="gluon_bwd.SPLIT_PHASES",
+                   help="MOD.NAME: a boolean switch of a dilated_attention.kernels module, read per call")
+    p.add_argument("--direction", choices=DIRECTIONS, default="fb", help="what to time (both: fwd and fwd+bwd)")
     args = p.parse_args(argv)
+    try:
+        switch = resolve_switch(args.switch)
+    except ValueError as e:
+        p.error(str(e))
     try:
         want = rows_named(args.rows.split(","))
     except ValueError as e:
@@ -136,14 +180,14 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f} s] {row.name}", flush=True)
         torch.manual_seed(0)
         try:
-            results.append(run_row(row, args.rounds, args.iters))
+            results.append(run_row(row, args.rounds, args.iters, switch, args.direction))
         except Exception as e:  # report the row, keep going
             results.append({"row": row.name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
         torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as f:
-                f.write(markdown(results, meta, args.rounds, args.iters))
-    print(markdown(results, meta, args.rounds, args.iters))
+                f.write(markdown(results, meta, args.rounds, args.iters, args.switch))
+    print(markdown(results, meta, args.rounds, args.iters, args.switch))
     return 0
 
 

@@ -96,6 +96,9 @@ ROWS = [
     Row("b4-24k-tail-gqa-causal", 4, 24576, 16, 4, 128, "bf16", *_geo(2048, 4, (1, 2, 4, 8)), True),
     Row("512k-mqa-d64-causal", 1, 524288, 16, 1, 64, "bf16", *_geo(4096, 5, (1, 2, 4, 8, 16)), True),
     Row("1m-mqa-d64-causal", 1, 1048576, 16, 1, 64, "bf16", *_geo(8192, 5, (1, 2, 4, 8, 16)), True),
+    # LongNet 'base' attention calls of issue 23's end-to-end rows (12 heads x 64, causal)
+    Row("base-b4-8k-d64-causal", 4, 8192, 12, 12, 64, "bf16", *_geo(2048, 3, (1, 2, 4)), True),
+    Row("base-b2-16k-d64-causal", 2, 16384, 12, 12, 64, "bf16", *_geo(2048, 4, (1, 2, 4, 8)), True),
 ]
 HEADLINE = "headline"
 

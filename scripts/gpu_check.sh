@@ -138,6 +138,8 @@
 #                                       batches against the float64 reference per document (not yet run)
 #   bash scripts/gpu_check.sh s32a     the CUDA tests of s32 beside fuzz-gluon-varlen (cold cache; correctness only)
 #   bash scripts/gpu_check.sh s32b     the fill-only A/B of s32, then bench_varlen.py --set FILL_UNCOVERED_ONLY=1
+#   bash scripts/gpu_check.sh s34a     gluon_fwd.PDL: its CUDA tests (same bits), then split_ab.py --switch gluon_fwd.PDL
+#                                       on LongNet-base's attention calls (8K x 4, 16K x 2) and two sweep rows
 #   bash scripts/gpu_check.sh next-5b  issue 23 5b: TMA_CACHE interleaved A/B at 16K x 2, then the compiled e2e rows
 #   bash scripts/gpu_check.sh s33a     the compile tests, then profile_step.py at 16K x 2: idle broken down, host cProfile
 #   bash scripts/gpu_check.sh s32c     the kernels-as-ops compile tests + the fill-only default's tests, then e2e compiled rows
@@ -511,6 +513,62 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -8
+    ;;
+  s34a)
+    # thirty-fourth session, first call: gluon_fwd.PDL (programmatic dependent launches between a call's Gluon launches).
+    # Its CUDA tests (same bits on / off, three times; the dependent launches happened) with the direct-launch and split-
+    # phase tests beside it (the backward's rows are now built once for both phases; -n 2, $CUDA_TEST_TIMEOUT 300 s),
+    # then benchmarks/split_ab.py --switch gluon_fwd.PDL on LongNet-base's attention calls and two sweep rows
+    # ($AB_TIMEOUT 200 s)
+    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -v -n 2 -p no:cacheprovider -rfE -m cuda \
+      tests/test_gluon_bwd.py -k "dependent or direct_launches or split_phases" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${AB_TIMEOUT:-200}" python3 benchmarks/split_ab.py --switch gluon_fwd.PDL --direction both \
+      --rounds "${AB_ROUNDS:-5}" --rows "${AB_ROWS:-base-b2-16k-d64-causal,base-b4-8k-d64-causal,headline-causal,b8-16k-4br-causal}" \
+      --out "$OUT/pdl_ab.md" > "$OUT/pdl_ab.txt" 2>&1
+    echo "split_ab rc=$?" >> "$OUT/pdl_ab.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -14
+    grep -E "^\||rc=" "$OUT/pdl_ab.md" "$OUT/pdl_ab.txt" | tail -12
+    ;;
+  s34b)
+    # thirty-fourth session, second call (gluon_fwd.PDL now on by default): the CUDA tests of test_gluon_bwd.py (every
+    # Gluon forward / backward against the reference, with dependent launches; -n 4, $CUDA_TEST_TIMEOUT 300 s), then
+    # profile_step.py at 16K x 2, the compiled model with PDL on and off, interleaved ($PROFILE_TIMEOUT 200 s)
+    timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -q -n 4 -p no:cacheprovider -rfE -m cuda \
+      tests/test_gluon_bwd.py > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/profile_step.py --shapes "${PROFILE_SHAPES:-16384}" --no-plain --no-dense \
+      --compiled-ab gluon_fwd.PDL=0 --ab-rounds "${AB_ROUNDS:-4}" --out "$OUT/profile_step_pdl_ab.md" > "$OUT/profile_step_pdl_ab.txt" 2>&1
+    echo "profile_step rc=$?" >> "$OUT/profile_step_pdl_ab.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -14
+    grep -A10 "^| round" "$OUT/profile_step_pdl_ab.md"; grep -A5 "^| tokens" "$OUT/profile_step_pdl_ab.md"; tail -2 "$OUT/profile_step_pdl_ab.txt"
+    ;;
+  s34c)
+    # thirty-fourth session, third call: issue 23 5b's end-to-end compiled rows with gluon_fwd.PDL on ($OVERHEAD_TIMEOUT
+    # 330 s), then the PDL CUDA tests the first call's timeout cut ($CUDA_TEST_TIMEOUT 150 s)
+    timeout "${OVERHEAD_TIMEOUT:-330}" python3 benchmarks/bench_overhead.py --only-e2e --e2e-modes compile \
+      --e2e-lengths 8192,16384 --out "$OUT/overhead_e2e.md" > "$OUT/overhead_e2e.txt" 2>&1
+    echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
+    timeout "${CUDA_TEST_TIMEOUT:-150}" python3 -m pytest -v -n 2 -p no:cacheprovider -rfE -m cuda \
+      tests/test_gluon_bwd.py tests/test_gluon_fwd.py -k "dependent or direct_launches" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -8
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -8
+    ;;
+  s34d)
+    # thirty-fourth session, last call: the Gluon forward's and the Gluon varlen kernels' CUDA tests with gluon_fwd.PDL on
+    # (-n 4, $CUDA_TEST_TIMEOUT 250 s), then a short GPU fuzz of the Gluon kernels against the float64 reference
+    # ($FUZZ_GLUON_MINUTES 1.5, timeout 180 s)
+    timeout "${CUDA_TEST_TIMEOUT:-250}" python3 -m pytest -q -n 4 -p no:cacheprovider -rfE -m cuda \
+      tests/test_gluon_fwd.py tests/test_gluon_varlen.py > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${FUZZ_GLUON_TIMEOUT:-180}" env OMP_NUM_THREADS=1 \
+      python3 scripts/fuzz.py --gluon --impl triton --device cuda --workers "${FUZZ_GLUON_WORKERS:-12}" \
+      --pool "${FUZZ_GLUON_POOL:-2}" --examples "${FUZZ_GLUON_EXAMPLES:-5000}" --minutes "${FUZZ_GLUON_MINUTES:-1.5}" \
+      --every 50 > "$OUT/fuzz_gluon.txt" 2>&1
+    echo "fuzz rc=$?" >> "$OUT/fuzz_gluon.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -10
+    grep -E "MISMATCH|ERROR|FAILED|cannot run" "$OUT/fuzz_gluon.txt" | head -8; tail -5 "$OUT/fuzz_gluon.txt"
     ;;
   s33a)
     # thirty-third session, first call: the compile tests of the models' kernels as custom ops (their call sites moved

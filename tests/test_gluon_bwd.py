@@ -101,7 +101,7 @@ def test_stages_fit_shared_memory():
 
 
 def _emulated_launch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=True,
-                     kernels=("dkdv", "dq")):  # fmt: skip
+                     kernels=("dkdv", "dq"), chains=None):  # fmt: skip
     """gluon_bwd.launch_branch with the kernels replaced by the float64 emulation of their index
     math and schedule (benchmarks/gluon_dilated_bwd.py --emulate)."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -230,6 +230,7 @@ class _EmulatedBwdKernels:
 
     def __init__(self):
         self.launches = []
+        self.pdl = []  # per launch: (kernel, Triton's launch_pdl option)
         self.dkdv_kernel = _Launcher(self._dkdv)
         self.dq_kernel = _Launcher(self._dq)
 
@@ -244,6 +245,7 @@ class _EmulatedBwdKernels:
     def _dkdv(self, grid, q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, dk, dv, qk_scale, sm_scale,
               big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw, *, CAUSAL, ADD, CLASSES, **_):
         self.launches.append(("dkdv", w, r, big_l, CLASSES))
+        self.pdl.append(("dkdv", _.get("launch_pdl", False)))
         assert grid[0] == nnb * nseg and nnb == -(-big_l // self.BLK)
         assert grid[1] % (hkv * (cw if CLASSES else ni)) == 0
         lf, df = l_desc.base.reshape(-1).double(), dl_desc.base.reshape(-1).double()
@@ -284,6 +286,7 @@ class _EmulatedBwdKernels:
     def _dq(self, grid, q_desc, do_desc, k_desc, v_desc, dq, lse2, delta2, qk_scale, sm_scale, big_l, w,
             nseg, nmb, r, nh, hkv, lp, nhb, c0, cw, *, CAUSAL, ADD, CLASSES, **_):
         self.launches.append(("dq", w, r, big_l, CLASSES))
+        self.pdl.append(("dq", _.get("launch_pdl", False)))
         assert grid[0] == nmb * nseg and grid[1] % (nhb if CLASSES else nh) == 0
         lf, df = lse2.reshape(-1).double(), delta2.reshape(-1).double()
         t_all = torch.arange(big_l)
@@ -352,6 +355,44 @@ def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h,
     for name, a, b in zip("qkv", got, want, strict=True):
         assert a.dtype == torch.float16
         assert (a.double() - b).abs().max().item() < 2e-3 * (1 + b.abs().max().item()), f"d{name}"
+
+
+@pytest.mark.parametrize("b,n,seg,dil,h,hkv", [
+    (1, 400, [64, 192], [1, 5], 4, 2),  # tails; 192 % 5: two length classes
+    (2, 400, [96, 192], [5, 7], 8, 1),  # batch 2 with tails (each entry apart), r > 1 first (zeroed)
+])  # fmt: skip
+@pytest.mark.parametrize("split", [False, True], ids=["one-phase", "split-phases"])
+def test_backward_dependent_launches(seed, monkeypatch, b, n, seg, dil, h, hkv, split):
+    """gluon_fwd.PDL in the backward: with split phases, every dK/dV launch after the phase's
+    first depends on the one before, and every dQ launch likewise; in one phase (the kernels
+    alternate) none does. The block-major rows are built once for both phases. Gradients: the
+    float64 reference's (emulated kernels)."""
+    from dilated_attention import reference
+
+    emu = _EmulatedBwdKernels()
+    monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
+    monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
+    monkeypatch.setattr(gluon_fwd, "PDL", True)
+    monkeypatch.setattr(gluon_fwd, "chain", lambda x: gluon_fwd.Chain(gluon_fwd.PDL))  # as on a GPU
+    rows = []
+    real_rows = gluon_bwd._rows
+    monkeypatch.setattr(gluon_bwd, "_rows", lambda *a: rows.append(a[3:]) or real_rows(*a))
+    q, k, v = (t.double() for t in qkv(b, n, h, hkv, 16, torch.float16))
+    do = torch.randn_like(q).half().double()
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = reference.dilated_attention_reference(*xs, seg, dil, causal=True, softmax_scale=0.25)
+    want = torch.autograd.grad(out, xs, do)
+    delta = (do * out.detach()).sum(-1).transpose(1, 2).float()
+    got = gluon_bwd.backward(do.half(), *(t.half() for t in (q, k, v)), delta, lse.detach().float(),
+                             L.branch_list(seg, dil, [(0, h)] * len(seg)), True, 0.25)  # fmt: skip
+    for name, a, bb in zip("qkv", got, want, strict=True):
+        assert (a.double() - bb).abs().max().item() < 2e-3 * (1 + bb.abs().max().item()), f"d{name}"
+    # one build per (branch, entry, part): b entries x (full segments + tail) x branches
+    assert len(rows) == b * 2 * len(seg), rows
+    for kern in ("dkdv", "dq"):
+        flags_of = [p for kn, p in emu.pdl if kn == kern]
+        assert len(flags_of) > 2
+        assert flags_of == ([False] + [True] * (len(flags_of) - 1) if split else [False] * len(flags_of))
 
 
 @pytest.mark.parametrize("b,n,seg,dil,h,hkv", [
@@ -581,6 +622,40 @@ def test_direct_launches_change_no_bit(seed, monkeypatch, switches_reset, causal
 @needs_gluon
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", [
+    (2, 16384, 12, 12, 64, [2048, 4096, 8192, 16384], [1, 2, 4, 8]),  # LongNet-base at 16K x 2
+    (1, 8192, 8, 2, 128, [1024, 2048, 4096], [1, 2, 4]),  # GQA, r = 1 first (stores)
+    (2, 6000, 8, 2, 64, [2048, 4096], [2, 6]),  # r > 1 first (zeroed), tails, w % r (classes), batch apart
+    (1, 16384, 8, 8, 128, [1024, 2048], [1, 3]),  # four lo ranges (a zeroing between), w % r
+])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+def test_dependent_launches_change_no_bit(seed, monkeypatch, switches_reset, case, causal):
+    """gluon_fwd.PDL (each launch of a call after its first starts while the one before
+    finishes, and waits for it before its epilogue): the same bits as without, forward and
+    backward, three times over (a missing wait would race: the bits would move), and the
+    dependent launches did happen (direct-launch keys with launch_pdl)."""
+    b, n, h, hkv, d, seg, dil = case
+    q, k, v = qkv(b, n, h, hkv, d, torch.bfloat16, "cuda")
+    do = torch.randn_like(q)
+    real_chunks = L.lo_chunks
+    monkeypatch.setattr(L, "lo_chunks", lambda lay, br, rb, lo_rows=None: real_chunks(lay, br, rb, 4096))
+    monkeypatch.setattr(gluon_fwd, "PDL", False)
+    base = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
+    monkeypatch.setattr(gluon_fwd, "PDL", True)
+    monkeypatch.setattr(gluon_fwd, "_direct", {})
+    for _ in range(3):
+        got = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
+        for name, a, bb in zip(("out", "lse", "dq", "dk", "dv"), (got[0], got[1], *got[2]),
+                               (base[0], base[1], *base[2]), strict=True):  # fmt: skip
+            assert torch.equal(a, bb), name
+    kinds = {(key[0].fn.__name__ if hasattr(key[0], "fn") else str(key[0]), dict(key[2]).get("launch_pdl", False))
+             for key in gluon_fwd._direct}  # fmt: skip
+    for kern in ("gluon_fwd_kernel", "dkdv_kernel", "dq_kernel"):
+        assert (kern, True) in kinds, (kern, sorted(kinds))
+
+
+@needs_gluon
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [
     (1, 16384, 16, 16, 128, [2048, 4096, 8192], [1, 2, 4], "all"),  # r = 1 first (stores)
     (2, 6000, 8, 2, 64, [2048, 4096], [2, 6], "all"),  # GQA, r > 1 first (zeroed), tails, w % r
 ])  # fmt: skip
@@ -748,12 +823,21 @@ def test_split_ab_benchmark_checks_rows_and_refuses_without_a_hopper_gpu():
         split_ab.main(["--rows", "no-such-row"])
     with pytest.raises(SystemExit):
         split_ab.main(["--rows", "headline", "--rounds", "0"])
+    # another switch: MOD.NAME of a boolean in dilated_attention.kernels, checked before any GPU
+    assert split_ab.main(["--rows", "headline", "--switch", "gluon_fwd.PDL", "--direction", "both"]) == 2
+    for bad in ("PDL", "gluon_fwd.NO_SUCH", "no_module.PDL", "gluon_fwd.MIN_ROWS"):
+        with pytest.raises(SystemExit):
+            split_ab.main(["--rows", "headline", "--switch", bad])
     res = {"row": "r", "ms": {"off": [10.0, 12.0, 11.0], "on": [10.5, 11.0, 11.0]},
+           "fwd_ms": {"off": [4.0, 4.0, 4.0], "on": [3.0, 3.0, 3.6]},
            "peak_ratio": {"off": 1.5, "on": 1.25}}  # fmt: skip
     info = {"command": "c", "device": "d", "versions": {"torch": "x"}, "date": "t"}
     table = split_ab.markdown([res, {"row": "s", "skipped": "skipped: budget 1 s"},
-                               {"row": "e", "error": "the Gluon backward does not take this row: x"}], info, 3, 5)
-    # medians 11.00 / 11.00; pairs 1.05, 0.917, 1.0
-    assert "| r | 11.00 (10.00-12.00) | 11.00 (10.50-11.00) | 1.000 | 0.917-1.050 | 1.50x | 1.25x |" in table
-    assert "| s | skipped: budget 1 s |" in table
-    assert "| e | the Gluon backward does not take this row: x |" in table
+                               {"row": "e", "error": "the Gluon backward does not take this row: x"}], info, 3, 5,
+                              "gluon_fwd.PDL")  # fmt: skip
+    assert "gluon_fwd.PDL off / on" in table
+    # medians 11.00 / 11.00; pairs 1.05, 0.917, 1.0; forward 4.00 / 3.00, pairs 0.75, 0.75, 0.9
+    assert "| r | fwd+bwd | 11.00 (10.00-12.00) | 11.00 (10.50-11.00) | 1.000 | 0.917-1.050 | 1.50x | 1.25x |" in table
+    assert "| r | fwd | 4.00 (4.00-4.00) | 3.00 (3.00-3.60) | 0.750 | 0.750-0.900 | 1.50x | 1.25x |" in table
+    assert "| s | | skipped: budget 1 s |" in table
+    assert "| e | | the Gluon backward does not take this row: x |" in table

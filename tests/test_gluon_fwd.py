@@ -114,6 +114,7 @@ class _EmulatedKernel:
 
     def __init__(self):
         self.launches = []
+        self.pdl = []  # per launch: Triton's launch_pdl option (a programmatic dependent launch)
 
     def __getitem__(self, grid):
         return lambda *a, **kw: self.run(grid, *a, **kw)
@@ -121,6 +122,7 @@ class _EmulatedKernel:
     def run(self, grid, q_desc, k_desc, v_desc, o_desc, lo_desc, lse, qk_scale, n, big_l, w, nseg, s0,
             lo_nseg, lo_s0, r, nh, hkv, hs, nhb, c0, cw, *, CAUSAL, FIRST, COMP, STORE_LO, CLASSES, **_):
         self.launches.append((w, r, big_l, c0, cw if CLASSES else None))
+        self.pdl.append(_.get("launch_pdl", False))
         def box(d, blk, col):  # rows [0, big_l) of one (block, column)
             return tma_box(d, blk, col, big_l)
 
@@ -206,6 +208,41 @@ def test_gluon_forward_host_path_with_emulated_kernel(seed, monkeypatch, switch_
     fin = torch.isfinite(want_lse)
     assert torch.equal(fin, torch.isfinite(got[1]))
     assert (got[1].double()[fin] - want_lse[fin]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("b,n,seg,dil,h,hkv,lo_rows", [
+    (2, 384, [64, 192], [1, 5], 4, 2, None),  # length classes: two launches of one branch
+    (1, 400, [64, 192], [1, 5], 4, 2, 192),  # short last segments, lo ranges (a zeroing between)
+    (3, 400, [96, 512], [2, 4], 4, 4, None),  # batch 3 with tails: each entry apart, filled buffers
+])  # fmt: skip
+@pytest.mark.parametrize("pdl", [False, True], ids=["pdl-off", "pdl-on"])
+def test_gluon_forward_dependent_launches(seed, monkeypatch, switch_reset, b, n, seg, dil, h, hkv, lo_rows, pdl):
+    """gluon_fwd.PDL: every launch of a call after its first is a programmatic dependent one
+    (Triton's ``launch_pdl``), the first never (its predecessor is not the call's); off (or on the
+    CPU, where gluon_fwd.chain never allows them): none. The emulated kernel's results are the
+    reference's either way (the kernels' order does not change what they compute)."""
+    from dilated_attention import reference
+    from dilated_attention.branches import branch_head_ranges as ranges_of
+    from dilated_attention.kernels import direct_launch
+
+    emu = _EmulatedKernel()
+    monkeypatch.setattr(gluon_fwd, "problem", lambda *a: None)  # as on a Hopper GPU
+    mod = types.SimpleNamespace(BM=emu.BM, WG_M=emu.WG_M, gluon_fwd_kernel=emu)
+    monkeypatch.setattr(gluon_fwd, "kernel_module", lambda: mod)
+    monkeypatch.setattr(gluon_fwd, "_failed", {})
+    monkeypatch.setattr(direct_launch, "current_device", lambda: -1)
+    monkeypatch.setattr(gluon_fwd, "PDL", pdl)
+    assert not gluon_fwd.chain(torch.zeros(1)).allowed  # a CPU tensor: never
+    monkeypatch.setattr(gluon_fwd, "chain", lambda x: gluon_fwd.Chain(gluon_fwd.PDL))  # as on a GPU
+    flags.set_gluon_forward(True)
+    q, k, v = qkv(b, n, h, hkv, 16, torch.bfloat16)
+    hr = ranges_of(h, len(seg), "all")
+    got = L._gluon_forward(q, k, v, seg, dil, False, 0.25, hr, lo_rows)
+    assert got is not None and len(emu.pdl) > 2
+    assert emu.pdl == [False] + [pdl] * (len(emu.pdl) - 1)
+    want_out, _ = reference.dilated_attention_reference(q.double(), k.double(), v.double(), seg, dil,
+                                                        softmax_scale=0.25)  # fmt: skip
+    assert (got[0].double() - want_out).abs().max().item() < 2e-2
 
 
 def test_direct_launch_of_gluon_kernels(monkeypatch):

@@ -214,11 +214,16 @@ def _row_view(x: torch.Tensor, rows: int):
 
 
 def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causal: bool,
-                  scale: float, add: bool = True, kernels: tuple[str, ...] = KERNELS) -> None:  # fmt: skip
+                  scale: float, add: bool = True, kernels: tuple[str, ...] = KERNELS,
+                  chains: dict | None = None) -> None:  # fmt: skip
     """Add branch (w, r)'s dK, dV and dQ (all heads) into the float32 accumulators dq (B, N, H,
     D), dk, dv (B, N, Hkv, D), contiguous; lse2 / delta2 block-major (:func:`prep_rows`).
     ``add`` False: store instead (the rows this branch reads; r = 1: all of them). ``kernels``:
-    which of "dkdv" and "dq" to launch (the other's accumulators may be None)."""
+    which of "dkdv" and "dq" to launch (the other's accumulators may be None). ``chains``: per
+    kernel, the ``gluon_fwd.Chain`` of its launches in this call (None: no dependent launches):
+    a dK/dV launch depends on the previous dK/dV launch, a dQ launch on the previous dQ launch,
+    so each kernel's launches must follow one another on the stream (:data:`SPLIT_PHASES`)."""
+    chains = chains or {}
     mod = kernel_module()
     bsz, n, nh, d = q.shape
     hkv = k.shape[2]
@@ -246,6 +251,7 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
                 dict(BMQ=mod.BMQ, D=d, STAGES=kv_stages(d), CAUSAL=bool(causal), ADD=bool(add),
                      CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
                      num_warps=4, maxnreg=MAXNREG),
+                _next(chains, "dkdv"),
             )  # fmt: skip
         if "dq" in kernels:
             gluon_fwd.launch(mod.dq_kernel, (nnb * nseg, bsz * nhb), (
@@ -254,22 +260,39 @@ def launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w: int, r: int, causa
                 nh, hkv, lp, nhb, c0, cw), dict(BN=bn, D=d, STAGES=DQ_STAGES, CAUSAL=bool(causal),
                 ADD=bool(add), CLASSES=classes, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
                 num_warps=4, maxnreg=MAXNREG),
+                _next(chains, "dq"),
             )  # fmt: skip
+
+
+def _next(chains: dict, kernel: str) -> bool:
+    c = chains.get(kernel)
+    return c is not None and c.next()
 
 
 def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
     """dq, dk, dv (the inputs' dtypes) of the branches, given the FINAL lse (B, H, N) float32
     and delta = rowsum(dO * out) (B, H, N) float32 (``triton_launch._delta``); inputs as
     :func:`problem` accepts (dout: any layout). With :data:`SPLIT_PHASES`, every branch's dK/dV
-    first and its dQ after, each phase's accumulators cast and freed before the next."""
+    first and its dQ after, each phase's accumulators cast and freed before the next. The
+    block-major lse / delta rows of every branch are built once, before the first launch: both
+    phases read them, and a phase's launches follow one another with nothing between them
+    (``gluon_fwd.PDL``)."""
     if gluon_fwd.view_problem("dout", dout) is not None:
         dout = dout.contiguous()
     # a first branch with r = 1 (over all heads: :func:`problem`) stores every row of the three
     # results (its blocks are whole segments, and so is its short last segment's): no fill, and
     # it stores, not adds
     store_first = branches[0][1] == 1
-    args = (dout, q, k, v, delta, lse, branches, causal, scale, store_first)
-    return accumulate(q, k, v, store_first, lambda dq, dk, dv, kernels: _run_branches(*args, dq, dk, dv, kernels))
+    jobs = _jobs(dout, q, k, v, delta, lse, branches, store_first)
+    split = SPLIT_PHASES
+
+    def run(dq, dk, dv, kernels):
+        # one chain per kernel: with split phases each phase's launches are one kernel's; in one
+        # phase the two kernels alternate, so no launch follows one of its own chain
+        chains = {kn: gluon_fwd.chain(q) for kn in kernels} if split else None
+        _launch_jobs(jobs, dq, dk, dv, kernels, causal, scale, chains)
+
+    return accumulate(q, k, v, store_first, run)
 
 
 def accumulate(q, k, v, store_first: bool, run):
@@ -303,33 +326,40 @@ def _cast_each(accs: list, dtypes) -> list:
     return out
 
 
-def _run_branches(dout, q, k, v, delta, lse, branches, causal, scale, store_first, dq, dk, dv,
-                  kernels) -> None:  # fmt: skip
-    """Launch ``kernels`` of every branch into the accumulators (None where not launched); batch
-    > 1 with short last segments: each entry apart (gluon_fwd.TAIL_BATCHES)."""
+def _jobs(dout, q, k, v, delta, lse, branches, store_first: bool) -> list[tuple]:
+    """The launches of :func:`backward`, in order, each with its block-major rows built: per
+    branch (and batch entry, gluon_fwd.TAIL_BATCHES), its full segments and its short last
+    segment: (branch's add, batch slice or None, first row, segment length, r, q / k / v / dout
+    views, lse2, delta2)."""
     n = q.shape[1]
     entries = gluon_fwd.batch_entries(q.shape[0], n, branches)
+    out = []
     for bi, (w, r, _, _) in enumerate(branches):
         add = bi > 0 or not store_first
-        for qe, ke, ve, doe, lse_e, de, dqe, dke, dve in gluon_fwd.entry_views(
-                entries, q, k, v, dout, lse, delta, dq, dk, dv):  # fmt: skip
-            _segments(qe, ke, ve, doe, lse_e, de, dqe, dke, dve, w, r, causal, scale, add, kernels)
-            if n % w:  # the short last segment, a segment of its own
-                t0 = n - n % w
-                qt, kt, vt, dot, dqt, dkt, dvt = (None if x is None else x[:, t0:]
-                                                  for x in (qe, ke, ve, doe, dqe, dke, dve))  # fmt: skip
-                _segments(qt, kt, vt, dot, lse_e[..., t0:], de[..., t0:], dqt, dkt, dvt, n % w, r,
-                          causal, scale, add, kernels)  # fmt: skip
+        for e, (qe, ke, ve, doe, lse_e, de) in zip(entries or [None], gluon_fwd.entry_views(
+                entries, q, k, v, dout, lse, delta), strict=True):  # fmt: skip
+            parts = [(0, w)] + ([(n - n % w, n % w)] if n % w else [])
+            for t0, wl in parts:
+                views = (qe, ke, ve, doe) if t0 == 0 else tuple(x[:, t0:] for x in (qe, ke, ve, doe))
+                lse2, delta2 = _rows(views[0], lse_e[..., t0:], de[..., t0:], wl, r)
+                out.append((add, e, t0, wl, r, views, lse2, delta2))
+    return out
 
 
-def _segments(q, k, v, dout, lse, delta, dq, dk, dv, w: int, r: int, causal: bool, scale: float,
-              add: bool, kernels: tuple[str, ...] = KERNELS) -> None:  # fmt: skip
-    """Branch (w, r) over the full segments of the views (lse, delta (B, H, N) views): its
-    block-major rows, then its launches."""
+def _rows(q, lse, delta, w: int, r: int):
+    """Branch (w, r)'s block-major lse and delta rows over the full segments of the views."""
     if q.is_cuda:
-        lse2, delta2 = block_rows(lse, delta, w, r)
-    else:  # the CPU tests' emulated kernels (tests/test_gluon_bwd.py)
-        lse2 = prep_rows(lse, w, r, float("inf"), LOG2E)
-        delta2 = prep_rows(delta, w, r, 0.0)
-    launch_branch(q, k, v, dout, lse2, delta2, dq, dk, dv, w, r, causal, scale, add=add,
-                  kernels=kernels)  # fmt: skip
+        return block_rows(lse, delta, w, r)
+    # the CPU tests' emulated kernels (tests/test_gluon_bwd.py)
+    return prep_rows(lse, w, r, float("inf"), LOG2E), prep_rows(delta, w, r, 0.0)
+
+
+def _launch_jobs(jobs, dq, dk, dv, kernels, causal: bool, scale: float, chains) -> None:
+    """Launch ``kernels`` of every job (:func:`_jobs`) into the accumulators (None where not
+    launched), sliced as each job's views are."""
+    for add, e, t0, wl, r, (qv, kv, vv, dov), lse2, delta2 in jobs:
+        accs = [None if x is None else (x if e is None else x[e]) for x in (dq, dk, dv)]
+        if t0:
+            accs = [None if x is None else x[:, t0:] for x in accs]
+        launch_branch(qv, kv, vv, dov, lse2, delta2, *accs, wl, r, causal, scale, add=add, kernels=kernels,
+                      chains=chains)  # fmt: skip

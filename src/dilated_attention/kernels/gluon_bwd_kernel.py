@@ -46,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gluon_fwd_kernel import gdc_launch_dependents, gdc_wait
+
 WG_M = 64  # rows of one consumer warpgroup (wgmma M)
 BLK = 2 * WG_M  # rows of a program's stationary tile (two consumer warpgroups)
 BMQ = 64  # query rows per streamed tile of the dK/dV kernel
@@ -178,6 +180,8 @@ def _kv_consumer(wg: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, l_bufs, dl_b
     pos = blk.to(gl.int64) * W + c + R * t
     off = gl.expand_dims((pos * HKV + g) * D, 1) + gl.expand_dims(d, 0)
     mask = gl.expand_dims(t < L, 1) & gl.expand_dims(d < D, 0)
+    # the previous launch's dK / dV rows complete (a no-op without PDL: gluon_fwd_kernel.gdc_wait)
+    gdc_wait()
     if ADD:
         dk = dk + gl.load(DK + off, mask=mask, other=0.0)
         dv = dv + gl.load(DV + off, mask=mask, other=0.0)
@@ -208,6 +212,7 @@ def dkdv_kernel(q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, DK, DV, qk_sca
                  D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  ADD: gl.constexpr, CLASSES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  LOADER_REGS: gl.constexpr):  # fmt: skip
+    gdc_launch_dependents()
     pid0 = gl.program_id(0)
     pid_x = gl.program_id(1)
     pid_n = pid0 % NNB
@@ -411,6 +416,7 @@ def _q_consumer(wg: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_read
     pos = blk.to(gl.int64) * W + c + R * t
     off = gl.expand_dims((pos * H + h) * D, 1) + gl.expand_dims(d, 0)
     mask = gl.expand_dims(t < L, 1) & gl.expand_dims(d < D, 0)
+    gdc_wait()  # the previous launch's dQ rows complete (a no-op without PDL)
     if ADD:
         dq = dq + gl.load(DQ + off, mask=mask, other=0.0)
     gl.store(DQ + off, dq, mask=mask)
@@ -439,6 +445,7 @@ def dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA, qk_scale, sm_sca
                STAGES: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
                CLASSES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                LOADER_REGS: gl.constexpr):  # fmt: skip
+    gdc_launch_dependents()
     pid0 = gl.program_id(0)
     bh = gl.program_id(1)
     pid_m = pid0 % NMB

@@ -109,6 +109,21 @@ LIGHT_DESCRIPTORS = True
 # within what runs vary, so off until an interleaved A/B settles it. Read per launch (an A/B needs no
 # recompile).
 TMA_CACHE = False
+# programmatic dependent launch between the launches of one call (forward: every branch's after
+# the first; backward: every dK/dV launch after a phase's first, and every dQ launch likewise):
+# each program lets the next launch start as soon as it runs, and waits for the previous one to
+# complete only before its epilogue reads or writes what that one wrote (the kernels'
+# ``gdc_launch_dependents`` / ``gdc_wait``; no-ops in a launch without the attribute). The next
+# branch's programs then fill the SMs that the previous branch's last wave leaves idle, where a
+# call of short blocks (LongNet-base's 2048-row blocks at 16K: launches of 384 to 3,072
+# programs) loses about a tenth of its kernel time to those tails (a list-scheduling model of
+# 132 SMs). Same bits: each program's arithmetic and each accumulator's order of branches are
+# unchanged (CUDA test, H200, 2026-11-29: four cases, causal and not, three calls each). Same
+# process, interleaved (benchmarks/split_ab.py --switch gluon_fwd.PDL, 5 rounds, H200,
+# results/pdl_ab_h200_2026-11-29.md): fwd+bwd on / off 0.937 (LongNet-base 16K x 2, 12 x 64,
+# 4 branches), 0.965 (8K x 4), 0.993 and 0.996 (headline-causal, B 8 x 16K); forward 0.97-1.0.
+# Off during CUDA-graph capture. Read per call.
+PDL = True
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
 
@@ -330,13 +345,40 @@ def _run(kernel, grid, args: tuple, options: dict):
     return kernel[grid](*[a.real() if type(a) is Desc else a for a in args], **options)
 
 
-def launch(kernel, grid, args: tuple, options: dict) -> None:
+class Chain:
+    """The launches of one call, back to back on one stream: with ``allowed`` (:func:`chain`)
+    each after the first is a programmatic dependent of the one before (:data:`PDL`)."""
+
+    __slots__ = ("allowed", "started")
+
+    def __init__(self, allowed: bool):
+        self.allowed = allowed
+        self.started = False
+
+    def next(self) -> bool:
+        """Whether the launch about to be made is a dependent one; counts it."""
+        pdl = self.allowed and self.started
+        self.started = True
+        return pdl
+
+
+def chain(x: torch.Tensor) -> Chain:
+    """A :class:`Chain` for a call on x: dependent launches where :data:`PDL` is on, x is on a
+    GPU and no CUDA graph is being captured on the current stream."""
+    return Chain(PDL and x.is_cuda and not torch.cuda.is_current_stream_capturing())
+
+
+def launch(kernel, grid, args: tuple, options: dict, pdl: bool = False) -> None:
     """``kernel[grid](*args, **options)``: with :data:`DIRECT_LAUNCH` (and the direct-launch
     switch, ``flags.set_direct_launch``), launches after the first of a specialisation go
     straight to the compiled kernel's C launcher (``direct_launch.grid_launcher``), which fills
     the descriptors' CUtensorMaps itself. ``args``: the kernel's positional parameters (tensors,
     descriptors, numbers); ``options``: every later parameter by name (constexprs) and the
-    compile options (num_warps, maxnreg)."""
+    compile options (num_warps, maxnreg). ``pdl``: launched as a programmatic dependent of the
+    previous launch on the stream (:data:`PDL`; Triton's ``launch_pdl`` compile option, its own
+    binary), which the caller allows only where that launch is one of the same call's."""
+    if pdl:
+        options = {**options, "launch_pdl": True}
     if not DIRECT_LAUNCH or not flags.direct_launch_enabled():
         _run(kernel, grid, args, options)
         return
@@ -423,7 +465,8 @@ def entry_views(entries: list[slice] | None, *xs: torch.Tensor):
 
 
 def launch_tail(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,
-                scale: float, lo_row0: int, first: bool, comp: bool, store_lo: bool) -> None:  # fmt: skip
+                scale: float, lo_row0: int, first: bool, comp: bool, store_lo: bool,
+                chain: Chain | None = None) -> None:  # fmt: skip
     """Launch branch (w, r)'s short last segment (rows t0 = N - N % w to N; batch 1) as a
     segment of its own: descriptors, result, lo and lse views that start at row t0, one segment
     (NSEG 1, S0 0), segment length N % w (its length classes). ``lo`` holds the rows from
@@ -434,29 +477,29 @@ def launch_tail(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal:
     qt, kt, vt, ot = (x[:, t0:] for x in (q, k, v, out))
     lot = lo[:, t0 - lo_row0 :] if comp else ot
     _launch_segments(qt, kt, vt, ot, lot, lse[..., t0:], n, wt, r, hs, he, causal, scale, 0, 1, 1, 1, 0,
-                     first, comp, store_lo)  # fmt: skip
+                     first, comp, store_lo, chain)  # fmt: skip
 
 
 def launch_branch(q, k, v, out, lo, lse, w: int, r: int, hs: int, he: int, causal: bool,
                   scale: float, s0: int, nseg: int, lo_s0: int, first: bool, comp: bool,
-                  store_lo: bool) -> None:  # fmt: skip
+                  store_lo: bool, chain: Chain | None = None) -> None:  # fmt: skip
     """Launch branch (w, r) over heads [hs, he) and segments [s0, s0 + nseg): its (out, lse)
     merged into ``out`` (B, N, H, D) contiguous, ``lse`` (B, H, N) float32 and, with ``comp``,
     the lo buffer ``lo`` (B, rows, H, D) contiguous, which holds the rows from segment ``lo_s0``
     of branch w on (rows a multiple of w; ``out`` itself as a dummy without one). Inputs as
-    :func:`problem` accepts."""
+    :func:`problem` accepts. ``chain``: the call's :class:`Chain` (None: no dependent launches)."""
     n = q.shape[1]
     _launch_segments(q, k, v, out, lo, lse, n, w, r, hs, he, causal, scale, s0, nseg, n // w,
-                     lo.shape[1] // w, lo_s0, first, comp, store_lo)  # fmt: skip
+                     lo.shape[1] // w, lo_s0, first, comp, store_lo, chain)  # fmt: skip
 
 
 def _launch_segments(q, k, v, out, lo, lse, n: int, w: int, r: int, hs: int, he: int, causal: bool,
                      scale: float, s0: int, nseg: int, nseg_all: int, lo_nseg: int, lo_s0: int,
-                     first: bool, comp: bool, store_lo: bool) -> None:  # fmt: skip
+                     first: bool, comp: bool, store_lo: bool, chain: Chain | None = None) -> None:  # fmt: skip
     """The kernel over segments [s0, s0 + nseg) of length w of the views q, k, v, out, lo and
     the lse pointer (``nseg_all`` segments per batch entry in the views, ``lo_nseg`` in lo, from
     segment ``lo_s0`` on); ``n``: the row stride of lse per (batch, head). One launch per length
-    class of (w, r)."""
+    class of (w, r), each counted in ``chain``."""
     mod = kernel_module()
     bsz, _, nh, d = q.shape
     for big_l, c0, c1 in length_classes(w, r):
@@ -474,4 +517,5 @@ def _launch_segments(q, k, v, out, lo, lse, n: int, w: int, r: int, hs: int, he:
             c0, c1 - c0), dict(BN=KV_BN, D=d, STAGES=stages(d), CAUSAL=bool(causal),
             FIRST=bool(first), COMP=bool(comp), STORE_LO=bool(store_lo), CLASSES=classes,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG),
+            chain is not None and chain.next(),
         )  # fmt: skip

@@ -56,6 +56,25 @@ _WGM = gl.constexpr(WG_M)
 _LN2 = gl.constexpr(LN2)
 
 
+# Programmatic dependent launch (``gluon_fwd.PDL``): every program lets the next kernel of the
+# stream start (``launch_dependents``) as soon as it runs, and waits for the previous kernel to
+# complete (``wait``) only before its epilogue touches what that kernel wrote (the result, lse,
+# lo). A kernel launched without the PDL attribute (or after one that never triggers) finds its
+# predecessor complete: both instructions are then no-ops. The host launches with the attribute
+# only a branch whose predecessor on the stream is the previous launch of the same call, whose
+# inputs (q, k, v) were written before that call's first launch.
+@gluon.jit
+def gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, v_ready,
             k_empty, v_empty, q_row0, q_blk, q_col, kv_col, n_tiles, row_off,
@@ -179,6 +198,8 @@ def _epilogue(acc, m_i, l_i, o_desc, lo_desc, q4, e4, e_bar, LSE, lse_base, pos0
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     tile_o = q4.reshape([_WGM, D])
     tile_e = e4.reshape([_WGM, D])
+    # the previous launch's result, lse and lo rows complete (a no-op without PDL)
+    gdc_wait()
     if not FIRST:
         if COMP:
             mbarrier.expect(e_bar, 2 * o_desc.block_type.nbytes)
@@ -347,6 +368,7 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lo_desc, LSE, qk_scale, N, 
     with W % R != 0, whose blocks are L = ceil(W / R) rows for the offsets below W - R * (L - 1)
     and L - 1 rows for the rest, HS % R == 0 (``gluon_fwd.length_classes``; without CLASSES, C0
     and CW are not read); see the module docstring."""
+    gdc_launch_dependents()
     pid_m = gl.program_id(0)
     seg = S0 + gl.program_id(1)
     bh = gl.program_id(2)

@@ -1213,6 +1213,12 @@ def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
     last = len(branches) - 1
     # batch > 1 with short last segments: each entry apart (gluon_fwd.TAIL_BATCHES)
     entries = gluon_fwd.batch_entries(bsz, n, branches)
+    # the launches below: each after the first may start while the one before finishes
+    # (gluon_fwd.PDL). Their inputs q, k, v were written before the first; what they share (out,
+    # lse, lo) each touches only after its predecessor completed. The only other work between
+    # them, _lo_range's zeroing of lo per range, is an ordinary launch: it waits for the launch
+    # before it, and the launch after it waits for it.
+    chain = gluon_fwd.chain(q)
     try:
         for c0, c1 in chunks:
             lo, _, row0 = _lo_range(acc_lo, out, c0, len(chunks) > 1, fill)
@@ -1220,11 +1226,11 @@ def _gluon_forward(q, k, v, seg, dil, causal, scale, head_ranges, lo_rows):
                 for bi, (w, r, hs, he) in enumerate(branches):
                     gluon_fwd.launch_branch(
                         qe, ke, ve, oe, loe, lsee, w, r, hs, he, causal, scale, c0 // w, (c1 - c0) // w,
-                        row0 // w, bi == 0, comp, bi < last,
+                        row0 // w, bi == 0, comp, bi < last, chain,
                     )  # fmt: skip
                     if c1 % w:  # the short last segment (only the last range ends at N)
                         gluon_fwd.launch_tail(qe, ke, ve, oe, loe, lsee, w, r, hs, he, causal, scale, row0,
-                                              bi == 0, comp, bi < last)  # fmt: skip
+                                              bi == 0, comp, bi < last, chain)  # fmt: skip
     except Exception as e:  # noqa: BLE001  (a compile / resource failure: the Triton path)
         gluon_fwd.note_failure(q, causal, e)
         return None
