@@ -138,6 +138,8 @@
 #                                       batches against the float64 reference per document (not yet run)
 #   bash scripts/gpu_check.sh s32a     the CUDA tests of s32 beside fuzz-gluon-varlen (cold cache; correctness only)
 #   bash scripts/gpu_check.sh s32b     the fill-only A/B of s32, then bench_varlen.py --set FILL_UNCOVERED_ONLY=1
+#   bash scripts/gpu_check.sh next-s35 gluon_fwd.PDL through the direct launcher's attribute: its CUDA tests, then the
+#                                       end-to-end compiled rows twice (issue 23 5b)
 #   bash scripts/gpu_check.sh s34a     gluon_fwd.PDL: its CUDA tests (same bits), then split_ab.py --switch gluon_fwd.PDL
 #                                       on LongNet-base's attention calls (8K x 4, 16K x 2) and two sweep rows
 #   bash scripts/gpu_check.sh next-5b  issue 23 5b: TMA_CACHE interleaved A/B at 16K x 2, then the compiled e2e rows
@@ -513,6 +515,22 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -8
+    ;;
+  next-s35)
+    # written in the thirty-fourth session for the next one: gluon_fwd.PDL's launches now pass the attribute to the direct
+    # launcher of the one binary (the session measured it with binaries compiled with Triton's launch_pdl): its CUDA tests
+    # first (same bits three times over; each kernel's launcher was given the attribute; -n 2, $CUDA_TEST_TIMEOUT 240 s),
+    # then the end-to-end compiled rows twice, to firm up issue 23 5b at 16K x 2 ($OVERHEAD_TIMEOUT 200 s each)
+    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -v -n 2 -p no:cacheprovider -rfE -m cuda \
+      tests/test_gluon_bwd.py tests/test_gluon_fwd.py -k "dependent or direct_launches" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    for i in 1 2; do
+      timeout "${OVERHEAD_TIMEOUT:-200}" python3 benchmarks/bench_overhead.py --only-e2e --e2e-modes compile \
+        --e2e-lengths 8192,16384 --out "$OUT/overhead_e2e_$i.md" > "$OUT/overhead_e2e_$i.txt" 2>&1
+      echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e_$i.txt"
+    done
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -8
+    grep -hE "^\| e2e|rc=" "$OUT"/overhead_e2e_*.txt
     ;;
   s34a)
     # thirty-fourth session, first call: gluon_fwd.PDL (programmatic dependent launches between a call's Gluon launches).

@@ -230,7 +230,6 @@ class _EmulatedBwdKernels:
 
     def __init__(self):
         self.launches = []
-        self.pdl = []  # per launch: (kernel, Triton's launch_pdl option)
         self.dkdv_kernel = _Launcher(self._dkdv)
         self.dq_kernel = _Launcher(self._dq)
 
@@ -245,7 +244,6 @@ class _EmulatedBwdKernels:
     def _dkdv(self, grid, q_desc, do_desc, k_desc, v_desc, l_desc, dl_desc, dk, dv, qk_scale, sm_scale,
               big_l, w, nseg, nnb, r, nh, hkv, rep, ni, lp, c0, cw, *, CAUSAL, ADD, CLASSES, **_):
         self.launches.append(("dkdv", w, r, big_l, CLASSES))
-        self.pdl.append(("dkdv", _.get("launch_pdl", False)))
         assert grid[0] == nnb * nseg and nnb == -(-big_l // self.BLK)
         assert grid[1] % (hkv * (cw if CLASSES else ni)) == 0
         lf, df = l_desc.base.reshape(-1).double(), dl_desc.base.reshape(-1).double()
@@ -286,7 +284,6 @@ class _EmulatedBwdKernels:
     def _dq(self, grid, q_desc, do_desc, k_desc, v_desc, dq, lse2, delta2, qk_scale, sm_scale, big_l, w,
             nseg, nmb, r, nh, hkv, lp, nhb, c0, cw, *, CAUSAL, ADD, CLASSES, **_):
         self.launches.append(("dq", w, r, big_l, CLASSES))
-        self.pdl.append(("dq", _.get("launch_pdl", False)))
         assert grid[0] == nmb * nseg and grid[1] % (nhb if CLASSES else nh) == 0
         lf, df = lse2.reshape(-1).double(), delta2.reshape(-1).double()
         t_all = torch.arange(big_l)
@@ -374,6 +371,11 @@ def test_backward_dependent_launches(seed, monkeypatch, b, n, seg, dil, h, hkv, 
     monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
     monkeypatch.setattr(gluon_fwd, "PDL", True)
     monkeypatch.setattr(gluon_fwd, "chain", lambda x: gluon_fwd.Chain(gluon_fwd.PDL))  # as on a GPU
+    seen = []  # (kernel, pdl) per launch
+    real_launch = gluon_fwd.launch
+    monkeypatch.setattr(gluon_fwd, "launch",
+                        lambda *a: seen.append(("dkdv" if a[0] is emu.dkdv_kernel else "dq", a[4]))
+                        or real_launch(*a))  # fmt: skip
     rows = []
     real_rows = gluon_bwd._rows
     monkeypatch.setattr(gluon_bwd, "_rows", lambda *a: rows.append(a[3:]) or real_rows(*a))
@@ -390,7 +392,7 @@ def test_backward_dependent_launches(seed, monkeypatch, b, n, seg, dil, h, hkv, 
     # one build per (branch, entry, part): b entries x (full segments + tail) x branches
     assert len(rows) == b * 2 * len(seg), rows
     for kern in ("dkdv", "dq"):
-        flags_of = [p for kn, p in emu.pdl if kn == kern]
+        flags_of = [p for kn, p in seen if kn == kern]
         assert len(flags_of) > 2
         assert flags_of == ([False] + [True] * (len(flags_of) - 1) if split else [False] * len(flags_of))
 
@@ -632,7 +634,9 @@ def test_dependent_launches_change_no_bit(seed, monkeypatch, switches_reset, cas
     """gluon_fwd.PDL (each launch of a call after its first starts while the one before
     finishes, and waits for it before its epilogue): the same bits as without, forward and
     backward, three times over (a missing wait would race: the bits would move), and the
-    dependent launches did happen (direct-launch keys with launch_pdl)."""
+    dependent launches did happen (each kernel's direct launcher was given the attribute)."""
+    from dilated_attention.kernels import direct_launch
+
     b, n, h, hkv, d, seg, dil = case
     q, k, v = qkv(b, n, h, hkv, d, torch.bfloat16, "cuda")
     do = torch.randn_like(q)
@@ -642,13 +646,27 @@ def test_dependent_launches_change_no_bit(seed, monkeypatch, switches_reset, cas
     base = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
     monkeypatch.setattr(gluon_fwd, "PDL", True)
     monkeypatch.setattr(gluon_fwd, "_direct", {})
+    kinds = set()  # (kernel, dependent) of the direct launches
+    real_grid = direct_launch.grid_launcher
+
+    def spy_grid(compiled):
+        go = real_grid(compiled)
+        if not go:
+            return go
+        name = getattr(compiled, "name", "?")
+
+        def wrapped(gx, gy, gz, stream, args, *dep):
+            kinds.add((name, bool(dep and dep[0])))
+            return go(gx, gy, gz, stream, args, *dep)
+
+        return wrapped
+
+    monkeypatch.setattr(direct_launch, "grid_launcher", spy_grid)
     for _ in range(3):
         got = run(q, k, v, do, seg, dil, torch.bfloat16, impl="triton", causal=causal)
         for name, a, bb in zip(("out", "lse", "dq", "dk", "dv"), (got[0], got[1], *got[2]),
                                (base[0], base[1], *base[2]), strict=True):  # fmt: skip
             assert torch.equal(a, bb), name
-    kinds = {(key[0].fn.__name__ if hasattr(key[0], "fn") else str(key[0]), dict(key[2]).get("launch_pdl", False))
-             for key in gluon_fwd._direct}  # fmt: skip
     for kern in ("gluon_fwd_kernel", "dkdv_kernel", "dq_kernel"):
         assert (kern, True) in kinds, (kern, sorted(kinds))
 

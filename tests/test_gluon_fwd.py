@@ -114,7 +114,6 @@ class _EmulatedKernel:
 
     def __init__(self):
         self.launches = []
-        self.pdl = []  # per launch: Triton's launch_pdl option (a programmatic dependent launch)
 
     def __getitem__(self, grid):
         return lambda *a, **kw: self.run(grid, *a, **kw)
@@ -122,7 +121,6 @@ class _EmulatedKernel:
     def run(self, grid, q_desc, k_desc, v_desc, o_desc, lo_desc, lse, qk_scale, n, big_l, w, nseg, s0,
             lo_nseg, lo_s0, r, nh, hkv, hs, nhb, c0, cw, *, CAUSAL, FIRST, COMP, STORE_LO, CLASSES, **_):
         self.launches.append((w, r, big_l, c0, cw if CLASSES else None))
-        self.pdl.append(_.get("launch_pdl", False))
         def box(d, blk, col):  # rows [0, big_l) of one (block, column)
             return tma_box(d, blk, col, big_l)
 
@@ -218,9 +216,10 @@ def test_gluon_forward_host_path_with_emulated_kernel(seed, monkeypatch, switch_
 @pytest.mark.parametrize("pdl", [False, True], ids=["pdl-off", "pdl-on"])
 def test_gluon_forward_dependent_launches(seed, monkeypatch, switch_reset, b, n, seg, dil, h, hkv, lo_rows, pdl):
     """gluon_fwd.PDL: every launch of a call after its first is a programmatic dependent one
-    (Triton's ``launch_pdl``), the first never (its predecessor is not the call's); off (or on the
-    CPU, where gluon_fwd.chain never allows them): none. The emulated kernel's results are the
-    reference's either way (the kernels' order does not change what they compute)."""
+    (``gluon_fwd.launch(..., pdl=True)``), the first never (its predecessor is not the call's);
+    off (or on the CPU, where gluon_fwd.chain never allows them): none. The emulated kernel's
+    results are the reference's either way (the kernels' order does not change what they
+    compute)."""
     from dilated_attention import reference
     from dilated_attention.branches import branch_head_ranges as ranges_of
     from dilated_attention.kernels import direct_launch
@@ -234,12 +233,15 @@ def test_gluon_forward_dependent_launches(seed, monkeypatch, switch_reset, b, n,
     monkeypatch.setattr(gluon_fwd, "PDL", pdl)
     assert not gluon_fwd.chain(torch.zeros(1)).allowed  # a CPU tensor: never
     monkeypatch.setattr(gluon_fwd, "chain", lambda x: gluon_fwd.Chain(gluon_fwd.PDL))  # as on a GPU
+    seen = []
+    real_launch = gluon_fwd.launch
+    monkeypatch.setattr(gluon_fwd, "launch", lambda *a: seen.append(a[4]) or real_launch(*a))
     flags.set_gluon_forward(True)
     q, k, v = qkv(b, n, h, hkv, 16, torch.bfloat16)
     hr = ranges_of(h, len(seg), "all")
     got = L._gluon_forward(q, k, v, seg, dil, False, 0.25, hr, lo_rows)
-    assert got is not None and len(emu.pdl) > 2
-    assert emu.pdl == [False] + [pdl] * (len(emu.pdl) - 1)
+    assert got is not None and len(seen) == len(emu.launches) > 2
+    assert seen == [False] + [pdl] * (len(seen) - 1)
     want_out, _ = reference.dilated_attention_reference(q.double(), k.double(), v.double(), seg, dil,
                                                         softmax_scale=0.25)  # fmt: skip
     assert (got[0].double() - want_out).abs().max().item() < 2e-2
@@ -265,7 +267,8 @@ def test_direct_launch_of_gluon_kernels(monkeypatch):
             return run
 
     kern = FakeKernel()
-    launchers = {"compiled": lambda gx, gy, gz, stream, args: direct_calls.append(((gx, gy, gz), stream, args))}
+    launchers = {"compiled": lambda gx, gy, gz, stream, args, *dep: direct_calls.append(((gx, gy, gz), stream, args,
+                                                                                          *dep))}  # fmt: skip
     monkeypatch.setattr(direct_launch, "compiled_of", lambda ret: ret)
     monkeypatch.setattr(direct_launch, "grid_launcher", lambda c: launchers.get(c))
     monkeypatch.setattr(direct_launch, "current_stream", lambda dev: 99)
@@ -281,6 +284,9 @@ def test_direct_launch_of_gluon_kernels(monkeypatch):
     assert len(jit_calls) == 1 and not direct_calls
     gluon_fwd.launch(kern, (5, 1), (desc, buf, 48, 0.25), opts)  # same classes: direct
     assert len(jit_calls) == 1 and direct_calls[-1] == ((5, 1, 1), 99, (desc, buf, 48, 0.25, 128, True))
+    # a dependent launch (gluon_fwd.PDL): the same binary, the attribute passed to its launcher
+    gluon_fwd.launch(kern, (5, 1), (desc, buf, 48, 0.25), opts, True)
+    assert len(jit_calls) == 1 and direct_calls[-1] == ((5, 1, 1), 99, (desc, buf, 48, 0.25, 128, True), True)
     for args, o in (((desc, buf, 33, 0.5), opts),  # 33: not a multiple of 16
                     ((desc, buf[1:], 32, 0.5), opts),  # 4-byte aligned
                     ((desc, buf, 32, 0.5), {**opts, "CAUSAL": False})):  # fmt: skip
@@ -295,8 +301,8 @@ def test_direct_launch_of_gluon_kernels(monkeypatch):
     gluon_fwd.launch(kern, (1, 1), (desc, buf, 32, 0.5), opts)
     assert len(jit_calls) == n + 2
     monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", False)
-    gluon_fwd.launch(kern, (1, 1), (desc, buf, 32, 0.5), opts)
-    assert len(jit_calls) == n + 3
+    gluon_fwd.launch(kern, (1, 1), (desc, buf, 32, 0.5), opts, True)  # Triton's path: an ordinary launch
+    assert len(jit_calls) == n + 3 and jit_calls[-1][2] == opts
     monkeypatch.setattr(gluon_fwd, "DIRECT_LAUNCH", True)
     launchers.clear()  # a kernel the direct launch cannot take: Triton's path, also later
     monkeypatch.setattr(gluon_fwd, "_direct", {})
@@ -347,6 +353,20 @@ def test_light_descriptors(monkeypatch):
     assert type(gluon_fwd.block_view(x, 64, 2, 16, 32)) is TensorDescriptor
 
 
+def test_grid_launcher_takes_the_dependent_attribute_per_call(monkeypatch):
+    """direct_launch.grid_launcher's ``go``: the compiled kernel's own launch_pdl by default, the
+    ``dependent`` argument where given (gluon_fwd.PDL's launches: the same binary)."""
+    from dilated_attention.kernels import direct_launch
+
+    calls = []
+    monkeypatch.setattr(direct_launch, "_launch_parts", lambda c: (lambda *a: calls.append(a), "fn", False, False, "m"))
+    go = direct_launch.grid_launcher("compiled")
+    go(2, 1, 1, 5, (1, 2))
+    go(2, 1, 1, 5, (1, 2), True)
+    assert calls == [(2, 1, 1, 5, "fn", False, False, None, None, "m", None, None, None, 1, 2),
+                     (2, 1, 1, 5, "fn", False, True, None, None, "m", None, None, None, 1, 2)]  # fmt: skip
+
+
 def test_tma_grid_launcher_caches_the_maps(monkeypatch):
     """direct_launch.tma_grid_launcher: takes the C launch out of Triton 3.6's descriptor wrapper
     (a closure over launcher / tensordesc_indices / tensordesc_meta), encodes each descriptor
@@ -383,6 +403,8 @@ def test_tma_grid_launcher_caches_the_maps(monkeypatch):
             ("map", x.data_ptr(), 64), 4, 64, 8, 64, 1, 2, 3, 1, 5,
             ("map", x.data_ptr(), 128), 4, 64, 8, 64, 1, 2, 3, 1, 0.5, True)  # fmt: skip
     assert raw_calls == [want, want]
+    go(3, 2, 1, 7, (d0, 5, d2, 0.5, True), False)  # the launch attribute per call (gluon_fwd.PDL)
+    assert raw_calls[-1][6] is False and raw_calls[-1][:6] == want[:6] and raw_calls[-1][7:] == want[7:]
     y = torch.zeros_like(x)  # another address: encoded afresh
     go(3, 2, 1, 7, (d0._replace(base=y), 5, d2, 0.5, True))
     assert len(encodes) == 3 and raw_calls[-1][13] == ("map", y.data_ptr(), 64)

@@ -210,14 +210,17 @@ def cache_classes(c: int, k_stride: tuple, v_stride: tuple):
 def grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] | None:
     """:func:`launcher` with the grid given per call: ``go(gx, gy, gz, stream, args)`` (a grid is
     no part of a binary's specialisation; packed documents launch the same binary over as many
-    documents as each call has). None where :func:`launcher` gives None."""
+    documents as each call has). ``go(..., args, True)`` launches it as a programmatic dependent
+    of the previous launch on the stream: the attribute is an argument of Triton's C launcher,
+    not part of the binary (Triton's ``launch_pdl`` compile option only sets its default). None
+    where :func:`launcher` gives None."""
     parts = _launch_parts(compiled)
     if parts is None:
         return None
     launch, function, coop, pdl, meta = parts
 
-    def go(gx: int, gy: int, gz: int, stream: int, args: tuple) -> None:
-        launch(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
+    def go(gx: int, gy: int, gz: int, stream: int, args: tuple, dependent: bool = pdl) -> None:
+        launch(gx, gy, gz, stream, function, coop, dependent, None, None, meta, None, None, None, *args)
 
     return go
 
@@ -264,7 +267,7 @@ def tma_grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] |
         return None
     maps = _TMA_MAPS
 
-    def go(gx: int, gy: int, gz: int, stream: int, args: tuple) -> None:
+    def go(gx: int, gy: int, gz: int, stream: int, args: tuple, dependent: bool = pdl) -> None:
         final = []
         for i, a in enumerate(args):
             m = where.get(i)
@@ -279,7 +282,7 @@ def tma_grid_launcher(compiled) -> Callable[[int, int, int, int, tuple], None] |
                     maps.clear()
                 maps[key] = enc
             final.extend(enc)
-        raw(gx, gy, gz, stream, function, coop, pdl, None, None, meta, None, None, None, *final)
+        raw(gx, gy, gz, stream, function, coop, dependent, None, None, meta, None, None, None, *final)
 
     return go
 

@@ -122,7 +122,10 @@ TMA_CACHE = False
 # process, interleaved (benchmarks/split_ab.py --switch gluon_fwd.PDL, 5 rounds, H200,
 # results/pdl_ab_h200_2026-11-29.md): fwd+bwd on / off 0.937 (LongNet-base 16K x 2, 12 x 64,
 # 4 branches), 0.965 (8K x 4), 0.993 and 0.996 (headline-causal, B 8 x 16K); forward 0.97-1.0.
-# Off during CUDA-graph capture. Read per call.
+# Off during CUDA-graph capture; only on the direct launches (:data:`DIRECT_LAUNCH`, on), which
+# pass the attribute to the compiled kernel's C launcher (measured above with binaries compiled
+# with Triton's ``launch_pdl`` option, the same code: since the same session no second binary).
+# Read per call.
 PDL = True
 DTYPES = (torch.bfloat16, torch.float16)
 HEADDIMS = (64, 128)
@@ -375,10 +378,11 @@ def launch(kernel, grid, args: tuple, options: dict, pdl: bool = False) -> None:
     the descriptors' CUtensorMaps itself. ``args``: the kernel's positional parameters (tensors,
     descriptors, numbers); ``options``: every later parameter by name (constexprs) and the
     compile options (num_warps, maxnreg). ``pdl``: launched as a programmatic dependent of the
-    previous launch on the stream (:data:`PDL`; Triton's ``launch_pdl`` compile option, its own
-    binary), which the caller allows only where that launch is one of the same call's."""
-    if pdl:
-        options = {**options, "launch_pdl": True}
+    previous launch on the stream (:data:`PDL`), which the caller allows only where that launch
+    is one of the same call's. Only the direct launches take it (the attribute is their C
+    launcher's argument, the binary the same); a launch through Triton's ``kernel[grid]`` (a
+    specialisation's first, or with the direct launch off) is an ordinary one, as correct, and
+    no second binary is compiled with Triton's ``launch_pdl`` option."""
     if not DIRECT_LAUNCH or not flags.direct_launch_enabled():
         _run(kernel, grid, args, options)
         return
@@ -398,7 +402,10 @@ def launch(kernel, grid, args: tuple, options: dict, pdl: bool = False) -> None:
     if TMA_CACHE and go_tma is not None:
         go = go_tma
     g = (*grid, 1, 1)
-    go(g[0], g[1], g[2], direct_launch.current_stream(dev), (*args, *(options[n] for n in names)))
+    if pdl:
+        go(g[0], g[1], g[2], direct_launch.current_stream(dev), (*args, *(options[n] for n in names)), True)
+    else:
+        go(g[0], g[1], g[2], direct_launch.current_stream(dev), (*args, *(options[n] for n in names)))
 
 
 def length_classes(w: int, r: int) -> list[tuple[int, int, int]]:
