@@ -333,13 +333,23 @@ def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h,
     """gluon_bwd.backward's launches (length classes, descriptors, grids, CLASSES, the block-major
     rows of two lengths) with both kernels emulated in float64 (:class:`_EmulatedBwdKernels`):
     the float64 reference's gradients."""
-    from dilated_attention import reference
-
     emu = _EmulatedBwdKernels()
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
     monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
-    # float16 in (the descriptors' dtypes), the reference on the same values in float64
-    q, k, v = (t.double() for t in qkv(2, 384, h, hkv, 16, torch.float16))
+    got, want = _backward_and_reference(2, 384, seg, dil, h, hkv, causal)
+    assert {x[1:3] for x in emu.launches} == set(zip(seg, dil, strict=True))
+    assert any(x[4] for x in emu.launches) == any(w % r for w, r in zip(seg, dil, strict=True))
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert a.dtype == torch.float16
+        assert (a.double() - b).abs().max().item() < 2e-3 * (1 + b.abs().max().item()), f"d{name}"
+
+
+def _backward_and_reference(b, n, seg, dil, h, hkv, causal):
+    """gluon_bwd.backward on float16 inputs (the descriptors' dtypes; whatever kernel module is
+    patched in) and the float64 reference's gradients of the same values: (got, want)."""
+    from dilated_attention import reference
+
+    q, k, v = (t.double() for t in qkv(b, n, h, hkv, 16, torch.float16))
     do = torch.randn_like(q).half().double()
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = reference.dilated_attention_reference(*xs, seg, dil, causal=causal, softmax_scale=0.25)
@@ -347,11 +357,7 @@ def test_backward_launches_with_emulated_kernels(seed, monkeypatch, seg, dil, h,
     delta = (do * out.detach()).sum(-1).transpose(1, 2).float()
     got = gluon_bwd.backward(do.half(), *(t.half() for t in (q, k, v)), delta, lse.detach().float(),
                              L.branch_list(seg, dil, [(0, h)] * len(seg)), causal, 0.25)  # fmt: skip
-    assert {x[1:3] for x in emu.launches} == set(zip(seg, dil, strict=True))
-    assert any(x[4] for x in emu.launches) == any(w % r for w, r in zip(seg, dil, strict=True))
-    for name, a, b in zip("qkv", got, want, strict=True):
-        assert a.dtype == torch.float16
-        assert (a.double() - b).abs().max().item() < 2e-3 * (1 + b.abs().max().item()), f"d{name}"
+    return got, want
 
 
 @pytest.mark.parametrize("b,n,seg,dil,h,hkv", [
@@ -364,8 +370,6 @@ def test_backward_dependent_launches(seed, monkeypatch, b, n, seg, dil, h, hkv, 
     first depends on the one before, and every dQ launch likewise; in one phase (the kernels
     alternate) none does. The block-major rows are built once for both phases. Gradients: the
     float64 reference's (emulated kernels)."""
-    from dilated_attention import reference
-
     emu = _EmulatedBwdKernels()
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
     monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
@@ -379,14 +383,7 @@ def test_backward_dependent_launches(seed, monkeypatch, b, n, seg, dil, h, hkv, 
     rows = []
     real_rows = gluon_bwd._rows
     monkeypatch.setattr(gluon_bwd, "_rows", lambda *a: rows.append(a[3:]) or real_rows(*a))
-    q, k, v = (t.double() for t in qkv(b, n, h, hkv, 16, torch.float16))
-    do = torch.randn_like(q).half().double()
-    xs = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = reference.dilated_attention_reference(*xs, seg, dil, causal=True, softmax_scale=0.25)
-    want = torch.autograd.grad(out, xs, do)
-    delta = (do * out.detach()).sum(-1).transpose(1, 2).float()
-    got = gluon_bwd.backward(do.half(), *(t.half() for t in (q, k, v)), delta, lse.detach().float(),
-                             L.branch_list(seg, dil, [(0, h)] * len(seg)), True, 0.25)  # fmt: skip
+    got, want = _backward_and_reference(b, n, seg, dil, h, hkv, True)
     for name, a, bb in zip("qkv", got, want, strict=True):
         assert (a.double() - bb).abs().max().item() < 2e-3 * (1 + bb.abs().max().item()), f"d{name}"
     # one build per (branch, entry, part): b entries x (full segments + tail) x branches
@@ -411,19 +408,10 @@ def test_backward_tail_segments_with_emulated_kernels(seed, monkeypatch, b, n, s
     apart): each branch's full segments, then its short last segment over views from its first
     row, with both kernels emulated in float64: the float64 reference's gradients (the
     reference defines the short segment)."""
-    from dilated_attention import reference
-
     emu = _EmulatedBwdKernels()
     monkeypatch.setattr(gluon_bwd, "kernel_module", lambda: emu)
     monkeypatch.setattr(gluon_bwd, "SPLIT_PHASES", split)
-    q, k, v = (t.double() for t in qkv(b, n, h, hkv, 16, torch.float16))
-    do = torch.randn_like(q).half().double()
-    xs = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = reference.dilated_attention_reference(*xs, seg, dil, causal=causal, softmax_scale=0.25)
-    want = torch.autograd.grad(out, xs, do)
-    delta = (do * out.detach()).sum(-1).transpose(1, 2).float()
-    got = gluon_bwd.backward(do.half(), *(t.half() for t in (q, k, v)), delta, lse.detach().float(),
-                             L.branch_list(seg, dil, [(0, h)] * len(seg)), causal, 0.25)  # fmt: skip
+    got, want = _backward_and_reference(b, n, seg, dil, h, hkv, causal)
     tails = {(n % w, r) for w, r in zip(seg, dil, strict=True)}
     launches = sum(x[0] == "dq" for x in emu.launches)
     assert launches >= b * len(seg), "each batch entry launched apart"

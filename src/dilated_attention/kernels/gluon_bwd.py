@@ -284,12 +284,11 @@ def backward(dout, q, k, v, delta, lse, branches, causal: bool, scale: float):
     # it stores, not adds
     store_first = branches[0][1] == 1
     jobs = _jobs(dout, q, k, v, delta, lse, branches, store_first)
-    split = SPLIT_PHASES
 
     def run(dq, dk, dv, kernels):
-        # one chain per kernel: with split phases each phase's launches are one kernel's; in one
-        # phase the two kernels alternate, so no launch follows one of its own chain
-        chains = {kn: gluon_fwd.chain(q) for kn in kernels} if split else None
+        # a phase of one kernel (SPLIT_PHASES) is one chain; in a phase of both the kernels
+        # alternate, so no launch follows one of its own chain: no dependent launches
+        chains = {kernels[0]: gluon_fwd.chain(q)} if len(kernels) == 1 else None
         _launch_jobs(jobs, dq, dk, dv, kernels, causal, scale, chains)
 
     return accumulate(q, k, v, store_first, run)

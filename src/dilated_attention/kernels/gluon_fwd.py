@@ -402,10 +402,12 @@ def launch(kernel, grid, args: tuple, options: dict, pdl: bool = False) -> None:
     if TMA_CACHE and go_tma is not None:
         go = go_tma
     g = (*grid, 1, 1)
-    if pdl:
-        go(g[0], g[1], g[2], direct_launch.current_stream(dev), (*args, *(options[n] for n in names)), True)
+    full = (*args, *(options[n] for n in names))
+    stream = direct_launch.current_stream(dev)
+    if pdl:  # (the launch attribute only where set: go's default is the binary's own)
+        go(g[0], g[1], g[2], stream, full, True)
     else:
-        go(g[0], g[1], g[2], direct_launch.current_stream(dev), (*args, *(options[n] for n in names)))
+        go(g[0], g[1], g[2], stream, full)
 
 
 def length_classes(w: int, r: int) -> list[tuple[int, int, int]]:
