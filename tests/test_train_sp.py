@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,49 @@ def test_torchrun_recipe_cpu_smoke(tmp_path):
     assert len(raw["loss_single"]) == len(raw["loss_sp"]) == 4
     assert raw["loss_sp"] == pytest.approx(raw["loss_single"], rel=1e-5)
     assert raw["summary_sp"]["world_size"] == 2
+
+
+_GROUP_FREED = """
+import os, sys, weakref
+from dilated_attention import train
+from dilated_attention.cli import main
+
+refs = []
+init_sp = train._init_sp
+
+
+def spy(*args, **kwargs):
+    group, device, owns = init_sp(*args, **kwargs)
+    refs.append(weakref.ref(group))
+    return group, device, owns
+
+
+train._init_sp = spy
+assert main(sys.argv[1:]) == 0
+assert len(refs) == 1
+# the group the command created is gone once the command returns: no ProcessGroup left for the
+# interpreter's shutdown to destroy (gloo can abort there, after a finished run)
+print("RANK", os.environ["RANK"], "group freed", refs[0]() is None, flush=True)
+"""
+
+
+@pytest.mark.slow  # a real torchrun launch
+@pytest.mark.timeout(120)
+def test_torchrun_train_frees_its_process_group(tmp_path):
+    """``dilated-attention train`` under torchrun destroys the group it created, and nothing keeps
+    it alive (torch._dynamo, imported by the optimizer after the group exists, kept references
+    to it; the group then died in the interpreter's shutdown, where gloo aborted one rank now and
+    then: SIGABRT after a finished run)."""
+    script = tmp_path / "train_freed.py"
+    script.write_text(_GROUP_FREED)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(script), "train", *TINY_SP, "--device", "cpu",
+        "--steps", "2", "--eval-every", "2", "--out-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # the ranks' lines may interleave with the summary's: find them anywhere in the output
+    freed = sorted(re.findall(r"RANK (\d) group freed (True|False)", res.stdout))
+    assert freed == [("0", "True"), ("1", "True")], res.stdout[-3000:]

@@ -375,6 +375,11 @@ def _init_sp(device: torch.device, local_rank: int, nccl_nvls: str | None = None
         torch.cuda.set_device(device)
     owns = False
     if not dist.is_initialized():
+        # torch._dynamo (the optimizer's constructor imports it) keeps references to the default
+        # group when it is first imported after the group exists: destroy_process_group() then
+        # leaves the group alive, its destructor runs in the interpreter's shutdown, and gloo
+        # can abort a rank there after a finished run (SIGABRT). Imported first, it keeps none.
+        import torch._dynamo as _dynamo  # noqa: F401  (binds no local "torch")
         if nccl_nvls is not None:  # the user asked (--nccl-nvls): NCCL reads it at group start
             os.environ["NCCL_NVLS_ENABLE"] = "1" if nccl_nvls == "on" else "0"
         if device.type == "cuda":
