@@ -55,6 +55,10 @@ def eager_decoder(model, prompt: torch.Tensor, capacity: int):
 
 
 def setup(device: str):
+    # before the group exists: torch._dynamo, imported later, would keep references to the group
+    # past destroy_process_group (see dilated_attention.train._init_sp)
+    import torch._dynamo as _dynamo  # noqa: F401
+
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
