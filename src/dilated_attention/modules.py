@@ -211,7 +211,7 @@ class DilatedAttention(nn.Module):
               and all(isinstance(c, int) for c in cu_seqlens)):
             # a list of ints (accepted with a process group): its longest document, not 0 (which
             # failed with "max_seqlen_q = 0 ... pass the longest document's length")
-            max_seqlen = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+            max_seqlen = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False))
         elif max_seqlen is None:
             max_seqlen = 0
         return query, key, value, squeeze, max_seqlen

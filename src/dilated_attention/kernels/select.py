@@ -148,7 +148,7 @@ def pick_impl(
         requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     shape = CallShape(
         q.shape[0], k.shape[1], q.shape[2], k.shape[2], q.shape[3], dtype_name(q.dtype),
-        tuple(zip(segment_lengths, dilation_rates)), bool(causal), bool(requires_grad),
+        tuple(zip(segment_lengths, dilation_rates, strict=True)), bool(causal), bool(requires_grad),
     )
     choice = _AUTO_CHOICES.get(shape)
     if choice is None:

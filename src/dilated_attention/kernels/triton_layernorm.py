@@ -172,7 +172,7 @@ def _num_warps(block_n: int) -> int:
     return 16 if block_n > 4096 else min(max(block_n // 256, 1), 8)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

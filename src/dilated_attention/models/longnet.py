@@ -47,7 +47,9 @@ from ..flags import fused_rotary_mode
 from ..kernels import direct_launch
 from ..kernels.select import backend_reason
 from ..modules import DilatedAttention, magneto_init_
-from .linear_ce import linear_cross_entropy_sum  # registers dilated_attention::linear_ce (compiled graphs)
+from .linear_ce import (
+    linear_cross_entropy_sum,  # registers dilated_attention::linear_ce (compiled graphs)
+)
 
 # --------------------------------------------------------------------------------------- config
 
