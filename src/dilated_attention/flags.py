@@ -36,9 +36,9 @@ Triton's per-launch dispatch once their compiled kernel is known (``DirectKernel
 The switch exists for same-process A/B measurements (``benchmarks/ab_decode.py``).
 
 **The fused rotary kernel of the models.** Whether ``Rotary`` (``models/longnet.py``) rotates q and
-k in eager mode with the Triton kernel of ``kernels/triton_rotary.py`` (one pass, forward and
-backward) or with its torch code (about six float32 passes each way; ``torch.compile`` always
-keeps the torch code, which Inductor fuses). Three answers, from :func:`fused_rotary_mode`:
+k with the Triton kernel of ``kernels/triton_rotary.py`` (one pass, forward and backward; under
+``torch.compile`` as the custom op ``dilated_attention::rotary``) or with its torch code (about
+six float32 passes each way). Three answers, from :func:`fused_rotary_mode`:
 
 - ``"auto"`` (the default): the kernel on CUDA where it can run (fp16, bf16, fp32; not xPos),
   else the torch code;
@@ -104,8 +104,10 @@ included).
 runs the branches of a call through the Gluon kernel of ``kernels/gluon_fwd_kernel.py``
 (FlashAttention-3's structure: TMA loads, a producer warp, two consumer warpgroups with async
 wgmma) where it applies (``kernels/gluon_fwd.problem``: a Hopper GPU (sm_90) with Triton's Gluon,
-batch x seqlen x heads >= ``gluon_fwd.MIN_ROWS``, bf16/fp16, headdim 64 or 128, seqlen_q == seqlen_k, every branch with ``N % w == 0`` and
-``w % r == 0``, no key padding mask, no packed documents, no block-config override), or through
+batch x seqlen x heads >= ``gluon_fwd.MIN_ROWS``, bf16/fp16, headdim 64 or 128, seqlen_q == seqlen_k, the
+branch geometry ``gluon_fwd.shape_problem`` accepts (short last segments and w % r != 0 included,
+through ``TAIL_SEGMENTS`` / ``UNEVEN_BLOCKS``), no key padding mask, no block-config override;
+packed documents have their own Gluon kernels, ``kernels/gluon_varlen.py``), or through
 the Triton kernels always. Both are exact (the CUDA tests compare each to the float64
 reference); the switch exists for A/B measurements. ``set_gluon_forward(False)`` turns it off for
 this process, ``True`` on, ``None`` returns to the environment: ``DILATED_ATTENTION_GLUON_FWD=0``
