@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from dist_utils import run_distributed
 
-from dilated_attention import dilated_attention, ring_attention
+from dilated_attention import dilated_attention, gather_sequence, ring_attention
 
 
 def _expect(results: list, name: str, fn, match: str) -> None:
@@ -59,7 +59,20 @@ def _mismatch_worker(rank, world):
     _expect(bad, "ring dtype", lambda: ring_attention(z, z, z, group=g), "dtype")
     _expect(bad, "ring scale", lambda: ring_attention(x, x, x, group=g, softmax_scale=0.5 + rank),
             "softmax_scale")
+    # ranks making different calls: descriptors of other lengths (11 vs 12 ints) aborted a gloo
+    # rank in the all-gather before they travelled padded, and cu_seqlens on rank 0 only compared
+    # two unrelated descriptors field by field
+    flat = x[0]  # (8, 2, 8): one packed stream's shard
+    _expect(bad, "sp vs ring", lambda: dilated_attention(x, x, x, [4], [1], **sp) if rank == 0
+            else ring_attention(x, x, x, group=g), "the ranks made different calls")
+    _expect(bad, "ring cu_seqlens on one rank",
+            lambda: ring_attention(flat, flat, flat, group=g, cu_seqlens=[0, 16]) if rank == 0
+            else ring_attention(x, x, x, group=g), "rank(s) [0]: packed documents")
+    # gather_sequence: shards of other lengths (gloo aborted rank 0 and rank 1 got garbage)
+    _expect(bad, "gather shape", lambda: gather_sequence(y, g), "size 1: rank 0 has 8, rank 1 has 12")
+    _expect(bad, "gather dim", lambda: gather_sequence(x, g, dim=1 + rank), "dim: rank 0 has 1")
     # the group is healthy afterwards
+    assert torch.equal(gather_sequence(x, g)[:, 8 * rank : 8 * rank + 8], x)
     out = dilated_attention(x, x, x, [4], [1], group=g)
     assert torch.isfinite(out).all()
     assert not bad, f"rank {rank}: {bad}"

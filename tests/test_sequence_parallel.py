@@ -85,6 +85,39 @@ def _exact_worker(rank, world):
         _case("lowp", world, rank, L, (L, n), (1, 2), causal=True, seed=60, dtype=dtype, atol=tol)
 
 
+def _empty_worker(rank, world):
+    """Empty shards (seqlen 0, batch 0) and head dim 0 with group= give what one device gives on
+    the global tensors (they raised internal errors from the exchange plan and the reshapes):
+    the output's shape, the LSE (-inf, or log(keys) at head dim 0) and (zero) gradients."""
+    g = dist.group.WORLD
+    seg, dil = (4, 8), (1, 2)
+    for name, shape, causal, masked in (("seqlen 0", (2, 0, 4, 8), False, False),
+                                        ("batch 0", (0, 4 * world, 4, 8), True, False),
+                                        ("headdim 0", (2, 4 * world, 4, 0), False, True),
+                                        ("headdim 0 causal", (2, 4 * world, 4, 0), True, False)):  # fmt: skip
+        gen = torch.Generator().manual_seed(7)
+        q = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        k = torch.randn(shape[0], shape[1], 2, shape[3], generator=gen, dtype=torch.float64)
+        kpm = (torch.rand(shape[0], shape[1], generator=gen) < 0.3) if masked else None
+        want_out, want_lse = dilated_attention(q, k, k, seg, dil, causal=causal, key_padding_mask=kpm,
+                                               return_lse=True)  # fmt: skip
+        parts = [shard_local(x, world, rank, "contiguous", 1).requires_grad_() for x in (q, k, k.clone())]
+        lmask = None if kpm is None else shard_local(kpm, world, rank, "contiguous", 1)
+        out, lse = dilated_attention(*parts, seg, dil, causal=causal, key_padding_mask=lmask,
+                                     return_lse=True, group=g)  # fmt: skip
+        assert out.shape == parts[0].shape, (name, out.shape)
+        assert torch.equal(lse, shard_local(want_lse, world, rank, "contiguous", 2)), name
+        assert want_out.numel() == 0 and out.numel() == 0, name
+        grads = torch.autograd.grad(out.sum() + lse[torch.isfinite(lse)].sum() * 0, parts, allow_unused=True)
+        for x, gx in zip(parts, grads, strict=True):
+            assert gx is None or (gx.shape == x.shape and not gx.any()), name
+
+
+@pytest.mark.timeout(60)
+def test_sp_empty_shards_and_headdim_0():
+    run_distributed(_empty_worker, 2)
+
+
 def _traffic_worker(rank, world, out_file):
     """Bytes sent per rank with w/r and N/P fixed; written for the parent to compare."""
     L = 16

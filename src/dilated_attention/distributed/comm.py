@@ -9,13 +9,17 @@
 - :func:`world_and_rank`: (size, rank) of a group, (1, 0) without ``torch.distributed``.
 - :func:`validate_across_ranks` / :func:`check_same_across_ranks`: local input checks, then one
   small ``all_gather`` of an int64 descriptor so that mismatched shapes or dtypes raise the same
-  clear error on every rank instead of hanging.
+  clear error on every rank instead of hanging. Every descriptor travels padded to
+  :data:`DESCRIPTOR_LEN` ints with its kind (:func:`register_descriptor`), so ranks that make
+  different calls (e.g. ``cu_seqlens`` on some ranks only) get an error naming the calls, not a
+  gloo size abort.
 """
 
 from __future__ import annotations
 
 import struct
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -94,6 +98,27 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES.get(dtype, 0)
 
 
+# every descriptor is sent padded to this many ints: all_gather needs one size on every rank,
+# whatever call each rank made (gloo aborts the process on a size mismatch)
+DESCRIPTOR_LEN = 16
+# descriptor kind (a checksum of its field names) -> what call sends it, for the error message
+_KINDS: dict[int, str] = {}
+
+
+def _kind(names: list[str]) -> int:
+    return zlib.crc32("\x1f".join(names).encode())
+
+
+def register_descriptor(names: list[str], call: str) -> list[str]:
+    """Record that ``call`` (words for a user, e.g. "ring_attention without cu_seqlens") sends
+    descriptors with these field ``names``, so that a rank that made another call can name it;
+    returns ``names``."""
+    if len(names) > DESCRIPTOR_LEN:
+        raise ValueError(f"a descriptor of {len(names)} fields > DESCRIPTOR_LEN = {DESCRIPTOR_LEN}")
+    _KINDS[_kind(names)] = call
+    return names
+
+
 def float_bits(x: float) -> int:
     """The float64 bit pattern of ``x`` as an int64 (descriptors compare floats exactly)."""
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
@@ -127,7 +152,7 @@ def check_same_across_ranks(group, desc: list[int], names: list[str], like: torc
                             local_error: str | None = None) -> None:
     """All-gather ``desc`` (a few ints) and raise the same error on every rank if they differ.
 
-    Cost: one all_gather of ``len(desc) + 1`` int64 per rank and one host synchronisation per
+    Cost: one all_gather of ``DESCRIPTOR_LEN + 2`` int64 per rank and one host synchronisation per
     call (tens of microseconds on NVLink; it also stalls the CPU until the GPU stream reaches it).
     ``local_error``: a validation error found on this rank only; it is raised on every rank
     (with the rank named) so that no rank is left waiting in a later collective.
@@ -137,21 +162,37 @@ def check_same_across_ranks(group, desc: list[int], names: list[str], like: torc
         if local_error:
             raise ValueError(local_error)
         return
+    n = len(desc)
+    if n != len(names) or n > DESCRIPTOR_LEN:
+        raise ValueError(f"{what}: internal: a descriptor of {n} ints for {len(names)} names")
     dev = _comm_device(group, like)
-    t = torch.tensor([1 if local_error else 0, *desc], dtype=torch.int64, device=dev)
+    kind = _kind(names)
+    t = torch.tensor([1 if local_error else 0, kind, *desc, *[0] * (DESCRIPTOR_LEN - n)],
+                     dtype=torch.int64, device=dev)  # fmt: skip
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t, group=group)
     rows = [p.tolist() for p in parts]
     bad = [r for r, row in enumerate(rows) if row[0]]
     if local_error:
         raise ValueError(f"{what}: on rank {rank}: {local_error}")
+    kinds = [row[1] for row in rows]
+    if any(kd != kind for kd in kinds):
+        calls = {}
+        for r, kd in enumerate(kinds):
+            calls.setdefault(kd, []).append(r)
+        said = "; ".join(f"rank(s) {rs}: {_KINDS.get(kd, 'another call')}" for kd, rs in calls.items())
+        raise ValueError(
+            f"{what}: the ranks made different calls ({said}); every rank must make the same call "
+            "with shards of the same shape and options"
+        )
     if bad:
         raise ValueError(f"{what}: invalid inputs on rank(s) {bad} (see the error raised there)")
-    first = rows[0][1:]
+    rows = [row[2 : 2 + n] for row in rows]
+    first = rows[0]
     for r, row in enumerate(rows):
-        if row[1:] != first:
+        if row != first:
             diffs = []
-            for name, a, b in zip(names, first, row[1:], strict=True):
+            for name, a, b in zip(names, first, row, strict=True):
                 if a != b:
                     if name == "dtype":
                         a, b = _CODE_DTYPES.get(a, a), _CODE_DTYPES.get(b, b)

@@ -16,9 +16,17 @@ block is plain causal masking.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
-from .comm import resolve_group, world_and_rank
+from .comm import check_same_across_ranks, register_descriptor, resolve_group, world_and_rank
+
+_GATHER_DIMS = 12  # sizes a gather_sequence descriptor holds (more dims: the first 12 checked)
+GATHER_NAMES = register_descriptor(
+    ["ndim", "dtype (checksum)", "dim", "layout", *(f"size {i}" for i in range(_GATHER_DIMS))],
+    "gather_sequence",
+)
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -134,15 +142,24 @@ class _GatherFunction(torch.autograd.Function):
         return shard_local(grad, ctx.world, ctx.rank, ctx.layout, ctx.dim).contiguous(), None, None, None, None, None
 
 
-def gather_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1,
+                    validate: bool = True) -> torch.Tensor:  # fmt: skip
     """Shards (one per rank, same shape) -> the global tensor on every rank. For tests and tools.
 
     Uses one ``all_gather`` (O(N) memory per rank). Differentiable: the gradient of each shard is
     the sum over ranks of the gradient of the gathered tensor (one ``all_reduce``).
+    ``validate`` (default): first compare the shards' shapes, dtypes, ``dim`` and ``layout``
+    across ranks (one small all_gather) and raise the same ``ValueError`` on every rank where
+    they differ; without it, shards of other shapes abort a gloo rank or gather garbage.
     """
     check_layout(layout)
     group = resolve_group(group)
     world, rank = world_and_rank(group)
     if world == 1:
         return x
-    return _GatherFunction.apply(x, group, layout, dim % x.dim(), world, rank)
+    dim = dim % x.dim()
+    if validate:
+        sizes = [*x.shape[:_GATHER_DIMS], *[-1] * (_GATHER_DIMS - min(x.dim(), _GATHER_DIMS))]
+        desc = [x.dim(), zlib.crc32(str(x.dtype).encode()), dim, int(layout == "zigzag"), *sizes]
+        check_same_across_ranks(group, desc, GATHER_NAMES, x, "gather_sequence")
+    return _GatherFunction.apply(x, group, layout, dim, world, rank)

@@ -63,6 +63,7 @@ from .comm import (
     RingComm,
     dtype_code,
     float_bits,
+    register_descriptor,
     resolve_group,
     validate_across_ranks,
     world_and_rank,
@@ -384,6 +385,14 @@ class _RingAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+# the descriptor that _validate compares across ranks
+RING_NAMES = register_descriptor(
+    ["batch", "seqlen_q (shard)", "nheads", "headdim", "batch (k)", "seqlen_k (shard)",
+     "nheads_kv", "headdim (k)", "dtype", "causal", "layout", "softmax_scale (float64 bits)"],
+    "ring_attention without cu_seqlens",
+)  # fmt: skip
+
+
 def _validate(q, k, v, causal, scale, layout, group, validate: bool):
     """Local checks, then one cross-rank descriptor check (the same error on every rank)."""
     world, _ = world_and_rank(group)
@@ -402,8 +411,7 @@ def _validate(q, k, v, causal, scale, layout, group, validate: bool):
                 f"by 2P = {2 * world}), got a shard of {q.shape[1]}; pad the sequence"
             )
 
-    names = ["batch", "seqlen_q (shard)", "nheads", "headdim", "batch (k)", "seqlen_k (shard)",
-             "nheads_kv", "headdim (k)", "dtype", "causal", "layout", "softmax_scale (float64 bits)"]
+    names = RING_NAMES
 
     def describe():
         return [*q.shape, *k.shape, dtype_code(q.dtype), int(causal), LAYOUTS.index(layout),

@@ -83,6 +83,7 @@ from .comm import (
     check_same_across_ranks,
     dtype_code,
     float_bits,
+    register_descriptor,
     resolve_group,
     validate_across_ranks,
     world_and_rank,
@@ -548,8 +549,12 @@ def _fusable(me: int, L: int, w: int) -> bool:
 
 
 # the descriptor that _validate compares across ranks
-SP_NAMES = ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv",
-            "dtype", "causal", "key_padding_mask given", "head_assignment", "branches", "softmax_scale"]  # fmt: skip
+SP_NAMES = register_descriptor(
+    ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv", "dtype",
+     "causal", "key_padding_mask given", "head_assignment", "branches (hash)",
+     "softmax_scale (float64 bits)"],
+    "dilated_attention(group=...) on (B, N/P, H, D) shards",
+)  # fmt: skip
 
 
 def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment, impl, group):
@@ -596,7 +601,24 @@ def dilated_attention_sp(
     seg, dil = tuple(segment_lengths), tuple(dilation_rates)
     local = _validate(q, k, v, seg, dil, causal, scale, key_padding_mask, dropout_p,
                       head_assignment, impl, group)
-    b, L, h, _ = q.shape
+    b, L, h, d = q.shape
+    if b == 0 or L == 0:
+        # every rank's shard is empty (the ranks agreed on the shapes above): nothing to attend,
+        # as on one device (api._run): an empty output, still connected to q, k, v
+        out = q * 0 + (k.sum() + v.sum()) * 0
+        lse = torch.full((b, h, L), float("-inf"), device=q.device)
+        return (out, lse) if return_lse else out
+    if d == 0:
+        # headdim 0 on every rank: every logit is 0, so out is empty and lse = log(number of
+        # keys); the same call on 16 zero features (as api._run does on one device) gives lse
+        zq, zk = q.new_zeros(*q.shape[:3], 16), k.new_zeros(*k.shape[:3], 16)
+        _, lse = dilated_attention_sp(
+            zq, zk, zk, seg, dil, causal=causal, scale=1.0, key_padding_mask=key_padding_mask,
+            dropout_p=0.0,
+            head_assignment=head_assignment, return_lse=True, impl=impl, group=group,
+        )
+        out = q * 0 + (k.sum() + v.sum()) * 0
+        return (out, lse) if return_lse else out
     calls = _CALLS.get()  # the innermost exchange_mode block, if any
     mode = calls.exchange if calls is not None else "auto"
     ranges = branch_head_ranges(h, len(seg), head_assignment)
@@ -628,9 +650,11 @@ def dilated_attention_sp(
 
 
 # the descriptor that dilated_attention_sp_varlen compares across ranks
-SP_VARLEN_NAMES = ["shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal",
-                   "head_assignment", "branches", "softmax_scale", "layout", "documents",
-                   "cu_seqlens (hash)"]  # fmt: skip
+SP_VARLEN_NAMES = register_descriptor(
+    ["shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal", "head_assignment",
+     "branches (hash)", "softmax_scale (float64 bits)", "layout", "documents", "cu_seqlens (hash)"],
+    "packed documents (dilated_attention_varlen(group=...) or ring_attention with cu_seqlens)",
+)  # fmt: skip
 
 
 def sp_varlen_arg_error(group, err: Exception, tensors, name: str, validate: bool = True):
