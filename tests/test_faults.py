@@ -71,6 +71,8 @@ def _mismatch_worker(rank, world):
     # gather_sequence: shards of other lengths (gloo aborted rank 0 and rank 1 got garbage)
     _expect(bad, "gather shape", lambda: gather_sequence(y, g), "size 1: rank 0 has 8, rank 1 has 12")
     _expect(bad, "gather dim", lambda: gather_sequence(x, g, dim=1 + rank), "dim: rank 0 has 1")
+    _expect(bad, "gather layout on one rank", lambda: gather_sequence(x, g, layout="zig" if rank else "zigzag"),
+            "layout" if rank else "invalid inputs on rank(s) [1]")
     # the group is healthy afterwards
     assert torch.equal(gather_sequence(x, g)[:, 8 * rank : 8 * rank + 8], x)
     out = dilated_attention(x, x, x, [4], [1], group=g)

@@ -20,7 +20,7 @@ import zlib
 
 import torch
 
-from .comm import check_same_across_ranks, register_descriptor, resolve_group, world_and_rank
+from .comm import register_descriptor, resolve_group, validate_across_ranks, world_and_rank
 
 _GATHER_DIMS = 12  # sizes a gather_sequence descriptor holds (more dims: the first 12 checked)
 GATHER_NAMES = register_descriptor(
@@ -152,14 +152,22 @@ def gather_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim
     across ranks (one small all_gather) and raise the same ``ValueError`` on every rank where
     they differ; without it, shards of other shapes abort a gloo rank or gather garbage.
     """
-    check_layout(layout)
     group = resolve_group(group)
     world, rank = world_and_rank(group)
+
+    def local_checks():
+        check_layout(layout)
+        if not -x.dim() <= dim < x.dim():
+            raise ValueError(f"gather_sequence: dim {dim} is out of range for a tensor of {x.dim()} dims")
+
     if world == 1:
+        local_checks()
         return x
-    dim = dim % x.dim()
-    if validate:
+
+    def describe():
         sizes = [*x.shape[:_GATHER_DIMS], *[-1] * (_GATHER_DIMS - min(x.dim(), _GATHER_DIMS))]
-        desc = [x.dim(), zlib.crc32(str(x.dtype).encode()), dim, int(layout == "zigzag"), *sizes]
-        check_same_across_ranks(group, desc, GATHER_NAMES, x, "gather_sequence")
-    return _GatherFunction.apply(x, group, layout, dim, world, rank)
+        return [x.dim(), zlib.crc32(str(x.dtype).encode()), dim % x.dim(), int(layout == "zigzag"), *sizes]
+
+    # a bad argument on one rank raises on every rank (no rank left waiting in the all-gather)
+    validate_across_ranks(group, "gather_sequence", local_checks, describe, GATHER_NAMES, x, validate)
+    return _GatherFunction.apply(x, group, layout, dim % x.dim(), world, rank)
