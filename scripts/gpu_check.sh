@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU verification call (the device machine; run from the repository root, $OUT set):
 #   bash scripts/gpu_check.sh tests     verify + the CUDA tests + the N = 131072 bench
+#   bash scripts/gpu_check.sh sp-x2     (nvidia-h200-x2) sequence parallelism on NCCL: bench_sequence_parallel.py
+#                                       (its correctness check first) and train_sp_recipe.py (2 GPUs vs 1)
 #   bash scripts/gpu_check.sh overhead  benchmarks/bench_overhead.py (issue 23) + bench_varlen.py (issue 22)
 #   bash scripts/gpu_check.sh final     verify beside the CUDA tests (3 workers), then
 #                                       bench_overhead.py --no-e2e and profile_host.py on an idle GPU
@@ -515,6 +517,19 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -8
+    ;;
+  sp-x2)
+    # written in the thirty-fifth session (needs nvidia-h200-x2): sequence parallelism on NCCL, which only gloo has run
+    # since the cross-rank descriptors travel padded with a kind (2026-11-30) and train frees its group: the SP
+    # benchmark's correctness check and one weak-scaling row, then the 2-GPU training recipe against one GPU
+    export NCCL_NVLS_ENABLE=0
+    timeout "${SP_TIMEOUT:-300}" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+      benchmarks/bench_sequence_parallel.py --out "$OUT/sp_h200x2.md" > "$OUT/sp_bench.txt" 2>&1
+    echo "bench_sequence_parallel rc=$?" >> "$OUT/sp_bench.txt"
+    timeout "${RECIPE_TIMEOUT:-240}" python3 benchmarks/train_sp_recipe.py --out "$OUT/train_sp_h200x2.md" \
+      > "$OUT/train_sp.txt" 2>&1
+    echo "train_sp_recipe rc=$?" >> "$OUT/train_sp.txt"
+    grep -hE "rc=|PASS|FAIL|terminate|Error" "$OUT/sp_bench.txt" "$OUT/train_sp.txt" | tail -12
     ;;
   next-s35)
     # written in the thirty-fourth session for the next one: gluon_fwd.PDL's launches now pass the attribute to the direct
