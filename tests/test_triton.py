@@ -14,6 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import poisoned_empty
+
 from dilated_attention import call_cache, dilated_attention
 from dilated_attention.branches import branch_head_ranges
 from dilated_attention.kernels import triton_launch, triton_ops
@@ -66,10 +68,14 @@ BRANCHES = [
     [(37, 37, 2, 2), (53, 53, 4, 1), (19, 45, 4, 2)],  # awkward N, MQA, GQA + seqlen_q < seqlen_k
     ids=["mha", "mqa", "gqa_short_q"],
 )
-def test_triton_vs_reference_interpreter(seed, seg, dil, causal, nq, nk, h, hkv):
+def test_triton_vs_reference_interpreter(seed, monkeypatch, seg, dil, causal, nq, nk, h, hkv):
     q, k, v, do, _ = _inputs(1, nq, nk, h, hkv, 16, torch.float64, "cpu")
     ref = _run("reference", q, k, v, do, seg, dil, causal=causal)
-    got = _run("triton", q, k, v, do, seg, dil, dtype=torch.float32, causal=causal)
+    with monkeypatch.context() as m:
+        # NaN-filled allocations: an element the kernels should write (or fill) but do not shows
+        # up as NaN (with the buffers' usual contents it was caught only when they held garbage)
+        poisoned_empty(m)
+        got = _run("triton", q, k, v, do, seg, dil, dtype=torch.float32, causal=causal)
     _close("out", got[0], ref[0], 2e-5)
     _close("lse", got[1], ref[1], 2e-5)
     for n, g, r in zip("qkv", got[2], ref[2], strict=True):

@@ -177,6 +177,10 @@ BAD = {
     "2-D offsets": (dict(cu_seqlens_q=torch.tensor([[0, 3, 8]], dtype=torch.int32)), ValueError, "cu_seqlens_q must be 1-D"),
     "not from 0": (dict(cu_seqlens_q=torch.tensor([1, 3, 8], dtype=torch.int32)), ValueError, "cu_seqlens_q must start at 0"),
     "decreasing": (dict(cu_seqlens_k=torch.tensor([0, 6, 4, 9], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, 3, 3, 8], dtype=torch.int32)), ValueError, "cu_seqlens_k must be non-decreasing"),
+    # the smallest decreases (a check weakened to "drops by more than 1" passed every case above;
+    # the per-document count checks then raised other errors, or with unchecked offsets none)
+    "q drops by 1": (dict(cu_seqlens_q=torch.tensor([0, 3, 2, 8], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 4, 4, 9], dtype=torch.int32)), ValueError, r"cu_seqlens_q must be non-decreasing .* entry 2 \(2\) < entry 1 \(3\)"),
+    "k drops by 1": (dict(cu_seqlens_k=torch.tensor([0, 5, 4, 9], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, 3, 3, 8], dtype=torch.int32)), ValueError, r"cu_seqlens_k must be non-decreasing .* entry 2 \(4\) < entry 1 \(5\)"),
     "last != total": (dict(cu_seqlens_k=torch.tensor([0, 4, 8], dtype=torch.int32)), ValueError, r"last entry of cu_seqlens_k \(8\)"),
     "doc counts": (dict(cu_seqlens_k=torch.tensor([0, 4, 6, 9], dtype=torch.int32)), ValueError, "cu_seqlens_q has 2 documents and cu_seqlens_k 3"),
     "nq > nk": (dict(cu_seqlens_q=torch.tensor([0, 5, 8], dtype=torch.int32)), ValueError, "document 0 has 5 queries but 4 keys"),
