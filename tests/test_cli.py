@@ -89,6 +89,8 @@ BAD = [
 for _cmd, _opt in (("bench", "--json"), ("bench", "--markdown"), ("bench", "--plot"), ("verify", "--json")):
     BAD.append(([_cmd, _opt, "/nonexistent-folder-da/out.x"], f"{_opt} /nonexistent-folder-da/out.x: the folder"))
 BAD.append((["bench", "--json", "/"], "--json / is a folder"))
+# a format matplotlib cannot write failed after the whole run
+BAD.append((["bench", "--plot", "/tmp/plot.txt"], "--plot /tmp/plot.txt: the extension must be one of"))
 if not torch.cuda.is_available():
     BAD.append((["bench", "--device", "cuda"], "argument --device: 'cuda': no CUDA GPU is available here"))
     BAD.append((["verify", "--device", "cuda:0"], "no CUDA GPU is available here"))

@@ -27,6 +27,10 @@ BAD = [
     (["--num-pairs", "17"], "--num-pairs 17 > 16", ""),
     (["--eval-distances", "2,64"], "--eval-distances [2] < 5 x num pairs", ""),
     (["--eval-distances", "64,x"], "argument --eval-distances: 'x' is not an integer", ""),
+    # given distances longer than the sequence were dropped without a word (the preset's are cut)
+    (["--eval-distances", "16,1000"], "--eval-distances [1000] > --seq-len 256", ""),
+    (["--out-dir", "{tmp}/short.txt"], "--out-dir", "short.txt is a file, not a directory"),
+    (["--out-dir", "{tmp}/short.txt/run"], "--out-dir", "cannot be created: "),
     (["--lr", "nan"], "argument --lr: 'nan' must be a finite number", ""),
     (["--lr", "0"], "argument --lr: '0' must be a positive number", ""),
     (["--grad-clip", "-5"], "argument --grad-clip: '-5' must be a positive number", ""),
@@ -111,3 +115,25 @@ def test_nccl_nvls_is_not_set_without_the_flag(monkeypatch):
     assert "setdefault" not in src
     assert train.build_parser().parse_args([]).nccl_nvls is None
     assert train.build_parser().parse_args(["--nccl-nvls", "off"]).nccl_nvls == "off"
+
+
+def test_resume_errors_exit_2_with_one_line(tmp_path, capsys):
+    """--resume from a checkpoint of another model or data, or from an unreadable file: one line
+    naming what differs (or the file), status 2 (they were tracebacks with status 1)."""
+    from dilated_attention.cli import main as cli
+
+    run = ["train", "--preset", "tiny", "--seq-len", "64", "--batch-size", "4", "--min-distance", "8",
+           "--max-distance", "64", "--eval-distances", "16,64", "--eval-samples", "4", "--impl", "torch",
+           "--no-progress", "--no-plot", "--threads", "1", "--device", "cpu", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert cli([*run, "--steps", "2", "--eval-every", "2"]) == 0
+    capsys.readouterr()
+    for extra, want in ((["--attention", "dense"], "was written with other model or data settings"),
+                        (["--batch-size", "8"], "batch_size 4 -> 8"),
+                        ([], "cannot read the checkpoint")):  # fmt: skip
+        if not extra:
+            (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+        with pytest.raises(SystemExit) as e:
+            cli([*run, "--steps", "4", "--eval-every", "2", "--resume", *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert err.startswith("dilated-attention train: error: --resume: ") and want in err, err

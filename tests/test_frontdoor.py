@@ -265,6 +265,27 @@ def test_generate_argument_rules(kw, err, match):
         m.generate(torch.zeros(1, 3, dtype=torch.long), 2, **kw)
 
 
+@pytest.mark.parametrize("n, err, match", [
+    (2.5, TypeError, r"max_new_tokens must be an int >= 1, got 2.5 \(float\)"),  # failed inside torch.zeros
+    ("3", TypeError, r"max_new_tokens must be an int >= 1, got '3' \(str\)"),
+    (True, TypeError, "max_new_tokens must be an int"),
+    (0, ValueError, "max_new_tokens >= 1"),
+])  # fmt: skip
+def test_generate_max_new_tokens_rules(n, err, match):
+    with pytest.raises(err, match=match):
+        _tiny_lm().generate(torch.zeros(1, 3, dtype=torch.long), n)
+
+
+def test_generate_tiny_temperature_samples_the_most_likely_token(seed):
+    # a valid temperature (finite, > 0) so small that logits / temperature overflowed to inf:
+    # multinomial got NaN weights and raised; now the most likely token's logit is 0 first
+    m = _tiny_lm()
+    prompt = torch.randint(0, 32, (2, 5))
+    greedy = m.generate(prompt, 3, temperature=0)
+    for t in (1e-40, 1e-300):
+        assert torch.equal(m.generate(prompt, 3, temperature=t), greedy), t
+
+
 @pytest.mark.parametrize(
     "idx",
     [torch.zeros(3, dtype=torch.long), torch.zeros(1, 3), torch.zeros(1, 1, 3, dtype=torch.long), [[1, 2, 3]]],

@@ -234,6 +234,12 @@ def test_encoder_hilbert():
     cfg = _cfg(image_size=(32, 48), patch_size=8, num_classes=3, ordering="hilbert")
     enc = LongNetEncoder(cfg)
     assert enc(torch.randn(2, 3, 32, 48)).shape == (2, 3)
+    # a 48 x 32 image has as many patches (6 x 4 for 4 x 6) but another Hilbert curve: it ran,
+    # reordered along the configured grid's curve (outputs off by up to 4 against a matching model)
+    with pytest.raises(ValueError, match=r"images of \(48, 32\) make a \(6, 4\) patch grid.*image_size \(32, 48\)"):
+        enc(torch.randn(2, 3, 48, 32))
+    plain = LongNetEncoder(dataclasses.replace(cfg, ordering=None))
+    assert plain(torch.randn(2, 3, 48, 32)).shape == (2, 3)  # row-major patches: any grid runs
 
 
 # ------------------------------------------------------------------------------ sequence parallel

@@ -94,7 +94,14 @@ def test_resume_is_exact(tmp_path):
     run_train(train_args(*common, "--out-dir", str(tmp_path / "a")))
     run_train(train_args(*common, "--out-dir", str(tmp_path / "b"), "--stop-at", "3"))
     assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["step"] == 3
+    # a run killed between checkpoints has logged steps past the checkpoint's; they run again on
+    # resume and were logged twice (log.jsonl was appended to)
+    with open(tmp_path / "b" / "log.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "loss": 9.0}) + "\n" + json.dumps({"step": 5, "loss": 9.0}) + "\n")
     run_train(train_args(*common, "--out-dir", str(tmp_path / "b"), "--resume"))
+    logs = [[json.loads(line) for line in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in "ab"]
+    assert [r["step"] for r in logs[1]] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in logs[1]] == [r["loss"] for r in logs[0]]
     a = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
     assert a["step"] == b["step"] == 6

@@ -316,6 +316,16 @@ def _check_outputs(args, parser: argparse.ArgumentParser, options=("json", "mark
             parser.error(f"--{name} {path}: the folder {folder} does not exist; create it or choose another path")
         if not os.access(folder, os.W_OK):
             parser.error(f"--{name} {path}: the folder {folder} is not writable")
+        if name == "plot":
+            # matplotlib picks the format from the extension: an unknown one failed after the run
+            try:
+                from matplotlib.backend_bases import FigureCanvasBase
+            except ImportError:  # the run says so itself (the plot is an extra)
+                continue
+            ext = os.path.splitext(path)[1].lstrip(".").lower()
+            formats = sorted(FigureCanvasBase.get_supported_filetypes())
+            if ext not in formats:
+                parser.error(f"--plot {path}: the extension must be one of {', '.join('.' + f for f in formats)}")
 
 
 def _check_bench(args, parser: argparse.ArgumentParser) -> None:
@@ -407,13 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub, fmt, device_help)
 
     try:
-        from .train import add_train_arguments, check_or_exit, run_train
+        from .train import add_train_arguments, check_or_exit, run_or_exit
     except ImportError:
         pass
     else:
         pt = sub.add_parser("train", help="train a LongNet LM on a shipped long-range task", **fmt)
         add_train_arguments(pt)  # the flags and checks of python -m dilated_attention.train
-        pt.set_defaults(fn=run_train, check=lambda a: check_or_exit(a, pt))
+        pt.set_defaults(fn=lambda a: run_or_exit(a, pt), check=lambda a: check_or_exit(a, pt))
     return p
 
 

@@ -283,6 +283,12 @@ def _check_retrieval(args: argparse.Namespace, s: dict) -> None:
             f"min distance {_given(args, 'min_distance', s)} > max distance "
             f"{_given(args, 'max_distance', s)}: give --min-distance <= --max-distance"
         )
+    if args.eval_distances is not None:  # given: every one must fit (the preset's are cut)
+        long = [d for d in args.eval_distances if d > s["seq_len"]]
+        if long:
+            raise ValueError(
+                f"--eval-distances {long} > --seq-len {s['seq_len']}: a distance fits in a sequence"
+            )
     bad = [d for d in s["eval_distances"] if d < need]
     if bad:
         raise ValueError(f"--eval-distances {bad} < 5 x num pairs = {need}: the planted block must fit")
@@ -302,7 +308,8 @@ def _settings(args: argparse.Namespace, quiet: bool = False) -> dict:
         s["device"], s["dtype"] = "cpu", "float32"
     if getattr(args, "max_distance", None) is None:  # the preset's, cut to the sequence
         s["max_distance"] = min(s["max_distance"], s["seq_len"])
-    s["eval_distances"] = tuple(d for d in s["eval_distances"] if d <= s["seq_len"])
+    if getattr(args, "eval_distances", None) is None:  # the preset's, cut to the sequence
+        s["eval_distances"] = tuple(d for d in s["eval_distances"] if d <= s["seq_len"])
     return s
 
 
@@ -520,6 +527,14 @@ def check_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
     """
     if resume and overwrite:
         raise ValueError("--resume and --overwrite contradict each other; give one of them")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out-dir {out_dir} is a file, not a directory; choose another --out-dir")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(parent):  # the deepest folder that exists: it must be one, writable
+        parent = os.path.dirname(parent)
+    if not os.path.exists(out_dir) and (not os.path.isdir(parent) or not os.access(parent, os.W_OK)):
+        why = "is a file" if not os.path.isdir(parent) else "is not writable"
+        raise ValueError(f"--out-dir {out_dir} cannot be created: {parent} {why}; choose another --out-dir")
     if resume or overwrite:
         return
     found = [n for n in RUN_FILES if os.path.exists(os.path.join(out_dir, n))]
@@ -596,7 +611,14 @@ def _train(args, s: dict, device: torch.device, group, rank: int, world: int) ->
     run = _Run(args, s, device, group, rank, world)
     _setup(run)
     t0 = time.perf_counter()
-    log = open(os.path.join(args.out_dir, "log.jsonl"), "a" if args.resume else "w") if run.main_rank else None
+    log = None
+    if run.main_rank:
+        # rewritten from the checkpoint's history (not appended to): steps logged after the
+        # checkpoint by the interrupted run are run again, and were logged twice
+        log = open(os.path.join(args.out_dir, "log.jsonl"), "w")
+        for rec in run.history:
+            log.write(json.dumps(rec) + "\n")
+        log.flush()
     bar = _Progress(s["steps"], run.start, args.no_progress, enabled=run.main_rank)
     run.model.train()
     try:
@@ -689,11 +711,36 @@ def _make_optimizer(model, weight_decay: float, lr: float, device: torch.device)
     )
 
 
+class ResumeError(ValueError):
+    """``--resume`` cannot continue the run in ``--out-dir`` (an unreadable checkpoint, or one
+    written with another model or data); the command line exits 2 with its one line."""
+
+
+# settings that shape the data a step sees: a resumed run with others would not continue the run
+_RESUME_SETTINGS = ("seq_len", "batch_size", "num_pairs", "min_distance", "max_distance")
+
+
 def _resume(run: _Run) -> None:
-    ck = torch.load(run.ckpt_path, map_location=run.device, weights_only=False)
-    if ck["config"] != dataclasses.asdict(run.cfg):
-        raise ValueError(
-            f"--resume: {run.ckpt_path} was written with another model config; use another --out-dir"
+    try:
+        ck = torch.load(run.ckpt_path, map_location=run.device, weights_only=False)
+        saved_cfg, saved_s = ck["config"], ck.get("settings", {})
+        missing = [k for k in ("model", "optimizer", "step", "history", "rng") if k not in ck]
+        if missing:
+            raise KeyError(f"no {', '.join(missing)}")
+    except Exception as e:  # a truncated or foreign file: what torch.load / the keys raise
+        raise ResumeError(
+            f"--resume: cannot read the checkpoint {run.ckpt_path} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); start without --resume or use another --out-dir"
+        ) from e
+    cfg = dataclasses.asdict(run.cfg)
+    diffs = [f"{k} {saved_cfg.get(k)!r} -> {cfg.get(k)!r}" for k in sorted({*cfg, *saved_cfg})
+             if saved_cfg.get(k) != cfg.get(k)]  # fmt: skip
+    diffs += [f"{k} {saved_s[k]!r} -> {run.s.get(k)!r}" for k in _RESUME_SETTINGS
+              if k in saved_s and saved_s[k] != run.s.get(k)]  # fmt: skip
+    if diffs:
+        raise ResumeError(
+            f"--resume: {run.ckpt_path} was written with other model or data settings "
+            f"({'; '.join(diffs)}); give the flags of that run, or use another --out-dir"
         )
     run.model.load_state_dict(ck["model"])
     run.opt.load_state_dict(ck["optimizer"])
@@ -835,9 +882,19 @@ def check_or_exit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(e))
 
 
+def run_or_exit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """:func:`run_train`; a :class:`ResumeError` (found once the checkpoint is read) exits 2 with
+    one line, as the checks before the run do."""
+    try:
+        return run_train(args)
+    except ResumeError as e:
+        parser.error(str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m dilated_attention.train``: the same flags and checks as ``dilated-attention train``."""
-    return run_train(parse_and_check(build_parser(), argv))
+    parser = build_parser()
+    return run_or_exit(parse_and_check(parser, argv), parser)
 
 
 if __name__ == "__main__":

@@ -1196,6 +1196,7 @@ class LongNetLM(_Trunk):
         keys of the query's segment and residue, whatever the context length).
 
         Args:
+            max_new_tokens: an int >= 1 (``TypeError`` / ``ValueError`` otherwise).
             temperature: 0 means greedy (argmax); else sampling, optionally from the ``top_k``
                 most likely tokens, with ``generator`` as the random source. A finite number
                 >= 0; ``top_k`` None or an int >= 1; ``prefill_chunk`` None (the default) or an
@@ -1228,8 +1229,11 @@ class LongNetLM(_Trunk):
                 + " (one prompt: idx[None])"
             )
         b, t = idx.shape
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r} ({type(max_new_tokens).__name__})")
         if t < 1 or max_new_tokens < 1:
             raise ValueError(f"need a prompt and max_new_tokens >= 1, got T={t}, {max_new_tokens}")
+        max_new_tokens = int(max_new_tokens)
         temperature, top_k, prefill_chunk = _check_generate_args(temperature, top_k, prefill_chunk)
         chunk = prefill_chunk if prefill_chunk is not None else (max(self.cfg.segment_lengths) if rolling else t)
         capacity = self.rolling_capacity(chunk) if rolling else t + max_new_tokens
@@ -1336,7 +1340,11 @@ def _sample(
     """logits (B, V) -> next token (B, 1)."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    # shifted by the row's largest logit first (that token's logit is then 0 whatever the
+    # temperature) and divided in float64 (1e-300 is 0 in float32): a tiny temperature cannot
+    # overflow the logits to inf or divide 0 by 0 (NaN weights)
+    logits = logits.double()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
@@ -1370,6 +1378,8 @@ class LongNetEncoder(_Trunk):
         # dtype stays what autocast gives (float32), whatever flags.set_triton_layernorm says
         self.norm.autocast_output = False
         self.grid = grid
+        self.image_size = tuple(cfg.image_size)
+        self.ordering_grid = grid if cfg.ordering == "hilbert" else None
         self.patch_embed = nn.Conv2d(
             cfg.in_chans, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size
         )
@@ -1377,6 +1387,15 @@ class LongNetEncoder(_Trunk):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images)  # (B, E, H/p, W/p)
+        if self.ordering_grid is not None and tuple(x.shape[-2:]) != self.grid:
+            # the Hilbert permutation is the one of the configured grid: another grid with as
+            # many patches (48 x 32 for 32 x 48) would run, reordered along the wrong curve
+            raise ValueError(
+                f"LongNetEncoder: images of {tuple(images.shape[-2:])} make a "
+                f"{tuple(x.shape[-2:])} patch grid, but ordering='hilbert' was built for "
+                f"image_size {tuple(self.image_size)} ({self.grid[0]} x {self.grid[1]} patches); "
+                "pass images of that size or build the encoder for this one"
+            )
         x = x.flatten(2).transpose(1, 2)  # (B, N, E), row-major patches
         return self.forward_tokens(x)
 
