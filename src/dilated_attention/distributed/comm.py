@@ -10,9 +10,9 @@
 - :func:`validate_across_ranks` / :func:`check_same_across_ranks`: local input checks, then one
   small ``all_gather`` of an int64 descriptor so that mismatched shapes or dtypes raise the same
   clear error on every rank instead of hanging. Every descriptor travels padded to
-  :data:`DESCRIPTOR_LEN` ints with its kind (:func:`register_descriptor`), so ranks that make
-  different calls (e.g. ``cu_seqlens`` on some ranks only) get an error naming the calls, not a
-  gloo size abort.
+  :data:`DESCRIPTOR_LEN` ints with its kind (a checksum of its field names, one of the
+  descriptors below), so ranks that make different calls (e.g. ``cu_seqlens`` on some ranks
+  only) get an error naming the calls, not a gloo size abort.
 """
 
 from __future__ import annotations
@@ -101,22 +101,35 @@ def dtype_code(dtype: torch.dtype) -> int:
 # every descriptor is sent padded to this many ints: all_gather needs one size on every rank,
 # whatever call each rank made (gloo aborts the process on a size mismatch)
 DESCRIPTOR_LEN = 16
-# descriptor kind (a checksum of its field names) -> what call sends it, for the error message
-_KINDS: dict[int, str] = {}
+
+# The descriptors the cross-rank checks compare (field names), one per kind of call.
+# dilated_attention(group=...) (sequence_parallel._validate)
+SP_NAMES = ("batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv", "dtype",
+            "causal", "key_padding_mask given", "head_assignment", "branches (hash)",
+            "softmax_scale (float64 bits)")  # fmt: skip
+# packed documents over a group (sequence_parallel.dilated_attention_sp_varlen)
+SP_VARLEN_NAMES = ("shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal",
+                   "head_assignment", "branches (hash)", "softmax_scale (float64 bits)", "layout",
+                   "documents", "cu_seqlens (hash)")  # fmt: skip
+# ring_attention without cu_seqlens (ring._validate)
+RING_NAMES = ("batch", "seqlen_q (shard)", "nheads", "headdim", "batch (k)", "seqlen_k (shard)",
+              "nheads_kv", "headdim (k)", "dtype", "causal", "layout", "softmax_scale (float64 bits)")  # fmt: skip
+# gather_sequence (layout.py): ndim, dtype, dim, layout and the first 12 sizes
+GATHER_DIMS = 12
+GATHER_NAMES = ("ndim", "dtype (checksum)", "dim", "layout", *(f"size {i}" for i in range(GATHER_DIMS)))
 
 
-def _kind(names: list[str]) -> int:
+def _kind(names) -> int:
     return zlib.crc32("\x1f".join(names).encode())
 
 
-def register_descriptor(names: list[str], call: str) -> list[str]:
-    """Record that ``call`` (words for a user, e.g. "ring_attention without cu_seqlens") sends
-    descriptors with these field ``names``, so that a rank that made another call can name it;
-    returns ``names``."""
-    if len(names) > DESCRIPTOR_LEN:
-        raise ValueError(f"a descriptor of {len(names)} fields > DESCRIPTOR_LEN = {DESCRIPTOR_LEN}")
-    _KINDS[_kind(names)] = call
-    return names
+# descriptor kind -> the call that sends it, for the error when ranks made different calls
+_KINDS = {
+    _kind(SP_NAMES): "dilated_attention(group=...) on (B, N/P, H, D) shards",
+    _kind(SP_VARLEN_NAMES): "packed documents (dilated_attention_varlen(group=...) or ring_attention with cu_seqlens)",
+    _kind(RING_NAMES): "ring_attention without cu_seqlens",
+    _kind(GATHER_NAMES): "gather_sequence",
+}
 
 
 def float_bits(x: float) -> int:

@@ -20,13 +20,8 @@ import zlib
 
 import torch
 
-from .comm import register_descriptor, resolve_group, validate_across_ranks, world_and_rank
-
-_GATHER_DIMS = 12  # sizes a gather_sequence descriptor holds (more dims: the first 12 checked)
-GATHER_NAMES = register_descriptor(
-    ["ndim", "dtype (checksum)", "dim", "layout", *(f"size {i}" for i in range(_GATHER_DIMS))],
-    "gather_sequence",
-)
+from .comm import GATHER_DIMS as _GATHER_DIMS
+from .comm import GATHER_NAMES, resolve_group, validate_across_ranks, world_and_rank
 
 LAYOUTS = ("contiguous", "zigzag")
 

@@ -59,11 +59,11 @@ from ..checks import (
 from ..kernels.block_attention import attn_bwd, attn_fwd
 from ..merge import acc_dtype, merge_partial_
 from .comm import (
+    RING_NAMES,
     BufferTracker,
     RingComm,
     dtype_code,
     float_bits,
-    register_descriptor,
     resolve_group,
     validate_across_ranks,
     world_and_rank,
@@ -383,14 +383,6 @@ class _RingAttentionFunction(torch.autograd.Function):
             ctx.stats.update(bwd_bytes_sent=sent, bwd_peak_ring_bytes=tracker.peak_live_bytes)
         dq, dk, dv = no_double_backward("ring_attention", (dq, dk, dv), (dout_in, q, k, v))
         return dq, dk, dv, None, None, None, None, None, None, None
-
-
-# the descriptor that _validate compares across ranks
-RING_NAMES = register_descriptor(
-    ["batch", "seqlen_q (shard)", "nheads", "headdim", "batch (k)", "seqlen_k (shard)",
-     "nheads_kv", "headdim (k)", "dtype", "causal", "layout", "softmax_scale (float64 bits)"],
-    "ring_attention without cu_seqlens",
-)  # fmt: skip
 
 
 def _validate(q, k, v, causal, scale, layout, group, validate: bool):

@@ -79,11 +79,12 @@ from ..kernels.block_attention import attn_bwd, attn_fwd
 from ..kernels.select import pick_sp_local_impl
 from ..merge import acc_dtype, merge_partial, merge_partial_
 from .comm import (
+    SP_NAMES,
+    SP_VARLEN_NAMES,
     PeerExchange,
     check_same_across_ranks,
     dtype_code,
     float_bits,
-    register_descriptor,
     resolve_group,
     validate_across_ranks,
     world_and_rank,
@@ -548,15 +549,6 @@ def _fusable(me: int, L: int, w: int) -> bool:
     return (me * L) % w == 0
 
 
-# the descriptor that _validate compares across ranks
-SP_NAMES = register_descriptor(
-    ["batch", "shard seqlen (N/P: N % P must be 0)", "nheads", "headdim", "nheads_kv", "dtype",
-     "causal", "key_padding_mask given", "head_assignment", "branches (hash)",
-     "softmax_scale (float64 bits)"],
-    "dilated_attention(group=...) on (B, N/P, H, D) shards",
-)  # fmt: skip
-
-
 def _validate(q, k, v, seg, dil, causal, scale, mask, dropout_p, head_assignment, impl, group):
     """Check the inputs on every rank (same error everywhere); returns the local-block kernel
     (:func:`..kernels.select.pick_sp_local_impl`)."""
@@ -647,14 +639,6 @@ def dilated_attention_sp(
 
 
 # ------------------------------------------------------------------ packed stream (varlen)
-
-
-# the descriptor that dilated_attention_sp_varlen compares across ranks
-SP_VARLEN_NAMES = register_descriptor(
-    ["shard tokens (N/P)", "nheads", "headdim", "nheads_kv", "dtype", "causal", "head_assignment",
-     "branches (hash)", "softmax_scale (float64 bits)", "layout", "documents", "cu_seqlens (hash)"],
-    "packed documents (dilated_attention_varlen(group=...) or ring_attention with cu_seqlens)",
-)  # fmt: skip
 
 
 def sp_varlen_arg_error(group, err: Exception, tensors, name: str, validate: bool = True):
