@@ -1387,7 +1387,7 @@ class LongNetEncoder(_Trunk):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images)  # (B, E, H/p, W/p)
-        if self.ordering_grid is not None and tuple(x.shape[-2:]) != self.grid:
+        if getattr(self, "ordering_grid", None) is not None and tuple(x.shape[-2:]) != self.grid:
             # the Hilbert permutation is the one of the configured grid: another grid with as
             # many patches (48 x 32 for 32 x 48) would run, reordered along the wrong curve
             raise ValueError(
