@@ -271,3 +271,55 @@ def test_beam_search_and_assisted_decoding_are_exact():
         assert torch.equal(beams, branches.generate(idx, max_new_tokens=6, num_beams=3, use_cache=False, **kw))
         greedy = branches.generate(idx, max_new_tokens=20, **kw)
         assert torch.equal(greedy, branches.generate(idx, max_new_tokens=20, assistant_model=drafter, **kw))
+
+
+class _Layer(torch.nn.Module):
+    """An attention module as the function sees it: ``config``, ``layer_idx``, maybe a window."""
+
+    def __init__(self, **config):
+        super().__init__()
+        self.config = type("Cfg", (), config)()
+        self.layer_idx = 0
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("layer, kwargs, v_dim, match", [
+    (_Layer(), dict(s_aux=torch.zeros(4)), 8, "passes s_aux="),  # GPT-OSS's attention sinks
+    (_Layer(), dict(sinks=torch.zeros(4)), 8, "passes sinks="),
+    (_Layer(), dict(position_bias=torch.zeros(1, 4, 6, 6)), 8, "passes position_bias="),  # T5
+    (_Layer(), dict(some_future_bias=torch.zeros(3)), 8, "passes some_future_bias="),
+    (_Layer(layer_types=["sliding_attention"], sliding_window=4), {}, 8, "layer 0 is 'sliding_attention'"),
+    (_Layer(layer_types=["chunked_attention"], attention_chunk_size=4), {}, 8, "layer 0 is 'chunked_attention'"),
+    (_Layer(sliding_window=4), {}, 8, "config.sliding_window=4"),  # PhiMoE: no layer types
+    (_Layer(attention_chunk_size=4), {}, 8, "config.attention_chunk_size=4"),
+    (_Layer(), {}, 4, "value head size 4 != query/key head size 8"),  # DeepSeek-V3's MLA
+])  # fmt: skip
+def test_attention_the_function_cannot_compute_is_refused(layer, kwargs, v_dim, match):
+    """What a model means by its attention beyond q, k, v and the padding mask (sinks, a relative
+    position bias, a window that only its mask holds, another value head size) raises: it was
+    dropped, a silently other model (GPT-OSS, T5, Qwen2-MoE / PhiMoE / Llama 4 windows)."""
+    fn = register_dilated_attention([8], [1], name="dilated_test_refuse", impl="torch")
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    v = torch.randn(1, 2, 6, v_dim)
+    with pytest.raises(ValueError, match=match):
+        fn(layer, q, k, v, None, **kwargs)
+    # the same layer without what it refuses runs: full-attention layer types, windows unset,
+    # Qwen2's sliding_window with use_sliding_window False, position tensors
+    ok = [_Layer(layer_types=["full_attention"], sliding_window=4), _Layer(sliding_window=4096, use_sliding_window=False)]
+    for fine in ok:
+        out, _ = fn(fine, q, k, torch.randn(1, 2, 6, 8), None, position_ids=torch.arange(6)[None])
+        assert out.shape == (1, 6, 4, 8)
+
+
+def test_t5_relative_position_bias_is_refused():
+    """A real model through transformers: T5 hands its relative position bias to the attention
+    function, which dropped it (logits off by 0.15 against sdpa with one dense branch)."""
+    register_dilated_attention([64], [1], name="dilated_test_t5", impl="torch")
+    cfg = transformers.T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=32, num_layers=1,
+                                num_decoder_layers=1, num_heads=4, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    cfg._attn_implementation = "dilated_test_t5"
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(1, 50, (1, 9))
+    with torch.no_grad(), pytest.raises(ValueError, match="passes position_bias="):
+        model(input_ids=ids, decoder_input_ids=ids[:, :4])

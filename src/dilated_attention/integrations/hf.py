@@ -37,8 +37,15 @@ document ending at the last filled slot) goes to ``dilated_attention_with_kvcach
 ``cache_leftpad`` = each row's first real slot: the cache is read in place. Every other call runs
 :func:`dilated_attention.dilated_attention_varlen` over the rows' documents. Reading the mask and
 the positions costs one host synchronisation per call (as ``transformers``' flash-attention path
-unpads). Causality is the attention module's ``is_causal``. Sliding windows and softcapping are
-not supported (clear error).
+unpads). Causality is the attention module's ``is_causal``. What a model means by its attention
+beyond q, k, v and the padding mask raises a ``ValueError`` rather than being dropped: sliding or
+chunked windows (passed as an argument, or held only by the model's mask: a ``sliding_attention``
+/ ``chunked_attention`` layer type, ``module.sliding_window``, a config window), softcapping,
+attention sinks (``s_aux`` / ``sinks``: GPT-OSS), a relative position bias (``position_bias``:
+T5), any other tensor argument, and a value head size other than the query's (multi-head latent
+attention). Tested across families (one dense branch equals the family's own sdpa or eager
+attention): Llama, Qwen2/3, Mistral, Gemma/2/3, Phi/Phi3, GPT-NeoX, Granite, Cohere2, OLMo2,
+Starcoder2, StableLM, SmolLM3, Qwen2-MoE, PhiMoE, Llama 4 (full-attention layers).
 
 Needs the optional extra: ``pip install 'dilated-attention[hf]'``.
 """
@@ -161,7 +168,7 @@ def _varlen_rows(q, k, v, filled: int, docs, seg, dil, **kw) -> torch.Tensor:
     ki = torch.tensor(kidx, dtype=torch.long, device=dev)
     qf = q.reshape(b * nq, h, d).index_select(0, qi)
     kf = k.reshape(b * nk, k.shape[2], d).index_select(0, ki)
-    vf = v.reshape(b * nk, v.shape[2], d).index_select(0, ki)
+    vf = v.reshape(b * nk, v.shape[2], v.shape[3]).index_select(0, ki)
     lq = [y - x for x, y in zip(cu_q[:-1], cu_q[1:], strict=True)]
     lk = [y - x for x, y in zip(cu_k[:-1], cu_k[1:], strict=True)]
     out = dilated_attention_varlen(
@@ -170,6 +177,51 @@ def _varlen_rows(q, k, v, filled: int, docs, seg, dil, **kw) -> torch.Tensor:
     )  # fmt: skip
     # query rows outside every document (padding) get zeros
     return q.new_zeros(b * nq, h, d).index_copy(0, qi, out).view(b, nq, h, d)
+
+
+# keyword arguments of the attention call that change what attention computes, which this
+# function does not implement: refused when given (they were dropped, a silently other model:
+# GPT-OSS's sinks, T5's relative position bias)
+_REFUSED_KWARGS = ("s_aux", "sinks", "position_bias", "head_mask", "attention_chunk_size")
+# tensor keyword arguments that carry positions or offsets only (read here, or not needed);
+# any other tensor is refused, as an input this function would drop
+_TENSOR_KWARGS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "cache_position",
+                            "max_length_q", "max_length_k"})  # fmt: skip
+
+
+def _unsupported(module: torch.nn.Module, query, value, kwargs: dict) -> str | None:
+    """Why this call cannot be dilated attention as the model means it (None: it can): a sliding
+    or chunked window (passed as an argument, or only in the model's mask: the layer's type in
+    ``config.layer_types``, ``module.sliding_window``, or a config window without layer types),
+    a logit softcap, an argument in :data:`_REFUSED_KWARGS` or another tensor argument, or a
+    value head size other than the query's."""
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        return "dilated attention does not support sliding_window or softcap"
+    for name, val in kwargs.items():
+        if val is None:
+            continue
+        if name in _REFUSED_KWARGS or (isinstance(val, torch.Tensor) and name not in _TENSOR_KWARGS):
+            return (f"the model passes {name}= to its attention (e.g. attention sinks, a relative "
+                    "position bias): dilated attention does not implement it and would drop it")  # fmt: skip
+    cfg = getattr(module, "config", None)
+    idx = getattr(module, "layer_idx", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and isinstance(idx, int) and 0 <= idx < len(types):
+        if types[idx] in ("sliding_attention", "chunked_attention"):
+            return (f"layer {idx} is {types[idx]!r} (config.layer_types): its window lives in the "
+                    "mask this function does not receive; dilated attention supports full-attention "
+                    "layers only")  # fmt: skip
+    if getattr(module, "sliding_window", None):
+        return f"the layer has sliding_window={module.sliding_window}: dilated attention does not support it"
+    if cfg is not None and types is None:
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            return f"config.sliding_window={cfg.sliding_window}: dilated attention does not support sliding windows"
+        if getattr(cfg, "attention_chunk_size", None):
+            return f"config.attention_chunk_size={cfg.attention_chunk_size}: dilated attention does not support chunked attention"
+    if value.shape[-1] != query.shape[-1]:
+        return (f"value head size {value.shape[-1]} != query/key head size {query.shape[-1]} "
+                "(e.g. multi-head latent attention): dilated attention needs one head size")
+    return None
 
 
 def make_attention_function(
@@ -196,8 +248,9 @@ def make_attention_function(
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         """query (B, H, Nq, D), key/value (B, Hkv, Nk, D) -> ((B, Nq, H, D), None)."""
-        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-            raise ValueError("dilated attention does not support sliding_window or softcap")
+        why = _unsupported(module, query, value, kwargs)
+        if why is not None:
+            raise ValueError(f"{_NAME}: {why}")
         causal = kwargs.get("is_causal")
         if causal is None:
             causal = getattr(module, "is_causal", True)
