@@ -323,3 +323,41 @@ def test_t5_relative_position_bias_is_refused():
     ids = torch.randint(1, 50, (1, 9))
     with torch.no_grad(), pytest.raises(ValueError, match="passes position_bias="):
         model(input_ids=ids, decoder_input_ids=ids[:, :4])
+
+
+_FAMILY = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+FAMILIES = {  # (model class, config class, extra config): families beyond Llama, GQA where they have it
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=24)),  # head_dim != hidden / heads
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=None)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=24)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(num_key_value_heads=None, rotary_pct=0.5)),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_families_dense_branch_equals_sdpa(family):
+    """One dense branch is each family's own sdpa attention, on a left-padded batch (the real
+    rows' logits)."""
+    model_cls, cfg_cls, extra = FAMILIES[family]
+    if not hasattr(transformers, model_cls):
+        pytest.skip(f"this transformers has no {model_cls}")
+    register_dilated_attention([4096], [1], name="dilated_test_families", impl="torch")
+    kw = {**_FAMILY, **extra}
+    kw = {k: v for k, v in kw.items() if v is not None or k == "sliding_window"}
+    models = []
+    for impl in ("sdpa", "dilated_test_families"):
+        cfg = getattr(transformers, cfg_cls)(**kw)
+        cfg._attn_implementation = impl
+        torch.manual_seed(0)
+        models.append(getattr(transformers, model_cls)(cfg).double().eval())
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 97, (2, 19), generator=g)
+    mask = torch.ones(2, 19, dtype=torch.long)
+    mask[1, :5], ids[1, :5] = 0, 0  # left padding on row 1
+    assert models[1].config._attn_implementation == "dilated_test_families"
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, attention_mask=mask).logits for m in models)
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-9, atol=1e-9)

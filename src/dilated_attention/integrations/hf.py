@@ -43,9 +43,10 @@ chunked windows (passed as an argument, or held only by the model's mask: a ``sl
 / ``chunked_attention`` layer type, ``module.sliding_window``, a config window), softcapping,
 attention sinks (``s_aux`` / ``sinks``: GPT-OSS), a relative position bias (``position_bias``:
 T5), any other tensor argument, and a value head size other than the query's (multi-head latent
-attention). Tested across families (one dense branch equals the family's own sdpa or eager
-attention): Llama, Qwen2/3, Mistral, Gemma/2/3, Phi/Phi3, GPT-NeoX, Granite, Cohere2, OLMo2,
-Starcoder2, StableLM, SmolLM3, Qwen2-MoE, PhiMoE, Llama 4 (full-attention layers).
+attention). One dense branch equals the family's own sdpa attention in tests/test_hf.py for
+Llama, Qwen3, Mistral, Gemma, Phi3 and GPT-NeoX (a one-off probe of 2026-11-30 also found Qwen2,
+Gemma2/3, Phi, Granite, Cohere2, OLMo2, Starcoder2, StableLM, SmolLM3, Qwen2-MoE, PhiMoE and
+Llama 4 exact with full-attention layers).
 
 Needs the optional extra: ``pip install 'dilated-attention[hf]'``.
 """
