@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .autograd_rules import autocast_inputs
+from .autograd_rules import autocast_inputs, connected_empty, zero_features
 from .branches import branch_head_ranges
 from .call_cache import train_key, train_lookup, train_store
 from .checks import Call, describe_call
@@ -163,19 +163,16 @@ def _run(q, k, v, key_padding_mask, call: Call, group, record: list | None = Non
             head_assignment=call.head_assignment, return_lse=call.return_lse, impl=call.impl,
             group=group,
         )
-    if q.shape[0] == 0 or q.shape[1] == 0:
-        # nothing to attend (batch 0 or no query): an empty output, still connected to q, k, v
-        # so that backward gives (empty or zero) gradients, as SDPA does
-        out = q * 0 + (k.sum() + v.sum()) * 0
+    if q.shape[0] == 0 or q.shape[1] == 0:  # nothing to attend (batch 0 or no query)
+        out = connected_empty(q, k, v)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
         return (out, lse) if call.return_lse else out
     if q.shape[3] == 0:
-        # headdim 0: every logit is 0, so out is empty and lse = log(number of keys); run the
-        # chosen impl on zero features (the same multiplicities) and drop them: 16 of them, the
-        # smallest head dim every kernel takes (one feature made impl="triton" refuse headdim 1)
-        zq, zk = q.new_zeros(*q.shape[:3], 16), k.new_zeros(*k.shape[:3], 16)
+        # headdim 0: every logit is 0, so out is empty and lse = log(number of keys): the chosen
+        # impl on zero features (the same multiplicities)
+        zq, zk = zero_features(q, k)
         _, lse = _core(zq, zk, zk, key_padding_mask, call._replace(scale=1.0, dropout_p=0.0))
-        out = q * 0 + (k.sum() + v.sum()) * 0
+        out = connected_empty(q, k, v)
         return (out, lse) if call.return_lse else out
     out, lse = _core(q, k, v, key_padding_mask, call, need_lse=call.return_lse, record=record, routes=routes)
     return (out, lse) if call.return_lse else out

@@ -12,6 +12,10 @@ custom autograd Functions (torch path, Triton op, ring, sequence-parallel) compu
 with grad mode off and, when a graph is being built (``create_graph=True``), attach a node whose
 own backward raises a clear error. First-order gradients with ``create_graph=True`` are therefore
 still exact; differentiating them again raises instead of returning a wrong number.
+
+Nothing to compute (batch 0, no query, head dim 0): the output is :func:`connected_empty`, so
+that backward still gives (empty or zero) gradients of q, k and v, as SDPA does; at head dim 0
+the LSE (log of the number of keys) comes from the same call on :func:`zero_features`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,22 @@ import contextlib
 import torch
 
 _AUTOCAST_CASTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# features of the head-dim-0 stand-ins: the smallest head dim every kernel takes (one feature
+# made impl="triton" refuse headdim 1)
+ZERO_FEATURES = 16
+
+
+def connected_empty(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A q-shaped output with nothing computed (zeros, or no elements), connected to q, k, v."""
+    return q * 0 + (k.sum() + v.sum()) * 0
+
+
+def zero_features(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for a head-dim-0 call: q and k with :data:`ZERO_FEATURES` zero features (every
+    logit 0, the same multiplicities), whose LSE is the call's."""
+    return q.new_zeros(*q.shape[:-1], ZERO_FEATURES), k.new_zeros(*k.shape[:-1], ZERO_FEATURES)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .autograd_rules import autocast_inputs
+from .autograd_rules import autocast_inputs, connected_empty
 from .checks import (
     branch_lists,
     check_bool,
@@ -378,7 +378,7 @@ def _per_document(
         lse = lse.to(torch.float32).transpose(0, 1).reshape(nheads, -1)
         pieces.append((qrows.flatten(), o.reshape(-1, *o.shape[2:]), lse))
     if not pieces:  # no query anywhere: an empty output, still connected to q, k, v (as SDPA)
-        out = q * 0 + (k.sum() + v.sum()) * 0
+        out = connected_empty(q, k, v)
         return out, torch.full((nheads, q.shape[0]), float("-inf"), device=dev)
     if len(pieces) == 1 and isinstance(pieces[0][0], int):
         return pieces[0][1], pieces[0][2]

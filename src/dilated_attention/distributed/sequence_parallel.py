@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..autograd_rules import backward_context, no_double_backward
+from ..autograd_rules import backward_context, connected_empty, no_double_backward, zero_features
 from ..branches import branch_head_ranges
 from ..kernels.block_attention import attn_bwd, attn_fwd
 from ..kernels.select import pick_sp_local_impl
@@ -594,23 +594,18 @@ def dilated_attention_sp(
     local = _validate(q, k, v, seg, dil, causal, scale, key_padding_mask, dropout_p,
                       head_assignment, impl, group)
     b, L, h, d = q.shape
+    # nothing to compute, on every rank (the ranks agreed on the shapes above), as on one device
+    # (api._run): batch 0 or empty shards; head dim 0, whose lse the same call on zero features gives
     if b == 0 or L == 0:
-        # every rank's shard is empty (the ranks agreed on the shapes above): nothing to attend,
-        # as on one device (api._run): an empty output, still connected to q, k, v
-        out = q * 0 + (k.sum() + v.sum()) * 0
         lse = torch.full((b, h, L), float("-inf"), device=q.device)
-        return (out, lse) if return_lse else out
+        return (connected_empty(q, k, v), lse) if return_lse else connected_empty(q, k, v)
     if d == 0:
-        # headdim 0 on every rank: every logit is 0, so out is empty and lse = log(number of
-        # keys); the same call on 16 zero features (as api._run does on one device) gives lse
-        zq, zk = q.new_zeros(*q.shape[:3], 16), k.new_zeros(*k.shape[:3], 16)
+        zq, zk = zero_features(q, k)
         _, lse = dilated_attention_sp(
             zq, zk, zk, seg, dil, causal=causal, scale=1.0, key_padding_mask=key_padding_mask,
-            dropout_p=0.0,
-            head_assignment=head_assignment, return_lse=True, impl=impl, group=group,
-        )
-        out = q * 0 + (k.sum() + v.sum()) * 0
-        return (out, lse) if return_lse else out
+            dropout_p=0.0, head_assignment=head_assignment, return_lse=True, impl=impl, group=group,
+        )  # fmt: skip
+        return (connected_empty(q, k, v), lse) if return_lse else connected_empty(q, k, v)
     calls = _CALLS.get()  # the innermost exchange_mode block, if any
     mode = calls.exchange if calls is not None else "auto"
     ranges = branch_head_ranges(h, len(seg), head_assignment)

@@ -1378,8 +1378,6 @@ class LongNetEncoder(_Trunk):
         # dtype stays what autocast gives (float32), whatever flags.set_triton_layernorm says
         self.norm.autocast_output = False
         self.grid = grid
-        self.image_size = tuple(cfg.image_size)
-        self.ordering_grid = grid if cfg.ordering == "hilbert" else None
         self.patch_embed = nn.Conv2d(
             cfg.in_chans, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size
         )
@@ -1387,13 +1385,13 @@ class LongNetEncoder(_Trunk):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images)  # (B, E, H/p, W/p)
-        if getattr(self, "ordering_grid", None) is not None and tuple(x.shape[-2:]) != self.grid:
+        if self.cfg.ordering == "hilbert" and tuple(x.shape[-2:]) != self.grid:
             # the Hilbert permutation is the one of the configured grid: another grid with as
             # many patches (48 x 32 for 32 x 48) would run, reordered along the wrong curve
             raise ValueError(
                 f"LongNetEncoder: images of {tuple(images.shape[-2:])} make a "
                 f"{tuple(x.shape[-2:])} patch grid, but ordering='hilbert' was built for "
-                f"image_size {tuple(self.image_size)} ({self.grid[0]} x {self.grid[1]} patches); "
+                f"image_size {tuple(self.cfg.image_size)} ({self.grid[0]} x {self.grid[1]} patches); "
                 "pass images of that size or build the encoder for this one"
             )
         x = x.flatten(2).transpose(1, 2)  # (B, N, E), row-major patches
