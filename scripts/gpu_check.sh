@@ -140,6 +140,8 @@
 #                                       batches against the float64 reference per document (not yet run)
 #   bash scripts/gpu_check.sh s32a     the CUDA tests of s32 beside fuzz-gluon-varlen (cold cache; correctness only)
 #   bash scripts/gpu_check.sh s32b     the fill-only A/B of s32, then bench_varlen.py --set FILL_UNCOVERED_ONLY=1
+#   bash scripts/gpu_check.sh s36a     benchmarks/pdl_race_probe.py in 3 concurrent processes, then the causal Gluon
+#                                       vs_reference tests at -n 8 (2026-11-30: the suite's failures were CUDA OOM)
 #   bash scripts/gpu_check.sh next-s35 gluon_fwd.PDL through the direct launcher's attribute: its CUDA tests, then the
 #                                       end-to-end compiled rows twice (issue 23 5b)
 #   bash scripts/gpu_check.sh s34a     gluon_fwd.PDL: its CUDA tests (same bits), then split_ab.py --switch gluon_fwd.PDL
@@ -518,6 +520,22 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -8
     ;;
+  s36a)
+    # thirty-sixth session: the whole CUDA suite (8 workers) failed 12 causal Gluon-vs-reference tests in runs on a few
+    # workers. benchmarks/pdl_race_probe.py in 3 concurrent processes (contention as in the suite: does a result change
+    # between repetitions with dependent launches, and not without?), then the causal vs_reference tests with -n 8 and
+    # their failure messages ($PROBE_TIMEOUT 240 s, $CUDA_TEST_TIMEOUT 240 s)
+    for i in 1 2 3; do
+      PYTHONPATH=src:tests timeout "${PROBE_TIMEOUT:-240}" python3 benchmarks/pdl_race_probe.py --reps "${PROBE_REPS:-12}" \
+        --seed "$i" > "$OUT/probe_$i.txt" 2>&1 &
+    done
+    wait
+    timeout "${CUDA_TEST_TIMEOUT:-240}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE --tb=short -m cuda \
+      tests/test_gluon_fwd.py tests/test_gluon_bwd.py -k "vs_reference and True" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    cat "$OUT"/probe_*.txt | grep -E "^\| [a-z]|distinct result|Error|rror:" | sort | uniq | head -60
+    grep -E "^(FAILED|ERROR)|assert|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -30
+    ;;
   sp-x2)
     # written in the thirty-fifth session (needs nvidia-h200-x2): sequence parallelism on NCCL, which only gloo has run
     # since the cross-rank descriptors travel padded with a kind (2026-11-30) and train frees its group: the SP
@@ -811,7 +829,11 @@ sys.exit(pytest.main(["-v", "-m", "cuda", "tests/test_gluon_bwd.py", "-n", "4", 
     ;;
   suite)
     # the whole CUDA suite alone (a cold Triton cache compiles for minutes: 2026-11-27's `close`
-    # was cut at 49% by 330 s), -v so that every result is named even if cut
+    # was cut at 49% by 330 s), -v so that every result is named even if cut. Keep $WORKERS <= 4:
+    # with 8 (2026-11-30) the float64 references of the batch-2 causal Gluon cases (1.8-3 GiB each)
+    # ran 8 processes out of the H200's 140 GiB: 12 tests failed with CUDA out of memory, all of
+    # which passed at -n 4. The suite takes longer than one call (560 s reached ~95% with 8
+    # workers): split it by file over two calls
     timeout "${CUDA_TEST_TIMEOUT:-540}" python3 -m pytest -v -m cuda tests -n "${WORKERS:-4}" -p no:cacheprovider -rfE --durations=15 > "$OUT/cuda_tests.txt" 2>&1
     echo "pytest rc=$? ($(grep -c ' PASSED ' "$OUT/cuda_tests.txt") PASSED, $(grep -c ' FAILED ' "$OUT/cuda_tests.txt") FAILED lines)" >> "$OUT/cuda_tests.txt"
     grep -E " FAILED |passed|failed|error|rc=" "$OUT/cuda_tests.txt" | tail -30
