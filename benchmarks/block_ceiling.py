@@ -42,7 +42,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 from common import command_line, results_header, run_info  # noqa: E402
-from sweep import _DT, ROWS, Row, Timer, dflops, flops, measure, rows_named, run_dense, tiny_row  # noqa: E402
+from sweep import (  # noqa: E402
+    _DT,
+    AB_ROWS,
+    ROWS,
+    Row,
+    Timer,
+    dflops,
+    flops,
+    measure,
+    rows_named,
+    run_dense,
+    tiny_row,
+)
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.branches import branch_head_ranges  # noqa: E402
@@ -298,7 +310,7 @@ def main(argv=None) -> None:
         picked = rows_named(names)
     except ValueError as e:
         sys.exit(str(e))
-    rows = [r for r in ROWS if r in picked]
+    rows = [r for r in ROWS + AB_ROWS if r in picked]
     if args.tiny:
         rows, dev = [tiny_row(r) for r in rows], torch.device("cpu")
         args.backends, args.impl = ["math"], "torch"

@@ -101,12 +101,21 @@ ROWS = [
     Row("base-b2-16k-d64-causal", 2, 16384, 12, 12, 64, "bf16", *_geo(2048, 4, (1, 2, 4, 8)), True),
 ]
 HEADLINE = "headline"
+# Rows for A/B scripts (split_ab.py, gluon_ab.py) that are not sweep configurations: head dim 64
+# with every block shorter than gluon_fwd.D64_MIN_BLOCK rows, where the Triton kernels run on
+# Hopper too (triton_launch.SHORT_D64), beside the one such sweep row (8br-paper-d64-fp16-causal)
+AB_ROWS = [
+    Row("8br-paper-d64-fp16", 2, 65536, 16, 16, 64, "fp16", *_geo(512, 8, (1, 1, 2, 4, 6, 12, 24, 48)), False),
+    Row("b8-16k-d64-w512-causal", 8, 16384, 12, 12, 64, "bf16", (512, 1024, 2048), (1, 2, 4), True),
+    Row("b8-16k-d64-w512", 8, 16384, 12, 12, 64, "bf16", (512, 1024, 2048), (1, 2, 4), False),
+    Row("b4-32k-gqa-d64-w1k-causal", 4, 32768, 16, 4, 64, "bf16", *_geo(1024, 4, (1, 2, 4, 8)), True),
+]
 
 
 def rows_named(names) -> list[Row]:
-    """The rows of :data:`ROWS` called ``names``, in that order; ValueError naming the unknown
-    ones and the known ones (every script that takes ``--rows`` asks this)."""
-    known = {r.name: r for r in ROWS}
+    """The rows of :data:`ROWS` (and :data:`AB_ROWS`) called ``names``, in that order; ValueError
+    naming the unknown ones and the known ones (every script that takes ``--rows`` asks this)."""
+    known = {r.name: r for r in ROWS + AB_ROWS}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown rows {unknown}; known: {sorted(known)}")
@@ -670,7 +679,7 @@ def main(argv=None):
             want = rows_named(args.rows.split(","))
         except ValueError as e:
             sys.exit(str(e))
-        rows = [r for r in ROWS if r in want]  # in priority order
+        rows = [r for r in ROWS + AB_ROWS if r in want]  # in priority order
     if args.plan:
         tot = 0.0
         for r in rows:

@@ -140,6 +140,8 @@
 #                                       batches against the float64 reference per document (not yet run)
 #   bash scripts/gpu_check.sh s32a     the CUDA tests of s32 beside fuzz-gluon-varlen (cold cache; correctness only)
 #   bash scripts/gpu_check.sh s32b     the fill-only A/B of s32, then bench_varlen.py --set FILL_UNCOVERED_ONLY=1
+#   bash scripts/gpu_check.sh short-d64 issue 24: triton_launch.SHORT_D64's CUDA tests, then split_ab.py --switch
+#                                       triton_launch.SHORT_D64 over short-block head-dim-64 rows (the 8br row)
 #   bash scripts/gpu_check.sh s36a     benchmarks/pdl_race_probe.py in 3 concurrent processes, then the causal Gluon
 #                                       vs_reference tests at -n 8 (2026-11-30: the suite's failures were CUDA OOM)
 #   bash scripts/gpu_check.sh next-s35 gluon_fwd.PDL through the direct launcher's attribute: its CUDA tests, then the
@@ -519,6 +521,24 @@ runpy.run_path('benchmarks/bench_varlen.py', run_name='__main__')" > "$OUT/varle
     echo "bench_overhead rc=$?" >> "$OUT/overhead_e2e.txt"
     grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -12
     grep -E "^\||rc=" "$OUT/overhead_e2e.txt" | tail -8
+    ;;
+  short-d64)
+    # written in the thirty-sixth session for the next one (issue 24 item 2, the one sweep row under its floors on the
+    # H200, 8br-paper-d64-fp16-causal): triton_launch.SHORT_D64 (64-row query tiles for head dim <= 64 where every block
+    # is shorter than gluon_fwd.D64_MIN_BLOCK; off). Its CUDA tests (against the fp32 torch path; the short configs ran)
+    # with the tune tests beside them ($CUDA_TEST_TIMEOUT 200 s), then benchmarks/split_ab.py --switch
+    # triton_launch.SHORT_D64 over the sweep row and three A/B rows of that kind ($AB_TIMEOUT 300 s). If it wins: set
+    # SHORT_D64 = True, then `python3 benchmarks/sweep.py --rows 8br-paper-d64-fp16-causal --no-peers --out $OUT
+    # --name ...` for the row's ratios to same-run dense
+    timeout "${CUDA_TEST_TIMEOUT:-200}" python3 -m pytest -v -n 2 -p no:cacheprovider -rfE --tb=short -m cuda \
+      tests/test_triton.py -k "short_d64 or vs_torch_path" > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"
+    timeout "${AB_TIMEOUT:-300}" python3 benchmarks/split_ab.py --switch triton_launch.SHORT_D64 --direction both \
+      --rounds "${AB_ROUNDS:-5}" --rows "${AB_ROWS:-8br-paper-d64-fp16-causal,8br-paper-d64-fp16,b8-16k-d64-w512-causal,b8-16k-d64-w512,b4-32k-gqa-d64-w1k-causal}" \
+      --out "$OUT/short_d64_ab.md" > "$OUT/short_d64_ab.txt" 2>&1
+    echo "split_ab rc=$?" >> "$OUT/short_d64_ab.txt"
+    grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/cuda_tests.txt" | tail -10
+    grep -E "^\||rc=" "$OUT/short_d64_ab.md" "$OUT/short_d64_ab.txt" | tail -16
     ;;
   s36a)
     # thirty-sixth session: the whole CUDA suite (8 workers) failed 12 causal Gluon-vs-reference tests in runs on a few

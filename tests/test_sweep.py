@@ -29,6 +29,24 @@ def test_rows_cover_the_issue_axes():
     assert sweep.HEADLINE in {r.name for r in rows}
 
 
+def test_ab_rows_are_short_block_d64_and_named_apart():
+    """AB_ROWS (split_ab.py's triton_launch.SHORT_D64 rows): head dim 64 with every block shorter
+    than gluon_fwd.D64_MIN_BLOCK rows, beside the one sweep row of that kind; names apart from
+    the sweep's; rows_named finds both kinds, the sweep runs only ROWS unless named."""
+    from dilated_attention.geometry import max_block_length
+    from dilated_attention.kernels import gluon_fwd
+
+    def short(r):
+        return r.headdim == 64 and max(max_block_length(r.seqlen, w, d) for w, d in zip(r.seg, r.dil, strict=True)) \
+            < gluon_fwd.D64_MIN_BLOCK
+
+    assert all(short(r) for r in sweep.AB_ROWS)
+    assert [r.name for r in sweep.ROWS if short(r)] == ["8br-paper-d64-fp16-causal"]
+    assert not {r.name for r in sweep.AB_ROWS} & {r.name for r in sweep.ROWS}
+    names = ["8br-paper-d64-fp16-causal", sweep.AB_ROWS[0].name]
+    assert [r.name for r in sweep.rows_named(names)] == names
+
+
 def test_tiny_sweep_writes_results(tmp_path, capsys):
     names = ["n100000-causal"]  # one row (N not a multiple of any w, causal): CI time
     # --impls torch: the Triton interpreter would dominate the time and checks nothing the

@@ -250,6 +250,61 @@ def test_triton_config_override_interpreter(seed):
         torch.testing.assert_close(g2, g)
 
 
+def test_short_d64_rule(monkeypatch):
+    """triton_launch.SHORT_D64: the short-block configs only for head dim <= 64 with every block
+    shorter than gluon_fwd.D64_MIN_BLOCK rows, only with the switch on; they pass the kernels'
+    block checks; the plans' key and the eager memo's knobs hold the switch (an A/B that flips it
+    between calls gets other plans)."""
+    from dilated_attention.kernels import gluon_fwd
+
+    seg8, dil8 = [512 * 2**i for i in range(8)], [1, 1, 2, 4, 6, 12, 24, 48]  # blocks <= 1366
+    monkeypatch.setattr(triton_launch, "SHORT_D64", False)
+    assert not triton_launch.short_blocks(64, 65536, seg8, dil8)
+    off_key = triton_launch.plan_key(*_key_args())
+    off_knobs = triton_ops._plan_knobs()
+    monkeypatch.setattr(triton_launch, "SHORT_D64", True)
+    assert triton_launch.short_blocks(64, 65536, seg8, dil8)
+    assert triton_launch.short_blocks(32, 65536, seg8, dil8)
+    assert not triton_launch.short_blocks(128, 65536, seg8, dil8)
+    big = gluon_fwd.D64_MIN_BLOCK
+    assert not triton_launch.short_blocks(64, 65536, [big], [1])  # a block of D64_MIN_BLOCK rows
+    assert triton_launch.short_blocks(64, big - 1, [big], [1])  # N bounds the block
+    assert not triton_launch.short_blocks(64, 65536, [1024, 4 * big], [1, 2])
+    assert triton_launch.plan_key(*_key_args()) != off_key
+    assert triton_ops._plan_knobs() != off_knobs
+    short = triton_launch.default_configs(64, interpret=False, short=True)
+    assert short == triton_launch.SHORT_D64_CONFIGS
+    assert triton_launch.default_configs(128, interpret=False, short=True) == triton_launch.default_configs(
+        128, interpret=False)
+    for name, cfg in short.items():
+        triton_launch.resolve_configs(64, {name: cfg})  # the kernels' BM / BN rules
+
+
+def _key_args():
+    q = torch.empty(1, 64, 2, 16)
+    return (q, q, q, None, [32, 64], [1, 2], True, 0.25, [(0, 2), (0, 2)])
+
+
+@pytest.mark.skipif(DEV != "cpu" or not INTERP, reason="interpreter tests run on the CPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_d64_configs_interpreter(seed, causal):
+    """The short-block configs (64 x 32 query / key tiles, dkdv 32 x 64) through the kernels:
+    the results of the interpreter's own configs, at a length that is no multiple of either
+    tile, GQA, three branches with blocks of 64-100 rows."""
+    q, k, v, do, _ = _inputs(1, 200, 200, 4, 2, 16, torch.float32, "cpu")
+    seg, dil = [64, 128, 200], [1, 2, 2]
+    common = (seg, dil, causal, 0.25, branch_head_ranges(4, 3, "all"))
+    out, lse = triton_launch.forward(q, k, v, None, *common)
+    grads = triton_launch.backward(do, q, k, v, None, out, lse, *common)
+    cfg = triton_launch.SHORT_D64_CONFIGS
+    out2, lse2 = triton_launch.forward(q, k, v, None, *common, config=cfg)
+    grads2 = triton_launch.backward(do, q, k, v, None, out2, lse2, *common, config=cfg)
+    torch.testing.assert_close(out2, out)
+    torch.testing.assert_close(lse2, lse)
+    for g2, g in zip(grads2, grads, strict=True):
+        torch.testing.assert_close(g2, g)
+
+
 def test_unavailable_reason_says_why(monkeypatch):
     cpu = torch.empty(1, 4, 2, 64)
     reason = triton_ops.unavailable_reason(cpu.to(torch.float64))
@@ -356,6 +411,36 @@ def test_triton_cuda_vs_torch_path(seed, n, h, hkv, seg, dil, causal, kw, dtype)
     fin = torch.isfinite(ref[1])
     assert torch.equal(fin, torch.isfinite(tri[1])), "lse: rows without keys differ"
     assert _err(tri[1][fin], ref[1][fin]) <= 2e-2, "lse"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_d64_configs_cuda(seed, monkeypatch, causal, dtype):
+    """triton_launch.SHORT_D64 on: head dim 64 with blocks of 512-1000 rows (the short-block
+    configs' domain, GQA, a partial last segment) against the fp32 torch path, as the shipped
+    configs are (test_triton_cuda_vs_torch_path), and the short configs did run."""
+    monkeypatch.setattr(triton_launch, "SHORT_D64", True)
+    seen = []
+    real = triton_launch.short_blocks
+
+    def spy(*a):
+        seen.append(real(*a))
+        return seen[-1]
+
+    monkeypatch.setattr(triton_launch, "short_blocks", spy)
+    n, h, hkv, seg, dil = 7000, 8, 2, [512, 1024, 2000], [1, 2, 2]
+    q, k, v, do, _ = _inputs(1, n, n, h, hkv, 64, dtype, "cuda")
+    ref = _run("torch", q, k, v, do, seg, dil, dtype=torch.float32, causal=causal)
+    base = _run("torch", q, k, v, do, seg, dil, causal=causal)
+    tri = _run("triton", q, k, v, do, seg, dil, causal=causal)
+    assert seen and all(seen), "the short-block configs did not run"
+    pairs = [("out", tri[0], base[0], ref[0])]
+    pairs += [(f"d{c}", a, b, r) for c, a, b, r in zip("qkv", tri[2], base[2], ref[2], strict=True)]
+    for name, a, b, r in pairs:
+        ea, eb = _err(a, r), _err(b, r)
+        assert ea <= 2 * eb + 1e-3, f"{name}: triton err {ea:.3g} > 2 x baseline err {eb:.3g} + 1e-3"
+    assert _err(tri[1], ref[1]) <= 2e-2, "lse"
 
 
 @pytest.mark.cuda

@@ -45,9 +45,23 @@ Config = tuple[int, int, int, int]  # (BM, BN, num_warps, num_stages) of one ker
 KERNELS = ("fwd", "dkdv", "dq")
 
 
-def default_configs(d: int, interpret: bool = INTERPRET) -> dict[str, Config]:
+# Head dim <= 64 where every block is shorter than gluon_fwd.D64_MIN_BLOCK rows (calls that the
+# Triton kernels run on Hopper too, the Gluon ones being slower there): query tiles of 64 rows
+# instead of 128 (:data:`SHORT_D64_CONFIGS`). benchmarks/tune_triton.py on the one sweep row of
+# that kind (8br-paper-d64-fp16-causal, blocks of 512-1366 rows, H200, 2026-11-29,
+# results/tune_8br_h200_2026-11-29.md) put them first per kernel: fwd+bwd 14.64 against 15.15 ms
+# as shipped (one run each; forward 3.46-3.61 against 3.65-3.68 ms). Off until a same-process
+# A/B over short-block rows settles it (benchmarks/split_ab.py --switch triton_launch.SHORT_D64,
+# `bash scripts/gpu_check.sh short-d64`). Read per call (the plans' key holds it).
+SHORT_D64 = False
+SHORT_D64_CONFIGS: dict[str, Config] = dict(fwd=(64, 32, 4, 3), dkdv=(32, 64, 4, 3),
+                                             dq=(64, 32, 4, 3))  # fmt: skip
+
+
+def default_configs(d: int, interpret: bool = INTERPRET, short: bool = False) -> dict[str, Config]:
     """Block sizes and launch parameters per kernel (fixed; tuned on an H100 for D = 64 / 128
-    with benchmarks/tune_triton.py, results in benchmarks/results/tune_triton_*.md).
+    with benchmarks/tune_triton.py, results in benchmarks/results/tune_triton_*.md). ``short``:
+    a call of short blocks at head dim <= 64 (:func:`short_blocks`): :data:`SHORT_D64_CONFIGS`.
 
     fwd and dq need BM % BN == 0 (the causal mask-free stage ends at the block's first row),
     dkdv BN % BM == 0 (its causal diagonal stage counts whole query blocks).
@@ -58,13 +72,27 @@ def default_configs(d: int, interpret: bool = INTERPRET) -> dict[str, Config]:
         # (dq, fwd) at test sizes
         return dict(fwd=(32, 16, 1, 1), dkdv=(16, 32, 1, 1), dq=(32, 16, 1, 1))
     if d <= 64:
+        if short:
+            return dict(SHORT_D64_CONFIGS)
         return dict(fwd=(128, 64, 4, 3), dkdv=(32, 128, 4, 3), dq=(128, 32, 4, 3))
     return dict(fwd=(128, 64, 8, 3), dkdv=(64, 64, 4, 2), dq=(128, 64, 8, 3))
 
 
-def resolve_configs(d: int, config: dict[str, Config] | None = None) -> dict[str, Config]:
-    """The default configs with the kernels named in ``config`` replaced, checked."""
-    cfg = default_configs(d)
+def short_blocks(d: int, n: int, seg, dil) -> bool:
+    """Whether a call at head dim ``d`` over ``n`` positions (the longer of queries and keys)
+    takes :data:`SHORT_D64_CONFIGS`: :data:`SHORT_D64` on, d <= 64, and every branch's blocks
+    shorter than ``gluon_fwd.D64_MIN_BLOCK`` rows."""
+    if not SHORT_D64 or d > 64:
+        return False
+    longest = max(max_block_length(n, w, r) for w, r in zip(seg, dil, strict=True))
+    return longest < gluon_fwd.D64_MIN_BLOCK
+
+
+def resolve_configs(d: int, config: dict[str, Config] | None = None,
+                    short: bool = False) -> dict[str, Config]:  # fmt: skip
+    """The default configs (``short``: see :func:`default_configs`) with the kernels named in
+    ``config`` replaced, checked."""
+    cfg = default_configs(d, short=short)
     for name, vals in (config or {}).items():
         vals = tuple(int(x) for x in vals)
         if name not in cfg or len(vals) != 4:
@@ -390,7 +418,7 @@ def forward_per_call(q, k, v, kpm, seg, dil, causal, scale, head_ranges, *, conf
     bsz, nq, nh, d = q.shape
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
-    cfg = resolve_configs(d, config)["fwd"]
+    cfg = resolve_configs(d, config, short_blocks(d, max(q.shape[1], k.shape[1]), seg, dil))["fwd"]
     branches = branch_list(seg, dil, head_ranges)
     if fold is False or (fold is None and causal) or (docs is not None and not docs.same_offsets()):
         geo = None
@@ -472,7 +500,7 @@ def backward_per_call(dout, q, k, v, kpm, out, lse, seg, dil, causal, scale, hea
     hkv = k.shape[2]
     lay = _layout(q, k, docs)
     rep = nh // hkv
-    cfgs = resolve_configs(d, config)
+    cfgs = resolve_configs(d, config, short_blocks(d, max(q.shape[1], k.shape[1]), seg, dil))
     dout = _broadcast_view(dout)
     out = _broadcast_view(out)
     delta = _delta(out, dout)
@@ -734,7 +762,7 @@ def plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fo
              lo_rows=None, docs: Docs | None = None) -> tuple:  # fmt: skip
     """The configuration a :class:`TrainPlan` is built for: every grid, integer argument,
     constexpr, buffer shape and fill of its launches is a function of it (with the module's
-    ``LO_CHUNKS``, ``LO_MIN_BYTES`` and ``INTERPRET``, which it includes). Cheap: attribute
+    ``LO_CHUNKS``, ``LO_MIN_BYTES``, ``INTERPRET`` and ``SHORT_D64``, which it includes). Cheap: attribute
     reads and one tuple. ``head_ranges``: [(start, stop)] per branch. ``docs``: packed documents:
     the buckets of ``max_q`` / ``max_k`` (:func:`grid_bucket`: a plan sizes its grids and integer
     arguments from them, so that steps whose longest document differs share a plan), whether
@@ -745,7 +773,7 @@ def plan_key(q, k, v, kpm, seg, dil, causal, scale, head_ranges, config=None, fo
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
         q.device, None if kpm is None else (kpm.shape, kpm.stride(), kpm.dtype),
         causal, scale, tuple(seg), tuple(dil), tuple(head_ranges), _config_key(config), fold,
-        lo_rows, LO_CHUNKS, LO_MIN_BYTES, INTERPRET,
+        lo_rows, LO_CHUNKS, LO_MIN_BYTES, INTERPRET, SHORT_D64,
         None if docs is None else (docs.cu_q.dtype, docs.cu_k.dtype, grid_bucket(docs.max_q),
                                    grid_bucket(docs.max_k), docs.same_offsets(),
                                    bool(docs.checked)),
@@ -788,7 +816,8 @@ class TrainPlan:
                                          nk=grid_bucket(docs.max_k))  # fmt: skip
         # the kernels' NDOCS: a call's documents for packed launches (per call), else 0
         self.nd_arg = () if self.varlen else (0,)
-        self.cfgs = resolve_configs(q.shape[-1], config)
+        self.cfgs = resolve_configs(q.shape[-1], config,
+                                    short_blocks(q.shape[-1], max(q.shape[1], k.shape[1]), seg, dil))  # fmt: skip
         self.branches = branch_list(seg, dil, head_ranges)
         self.has_kpm = kpm is not None
         self.skp = _kpm_arg(kpm, q)[1] if kpm is not None else 0

@@ -181,10 +181,12 @@ class FusedCall:
 
 def _plan_knobs() -> tuple:
     # what decides whether a call gets a plan, and which, beyond the call's own arguments: the
-    # switch and the lo-range knobs (plan_key holds them); the memo also remembers the plan
-    # table it came from (a test or a tool that swaps a fresh table in gets its plans built);
-    # the Gluon forward's switch: a memo taken while it was off must not outlive turning it on
-    return _launch.USE_PLANS, _launch.LO_CHUNKS, _launch.LO_MIN_BYTES, flags.gluon_forward_enabled()
+    # switch, the lo-range knobs and the short-block configs (plan_key holds them); the memo
+    # also remembers the plan table it came from (a test or a tool that swaps a fresh table in
+    # gets its plans built); the Gluon forward's switch: a memo taken while it was off must not
+    # outlive turning it on
+    return (_launch.USE_PLANS, _launch.LO_CHUNKS, _launch.LO_MIN_BYTES, _launch.SHORT_D64,
+            flags.gluon_forward_enabled())  # fmt: skip
 
 
 def _fused_forward(q, k, v, kpm, fc: FusedCall):
