@@ -361,3 +361,93 @@ def test_other_families_dense_branch_equals_sdpa(family):
         want, got = (m(input_ids=ids, attention_mask=mask).logits for m in models)
     keep = mask.bool()
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-9, atol=1e-9)
+
+
+def _paligemma(attn_implementation: str):
+    tc = transformers.GemmaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    vc = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    cfg = transformers.PaliGemmaConfig(text_config=tc.to_dict(), vision_config=vc.to_dict(), image_token_index=299,
+                                       projection_dim=64)  # fmt: skip
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return transformers.PaliGemmaForConditionalGeneration(cfg).double().eval()
+
+
+def test_paligemma_prefix_lm_is_refused_and_causal_use_is_exact():
+    """PaliGemma's token_type_ids make its prefix (image and prompt) bidirectional: that mask was
+    dropped, a silently other model (logits off by 0.018 in float32). The registered mask function
+    now refuses it; the same model without token_type_ids (causal) equals its sdpa attention."""
+    pytest.importorskip("transformers.models.paligemma")
+    register_dilated_attention([4096], [1], name="dilated_test_pg", impl="torch")
+    ref, model = _paligemma("sdpa"), _paligemma("dilated_test_pg")
+    model.load_state_dict(ref.state_dict())
+    ids = torch.cat([torch.full((1, 16), 299), torch.randint(0, 290, (1, 12))], 1)
+    pix = torch.randn(1, 3, 32, 32, dtype=torch.float64)
+    tt = torch.zeros_like(ids)
+    tt[:, 22:] = 1  # prefix: 16 image tokens and 6 prompt tokens; suffix: 6 tokens
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="attend later ones and not others"):
+            model(input_ids=ids, pixel_values=pix, token_type_ids=tt)
+        torch.testing.assert_close(model(input_ids=ids, pixel_values=pix).logits,
+                                   ref(input_ids=ids, pixel_values=pix).logits, rtol=1e-9, atol=1e-9)  # fmt: skip
+
+
+def test_mask_function_check_on_its_own():
+    from dilated_attention.integrations.hf import _mask_function_problem
+
+    q = torch.arange(0, 10)
+
+    def causal(b, h, qi, ki):
+        return ki <= qi
+
+    blocks = torch.tensor([[0, 0, 0, 1, 1, -1, -1, -1, -1, -1, -1], [-1] * 11])
+
+    def prefix(b, h, qi, ki):  # PaliGemma's overlay: same non-negative block id
+        return causal(b, h, qi, ki) | ((blocks[b, qi] == blocks[b, ki]) & (blocks[b, qi] >= 0))
+
+    assert _mask_function_problem(2, q, 11, 0, causal) is None
+    assert _mask_function_problem(2, q, 11, 0, lambda *a: torch.tensor(True)) is None  # bidirectional
+    assert "later ones" in _mask_function_problem(2, q, 11, 0, prefix)
+    assert _mask_function_problem(2, q[-1:], 11, 0, prefix) is None  # the last row: no later key
+    # only the second row's pairs are shown: causal there
+    assert _mask_function_problem(1, q, 11, 0, lambda b, h, qi, ki: prefix(b + 1, h, qi, ki)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64])
+def test_4d_mask_causal_with_padding_is_read_and_others_are_refused(dtype, seed):
+    """A 4-D mask handed to the model as is (transformers passes it through): a causal mask
+    with left padding gives the 2-D mask's logits; a prefix-LM mask, a window, or masks that
+    differ per head raise instead of being reduced to their last row."""
+    register_dilated_attention([4, 8], [1, 2], name="dilated_test_4d", impl="torch")
+    model = _llama_seeded("dilated_test_4d", seed)
+    pads = [0, 3]
+    idx, mask = _left_padded(2, 11, pads)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    keep = mask.bool()
+    causal = torch.ones(11, 11, dtype=torch.bool).tril()
+    allowed = (keep[:, None, :] & causal[None])[:, None]  # (B, 1, N, N)
+
+    def as_mask(a):
+        if dtype == torch.bool:
+            return a
+        return torch.zeros(a.shape, dtype=dtype).masked_fill(~a, torch.finfo(dtype).min)
+
+    with torch.no_grad():
+        want = model(idx, attention_mask=mask, position_ids=pos).logits
+        got = model(idx, attention_mask=as_mask(allowed), position_ids=pos).logits
+        for row, p in enumerate(pads):
+            torch.testing.assert_close(got[row, p:], want[row, p:], rtol=1e-9, atol=1e-9)
+        prefix = allowed.clone()
+        prefix[:, :, 3:6, 3:6] = keep[:, None, None, 3:6]  # a bidirectional prefix in row 0
+        window = allowed & torch.ones(11, 11, dtype=torch.bool).triu(-3)  # a window of 4
+        for bad in (prefix, window):
+            with pytest.raises(ValueError, match="4-D attention_mask is not a causal mask"):
+                model(idx, attention_mask=as_mask(bad), position_ids=pos)
+        heads = allowed.expand(2, 4, 11, 11).clone()
+        heads[:, 1] = window[:, 0]
+        with pytest.raises(ValueError, match="differs between heads"):
+            model(idx, attention_mask=as_mask(heads), position_ids=pos)

@@ -21,7 +21,8 @@ Which keys a call sees (the rule, tested against ``sdpa`` in tests/test_hf.py):
   (left padding, as ``generate`` pads, or right padding); the row is then the document of its
   real tokens, so a left-padded row's segments start at its first real token. Query rows that
   are padding get zeros. A mask with padding between real tokens raises. A 4-D mask (older
-  versions) is reduced to the keys its last query row keeps.
+  versions, or one handed to the model as is) is reduced to the keys its last query row keeps,
+  after checking that every real query row keeps exactly those (causally, for a causal module).
 - **Packing.** ``cu_seq_lens_q``/``cu_seq_lens_k`` with ``max_length_q``/``max_length_k``
   (flash-attention keyword arguments, e.g. ``DataCollatorWithFlattening(return_flash_attn_kwargs=
   True)``) give the documents of the flattened batch; without them, when the queries fill the
@@ -42,8 +43,11 @@ beyond q, k, v and the padding mask raises a ``ValueError`` rather than being dr
 chunked windows (passed as an argument, or held only by the model's mask: a ``sliding_attention``
 / ``chunked_attention`` layer type, ``module.sliding_window``, a config window), softcapping,
 attention sinks (``s_aux`` / ``sinks``: GPT-OSS), a relative position bias (``position_bias``:
-T5), any other tensor argument, and a value head size other than the query's (multi-head latent
-attention). One dense branch equals the family's own sdpa attention in tests/test_hf.py for
+T5), any other tensor argument, a value head size other than the query's (multi-head latent
+attention), a model mask under which some tokens attend later ones and others not (PaliGemma's
+bidirectional prefix with ``token_type_ids``, Gemma 3's image blocks: refused by
+:func:`padding_mask`, the mask function registered beside the attention), and a 4-D mask other
+than causal (or bidirectional) with padding. One dense branch equals the family's own sdpa attention in tests/test_hf.py for
 Llama, Qwen3, Mistral, Gemma, Phi3 and GPT-NeoX (a one-off probe of 2026-11-30 also found Qwen2,
 Gemma2/3, Phi, Granite, Cohere2, OLMo2, Starcoder2, StableLM, SmolLM3, Qwen2-MoE, PhiMoE and
 Llama 4 exact with full-attention layers).
@@ -66,17 +70,20 @@ from ..varlen import dilated_attention_varlen
 _NAME = "dilated attention (transformers)"
 
 
-def _keep_mask(attention_mask: torch.Tensor | None, nk: int) -> torch.Tensor | None:
+def _keep_mask(attention_mask: torch.Tensor | None, nk: int, causal: bool = True) -> torch.Tensor | None:
     """transformers' mask -> (B, filled slots) bool, True = real token (or None: no padding)."""
     if attention_mask is None:
         return None
     m = attention_mask
     if m.dim() == 4:  # (B, 1 or H, Nq, Nk): the last query row sees every non-padding key
-        m = m[:, 0, -1, :]
-        keep = m if m.dtype == torch.bool else m == 0
+        allowed = m if m.dtype == torch.bool else m == 0
+        keep = allowed[:, 0, -1, :]
         # a static cache's 4-D mask also hides the unfilled slots: they end the row
         filled = int(keep.any(0).nonzero().max()) + 1 if bool(keep.any()) else keep.shape[1]
         keep = keep[:, :filled]
+        why = _mask_4d_problem(allowed, keep, causal)
+        if why is not None:
+            raise ValueError(f"{_NAME}: {why}")
     elif m.dim() == 2:
         keep = m.bool()
     else:
@@ -84,6 +91,95 @@ def _keep_mask(attention_mask: torch.Tensor | None, nk: int) -> torch.Tensor | N
     if keep.shape[1] > nk:  # older versions: a mask longer than the keys (slice from the right)
         keep = keep[:, -nk:]
     return keep
+
+
+def _mask_4d_problem(allowed: torch.Tensor, keep: torch.Tensor, causal: bool) -> str | None:
+    """Why a 4-D mask (B, 1 or H, Nq, Nk) bool, True = attend, is more than this function reads
+    from it (None: it is not): the keys ``keep`` (B, filled) of its last row, causal or not, for
+    every real query row (the queries are the last ``Nq`` filled slots; rows of padding queries
+    are not compared: transformers may unmask them). A mask that differs, per head, in a window, a
+    bidirectional prefix or block, or any custom pattern, would be dropped: an O(B H Nq Nk)
+    comparison, the size of the mask itself."""
+    b, h, nq, nk = allowed.shape
+    filled = keep.shape[1]
+    if filled < nq:
+        return None  # _row_documents names this
+    if h > 1 and not bool((allowed == allowed[:, :1]).all()):
+        return "the 4-D attention_mask differs between heads; dilated attention takes one mask for every head"
+    slots = torch.arange(filled - nq, filled, device=allowed.device)
+    want = keep[:, None, :].expand(b, nq, filled)
+    if causal:
+        want = want & (torch.arange(filled, device=allowed.device)[None, :] <= slots[:, None])
+    real = keep[:, filled - nq:]  # (B, Nq): query rows that are tokens
+    got = allowed[:, 0]
+    bad = ((got[:, :, :filled] != want).any(-1) | got[:, :, filled:].any(-1)) & real
+    if bool(bad.any()):
+        bi, qi = (int(x) for x in bad.nonzero()[0])
+        kind = "causal" if causal else "bidirectional"
+        return (f"the 4-D attention_mask is not a {kind} mask with padding (batch {bi}, query row {qi} "
+                "attends other keys: a window, a bidirectional prefix or block, or a custom pattern); "
+                "dilated attention would drop it. Pass a 2-D padding mask, or position_ids / "
+                "cu_seq_lens for packed documents")  # fmt: skip
+    return None
+
+
+def _mask_function_problem(batch_size: int, q_pos: torch.Tensor, kv_length: int, kv_offset,
+                           mask_function) -> str | None:  # fmt: skip
+    """Why the model's mask function (``transformers.masking_utils``: causal or bidirectional, and
+    the model's overlays) is more than this function computes (None: it is not): some query rows
+    attend the next position and others do not (a bidirectional prefix as PaliGemma's
+    ``token_type_ids``, bidirectional image blocks as Gemma 3's). ``q_pos``: the queries'
+    positions. Evaluated on the superdiagonal only (B x Nq pairs): a bidirectional block of two
+    or more tokens sets it, a causal mask never does, a bidirectional one everywhere."""
+    k0 = int(kv_offset)
+    q = q_pos[(q_pos + 1 >= k0) & (q_pos + 1 < k0 + kv_length)]
+    if q.numel() == 0:  # (a decode step: no later key)
+        return None
+    device = q.device
+    bi = torch.arange(batch_size, device=device)
+    hi = torch.zeros((), dtype=torch.long, device=device)
+    try:
+        later = torch.as_tensor(mask_function(bi[:, None], hi, q[None, :], q[None, :] + 1), device=device)
+        later = torch.broadcast_to(later, (batch_size, q.numel()))
+    except Exception:  # noqa: BLE001 - not index-broadcastable: as transformers, by vmap
+        one = torch.vmap(lambda b_, q_: torch.as_tensor(mask_function(b_, hi, q_, q_ + 1)), in_dims=(None, 0))
+        later = torch.vmap(one, in_dims=(0, None))(bi, q)
+    later = later.bool()
+    if bool(later.any()) and not bool(later.all()):
+        return ("the model's mask lets some tokens attend later ones and not others (a bidirectional "
+                "prefix or blocks: PaliGemma's token_type_ids, Gemma 3's image tokens); dilated "
+                "attention is causal or bidirectional over a whole sequence, and would drop it")  # fmt: skip
+    return None
+
+
+def padding_mask(*args, **kwargs):
+    """The mask function :func:`register_dilated_attention` registers in transformers'
+    ``AttentionMaskInterface``: flash-attention's 2-D padding mask (``masking_utils.
+    flash_attention_mask``, called with the same arguments: None without padding), after refusing
+    a model mask that this function would drop (:func:`_mask_function_problem`). transformers
+    passes keywords: the queries as ``q_length`` / ``q_offset`` (5.x) or ``cache_position``
+    (4.53-4.57)."""
+    from transformers.masking_utils import flash_attention_mask
+
+    fn = kwargs.get("mask_function")
+    cache_position = kwargs.get("cache_position")
+    nq = cache_position.numel() if cache_position is not None else int(kwargs.get("q_length", 0))
+    # one query row (a decode step) has no later token to attend: nothing to check, no sync
+    if fn is not None and not args and nq > 1:
+        if cache_position is not None:
+            q_pos = cache_position.reshape(-1)
+        else:
+            dev = kwargs.get("device")
+            if dev is None:
+                am = kwargs.get("attention_mask")
+                dev = am.device if isinstance(am, torch.Tensor) else "cpu"
+            q0 = int(kwargs.get("q_offset", 0))
+            q_pos = torch.arange(q0, q0 + int(kwargs["q_length"]), device=dev)
+        why = _mask_function_problem(int(kwargs["batch_size"]), q_pos, int(kwargs["kv_length"]),
+                                     kwargs.get("kv_offset", 0), fn)  # fmt: skip
+        if why is not None:
+            raise ValueError(f"{_NAME}: {why}")
+    return flash_attention_mask(*args, **kwargs)
 
 
 def _row_documents(keep, position_ids, b: int, nq: int, nk: int):
@@ -276,7 +372,7 @@ def make_attention_function(
                 cu_q, cu_k, max_q, max_k, seg, dil, **kw,
             )  # fmt: skip
             return out.view(b, nq, h, d), None
-        keep = _keep_mask(attention_mask, k.shape[1])
+        keep = _keep_mask(attention_mask, k.shape[1], bool(causal))
         filled, docs = _row_documents(keep, kwargs.get("position_ids"), b, nq, k.shape[1])
         if docs is None:  # every row is one document [0, filled): the plain (or decode) path
             out = dilated_attention(q, k[:, :filled], v[:, :filled], seg, dil, **kw)
@@ -318,9 +414,9 @@ def register_dilated_attention(
     AttentionInterface.register(name, fn)
     try:  # transformers >= 4.53 builds masks per implementation: ask for a 2-D padding mask
         from transformers import AttentionMaskInterface
-        from transformers.masking_utils import flash_attention_mask
+        from transformers.masking_utils import flash_attention_mask  # noqa: F401 (padding_mask's)
 
-        AttentionMaskInterface.register(name, flash_attention_mask)
+        AttentionMaskInterface.register(name, padding_mask)
     except ImportError:
         pass
     return fn
