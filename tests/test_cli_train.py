@@ -129,6 +129,7 @@ def test_resume_errors_exit_2_with_one_line(tmp_path, capsys):
     capsys.readouterr()
     for extra, want in ((["--attention", "dense"], "was written with other model or data settings"),
                         (["--batch-size", "8"], "batch_size 4 -> 8"),
+                        (["--seed", "7"], "seed 0 -> 7"),
                         ([], "cannot read the checkpoint")):  # fmt: skip
         if not extra:
             (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")

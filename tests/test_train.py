@@ -102,6 +102,11 @@ def test_resume_is_exact(tmp_path):
     logs = [[json.loads(line) for line in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in "ab"]
     assert [r["step"] for r in logs[1]] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in logs[1]] == [r["loss"] for r in logs[0]]
+    # time_s goes on from the checkpoint's last step (it restarted at 0 after a resume)
+    times = [r["time_s"] for r in logs[1]]
+    assert times == sorted(times) and times[3] > times[2] > 0, times
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["train_time_s"] >= times[-1]
     a = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
     assert a["step"] == b["step"] == 6

@@ -179,7 +179,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--save-every", type=nonnegative_int, default=0, help="checkpoint period (0: eval points and end)"
     )
     p.add_argument("--out-dir", default="runs/train", help="where logs, checkpoint and plot go")
-    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT_DIR/ckpt.pt (with the model, data and --seed settings it was written with)")
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -472,12 +473,13 @@ def evaluate(model, data, s: dict, seed: int, device, autocast, group=None) -> d
     return out
 
 
-def _save(path: str, model, opt, step: int, cfg: LongNetConfig, s: dict, history: list) -> None:
+def _save(path: str, model, opt, step: int, cfg: LongNetConfig, s: dict, history: list,
+          seed: int | None = None) -> None:  # fmt: skip
     tmp = path + ".tmp"
     torch.save({
         "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
         "config": dataclasses.asdict(cfg), "settings": s, "history": history,
-        "rng": torch.get_rng_state(),
+        "rng": torch.get_rng_state(), "seed": seed,
     }, tmp)  # fmt: skip
     os.replace(tmp, path)  # never leave a half-written checkpoint
 
@@ -611,6 +613,8 @@ def _train(args, s: dict, device: torch.device, group, rank: int, world: int) ->
     run = _Run(args, s, device, group, rank, world)
     _setup(run)
     t0 = time.perf_counter()
+    # time_s: training time since the run started, across resumes (the time stopped not counted)
+    t_before = float(run.history[-1].get("time_s", 0.0)) if run.history else 0.0
     log = None
     if run.main_rank:
         # rewritten from the checkpoint's history (not appended to): steps logged after the
@@ -624,7 +628,7 @@ def _train(args, s: dict, device: torch.device, group, rank: int, world: int) ->
     try:
         for step in range(run.start, s["steps"]):
             rec = _train_step(run, step)
-            rec["time_s"] = time.perf_counter() - t0
+            rec["time_s"] = t_before + time.perf_counter() - t0
             done = step + 1
             if done % s["eval_every"] == 0 or done == s["steps"]:
                 _eval_step(run, rec, bar)
@@ -645,7 +649,7 @@ def _train(args, s: dict, device: torch.device, group, rank: int, world: int) ->
 
         dist.barrier(group=group)  # every rank finished its steps (rank 0 wrote the checkpoint)
     if run.main_rank:
-        _write_summary(run, time.perf_counter() - t0)
+        _write_summary(run, t_before + time.perf_counter() - t0)
     return 0
 
 
@@ -737,6 +741,8 @@ def _resume(run: _Run) -> None:
              if saved_cfg.get(k) != cfg.get(k)]  # fmt: skip
     diffs += [f"{k} {saved_s[k]!r} -> {run.s.get(k)!r}" for k in _RESUME_SETTINGS
               if k in saved_s and saved_s[k] != run.s.get(k)]  # fmt: skip
+    if ck.get("seed") is not None and ck["seed"] != run.args.seed:  # the batches of every step
+        diffs.append(f"seed {ck['seed']!r} -> {run.args.seed!r}")
     if diffs:
         raise ResumeError(
             f"--resume: {run.ckpt_path} was written with other model or data settings "
@@ -816,7 +822,7 @@ def _log_step(run: _Run, rec: dict, log) -> None:
 
 def _checkpoint(run: _Run, done: int) -> None:
     if run.main_rank:
-        _save(run.ckpt_path, run.model, run.opt, done, run.cfg, run.s, run.history)
+        _save(run.ckpt_path, run.model, run.opt, done, run.cfg, run.s, run.history, run.args.seed)
 
 
 def _write_summary(run: _Run, train_time_s: float) -> None:
