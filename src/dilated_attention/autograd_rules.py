@@ -44,11 +44,14 @@ def zero_features(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The autocast dtype active for ``device_type`` in this thread, or None when autocast is off."""
+    """The autocast dtype active for ``device_type`` in this thread, or None when autocast is off
+    (also for a device type autocast does not know, e.g. ``meta``)."""
     try:
         if not torch.is_autocast_enabled(device_type):
             return None
         return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # "unknown device type for autocast" (meta): no autocast there
+        return None
     except (TypeError, AttributeError):  # torch without the device_type form of these functions
         if device_type == "cpu":
             return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None

@@ -18,9 +18,9 @@ cuts the curve wherever it leaves the grid, so on e.g. 37x53 many consecutive to
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .plan_cache import cached_plan
 
 __all__ = ["hilbert_permutation", "hilbert_attention", "permute_sequence"]
 
@@ -30,8 +30,13 @@ __all__ = ["hilbert_permutation", "hilbert_attention", "permute_sequence"]
 # --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=32)
 def _hilbert_cpu(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_hilbert_build`, kept in :mod:`.plan_cache` (which keeps no tensor made under a fake
+    or tracing mode: a ``torch.export`` of an encoder must not leave fake permutations behind)."""
+    return cached_plan((__name__, "hilbert", height, width), lambda: _hilbert_build(height, width))
+
+
+def _hilbert_build(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(perm, inv) on the CPU; perm[t] = row-major index (y * width + x) of the t-th curve cell.
 
     The gilbert recursion, run breadth first: every live rectangle is one row of the int64 state
@@ -124,10 +129,12 @@ def _hilbert_cpu(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return perm, inv
 
 
-@functools.lru_cache(maxsize=64)
 def _hilbert_on(height: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    perm, inv = _hilbert_cpu(height, width)
-    return perm.to(device), inv.to(device)
+    def build():
+        perm, inv = _hilbert_cpu(height, width)
+        return perm.to(device), inv.to(device)
+
+    return cached_plan((__name__, "hilbert", height, width, str(device)), build)
 
 
 def hilbert_permutation(height: int, width: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,8 +200,13 @@ class _PermuteFunction(torch.autograd.Function):
         return _PermuteFunction.apply(g, inv, perm, ctx.dim), None, None, None
 
 
-@functools.lru_cache(maxsize=64)
 def _exchange_plan(height: int, width: int, world: int, rank: int, forward: bool):
+    """:func:`_exchange_plan_build`, kept in :mod:`.plan_cache`."""
+    return cached_plan((__name__, "exchange", height, width, world, rank, forward),
+                       lambda: _exchange_plan_build(height, width, world, rank, forward))  # fmt: skip
+
+
+def _exchange_plan_build(height: int, width: int, world: int, rank: int, forward: bool):
     """Index plan for the all-to-all that turns contiguous shards of x into shards of x[perm].
 
     Globally ``y[t] = x[src[t]]`` with ``src = perm`` (forward) or ``inv`` (restore); ``dst`` is
@@ -220,11 +232,14 @@ def _exchange_plan(height: int, width: int, world: int, rank: int, forward: bool
     return send_idx, unsort, send_splits, recv_splits
 
 
-@functools.lru_cache(maxsize=64)
 def _exchange_plan_on(height, width, world, rank, forward, device):
     """:func:`_exchange_plan` with the index tensors on ``device`` (no copy per call)."""
-    send_idx, unsort, send_splits, recv_splits = _exchange_plan(height, width, world, rank, forward)
-    return send_idx.to(device), unsort.to(device), send_splits, recv_splits
+
+    def build():
+        send_idx, unsort, send_splits, recv_splits = _exchange_plan(height, width, world, rank, forward)
+        return send_idx.to(device), unsort.to(device), send_splits, recv_splits
+
+    return cached_plan((__name__, "exchange", height, width, world, rank, forward, str(device)), build)
 
 
 def _exchange(x: torch.Tensor, grid, group, forward: bool) -> torch.Tensor:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
+import torch
+
 MAX_PLANS = 512
 
 _T = TypeVar("_T")
@@ -24,14 +26,56 @@ def cached_plan(key: Hashable, build: Callable[[], _T]) -> _T:
 
     ``key`` must hold everything the plan depends on, including the device and the name of the
     building module (so that keys of different plan kinds never collide).
+
+    Under a fake-tensor or tracing mode (``torch.export``, ``FakeTensorMode``, ``make_fx``, shape
+    inference tools) a plan built in the mode would hold fake index tensors, and every later real
+    call of that shape would read them: wrong results or a crash (2026-11-30). There the plan is
+    built with the modes set aside (real tensors: what an eager call builds) and stored; the call
+    gets it where its mode takes real tensors (``torch.export``'s does), else a copy built in the
+    mode for this call only (also on a hit). A plan that cannot be built outside the mode (a fake
+    device this process does not have) is built in the mode and never stored.
     """
     plan = _plans.get(key)
-    if plan is None:
+    fake = _get_mode(_FAKE) if _FAKE is not None else None
+    if plan is not None:
+        if fake is not None and not fake.allow_non_fake_inputs:
+            return _in_mode(build, plan, fake)  # a FakeTensorMode that refuses real tensors
+        return plan
+    tracing = fake is not None or (_PROXY is not None and _get_mode(_PROXY) is not None)
+    if not tracing:
         plan = build()
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+    else:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        try:
+            with _disable_current_modes():
+                plan = build()
+        except Exception:  # noqa: BLE001 - e.g. a fake CUDA device on a machine without one
+            return build()
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+    if fake is not None and not fake.allow_non_fake_inputs:
+        return _in_mode(build, plan, fake)
     return plan
+
+
+def _in_mode(build, plan, fake):
+    """This call's copy of ``plan`` under ``fake`` (a FakeTensorMode that refuses real tensors):
+    built in the mode, or where that build needs data (a Hilbert curve's), the real plan's
+    tensors made fake (``fake.from_tensor``; plans of tuples and lists)."""
+    try:
+        return build()
+    except Exception:  # noqa: BLE001 - a data-dependent build (DataDependentOutputException)
+        from torch.utils._pytree import tree_map
+
+        return tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, plan)
+
+
+# the dispatch-mode slots of a fake-tensor mode and of a proxy-tracing (make_fx / export) mode
+_get_mode = torch._C._get_dispatch_mode
+_FAKE = getattr(torch._C._TorchDispatchModeKey, "FAKE", None)
+_PROXY = getattr(torch._C._TorchDispatchModeKey, "PROXY", None)
 
 
 def clear_plans() -> None:
