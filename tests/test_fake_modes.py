@@ -115,3 +115,19 @@ def test_meta_device_shapes_and_device_errors(impl):
     assert out.shape == q.shape and out.device.type == "meta"
     with pytest.raises(ValueError, match="must be on one device"):
         dilated_attention(q, torch.randn(2, 20, 4, 8), torch.randn(2, 20, 4, 8), [4, 8], [1, 2], impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch"])
+def test_default_device_does_not_reach_the_plans(impl):
+    # torch.set_default_device("meta") with CPU inputs: the plan builders' index arithmetic ran
+    # on meta ("Cannot copy out of meta tensor")
+    plan_cache.clear_plans()
+    q, k, v = _qkv(301, seed=3)
+    want = dilated_attention(q, k, v, SEG, DIL, causal=True, impl="reference")
+    plan_cache.clear_plans()
+    torch.set_default_device("meta")
+    try:
+        got = dilated_attention(q, k, v, SEG, DIL, causal=True, impl=impl)
+    finally:
+        torch.set_default_device(None)
+    torch.testing.assert_close(got, want)

@@ -43,15 +43,15 @@ def cached_plan(key: Hashable, build: Callable[[], _T]) -> _T:
         return plan
     tracing = fake is not None or (_PROXY is not None and _get_mode(_PROXY) is not None)
     if not tracing:
-        plan = build()
+        plan = _build(build)
     else:
         from torch.utils._python_dispatch import _disable_current_modes
 
         try:
             with _disable_current_modes():
-                plan = build()
+                plan = _build(build)
         except Exception:  # noqa: BLE001 - e.g. a fake CUDA device on a machine without one
-            return build()
+            return _build(build)
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
@@ -60,12 +60,20 @@ def cached_plan(key: Hashable, build: Callable[[], _T]) -> _T:
     return plan
 
 
+def _build(build):
+    """``build()`` with the CPU as the default device: builders name the device of what they
+    keep, and their index arithmetic must not follow ``torch.set_default_device`` (meta: "Cannot
+    copy out of meta tensor"; a GPU: index math on it for a CPU call)."""
+    with torch.device("cpu"):
+        return build()
+
+
 def _in_mode(build, plan, fake):
     """This call's copy of ``plan`` under ``fake`` (a FakeTensorMode that refuses real tensors):
     built in the mode, or where that build needs data (a Hilbert curve's), the real plan's
     tensors made fake (``fake.from_tensor``; plans of tuples and lists)."""
     try:
-        return build()
+        return _build(build)
     except Exception:  # noqa: BLE001 - a data-dependent build (DataDependentOutputException)
         from torch.utils._pytree import tree_map
 
