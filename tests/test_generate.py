@@ -124,3 +124,37 @@ def test_cuda_generate_graph_equals_eager(seed, decode):
     ref, rl = _manual_greedy(m, prompt, 70)
     for a, b in zip(lg, rl, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_sample_top_k_keeps_exactly_k_tokens(seed):
+    # (a mutation keeping k + 1 tokens went unnoticed: 2026-11-30 audit)
+    logits = torch.randn(64, 20, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    top3 = logits.topk(3).indices
+    for _ in range(20):
+        assert torch.equal(longnet._sample(logits, 1.0, 1, g), logits.argmax(-1, keepdim=True))
+        assert (longnet._sample(logits, 5.0, 3, g) == top3).any(-1).all()
+
+
+def test_sample_weights_are_softmax_of_logits_over_temperature(monkeypatch):
+    seen = []
+    real = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda p, num_samples, generator=None: seen.append(p)
+                        or real(p, num_samples, generator=generator))  # fmt: skip
+    logits = torch.tensor([[0.0, -1.0, -3.0], [2.0, 2.5, -1.0]])
+    longnet._sample(logits, 0.5, None)
+    torch.testing.assert_close(seen[0], torch.softmax(logits.double() / 0.5, -1))
+    longnet._sample(logits, 2.0, 2)
+    want = torch.softmax(torch.tensor([[0.0, -1.0, float("-inf")], [2.0, 2.5, float("-inf")]], dtype=torch.float64) / 2.0, -1)
+    torch.testing.assert_close(seen[1], want)
+
+
+def test_rolling_cache_with_prefill_chunks_over_64_rows(seed):
+    # below 64-row chunks the decode rows' spare room hid a capacity one slot short (audit M06):
+    # chunks of 65 with w (4, 8), a chunk starting 7 past a multiple of lcm(w) = 8
+    m = _model(n_layer=1, segment_lengths=(4, 8), dilation_rates=(1, 2))
+    assert m.rolling_capacity(65) == 8 - 1 + 65
+    prompt = torch.randint(0, 50, (1, 65 * 8 + 5))
+    full = m.generate(prompt, 3, temperature=0.0, prefill_chunk=65)
+    roll = m.generate(prompt, 3, temperature=0.0, prefill_chunk=65, rolling=True)
+    assert torch.equal(roll, full)

@@ -451,3 +451,42 @@ def test_4d_mask_causal_with_padding_is_read_and_others_are_refused(dtype, seed)
         heads[:, 1] = window[:, 0]
         with pytest.raises(ValueError, match="differs between heads"):
             model(idx, attention_mask=as_mask(heads), position_ids=pos)
+
+
+def _hf_qkv(nq=8, nk=8):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, nq, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, nk, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    return q, k, v
+
+
+def test_module_without_is_causal_attends_causally():
+    # a decoder module with no is_causal attribute and no is_causal argument: causal (audit H06)
+    from dilated_attention import dilated_attention
+    from dilated_attention.integrations.hf import make_attention_function
+
+    fn = make_attention_function([4, 8], [1, 2], impl="torch")
+    q, k, v = _hf_qkv()
+    got, _ = fn(torch.nn.Module().eval(), q, k, v, None)
+    want = dilated_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), [4, 8], [1, 2],
+                             causal=True, impl="reference")  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_left_padded_decode_step_with_an_all_padding_row_gives_zeros():
+    # one row all padding in a left-padded decode step: zeros there (audit H07: it attended
+    # over the padding), the other row as the row alone
+    from dilated_attention.integrations.hf import make_attention_function
+
+    fn = make_attention_function([4, 8], [1, 2], impl="torch")
+    q, k, v = _hf_qkv(nq=1)
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[0, :2] = False
+    keep[1, :] = False
+    m = torch.nn.Module().eval()
+    m.is_causal = True
+    with torch.no_grad():
+        out, _ = fn(m, q, k, v, keep)
+        alone, _ = fn(m, q[:1], k[:1, :, 2:], v[:1, :, 2:], None)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[:1], alone, rtol=1e-12, atol=1e-12)

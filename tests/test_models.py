@@ -312,3 +312,49 @@ def test_parallelize_sets_groups_without_dist():
     assert all(layer.attn.attention.process_group is sentinel for layer in m.layers)
     parallelize(m, None)
     assert m.sp_group is None
+
+
+def test_xpos_score_depends_on_the_distance_only(seed):
+    # xPos scales q by zeta^(p / s) and k by zeta^(-p / s): q_i . k_j is a function of i - j
+    # (a mutation dropping k's sign went unnoticed: the other tests compare cached and uncached runs)
+    rot = Rotary(16, xpos=True, scale_base=64.0).double()
+    q, k = (torch.randn(1, 1, 1, 16, dtype=torch.float64) for _ in range(2))
+
+    def score(i, j):
+        qi, kj = rot(q, k, torch.tensor([i]), torch.tensor([j]))
+        return (qi * kj).sum()
+
+    torch.testing.assert_close(score(10, 3), score(110, 103), rtol=1e-9, atol=0)
+    torch.testing.assert_close(score(3, 3), score(500, 500), rtol=1e-9, atol=0)
+    assert abs(score(40, 3) - score(10, 3)) > 1e-6  # it does depend on the distance
+
+
+def _sp_subgroup_worker(rank: int, world: int, result_dir: str) -> None:
+    # two strided sequence-parallel groups {0, 2} and {1, 3} (the sp dimension of a (sp, dp)
+    # mesh): positions must come from the rank in the group, not the global rank
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(0)
+    model = LongNetLM(_sp_cfg()).double().eval()
+    idx = torch.randint(0, 40, (2, 32), generator=torch.Generator().manual_seed(1))
+    parallelize(model, groups[rank % 2])
+    gr = rank // 2
+    with torch.no_grad():
+        logits, _ = model(idx[:, gr * 16:(gr + 1) * 16])
+    torch.save(logits, os.path.join(result_dir, f"rank{rank}.pt"))
+
+
+def test_parallelize_on_strided_subgroups_matches_single_process():
+    if not _sp_available():
+        pytest.skip("sequence-parallel backend not available")
+    torch.manual_seed(0)
+    model = LongNetLM(_sp_cfg()).double().eval()
+    idx = torch.randint(0, 40, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, _ = model(idx)
+    with tempfile.TemporaryDirectory() as d:
+        run_distributed(_sp_subgroup_worker, 4, d)
+        got = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(4)]
+    for a, b in ((0, 2), (1, 3)):
+        torch.testing.assert_close(torch.cat([got[a], got[b]], 1), want)
