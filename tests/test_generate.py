@@ -158,3 +158,20 @@ def test_rolling_cache_with_prefill_chunks_over_64_rows(seed):
     full = m.generate(prompt, 3, temperature=0.0, prefill_chunk=65)
     roll = m.generate(prompt, 3, temperature=0.0, prefill_chunk=65, rolling=True)
     assert torch.equal(roll, full)
+
+
+def test_generate_under_cpu_autocast(seed):
+    # the cache was allocated in the parameters' dtype while autocast's projections gave bf16:
+    # generate (and any cached forward) raised in the cache write. Now the cache takes the
+    # autocast dtype; the first step's logits are the float32 ones to bf16 rounding
+    m = _model(dtype=torch.float32)
+    prompt = torch.randint(0, 50, (2, 11))
+    _, ref = m.generate(prompt, 1, temperature=0.0, return_logits=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m.setup_cache(2, 16)
+        assert m.layers[0].attn.kv_cache.k.dtype == torch.bfloat16
+        m.clear_cache()
+        out, got = m.generate(prompt, 4, temperature=0.0, return_logits=True)
+    assert out.shape == (2, 15)
+    scale = ref[0].abs().max().item()
+    assert (got[0].float() - ref[0].float()).abs().max().item() <= 0.05 * scale

@@ -358,3 +358,18 @@ def test_parallelize_on_strided_subgroups_matches_single_process():
         got = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(4)]
     for a, b in ((0, 2), (1, 3)):
         torch.testing.assert_close(torch.cat([got[a], got[b]], 1), want)
+
+
+def test_func_grad_through_the_fused_loss(seed):
+    # torch.func.grad over a default LongNetLM (fused loss): its autograd.Function has no
+    # setup_context for functorch, which raised; the loss now takes the checkpointed chunks there
+    from torch.func import functional_call, grad
+
+    m = LongNetLM(_cfg(fused_loss=True)).double()
+    idx = torch.randint(0, 50, (2, 37))
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    g = grad(lambda p: functional_call(m, p, (idx, idx))[1])(params)
+    m.zero_grad()
+    m(idx, idx)[1].backward()
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(g[k], p.grad, rtol=1e-10, atol=1e-12, msg=k)

@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..autograd_rules import _AUTOCAST_CASTS, autocast_dtype
+from ..call_cache import _transforms_active
 from ..decode import MAX_DECODE_ROWS
 from ..flags import _layernorm as _LAYERNORM_SWITCH
 from ..flags import fused_rotary_mode
@@ -658,7 +660,10 @@ class Attention(nn.Module):
 
         The concatenation is kept on the layer's KV cache and made again when a weight or bias
         changes (another tensor, storage or in-place version: an optimiser step,
-        ``load_state_dict``, ``.to()``); weights that are inference tensors (made under
+        ``load_state_dict``, ``.to()``, ``copy_`` under ``no_grad``). An in-place edit through
+        ``.data`` bumps no version and cannot be seen without reading the weights: a decode loop
+        that edits weights that way between steps of one cache calls ``setup_cache`` again
+        (``generate`` makes its cache per call). Weights that are inference tensors (made under
         ``torch.inference_mode``) have no version to key on and keep the three GEMMs. The values
         equal the three GEMMs' up to the GEMM's summation order (cuBLAS may pick another kernel
         for the wider output); every decode step (eager, CUDA graph) takes this path, so they
@@ -969,8 +974,10 @@ def chunked_cross_entropy(
     m = h.shape[0]
     step = chunk_rows or max(1, CE_CHUNK_ELEMENTS // weight.shape[0])
     grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    if fused and grad:
-        # under torch.compile: its custom op, with the ignored rows in (kept above)
+    if fused and grad and not _transforms_active():
+        # under torch.compile: its custom op, with the ignored rows in (kept above); not under
+        # functorch transforms (torch.func.grad, vmap): its autograd.Function has no
+        # setup_context for them, the checkpointed chunks below take the same values
         total = linear_cross_entropy_sum(h, weight, t, ignore_index=ignore_index, chunk_rows=step)
     elif m <= step:
         total = _ce_sum(h, weight, t, ignore_index)  # one chunk: nothing to gain from recomputation
@@ -1144,11 +1151,17 @@ class LongNetLM(_Trunk):
         Position p is stored in slot ``p % capacity``: a capacity at least the sequence length
         keeps every position (segments are aligned to absolute positions, so a key far back can
         still share a segment with a new query); see :meth:`rolling_capacity` for a bounded one.
+        The cache holds the parameters' dtype, or under autocast (for the parameters' device,
+        float32 parameters) the autocast dtype, which the projections then produce: call it in
+        the autocast context of the steps (``generate`` does).
         """
         p = self.tok_emb.weight
+        dtype = p.dtype
+        if dtype in _AUTOCAST_CASTS:
+            dtype = autocast_dtype(p.device.type) or dtype
         for layer in self.layers:
             a = layer.attn
-            a.kv_cache = KVCache(batch, capacity, a.n_kv_head, a.head_dim, p.dtype, p.device)
+            a.kv_cache = KVCache(batch, capacity, a.n_kv_head, a.head_dim, dtype, p.device)
 
     def clear_cache(self) -> None:
         for layer in self.layers:
