@@ -39,9 +39,12 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "at
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name}: {n} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
+        # the KV-cache entry takes no autocast (a cast of the whole cache per step): cast there
+        hint = ("; keep the cache in q's dtype (LongNetLM.setup_cache under autocast does)"
+                if kn == "k_cache" else
+                " (or run under torch.autocast, which casts them to its dtype, see docs/autocast.md)")  # fmt: skip
         raise TypeError(
-            f"{name}: q, {kn}, {vn} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
-            "(or run under torch.autocast, which casts them to its dtype, see docs/autocast.md)"
+            f"{name}: q, {kn}, {vn} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them{hint}"
         )
     if not (q.device == k.device == v.device):
         raise ValueError(f"{name}: q, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
