@@ -92,3 +92,12 @@ def test_module_argument_errors():
     m = MultiheadDilatedAttention(32, 4, [8], [1])
     with pytest.raises(ValueError, match="batch_first"):
         m(torch.randn(16, 32), torch.randn(16, 32), torch.randn(16, 32))
+
+
+def test_value_head_dim_must_match_key():
+    # k and v of the same batch, length and heads but another head dim: the shape rule names them
+    q = k = torch.randn(1, 8, 2, 4)
+    v = torch.randn(1, 8, 2, 6)
+    for impl in ("reference", "torch"):
+        with pytest.raises(ValueError, match="k and v must have the same shape"):
+            dilated_attention(q, k, v, [4], [1], impl=impl)

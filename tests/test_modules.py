@@ -194,3 +194,70 @@ def test_forward_errors_are_clear(call, err, match):
     x = torch.randn(2, 19, 32, dtype=torch.float64)
     with pytest.raises(err, match=match):
         call(m, x)
+
+
+def _mha_spec(m, query, key, value, causal, seg=(8, 16), dil=(1, 2)):
+    """MultiheadDilatedAttention by hand around the independent spec loop (tests/spec_loop.py)."""
+    from spec_loop import spec
+
+    b, nq, e = query.shape
+    nk = key.shape[1]
+    q = m.q_proj(query).view(b, nq, m.num_heads, m.head_dim)
+    k = m.k_proj(key).view(b, nk, m.num_kv_heads, m.head_dim)
+    v = m.v_proj(value).view(b, nk, m.num_kv_heads, m.head_dim)
+    a, _ = spec(q.detach(), k.detach(), v.detach(), seg, dil, causal=causal)
+    a = a.reshape(b, nq, e)
+    return m.out_proj(torch.nn.functional.layer_norm(a, (e,), m.norm.weight, m.norm.bias, m.norm.eps))
+
+
+def test_multihead_cross_attention_distinct_key_and_value(seed):
+    m = MultiheadDilatedAttention(16, 2, [8, 16], [1, 2], dtype=torch.float64, impl="torch")
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    key, value = torch.randn(2, 20, 16, dtype=torch.float64), torch.randn(2, 20, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out, _ = m(x, key, value)
+        torch.testing.assert_close(out, _mha_spec(m, x, key, value, False))
+
+
+def test_causal_attn_mask_bottom_right_when_queries_shorter(seed):
+    m = MultiheadDilatedAttention(16, 2, [8, 16], [1, 2], dtype=torch.float64, impl="torch")
+    x, mem = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 20, 16, dtype=torch.float64)
+    nq, nk = 5, 20
+    bottom_right = torch.ones(nq, nk, dtype=torch.bool).triu(nk - nq + 1)  # masked: j > i, i = nk - nq + t
+    with torch.no_grad():
+        out, _ = m(x, mem, mem, attn_mask=bottom_right)
+        torch.testing.assert_close(out, m(x, mem, mem, is_causal=True)[0])
+        torch.testing.assert_close(out, _mha_spec(m, x, mem, mem, True))
+        with pytest.raises(ValueError, match="attn_mask"):
+            m(x, mem, mem, attn_mask=torch.ones(nq, nk, dtype=torch.bool).triu(1))  # top-left: another mask
+
+
+def test_layer_norm_eps_is_used(seed):
+    m = MultiheadDilatedAttention(16, 2, [8, 16], [1, 2], layer_norm_eps=0.5, dtype=torch.float64, impl="torch")
+    assert m.norm.eps == 0.5
+    x = torch.randn(2, 12, 16, dtype=torch.float64) * 0.1
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, x, x)[0], _mha_spec(m, x, x, x, False))
+
+
+def test_module_softmax_scale_is_used(seed):
+    from spec_loop import spec
+
+    q, k, v = (torch.randn(1, 20, 2, 8, dtype=torch.float64) for _ in range(3))
+    m = DilatedAttention([8, 16], [1, 2], softmax_scale=0.9, impl="torch")
+    want, _ = spec(q, k, v, (8, 16), (1, 2), causal=True, scale=0.9)
+    torch.testing.assert_close(m(q, k, v, is_causal=True), want)
+    # decode with several keys per query (a query at a segment's start sees one key: no scale)
+    kc, vc = (torch.randn(1, 40, 2, 8, dtype=torch.float64) for _ in range(2))
+    q1 = torch.randn(1, 1, 2, 8, dtype=torch.float64)
+    want1, _ = spec(q1, kc[:, :30], vc[:, :30], (8, 16), (1, 2), causal=True, scale=0.9)
+    torch.testing.assert_close(m.decode(q1, kc, vc, torch.tensor([30], dtype=torch.int32)), want1)
+
+
+def test_float_attn_mask_with_a_bias_is_rejected():
+    m = MultiheadDilatedAttention(16, 2, [8, 16], [1, 2], dtype=torch.float64, impl="torch")
+    x = torch.randn(2, 19, 16, dtype=torch.float64)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(19, dtype=torch.float64)
+    mask = mask + torch.tril(torch.full((19, 19), 0.5, dtype=torch.float64))  # a bias below the diagonal
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(x, x, x, attn_mask=mask)

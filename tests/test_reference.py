@@ -87,3 +87,48 @@ def test_rows_without_keys_are_zero_not_nan(seed):
         assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
         for t in (q, k, v):
             t.grad = None
+
+
+def test_split_head_ranges_first_groups_larger():
+    # docs/spec.md: the first H % B groups are one head larger; the reference and the torch path
+    # share branch_head_ranges, so only the independent loop (spec_loop) could see it otherwise
+    from spec_loop import spec
+
+    assert branch_head_ranges(4, 3, "split") == [(0, 2), (2, 3), (3, 4)]
+    assert branch_head_ranges(7, 3, "split") == [(0, 3), (3, 5), (5, 7)]
+    assert branch_head_ranges(2, 3, "split") == [(0, 1), (1, 2), (2, 2)]
+    q, k, v = (torch.randn(1, 12, 5, 4, dtype=torch.float64) for _ in range(3))
+    seg, dil = (4, 6, 12), (1, 2, 3)
+    want, _ = spec(q, k, v, seg, dil, ha="split")
+    for impl in ("reference", "torch"):
+        out = dilated_attention(q, k, v, seg, dil, head_assignment="split", impl=impl)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_reference_and_torch_equal_the_spec_loop(seed, case):
+    """out and lse of the reference and the torch path against tests/spec_loop.py on random tiny
+    calls: fewer queries than keys (bottom-right), key padding, a custom scale, GQA, split heads,
+    batch 2 (the older independent check, test_reference_equals_independent_eq10, has none of
+    these and no lse)."""
+    from spec_loop import spec
+
+    g = torch.Generator().manual_seed(seed + case)
+    nk = int(torch.randint(9, 26, (1,), generator=g))
+    nq = nk if case % 2 == 0 else int(torch.randint(1, nk + 1, (1,), generator=g))
+    h, hkv = [(4, 4), (6, 2), (4, 1)][case % 3]
+    seg, dil = [((4, 8, 16), (1, 2, 4)), ((6, 9), (2, 3)), ((5, 24), (1, 3))][case % 3]
+    ha = "split" if case in (1, 4) else "all"
+    causal = case % 2 == 1 or case == 4
+    scale = None if case < 3 else 0.7
+    q = torch.randn(2, nq, h, 4, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, nk, hkv, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    kpm = torch.rand(2, nk, generator=g) < 0.2 if case >= 2 else None
+    want, want_lse = spec(q, k, v, seg, dil, causal=causal, scale=scale, kpm=kpm, ha=ha)
+    for impl in ("reference", "torch"):
+        out, lse = dilated_attention(q, k, v, seg, dil, causal=causal, softmax_scale=scale, key_padding_mask=kpm,
+                                     head_assignment=ha, return_lse=True, impl=impl)  # fmt: skip
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10, msg=impl)
+        fin = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), fin), impl
+        torch.testing.assert_close(lse.double()[fin], want_lse[fin], rtol=1e-6, atol=1e-6, msg=impl)

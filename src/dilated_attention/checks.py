@@ -158,7 +158,11 @@ _BRANCHES: dict = {}
 
 def branch_lists(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``normalize_branches(segment_lengths, dilation_rates)``, computed once per distinct value
-    of lists (or tuples) of exact ints: the one branch check of every entry point."""
+    of lists (or tuples) of exact ints: the one branch check of every entry point. Not under
+    ``torch.compile``: Dynamo guarded on the cache's contents (empty at a process's first call),
+    so the second call of a compiled model recompiled; the lists are constants of the graph."""
+    if torch.compiler.is_compiling():
+        return normalize_branches(segment_lengths, dilation_rates)
     if type(segment_lengths) in (list, tuple) and type(dilation_rates) in (list, tuple):
         key = (tuple(segment_lengths), tuple(dilation_rates))
         hit = _BRANCHES.get(key)
