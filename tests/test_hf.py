@@ -490,3 +490,19 @@ def test_left_padded_decode_step_with_an_all_padding_row_gives_zeros():
         alone, _ = fn(m, q[:1], k[:1, :, 2:], v[:1, :, 2:], None)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     torch.testing.assert_close(out[:1], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_mask_function_check_falls_back_to_vmap():
+    # a mask function that cannot take broadcast index tensors (chained indexing) is evaluated
+    # per pair by vmap, as transformers does for such functions
+    from dilated_attention.integrations.hf import _mask_function_problem
+
+    blocks = torch.tensor([[0, 0, 1, 1, 2, 3], [5, 6, 7, 8, 9, 10]])
+
+    def same_block(b, h, qi, ki):
+        return (ki <= qi) | (blocks[b][qi] == blocks[b][ki])
+
+    with pytest.raises(IndexError):  # the broadcast form indeed fails
+        same_block(torch.arange(2)[:, None], 0, torch.arange(5)[None, :], torch.arange(1, 6)[None, :])
+    assert "later ones" in _mask_function_problem(2, torch.arange(6), 6, 0, same_block)
+    assert _mask_function_problem(1, torch.arange(6), 6, 0, lambda b, h, qi, ki: same_block(b + 1, h, qi, ki)) is None
