@@ -237,13 +237,17 @@ def test_triton_config_override_interpreter(seed):
     """A non-default config reaches the kernels (other block shapes, same results)."""
     q, k, v, do, _ = _inputs(1, 45, 45, 4, 2, 16, torch.float32, "cpu")
     seg, dil = [8, 16, 32], [1, 2, 4]
-    hr = branch_head_ranges(4, 3, "all")
-    common = (seg, dil, True, 0.25, hr)
+    common = (seg, dil, True, 0.25, branch_head_ranges(4, 3, "all"))
+    _same_results_with_config(q, k, v, do, common, dict(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(64, 16, 1, 1)))
+
+
+def _same_results_with_config(q, k, v, do, common, cfg):
+    """The launcher's forward and backward with ``config=cfg`` equal its defaults' (the
+    interpreter's own configs)."""
     out, lse = triton_launch.forward(q, k, v, None, *common)
     grads = triton_launch.backward(do, q, k, v, None, out, lse, *common)
-    cfg = dict(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(64, 16, 1, 1))
     out2, lse2 = triton_launch.forward(q, k, v, None, *common, config=cfg)
-    grads2 = triton_launch.backward(do, q, k, v, None, out, lse, *common, config=cfg)
+    grads2 = triton_launch.backward(do, q, k, v, None, out2, lse2, *common, config=cfg)
     torch.testing.assert_close(out2, out)
     torch.testing.assert_close(lse2, lse)
     for g2, g in zip(grads2, grads, strict=True):
@@ -294,15 +298,7 @@ def test_short_d64_configs_interpreter(seed, causal):
     q, k, v, do, _ = _inputs(1, 200, 200, 4, 2, 16, torch.float32, "cpu")
     seg, dil = [64, 128, 200], [1, 2, 2]
     common = (seg, dil, causal, 0.25, branch_head_ranges(4, 3, "all"))
-    out, lse = triton_launch.forward(q, k, v, None, *common)
-    grads = triton_launch.backward(do, q, k, v, None, out, lse, *common)
-    cfg = triton_launch.SHORT_D64_CONFIGS
-    out2, lse2 = triton_launch.forward(q, k, v, None, *common, config=cfg)
-    grads2 = triton_launch.backward(do, q, k, v, None, out2, lse2, *common, config=cfg)
-    torch.testing.assert_close(out2, out)
-    torch.testing.assert_close(lse2, lse)
-    for g2, g in zip(grads2, grads, strict=True):
-        torch.testing.assert_close(g2, g)
+    _same_results_with_config(q, k, v, do, common, triton_launch.SHORT_D64_CONFIGS)
 
 
 def test_unavailable_reason_says_why(monkeypatch):

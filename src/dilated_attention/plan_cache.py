@@ -37,26 +37,22 @@ def cached_plan(key: Hashable, build: Callable[[], _T]) -> _T:
     """
     plan = _plans.get(key)
     fake = _get_mode(_FAKE) if _FAKE is not None else None
-    if plan is not None:
-        if fake is not None and not fake.allow_non_fake_inputs:
-            return _in_mode(build, plan, fake)  # a FakeTensorMode that refuses real tensors
-        return plan
-    tracing = fake is not None or (_PROXY is not None and _get_mode(_PROXY) is not None)
-    if not tracing:
-        plan = _build(build)
-    else:
-        from torch.utils._python_dispatch import _disable_current_modes
+    if plan is None:
+        if fake is None and (_PROXY is None or _get_mode(_PROXY) is None):
+            plan = _build(build)
+        else:
+            from torch.utils._python_dispatch import _disable_current_modes
 
-        try:
-            with _disable_current_modes():
-                plan = _build(build)
-        except Exception:  # noqa: BLE001 - e.g. a fake CUDA device on a machine without one
-            return _build(build)
-    if len(_plans) >= MAX_PLANS:
-        _plans.clear()
-    _plans[key] = plan
+            try:
+                with _disable_current_modes():
+                    plan = _build(build)
+            except Exception:  # noqa: BLE001 - e.g. a fake CUDA device on a machine without one
+                return _build(build)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
     if fake is not None and not fake.allow_non_fake_inputs:
-        return _in_mode(build, plan, fake)
+        return _in_mode(build, plan, fake)  # a FakeTensorMode that refuses real tensors
     return plan
 
 

@@ -414,7 +414,7 @@ def register_dilated_attention(
     AttentionInterface.register(name, fn)
     try:  # transformers >= 4.53 builds masks per implementation: ask for a 2-D padding mask
         from transformers import AttentionMaskInterface
-        from transformers.masking_utils import flash_attention_mask  # noqa: F401 (padding_mask's)
+        from transformers.masking_utils import flash_attention_mask  # noqa: F401 - padding_mask calls it: check it exists
 
         AttentionMaskInterface.register(name, padding_mask)
     except ImportError:
